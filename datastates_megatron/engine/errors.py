@@ -1,0 +1,61 @@
+"""Exception hierarchy: one base class, specific subclasses that also inherit the matching builtin."""
+
+from __future__ import annotations
+
+__all__ = [
+    "CheckpointError",
+    "EngineClosedError",
+    "CacheTimeoutError",
+    "FlushError",
+    "CopyError",
+    "CorruptCheckpointError",
+    "FormatVersionError",
+    "NoCheckpointError",
+    "LayoutMismatchError",
+    "CommitError",
+    "EncodingError",
+]
+
+
+class CheckpointError(Exception):
+    """Base class of every error this package raises on purpose."""
+
+
+class EngineClosedError(CheckpointError, RuntimeError):
+    """The engine was used after ``close()``."""
+
+
+class CacheTimeoutError(CheckpointError, TimeoutError):
+    """Waiting for host-cache space, an in-flight slot or a peer took longer than the timeout."""
+
+
+class CopyError(CheckpointError):
+    """A device -> host snapshot copy failed."""
+
+
+class FlushError(CheckpointError, OSError):
+    """Writing or fsyncing a rank file failed (full disk, I/O error, unwritable directory)."""
+
+
+class CorruptCheckpointError(CheckpointError, ValueError):
+    """A checkpoint file is damaged: wrong magic, truncation, or a checksum mismatch."""
+
+
+class FormatVersionError(CorruptCheckpointError):
+    """A file or manifest uses a format version this reader does not know."""
+
+
+class NoCheckpointError(CheckpointError, FileNotFoundError):
+    """No committed checkpoint exists where one was asked for."""
+
+
+class LayoutMismatchError(CheckpointError, ValueError):
+    """The checkpoint was written by a different world (size, parallel layout, tensor set)."""
+
+
+class CommitError(CheckpointError):
+    """Ranks could not agree on a checkpoint, or writing its manifest failed: nothing was committed."""
+
+
+class EncodingError(CheckpointError, TypeError):
+    """A non-tensor value cannot be stored without pickle."""

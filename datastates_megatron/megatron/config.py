@@ -1,0 +1,80 @@
+"""User-facing options of the lazy checkpointer (one frozen dataclass, validated on construction)."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+__all__ = ["LazyCkptConfig", "ON_ERROR_CHOICES"]
+
+ON_ERROR_CHOICES = ("raise", "warn")
+
+
+@dataclasses.dataclass(frozen=True)
+class LazyCkptConfig:
+    """Options for :class:`~datastates_megatron.LazyCheckpointer`.
+
+    save_dir:        persistent checkpoint root (Megatron's ``--save``); ``iter_XXXXXXX/`` dirs live here.
+    load_dir:        where ``load()`` looks (Megatron's ``--load``); defaults to ``save_dir``.
+    host_cache_gb:   byte budget of the (pinned) host cache shared by all in-flight checkpoints.
+    flush_threads:   writer threads per rank (host -> storage).
+    max_inflight:    checkpoints that may be pending (copying or flushing) at once; ``save`` waits beyond.
+    keep_last:       keep this many newest committed checkpoints (0 = keep all).
+    keep_every:      additionally keep every iteration divisible by this (0 = none).
+    verify_on_load:  re-check every checksum on ``load``.
+    on_error:        ``raise``: a failed save raises on the caller's thread; ``warn``: it is logged,
+                     nothing is committed for that iteration and training goes on.
+    streaming:       allow tensors larger than the host cache to be streamed through it in chunks.
+    direct_io:       ``"auto"`` tries O_DIRECT and falls back; ``True`` requires it; ``False`` never.
+    timeout_s:       longest wait on cache space, an in-flight slot or a peer rank before erroring.
+    local_dir:       optional fast node-local tier (multi-level); ``None`` disables it.
+    persist_interval: with ``local_dir``, promote every N-th local checkpoint to ``save_dir``.
+    local_keep_last: retention of the local tier.
+    """
+
+    save_dir: str
+    load_dir: str | None = None
+    host_cache_gb: float = 4.0
+    flush_threads: int = 2
+    max_inflight: int = 2
+    keep_last: int = 2
+    keep_every: int = 0
+    verify_on_load: bool = True
+    on_error: str = "raise"
+    streaming: bool = True
+    direct_io: bool | str = "auto"
+    timeout_s: float = 600.0
+    local_dir: str | None = None
+    persist_interval: int = 1
+    local_keep_last: int = 2
+
+    def __post_init__(self) -> None:
+        if not self.save_dir:
+            raise ValueError("LazyCkptConfig.save_dir is required (Megatron's --save)")
+        object.__setattr__(self, "save_dir", os.fspath(self.save_dir))
+        if self.load_dir is not None:
+            object.__setattr__(self, "load_dir", os.fspath(self.load_dir))
+        if self.local_dir is not None:
+            object.__setattr__(self, "local_dir", os.fspath(self.local_dir))
+        if not self.host_cache_gb > 0:
+            raise ValueError(f"host_cache_gb must be > 0, got {self.host_cache_gb}")
+        for name in ("flush_threads", "max_inflight", "persist_interval"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("keep_last", "keep_every", "local_keep_last"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.on_error not in ON_ERROR_CHOICES:
+            raise ValueError(f"on_error must be one of {ON_ERROR_CHOICES}, got {self.on_error!r}")
+        if self.direct_io not in (True, False, "auto"):
+            raise ValueError(f"direct_io must be True, False or 'auto', got {self.direct_io!r}")
+        if not self.timeout_s > 0:
+            raise ValueError(f"timeout_s must be > 0, got {self.timeout_s}")
+
+    @property
+    def host_cache_bytes(self) -> int:
+        return int(self.host_cache_gb * (1 << 30))
+
+    @property
+    def effective_load_dir(self) -> str:
+        return self.load_dir or self.save_dir
