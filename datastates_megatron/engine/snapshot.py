@@ -30,6 +30,7 @@ import torch
 
 from . import serializer
 from .device_copy import Completion, DeviceCopier, as_bytes
+from .faults import crash_point
 from .errors import CacheTimeoutError, CheckpointError, CopyError, EngineClosedError, FlushError
 from .file_format import FORMAT_VERSION, HEADER_BYTES, Header, build_index, dtype_code
 from .host_cache import HostCache
@@ -383,6 +384,7 @@ class SnapshotEngine:
                     job.checksums[k] = serializer._xxh64_impl(data[off : off + length], np.uint64(0))
                 try:
                     job.writer.write(data[:padded], HEADER_BYTES + offset)
+                    crash_point("flush", self.options.rank)
                 except OSError as e:
                     name = layout.names[int(layout.items[first, 0])]
                     raise FlushError(
@@ -452,6 +454,7 @@ class SnapshotEngine:
             n_tensors=len(layout.entries),
             file_bytes=objects_offset + len(job.objects_json),
         )
+        crash_point("before_finish", self.options.rank)
         try:
             job.writer.finish(index + job.objects_json, index_offset, header)
         except OSError as e:

@@ -1,0 +1,264 @@
+"""Asynchronous cross-rank commit: agree that every rank's file is durable, then write the manifest.
+
+One thread per rank (``dsm-commit-r{rank}``) takes tickets in save order.  For each it waits for the
+local file to be durable, then all ranks exchange one small int64 status vector (``all_gather`` on a
+dedicated gloo group that no other code uses, so it never interleaves with training collectives).
+If every rank succeeded, rank 0 writes ``manifest.json`` (the commit point) and then the tracker, and
+broadcasts the outcome; otherwise nothing is written and every rank learns which ranks failed.
+Retention runs afterwards on rank 0, on this thread, so deletions never block training.
+
+Thread-safety: ``submit``/``poll``/``drain``/``close`` are called from the training thread; the
+commit thread owns the process group and the manifest writes.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import os
+import queue
+import threading
+import time
+
+import torch
+
+from .errors import CacheTimeoutError, CommitError
+from .faults import crash_point
+from .manifest import Manifest, RankRecord, iter_dir, rank_file_name, write_manifest, write_tracker
+from .retention import delete_checkpoint, select_deletions
+
+__all__ = ["Committer", "Ticket", "CommitRecord"]
+
+log = logging.getLogger(__name__)
+_FIELDS = 11  # ok, iteration, seq, file_bytes, data_bytes, n_tensors, index_xxh64, header_xxh64, copy_us, flush_us, call_us
+
+
+def _to_i64(u: int) -> int:
+    return u - (1 << 64) if u >= 1 << 63 else u
+
+
+def _to_u64(i: int) -> int:
+    return i + (1 << 64) if i < 0 else i
+
+
+@dataclasses.dataclass
+class Ticket:
+    iteration: int
+    seq: int
+    durable: object  # concurrent.futures.Future[FileReceipt]
+    metadata: dict
+    t_save: float
+
+
+@dataclasses.dataclass(frozen=True)
+class CommitRecord:
+    """One committed checkpoint, with the figures telemetry reports (maxima over ranks)."""
+
+    iteration: int
+    total_bytes: int
+    bytes_per_rank: tuple[int, ...]
+    save_call_s: float
+    copy_s: float
+    flush_s: float
+    commit_s: float
+
+    @property
+    def d2h_gbps(self) -> float:
+        return max(self.bytes_per_rank) / self.copy_s / 1e9 if self.copy_s > 0 else float("inf")
+
+    @property
+    def flush_gbps(self) -> float:
+        return max(self.bytes_per_rank) / self.flush_s / 1e9 if self.flush_s > 0 else float("inf")
+
+
+class Committer:
+    """Owns the commit thread of one rank; a context manager, ``close()`` idempotent."""
+
+    def __init__(
+        self,
+        root: str,
+        *,
+        rank: int,
+        world_size: int,
+        group,
+        token: str,
+        layout: dict,
+        next_commit_seq: int,
+        keep_last: int,
+        keep_every: int,
+        timeout_s: float,
+    ) -> None:
+        self.root = root
+        self.rank = rank
+        self.world_size = world_size
+        self._group = group
+        self._token = token
+        self._layout = layout
+        self._commit_seq = next_commit_seq
+        self._keep_last = keep_last
+        self._keep_every = keep_every
+        self._timeout = timeout_s
+        self._queue: queue.Queue = queue.Queue()
+        self._lock = threading.Lock()
+        self._idle = threading.Condition(self._lock)
+        self._outstanding: dict[int, Ticket] = {}  # seq -> ticket not yet processed
+        self._records: collections.deque[CommitRecord] = collections.deque()
+        self._errors: collections.deque[BaseException] = collections.deque()
+        self.latest: int | None = None
+        self._closed = False
+        self._thread = threading.Thread(target=self._loop, name=f"dsm-commit-r{rank}", daemon=False)
+        self._thread.start()
+
+    def submit(self, ticket: Ticket) -> None:
+        with self._lock:
+            self._outstanding[ticket.seq] = ticket
+        self._queue.put(ticket)
+
+    def pending_iterations(self) -> set[int]:
+        with self._lock:
+            return {t.iteration for t in self._outstanding.values()}
+
+    def poll(self) -> list[CommitRecord]:
+        """Commits completed since the last call; re-raises one stored error (once)."""
+        if self._errors:
+            raise self._errors.popleft()
+        out = []
+        while self._records:
+            out.append(self._records.popleft())
+        return out
+
+    def drain(self, timeout: float | None = None) -> None:
+        timeout = self._timeout if timeout is None else timeout
+        with self._idle:
+            if not self._idle.wait_for(lambda: not self._outstanding, timeout):
+                raise CacheTimeoutError(f"rank {self.rank}: {len(self._outstanding)} checkpoint(s) not committed after {timeout:.0f}s")
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._queue.put(None)
+        self._thread.join()
+
+    # ------------------------------------------------------------------ commit thread
+    def _loop(self) -> None:
+        while True:
+            ticket = self._queue.get()
+            if ticket is None:
+                return
+            try:
+                self._commit(ticket)
+            except BaseException as e:  # noqa: BLE001 - stored, re-raised on the training thread
+                err = e if isinstance(e, CommitError) else CommitError(
+                    f"rank {self.rank}: iteration {ticket.iteration}: commit failed: {e!r}; nothing committed"
+                )
+                if err is not e:
+                    err.__cause__ = e
+                log.error("%s", err)
+                self._errors.append(err)
+            finally:
+                with self._idle:
+                    self._outstanding.pop(ticket.seq, None)
+                    self._idle.notify_all()
+
+    def _status(self, ticket: Ticket) -> torch.Tensor:
+        status = torch.zeros(_FIELDS, dtype=torch.int64)
+        status[1], status[2] = ticket.iteration, ticket.seq
+        try:
+            r = ticket.durable.result(timeout=self._timeout)
+        except BaseException:  # noqa: BLE001 - the engine already stored and logged this rank's error
+            return status
+        values = [1, ticket.iteration, ticket.seq, r.file_bytes, r.data_bytes, r.n_tensors,
+                  _to_i64(r.index_xxh64), _to_i64(r.header_xxh64),
+                  int(r.copy_s * 1e6), int(r.flush_s * 1e6), int(r.save_call_s * 1e6)]  # fmt: skip
+        return torch.tensor(values, dtype=torch.int64)
+
+    def _commit(self, ticket: Ticket) -> None:
+        import torch.distributed as dist
+
+        mine = self._status(ticket)
+        if self.world_size > 1:
+            rows = [torch.zeros_like(mine) for _ in range(self.world_size)]
+            dist.all_gather(rows, mine, group=self._group)
+        else:
+            rows = [mine]
+        if any(int(r[1]) != ticket.iteration or int(r[2]) != ticket.seq for r in rows):
+            raise CommitError(
+                f"rank {self.rank}: ranks are out of step: saving "
+                f"{[(int(r[1]), int(r[2])) for r in rows]} (iteration, sequence) per rank; nothing committed"
+            )
+        failed = [i for i, r in enumerate(rows) if int(r[0]) != 1]
+        if failed:
+            if self.rank in failed:
+                return  # this rank's own error is already stored by the engine
+            raise CommitError(
+                f"rank {self.rank}: iteration {ticket.iteration}: rank(s) {failed} failed to write their files; "
+                f"nothing committed, latest stays {self.latest}"
+            )
+        ok = torch.ones(1, dtype=torch.int64)
+        if self.rank == 0:
+            try:
+                manifest = Manifest(
+                    iteration=ticket.iteration,
+                    world_size=self.world_size,
+                    run_token=self._token,
+                    ranks=tuple(
+                        RankRecord(i, rank_file_name(i, self._token, ticket.seq), int(r[3]), int(r[4]), int(r[5]),
+                                   _to_u64(int(r[6])), _to_u64(int(r[7])))  # fmt: skip
+                        for i, r in enumerate(rows)
+                    ),
+                    layout=self._layout,
+                    metadata=ticket.metadata,
+                    commit_seq=self._commit_seq,
+                )
+                crash_point("before_manifest", self.rank)
+                write_manifest(self.root, manifest)
+                crash_point("before_tracker", self.rank)
+                write_tracker(self.root, ticket.iteration)
+            except OSError as e:
+                ok.zero_()
+                err = CommitError(f"rank 0: iteration {ticket.iteration}: writing the manifest in {self.root} failed: {e}")
+                err.__cause__ = e
+                self._errors.append(err)
+        if self.world_size > 1:
+            dist.broadcast(ok, src=0, group=self._group)
+        if not int(ok):
+            if self.rank != 0:
+                raise CommitError(f"rank {self.rank}: iteration {ticket.iteration}: rank 0 could not write the manifest; nothing committed")
+            return
+        self._commit_seq += 1
+        self.latest = ticket.iteration
+        bytes_per_rank = tuple(int(r[4]) for r in rows)
+        record = CommitRecord(
+            iteration=ticket.iteration,
+            total_bytes=sum(bytes_per_rank),
+            bytes_per_rank=bytes_per_rank,
+            save_call_s=max(int(r[10]) for r in rows) / 1e6,
+            copy_s=max(int(r[8]) for r in rows) / 1e6,
+            flush_s=max(int(r[9]) for r in rows) / 1e6,
+            commit_s=time.perf_counter() - ticket.t_save,
+        )
+        self._records.append(record)
+        if self.rank == 0:
+            self._retain(ticket)
+
+    def _retain(self, just_committed: Ticket) -> None:
+        from .manifest import committed_iterations
+
+        protected = self.pending_iterations() | {just_committed.iteration}
+        for it in select_deletions(committed_iterations(self.root), self._keep_last, self._keep_every, protected):
+            crash_point("retention", self.rank)
+            delete_checkpoint(self.root, it)
+            log.info("rank 0: retention deleted %s", iter_dir(self.root, it))
+        # files of an older save of the same iteration, now superseded by this manifest
+        d = iter_dir(self.root, just_committed.iteration)
+        pending_names = {rank_file_name(r, self._token, t.seq) for t in self._snapshot_outstanding() for r in range(self.world_size)}
+        current = {rank_file_name(r, self._token, just_committed.seq) for r in range(self.world_size)}
+        for name in os.listdir(d):
+            if name.endswith(".dsck") and name not in current and name not in pending_names:
+                os.unlink(os.path.join(d, name))
+
+    def _snapshot_outstanding(self) -> list[Ticket]:
+        with self._lock:
+            return list(self._outstanding.values())

@@ -1,0 +1,35 @@
+"""Crash-injection points for the fault tests: ``DSM_CRASH_AT=<point>[:<n>]`` kills this process with
+SIGKILL (a real ``kill -9``) the n-th time (default 1st) it reaches ``point``.  Unset: a dict lookup.
+
+Points: ``flush`` (after a region is written), ``before_finish`` (data written, file not finished),
+``before_manifest`` (all ranks durable, manifest not written), ``before_tracker`` (manifest written),
+``retention`` (while deleting an old checkpoint), ``restore`` (in the middle of a load).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+
+__all__ = ["crash_point"]
+
+_counts: dict[str, int] = {}
+_lock = threading.Lock()
+
+
+def crash_point(point: str, rank: int | None = None) -> None:
+    spec = os.environ.get("DSM_CRASH_AT")
+    if not spec:
+        return
+    name, _, nth = spec.partition(":")
+    if name != point:
+        return
+    only_rank = os.environ.get("DSM_CRASH_RANK")
+    if only_rank is not None and rank is not None and int(only_rank) != rank:
+        return
+    with _lock:
+        _counts[point] = _counts.get(point, 0) + 1
+        hit = _counts[point] == int(nth or 1)
+    if hit:
+        os.kill(os.getpid(), signal.SIGKILL)

@@ -1,0 +1,215 @@
+"""The global manifest (the commit point), the Megatron-style tracker file, and the directory layout.
+
+``<root>/iter_0000100/manifest.json`` names every rank file of iteration 100 with its size and
+checksums; it is written with temp file + fsync + ``os.replace`` + directory fsync, so it either
+exists whole or not at all.  A directory without a valid manifest is not a checkpoint.
+``<root>/latest_checkpointed_iteration.txt`` is replaced the same way right after the manifest.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import time
+
+from .errors import CorruptCheckpointError, FormatVersionError, NoCheckpointError
+from .writer import fsync_dir
+
+__all__ = [
+    "MANIFEST_NAME",
+    "TRACKER_NAME",
+    "MANIFEST_VERSION",
+    "RankRecord",
+    "Manifest",
+    "iter_dir",
+    "rank_file_name",
+    "atomic_write",
+    "write_manifest",
+    "read_manifest",
+    "read_tracker",
+    "write_tracker",
+    "list_iterations",
+    "committed_manifests",
+    "committed_iterations",
+    "latest_committed",
+]
+
+MANIFEST_NAME = "manifest.json"
+TRACKER_NAME = "latest_checkpointed_iteration.txt"
+MANIFEST_FORMAT = "datastates-megatron-manifest"
+MANIFEST_VERSION = 1
+_ITER_RE = re.compile(r"^iter_(\d{7,})$")
+_SAFE_NAME = re.compile(r"^[A-Za-z0-9._-]+$")
+
+
+def iter_dir(root: str, iteration: int) -> str:
+    return os.path.join(root, f"iter_{iteration:07d}")
+
+
+def rank_file_name(rank: int, token: str, seq: int) -> str:
+    return f"r{rank:05d}-{token}-{seq:06d}.dsck"
+
+
+@dataclasses.dataclass(frozen=True)
+class RankRecord:
+    rank: int
+    file: str
+    file_bytes: int
+    data_bytes: int
+    n_tensors: int
+    index_xxh64: int
+    header_xxh64: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Manifest:
+    iteration: int
+    world_size: int
+    run_token: str
+    ranks: tuple[RankRecord, ...]
+    layout: dict
+    metadata: dict
+    commit_seq: int = 0  # orders commits across runs: the newest commit is the latest checkpoint
+    created: float = dataclasses.field(default_factory=time.time)
+    tier: str = "persistent"
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(r.data_bytes for r in self.ranks)
+
+    def to_json(self) -> bytes:
+        body = {
+            "format": MANIFEST_FORMAT,
+            "format_version": MANIFEST_VERSION,
+            "iteration": self.iteration,
+            "world_size": self.world_size,
+            "run_token": self.run_token,
+            "commit_seq": self.commit_seq,
+            "created": self.created,
+            "tier": self.tier,
+            "layout": self.layout,
+            "metadata": self.metadata,
+            "ranks": [dataclasses.asdict(r) for r in self.ranks],
+        }
+        return json.dumps(body, indent=1, sort_keys=True).encode("utf-8")
+
+    @classmethod
+    def from_json(cls, data: bytes, path: str) -> "Manifest":
+        try:
+            body = json.loads(data.decode("utf-8"))
+        except (UnicodeDecodeError, ValueError) as e:
+            raise CorruptCheckpointError(f"{path}: manifest is not valid JSON: {e}") from e
+        if not isinstance(body, dict) or body.get("format") != MANIFEST_FORMAT:
+            raise CorruptCheckpointError(f"{path}: not a datastates-megatron manifest")
+        if body.get("format_version") != MANIFEST_VERSION:
+            raise FormatVersionError(
+                f"{path}: unknown manifest format version {body.get('format_version')!r} (this reader knows {MANIFEST_VERSION})"
+            )
+        try:
+            ranks = tuple(RankRecord(**r) for r in body["ranks"])
+            m = cls(
+                iteration=int(body["iteration"]),
+                world_size=int(body["world_size"]),
+                run_token=str(body["run_token"]),
+                ranks=ranks,
+                layout=dict(body["layout"]),
+                metadata=dict(body["metadata"]),
+                commit_seq=int(body["commit_seq"]),
+                created=float(body["created"]),
+                tier=str(body.get("tier", "persistent")),
+            )
+        except (KeyError, TypeError, ValueError) as e:
+            raise CorruptCheckpointError(f"{path}: manifest is missing or has a malformed field: {e}") from e
+        if [r.rank for r in m.ranks] != list(range(m.world_size)):
+            raise CorruptCheckpointError(f"{path}: manifest lists ranks {[r.rank for r in m.ranks]} for world size {m.world_size}")
+        for r in m.ranks:
+            if not _SAFE_NAME.match(r.file) or r.file in (".", ".."):
+                raise CorruptCheckpointError(f"{path}: rank {r.rank} file {r.file!r} is not a plain file name inside the checkpoint directory")
+        return m
+
+
+def atomic_write(path: str, data: bytes) -> None:
+    """Write ``data`` to ``path`` atomically and durably: temp file, fsync, rename, directory fsync."""
+    directory = os.path.dirname(path) or "."
+    tmp = f"{path}.tmp-{os.getpid()}"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view) :]
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
+    fsync_dir(directory)
+
+
+def write_manifest(root: str, manifest: Manifest) -> str:
+    path = os.path.join(iter_dir(root, manifest.iteration), MANIFEST_NAME)
+    atomic_write(path, manifest.to_json())
+    return path
+
+
+def read_manifest(ckpt_dir: str) -> Manifest:
+    path = os.path.join(ckpt_dir, MANIFEST_NAME)
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except FileNotFoundError as e:
+        raise NoCheckpointError(f"{ckpt_dir}: no {MANIFEST_NAME}: not a committed checkpoint") from e
+    m = Manifest.from_json(data, path)
+    match = _ITER_RE.match(os.path.basename(os.path.normpath(ckpt_dir)))
+    if match and int(match.group(1)) != m.iteration:
+        raise CorruptCheckpointError(f"{path}: manifest is for iteration {m.iteration}, directory says {int(match.group(1))}")
+    return m
+
+
+def read_tracker(root: str) -> int | None:
+    """The iteration named by Megatron's tracker file, or ``None`` (absent, or 'release')."""
+    try:
+        with open(os.path.join(root, TRACKER_NAME)) as f:
+            text = f.read().strip()
+    except FileNotFoundError:
+        return None
+    return int(text) if text.isdigit() else None
+
+
+def write_tracker(root: str, iteration: int) -> None:
+    atomic_write(os.path.join(root, TRACKER_NAME), f"{iteration}".encode())
+
+
+def list_iterations(root: str) -> list[int]:
+    """Every ``iter_*`` directory under ``root``, committed or not, ascending."""
+    try:
+        names = os.listdir(root)
+    except FileNotFoundError:
+        return []
+    return sorted(int(m.group(1)) for n in names if (m := _ITER_RE.match(n)) and os.path.isdir(os.path.join(root, n)))
+
+
+def committed_manifests(root: str) -> dict[int, Manifest]:
+    """Iteration -> manifest, for every directory whose manifest exists and parses."""
+    out = {}
+    for it in list_iterations(root):
+        try:
+            out[it] = read_manifest(iter_dir(root, it))
+        except (NoCheckpointError, CorruptCheckpointError):
+            continue
+    return out
+
+
+def committed_iterations(root: str) -> list[int]:
+    """Committed iterations in commit order (oldest commit first)."""
+    found = committed_manifests(root)
+    return sorted(found, key=lambda it: (found[it].commit_seq, it))
+
+
+def latest_committed(root: str) -> int:
+    """The most recently committed iteration (by commit sequence, so a run that resumed from an older
+    checkpoint and committed again supersedes higher iteration numbers left by an earlier run)."""
+    its = committed_iterations(root)
+    if not its:
+        raise NoCheckpointError(f"{root}: no committed checkpoint (no iter_*/{MANIFEST_NAME})")
+    return its[-1]

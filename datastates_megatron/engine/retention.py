@@ -1,0 +1,66 @@
+"""Retention: which committed checkpoints to delete, and deleting one so a crash never leaves a trap.
+
+A checkpoint is deleted manifest first (then it is no longer committed), then its files, then the
+directory; a crash half-way leaves a manifest-less directory that start-up cleanup removes.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+
+from .manifest import MANIFEST_NAME, iter_dir
+from .writer import fsync_dir
+
+__all__ = ["select_deletions", "delete_checkpoint", "remove_uncommitted"]
+
+log = logging.getLogger(__name__)
+
+
+def select_deletions(commit_order: list[int], keep_last: int, keep_every: int, protected: set[int]) -> list[int]:
+    """Iterations to delete.  ``commit_order``: committed iterations, oldest commit first; the newest
+    commit (the latest checkpoint) and ``protected`` ones (still being written) are always kept.
+    ``keep_last=0`` keeps everything."""
+    if keep_last <= 0 or not commit_order:
+        return []
+    keep = set(commit_order[-keep_last:]) | {commit_order[-1]} | protected
+    if keep_every > 0:
+        keep |= {it for it in commit_order if it % keep_every == 0}
+    return [it for it in commit_order if it not in keep]
+
+
+def delete_checkpoint(root: str, iteration: int) -> None:
+    d = iter_dir(root, iteration)
+    manifest = os.path.join(d, MANIFEST_NAME)
+    if os.path.exists(manifest):
+        os.unlink(manifest)
+        fsync_dir(d)
+    from .faults import crash_point
+
+    crash_point("retention_files")
+    shutil.rmtree(d, ignore_errors=True)
+
+
+def remove_uncommitted(root: str, iterations: list[int], referenced: dict[int, set[str]], keep_names: set[str]) -> list[str]:
+    """Start-up cleanup: remove directories that never got a manifest, and files in committed
+    directories that their manifest does not name (a crashed re-save).  A directory whose manifest
+    exists but is unreadable is kept (and logged): it may be repairable, and it is never loaded."""
+    removed = []
+    for it in iterations:
+        d = iter_dir(root, it)
+        if it not in referenced:
+            if os.path.exists(os.path.join(d, MANIFEST_NAME)):
+                log.warning("%s: manifest is unreadable; leaving the directory alone (it is not loadable)", d)
+                continue
+            shutil.rmtree(d, ignore_errors=True)
+            removed.append(d)
+            continue
+        for name in os.listdir(d):
+            if name == MANIFEST_NAME or name in referenced[it] or name in keep_names:
+                continue
+            path = os.path.join(d, name)
+            if os.path.isfile(path):
+                os.unlink(path)
+                removed.append(path)
+    return removed
