@@ -190,6 +190,8 @@ class Committer:
             )
         failed = [i for i, r in enumerate(rows) if int(r[0]) != 1]
         if failed:
+            if self.rank == 0:
+                self._discard(ticket)
             if self.rank in failed:
                 return  # this rank's own error is already stored by the engine
             raise CommitError(
@@ -258,6 +260,21 @@ class Committer:
         for name in os.listdir(d):
             if name.endswith(".dsck") and name not in current and name not in pending_names:
                 os.unlink(os.path.join(d, name))
+
+    def _discard(self, ticket: Ticket) -> None:
+        """Remove the files of a save that was not committed (and its directory if nothing else is there)."""
+        d = iter_dir(self.root, ticket.iteration)
+        for r in range(self.world_size):
+            try:
+                os.unlink(os.path.join(d, rank_file_name(r, self._token, ticket.seq)))
+            except FileNotFoundError:
+                pass
+        others = [t for t in self._snapshot_outstanding() if t.iteration == ticket.iteration and t.seq != ticket.seq]
+        if not others:
+            try:
+                os.rmdir(d)  # only succeeds when empty: a committed manifest keeps it
+            except OSError:
+                pass
 
     def _snapshot_outstanding(self) -> list[Ticket]:
         with self._lock:

@@ -133,7 +133,8 @@ class CheckpointManager:
         d = iter_dir(self.root, iteration)
         try:
             os.makedirs(d, exist_ok=True)
-            handle = self.engine.save(iteration, os.path.join(d, rank_file_name(self.rank, self.token, self._seq)), objects)
+            name = rank_file_name(self.rank, self.token, self._seq)
+            handle = self.engine.save(iteration, os.path.join(d, name), objects, tag=name)
         except CheckpointError as e:
             self._handle(e)
             handle = None

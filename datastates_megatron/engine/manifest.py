@@ -189,14 +189,18 @@ def list_iterations(root: str) -> list[int]:
     return sorted(int(m.group(1)) for n in names if (m := _ITER_RE.match(n)) and os.path.isdir(os.path.join(root, n)))
 
 
-def committed_manifests(root: str) -> dict[int, Manifest]:
-    """Iteration -> manifest, for every directory whose manifest exists and parses."""
+def committed_manifests(root: str, damaged: list | None = None) -> dict[int, Manifest]:
+    """Iteration -> manifest, for every directory whose manifest exists and parses.  Manifests that
+    exist but do not parse are appended to ``damaged`` as errors."""
     out = {}
     for it in list_iterations(root):
         try:
             out[it] = read_manifest(iter_dir(root, it))
-        except (NoCheckpointError, CorruptCheckpointError):
+        except NoCheckpointError:
             continue
+        except CorruptCheckpointError as e:
+            if damaged is not None:
+                damaged.append(e)
     return out
 
 
@@ -209,7 +213,14 @@ def committed_iterations(root: str) -> list[int]:
 def latest_committed(root: str) -> int:
     """The most recently committed iteration (by commit sequence, so a run that resumed from an older
     checkpoint and committed again supersedes higher iteration numbers left by an earlier run)."""
-    its = committed_iterations(root)
-    if not its:
+    damaged: list = []
+    found = committed_manifests(root, damaged)
+    if damaged:
+        # manifests are written atomically, so a damaged one means corruption, not a crash: say so
+        # rather than silently falling back to an older checkpoint
+        raise CorruptCheckpointError(
+            f"{damaged[0]} (pass an explicit iteration to load another checkpoint)"
+        ) from damaged[0]
+    if not found:
         raise NoCheckpointError(f"{root}: no committed checkpoint (no iter_*/{MANIFEST_NAME})")
-    return its[-1]
+    return max(found, key=lambda it: (found[it].commit_seq, it))

@@ -60,7 +60,12 @@ def open_rank(ckpt: str, manifest: Manifest, rank: int) -> RankFile:
     rf = RankFile(path)
     from .serializer import xxh64
 
-    if xxh64(rf.header.pack()) != rec.header_xxh64 or rf.header.index_xxh64 != rec.index_xxh64:
+    if (
+        xxh64(rf.header.pack()) != rec.header_xxh64
+        or rf.header.index_xxh64 != rec.index_xxh64
+        or rf.objects.get("tag") != rec.file
+        or rf.objects.get("version") != manifest.iteration
+    ):
         rf.close()
         raise CorruptCheckpointError(
             f"{path}: rank {rank} file is not the one committed by the manifest (from another iteration or run?)"

@@ -198,16 +198,18 @@ class SnapshotEngine:
         return self._layout
 
     # ------------------------------------------------------------------ training-thread API
-    def save(self, version: int, path: str, objects=None) -> SaveHandle:
+    def save(self, version: int, path: str, objects=None, tag: str = "") -> SaveHandle:
         """Snapshot every registered tensor (and ``objects``) into ``path`` as ``version``; returns at once.
 
-        Blocks only while ``max_inflight`` versions are pending (bounded by ``timeout_s``)."""
+        ``tag`` is stored with the file (the commit layer uses run token, rank and sequence) so a file
+        from another run or rank never passes for this one.  Blocks only while ``max_inflight`` versions
+        are pending (bounded by ``timeout_s``)."""
         t0 = time.perf_counter()
         self._check_open()
         self._raise_pending()
         layout = self._current_layout()
         body = encode_objects(objects)
-        objects_json = b'{"objects":' + body + b',"tensor_meta":' + layout.meta_json + b',"version":' + str(int(version)).encode() + b"}"
+        objects_json = b'{"objects":' + body + b',"tensor_meta":' + layout.meta_json + b',"version":' + str(int(version)).encode() + b',"tag":' + encode_objects(str(tag)) + b"}"
         if not self._slots.acquire(timeout=0):
             t_wait = time.perf_counter()
             ok = self._slots.acquire(timeout=self.options.timeout_s)
