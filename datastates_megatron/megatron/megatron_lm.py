@@ -1,0 +1,418 @@
+"""Glue called by a patched Megatron-LM (``patches/megatron-lm-*.patch``) when ``--lazy-ckpt`` is on.
+
+The patch only forwards calls; every decision lives here:
+
+* ``megatron.training.checkpointing.save_checkpoint`` -> :func:`save_checkpoint`
+* ``megatron.training.checkpointing.load_checkpoint`` -> :func:`load_checkpoint`
+* ``megatron.training.async_utils.maybe_finalize_async_save(blocking, terminate)`` ->
+  :func:`maybe_finalize` (Megatron calls it once per iteration with ``blocking=False`` and with
+  ``blocking=True, terminate=True`` before it returns or exits — also on the exit-signal,
+  exit-interval and exit-duration paths), which ends in :func:`finalize_at_exit` on ``terminate``.
+
+One process-wide :class:`~datastates_megatron.megatron.checkpointer.LazyCheckpointer` is created on
+the first save or load from Megatron's global args, for the model/optimizer/scheduler of that call;
+an ``atexit`` hook commits what is still pending if the process exits without ``terminate``.
+
+Megatron's per-run fields travel in ``extra_state["megatron_lm"]`` as plain JSON (no pickle):
+``iteration``, ``num_floating_point_operations_so_far``, consumed/skipped train samples, consumed
+validation samples, Megatron's ``checkpoint_version`` and the JSON-representable subset of ``args``.
+
+Thread-safety: meant to be driven by the training thread; the singleton is guarded by a lock, so
+the ``atexit`` hook and the training thread never finalize it twice.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import itertools
+import logging
+import math
+import sys
+import threading
+import time
+import types
+from typing import Any, Iterator
+
+from ..engine.errors import CheckpointError, FormatVersionError, LayoutMismatchError, NoCheckpointError
+from .args import LazyCkptArgsError, check_host_cache_fits, config_from_args
+
+__all__ = [
+    "EXTRA_STATE_KEY",
+    "EXTRA_STATE_VERSION",
+    "MegatronIntegrationError",
+    "enabled",
+    "get_checkpointer",
+    "save_checkpoint",
+    "load_checkpoint",
+    "maybe_finalize",
+    "finalize_at_exit",
+    "build_extra_state",
+    "apply_extra_state",
+    "largest_tensor_bytes",
+]
+
+logger = logging.getLogger(__name__)
+
+EXTRA_STATE_KEY = "megatron_lm"
+EXTRA_STATE_VERSION = 1
+_MEGATRON_CHECKPOINT_VERSION = 3.0  # what Megatron-LM's generate_state_dict writes
+
+# Arguments that must match between the saving and the resuming run (Megatron's
+# check_checkpoint_args plus the parallel layout, which a lazy checkpoint cannot reshard).
+_MUST_MATCH = (
+    "num_layers", "hidden_size", "num_attention_heads", "tensor_model_parallel_size",
+    "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size",
+    "expert_model_parallel_size", "num_experts",
+)
+
+
+class MegatronIntegrationError(CheckpointError, RuntimeError):
+    """Megatron-LM asked for something the lazy checkpointer cannot do (the message says what)."""
+
+
+class _Session:
+    """The process-wide checkpointer and the objects it was built for."""
+
+    def __init__(self, ckpt: Any, model: Any, optimizer: Any, scheduler: Any) -> None:
+        self.ckpt = ckpt
+        self._ids = (_ids(model), id(optimizer), id(scheduler))
+
+    def matches(self, model: Any, optimizer: Any, scheduler: Any) -> bool:
+        return self._ids == (_ids(model), id(optimizer), id(scheduler))
+
+
+_lock = threading.Lock()
+_session: _Session | None = None
+_atexit_registered = False
+
+
+def _ids(model: Any) -> tuple[int, ...]:
+    chunks = model if isinstance(model, (list, tuple)) else [model]
+    return tuple(id(m) for m in chunks)
+
+
+def _rank() -> int:
+    try:
+        import torch.distributed as dist
+    except ImportError:  # pragma: no cover - torch is a hard dependency
+        return 0
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def _info(msg: str, *a: Any) -> None:
+    """INFO on rank 0, DEBUG elsewhere (thousands of ranks must not all print)."""
+    logger.log(logging.INFO if _rank() == 0 else logging.DEBUG, msg, *a)
+
+
+def _get_args(args: Any) -> Any:
+    if args is not None:
+        return args
+    from megatron.training import get_args  # Megatron-LM, not megatron-core
+
+    return get_args()
+
+
+def _megatron_checkpointing() -> types.ModuleType | None:
+    try:
+        from megatron.training import checkpointing
+    except ImportError:
+        return None
+    return checkpointing
+
+
+def enabled(args: Any = None) -> bool:
+    """True when ``--lazy-ckpt`` is on (``args`` defaults to Megatron's global args)."""
+    return bool(getattr(_get_args(args), "lazy_ckpt", False))
+
+
+def get_checkpointer() -> Any:
+    """The process-wide LazyCheckpointer, or None before the first save/load and after exit."""
+    session = _session
+    return None if session is None else session.ckpt
+
+
+def largest_tensor_bytes(model: Any) -> int:
+    """Bytes of the largest parameter or buffer of ``model`` (a module or a list of chunks)."""
+    chunks = model if isinstance(model, (list, tuple)) else [model]
+    best = 0
+    for chunk in chunks:
+        for t in itertools.chain(chunk.parameters(), chunk.buffers()):
+            best = max(best, t.numel() * t.element_size())
+    return best
+
+
+def _session_for(args: Any, model: Any, optimizer: Any, scheduler: Any) -> _Session:
+    global _session, _atexit_registered
+    with _lock:
+        if _session is not None:
+            if not _session.matches(model, optimizer, scheduler):
+                raise MegatronIntegrationError(
+                    f"rank {_rank()}: --lazy-ckpt checkpoints the model, optimizer and scheduler "
+                    "objects of its first save/load; this call passed different ones (e.g. a "
+                    "model-only load with optimizer=None), which lazy checkpoints do not support")
+            return _session
+        config = config_from_args(args)
+        if not config.streaming:
+            check_host_cache_fits(config, largest_tensor_bytes(model), what="largest model tensor")
+        from .checkpointer import LazyCheckpointer
+
+        ckpt = LazyCheckpointer(model, optimizer, config, opt_param_scheduler=scheduler)
+        _session = _Session(ckpt, model, optimizer, scheduler)
+        if not _atexit_registered:
+            atexit.register(_finalize_atexit)
+            _atexit_registered = True
+        _info("rank %d: lazy checkpointer started (save=%s, load=%s, host cache %.2f GiB, "
+              "%d flush threads)", _rank(), config.save_dir, config.effective_load_dir,
+              config.host_cache_gb, config.flush_threads)
+        return _session
+
+
+# --------------------------------------------------------------------------- #
+# extra state: Megatron's per-run fields, JSON only
+# --------------------------------------------------------------------------- #
+def _json_scalar(v: Any) -> bool:
+    if isinstance(v, float):
+        return math.isfinite(v)
+    return v is None or isinstance(v, (bool, int, str))
+
+
+def _json_args(args: Any) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in sorted(vars(args).items()):
+        if k.startswith("_"):
+            continue
+        if _json_scalar(v):
+            out[k] = v
+        elif isinstance(v, (list, tuple)) and all(_json_scalar(x) for x in v):
+            out[k] = list(v)
+    return out
+
+
+def _number(x: Any) -> int | float:
+    if hasattr(x, "item"):  # a 0-d tensor or numpy scalar
+        x = x.item()
+    return x if isinstance(x, int) and not isinstance(x, bool) else float(x)
+
+
+def build_extra_state(args: Any, iteration: int,
+                      num_floating_point_operations_so_far: Any = 0) -> dict[str, Any]:
+    """The ``extra_state`` saved with each checkpoint: Megatron's per-run fields as plain JSON."""
+    return {EXTRA_STATE_KEY: {
+        "version": EXTRA_STATE_VERSION,
+        "iteration": int(iteration),
+        "num_floating_point_operations_so_far": _number(num_floating_point_operations_so_far or 0),
+        "consumed_train_samples": int(getattr(args, "consumed_train_samples", 0) or 0),
+        "skipped_train_samples": int(getattr(args, "skipped_train_samples", 0) or 0),
+        "consumed_valid_samples": int(getattr(args, "consumed_valid_samples", 0) or 0),
+        "checkpoint_version": _MEGATRON_CHECKPOINT_VERSION,
+        "args": _json_args(args),
+    }}
+
+
+def apply_extra_state(args: Any, iteration: int, extra_state: Any, *,
+                      where: str = "") -> int | float:
+    """Check and apply a loaded ``extra_state`` to ``args``; return the FLOPs counter to resume.
+
+    Sets ``args.consumed_train_samples``, ``args.skipped_train_samples`` and
+    ``args.consumed_valid_samples``. Raises :class:`LayoutMismatchError` when the model shape or the
+    parallel layout differ from the saving run, :class:`FormatVersionError` for a newer version.
+    """
+    meg = (extra_state or {}).get(EXTRA_STATE_KEY) if isinstance(extra_state, dict) else None
+    if meg is None:
+        logger.warning("rank %d: lazy checkpoint of iteration %d%s carries no Megatron-LM state "
+                       "(not saved through megatron_lm.save_checkpoint): consumed samples and "
+                       "FLOPs are not restored", _rank(), iteration, where)
+        return 0
+    version = meg.get("version", 0)
+    if version > EXTRA_STATE_VERSION:
+        raise FormatVersionError(
+            f"rank {_rank()}: lazy checkpoint of iteration {iteration}{where} has Megatron-LM extra "
+            f"state version {version}; this datastates_megatron reads <= {EXTRA_STATE_VERSION}")
+    saved = meg.get("args") or {}
+    diffs = [f"{name}: checkpoint {saved[name]!r}, run {getattr(args, name)!r}"
+             for name in _MUST_MATCH
+             if name in saved and hasattr(args, name) and saved[name] != getattr(args, name)]
+    if diffs:
+        raise LayoutMismatchError(
+            f"rank {_rank()}: lazy checkpoint of iteration {iteration}{where} was saved by a run "
+            f"with different arguments ({'; '.join(diffs)}); lazy checkpoints cannot be resharded")
+    args.consumed_train_samples = int(meg.get("consumed_train_samples", 0))
+    args.skipped_train_samples = int(meg.get("skipped_train_samples", 0))
+    args.consumed_valid_samples = int(meg.get("consumed_valid_samples", 0))
+    return meg.get("num_floating_point_operations_so_far", 0)
+
+
+def _after_load(args: Any, iteration: int, optimizer: Any) -> None:
+    """What Megatron's own load_checkpoint does to global state besides restoring tensors."""
+    try:
+        from megatron.core import num_microbatches_calculator as nmc
+    except ImportError:
+        nmc = None
+    # Unset before initialize_megatron (tools, tests); Megatron-LM training always sets it.
+    if getattr(nmc, "_GLOBAL_NUM_MICROBATCHES_CALCULATOR", None) is not None:
+        nmc.update_num_microbatches(consumed_samples=args.consumed_train_samples, verbose=True)
+    mcp = _megatron_checkpointing()
+    if mcp is None:
+        return
+    if hasattr(mcp, "set_loaded_iteration"):
+        mcp.set_loaded_iteration(iteration)
+    if hasattr(mcp, "get_checkpoint_version") and mcp.get_checkpoint_version() is None:
+        mcp.set_checkpoint_version(_MEGATRON_CHECKPOINT_VERSION)
+    if optimizer is not None and hasattr(optimizer, "param_groups"):
+        for group in optimizer.param_groups:  # as Megatron's load_checkpoint does
+            group.setdefault("default_config", True)
+
+
+@contextlib.contextmanager
+def _native_megatron(args: Any) -> Iterator[types.ModuleType]:
+    """Megatron's own checkpointing with ``--lazy-ckpt`` switched off for the duration."""
+    mcp = _megatron_checkpointing()
+    if mcp is None:
+        raise MegatronIntegrationError("loading a Megatron-format checkpoint needs Megatron-LM's "
+                                       "megatron.training on the path")
+    before = args.lazy_ckpt
+    args.lazy_ckpt = False
+    try:
+        yield mcp
+    finally:
+        args.lazy_ckpt = before
+
+
+# --------------------------------------------------------------------------- #
+# the entry points the patch calls
+# --------------------------------------------------------------------------- #
+def save_checkpoint(iteration: int, model: Any, optimizer: Any, opt_param_scheduler: Any,
+                    num_floating_point_operations_so_far: Any = 0, checkpointing_context: Any = None,
+                    *, non_persistent_ckpt: bool = False, train_data_iterator: Any = None,
+                    release: bool = False, args: Any = None, **megatron_kwargs: Any) -> None:
+    """Megatron's ``save_checkpoint`` for ``--lazy-ckpt``: schedule the checkpoint and return.
+
+    The device->host copies overlap the next forward/backward; the checkpoint is committed later
+    (:func:`maybe_finalize`). ``checkpointing_context`` and Megatron's other keyword arguments
+    (process groups, converter ranks, ``preprocess_common_state_dict_fn``) are accepted and unused.
+    """
+    args = _get_args(args)
+    if non_persistent_ckpt:
+        raise LazyCkptArgsError(
+            f"iteration {iteration}: --lazy-ckpt cannot write Megatron non-persistent checkpoints "
+            "(--non-persistent-save-interval); use --lazy-ckpt-local-dir with "
+            "--lazy-ckpt-persist-interval")
+    if release:
+        raise LazyCkptArgsError(f"iteration {iteration}: --lazy-ckpt cannot write a 'release' "
+                                "checkpoint; save it without --lazy-ckpt")
+    session = _session_for(args, model, optimizer, opt_param_scheduler)
+    mcp = _megatron_checkpointing()
+    if train_data_iterator is not None and mcp is not None and \
+            hasattr(mcp, "maybe_save_dataloader_state"):
+        # Only Megatron Energon loaders have state; written synchronously next to the checkpoint.
+        mcp.maybe_save_dataloader_state(train_data_iterator, iteration,
+                                        getattr(args, "dataloader_save", None))
+    extra = build_extra_state(args, iteration, num_floating_point_operations_so_far)
+    start = time.perf_counter()
+    session.ckpt.save(iteration, extra_state=extra)
+    _info("rank %d: scheduled lazy checkpoint of iteration %d to %s (training blocked %.3f s)",
+          _rank(), iteration, args.save, time.perf_counter() - start)
+
+
+def load_checkpoint(ddp_model: Any, optimizer: Any, opt_param_scheduler: Any, load_arg: str = "load",
+                    strict: bool = True, checkpointing_context: Any = None,
+                    skip_load_to_model_and_opt: bool = False, *, args: Any = None,
+                    **megatron_kwargs: Any) -> tuple[int, int | float]:
+    """Megatron's ``load_checkpoint`` for ``--lazy-ckpt``; returns ``(iteration, num_flops_so_far)``.
+
+    Restores model, optimizer, scheduler and RNG in place from the newest committed lazy checkpoint
+    under ``--load`` (or ``--ckpt-step``), sets ``args.consumed_train_samples`` /
+    ``skipped_train_samples`` / ``consumed_valid_samples``, updates the micro-batch calculator and
+    Megatron's loaded-iteration record. Returns ``(0, 0)`` when there is none, as Megatron does.
+    Falls back to Megatron's own loader for ``load_arg != "load"`` and for ``--pretrained-checkpoint``
+    when ``--load`` holds no lazy checkpoint yet. ``strict`` and ``skip_load_to_model_and_opt`` do
+    not apply (tensors are always restored in place, all of them).
+    """
+    args = _get_args(args)
+    native_kwargs = dict(load_arg=load_arg, strict=strict, checkpointing_context=checkpointing_context,
+                         skip_load_to_model_and_opt=skip_load_to_model_and_opt)
+    if load_arg != "load":
+        _info("rank %d: --%s is loaded by Megatron's own loader (not a lazy checkpoint)", _rank(),
+              load_arg.replace("_", "-"))
+        with _native_megatron(args) as mcp:
+            return mcp.load_checkpoint(ddp_model, optimizer, opt_param_scheduler, **native_kwargs)
+    pretrained = getattr(args, "pretrained_checkpoint", None)
+    if getattr(args, "load", None) is None:
+        if pretrained is None:
+            return 0, 0
+        with _native_megatron(args) as mcp:
+            return mcp.load_checkpoint(ddp_model, optimizer, opt_param_scheduler, **native_kwargs)
+
+    session = _session_for(args, ddp_model, optimizer, opt_param_scheduler)
+    requested = getattr(args, "ckpt_step", None) or None  # Megatron treats 0 as unset
+    try:
+        if requested is None:
+            iteration, extra_state = session.ckpt.load()
+        else:
+            iteration, extra_state = session.ckpt.load(iteration=requested)
+    except NoCheckpointError:
+        if requested is not None:
+            raise
+        if pretrained is not None:
+            _info("rank %d: no lazy checkpoint under --load %s; loading --pretrained-checkpoint %s "
+                  "with Megatron's loader", _rank(), args.load, pretrained)
+            with _native_megatron(args) as mcp:
+                return mcp.load_checkpoint(ddp_model, optimizer, opt_param_scheduler, **native_kwargs)
+        if getattr(args, "exit_on_missing_checkpoint", False):
+            logger.error("rank %d: no lazy checkpoint under --load %s and "
+                         "--exit-on-missing-checkpoint is set: exiting", _rank(), args.load)
+            sys.exit()
+        _info("rank %d: no lazy checkpoint under --load %s; starting from scratch", _rank(), args.load)
+        return 0, 0
+    where = f" under {args.load}"
+    num_flops = apply_extra_state(args, iteration, extra_state, where=where)
+    _after_load(args, iteration, optimizer)
+    _info("rank %d: loaded lazy checkpoint of iteration %d%s", _rank(), iteration, where)
+    return iteration, num_flops
+
+
+def maybe_finalize(blocking: bool = False, terminate: bool = False) -> list[int]:
+    """Commit finished checkpoints; called where Megatron calls ``maybe_finalize_async_save``.
+
+    ``blocking=False``: non-blocking poll (re-raises a stored background error once).
+    ``blocking=True``: wait until every pending checkpoint is committed. ``terminate=True``:
+    :func:`finalize_at_exit`. Returns the iterations committed by this call, where known.
+    """
+    if terminate:
+        finalize_at_exit()
+        return []
+    session = _session
+    if session is None:
+        return []
+    if blocking:
+        session.ckpt.wait(persist=True)
+    committed = list(session.ckpt.poll() or [])
+    for it in committed:
+        _info("rank %d: committed lazy checkpoint of iteration %d", _rank(), it)
+    return committed
+
+
+def finalize_at_exit() -> None:
+    """Wait until every pending checkpoint is committed, then close the checkpointer. Idempotent.
+
+    A later save or load starts a new checkpointer (Megatron's ``pretrain`` may save once more after
+    ``train`` has finalized).
+    """
+    global _session
+    with _lock:
+        session, _session = _session, None
+    if session is None:
+        return
+    try:
+        session.ckpt.wait(persist=True)
+        _info("rank %d: all lazy checkpoints committed", _rank())
+    finally:
+        session.ckpt.close()
+
+
+def _finalize_atexit() -> None:
+    try:
+        finalize_at_exit()
+    except Exception:  # the interpreter is exiting: report, do not mask the exit status
+        logger.exception("rank %d: pending lazy checkpoints could not be committed at exit", _rank())

@@ -1,0 +1,523 @@
+"""Megatron-LM integration: the glue module, and the patch applied to a real Megatron-LM checkout.
+
+Part 1 (always runs) drives :mod:`datastates_megatron.megatron.megatron_lm` the way the patched
+Megatron-LM does, with a recording stand-in for LazyCheckpointer (injected as the
+``datastates_megatron.megatron.checkpointer`` module) so the glue's decisions are visible.
+
+Part 2 needs ``MEGATRON_LM_DIR`` = a checkout of a supported tag (core_v0.16.1 or core_v0.19.0, e.g.
+``git archive core_v0.16.1 | tar -x -C /tmp/mlm-0.16.1``) and Megatron's CPU import dependencies
+(``pip install six regex triton pyyaml pydantic``). It copies ``megatron/`` to a temporary
+directory, applies/re-applies/reverts ``scripts/apply_patches.sh`` and, in subprocesses, parses
+``--lazy-ckpt ...`` with Megatron's own ``parse_args`` and checks that the patched
+``save_checkpoint`` / ``load_checkpoint`` / ``maybe_finalize_async_save`` reach the glue.
+"""
+
+from __future__ import annotations
+
+import argparse
+import filecmp
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+import types
+from pathlib import Path
+
+import pytest
+import torch
+
+from datastates_megatron.engine.errors import FormatVersionError, LayoutMismatchError, NoCheckpointError
+from datastates_megatron.megatron import megatron_lm
+from datastates_megatron.megatron.args import LazyCkptArgsError, add_lazy_ckpt_args
+
+REPO = Path(__file__).resolve().parents[2]
+APPLY = REPO / "scripts" / "apply_patches.sh"
+PATCHED_FILES = ("megatron/training/arguments.py", "megatron/training/checkpointing.py",
+                 "megatron/training/async_utils.py")
+SUBPROCESS_TIMEOUT_S = 300
+
+
+# --------------------------------------------------------------------------- #
+# part 1: the glue, with a recording checkpointer
+# --------------------------------------------------------------------------- #
+class RecordingCheckpointer:
+    """Stand-in with LazyCheckpointer's API: records calls, "commits" on poll/wait, loads from memory."""
+
+    instances: list["RecordingCheckpointer"] = []
+    store: dict[int, object] = {}  # shared by instances: what a fresh process would find on disk
+
+    def __init__(self, model, optimizer, config, opt_param_scheduler=None):
+        self.model, self.optimizer, self.config, self.scheduler = model, optimizer, config, opt_param_scheduler
+        self.calls: list[tuple] = []
+        self.pending: list[int] = []
+        self.closed = False
+        RecordingCheckpointer.instances.append(self)
+
+    def save(self, iteration, extra_state=None):
+        json.dumps(extra_state)  # plain JSON, no pickle
+        self.calls.append(("save", iteration))
+        self.pending.append(iteration)
+        RecordingCheckpointer.store[iteration] = extra_state
+
+    def poll(self):
+        self.calls.append(("poll",))
+        done, self.pending = self.pending, []
+        return done
+
+    def wait(self, persist=True):
+        self.calls.append(("wait", persist))
+
+    def load(self, iteration=None):
+        self.calls.append(("load", iteration))
+        if not RecordingCheckpointer.store or (iteration is not None and iteration not in RecordingCheckpointer.store):
+            raise NoCheckpointError(f"no lazy checkpoint under {self.config.effective_load_dir}")
+        it = max(RecordingCheckpointer.store) if iteration is None else iteration
+        return it, RecordingCheckpointer.store[it]
+
+    def close(self):
+        self.calls.append(("close",))
+        self.closed = True
+
+
+@pytest.fixture
+def recording(monkeypatch):
+    fake = types.ModuleType("datastates_megatron.megatron.checkpointer")
+    fake.LazyCheckpointer = RecordingCheckpointer
+    monkeypatch.setitem(sys.modules, "datastates_megatron.megatron.checkpointer", fake)
+    RecordingCheckpointer.instances = []
+    RecordingCheckpointer.store = {}
+    monkeypatch.setattr(megatron_lm, "_session", None)
+    yield RecordingCheckpointer
+    megatron_lm.finalize_at_exit()
+
+
+def _args(tmp_path, *argv, **megatron):
+    p = argparse.ArgumentParser()
+    p.add_argument("--save")
+    p.add_argument("--load")
+    add_lazy_ckpt_args(p)
+    args = p.parse_args(["--lazy-ckpt", "--save", str(tmp_path / "ckpt"), "--load", str(tmp_path / "ckpt"),
+                         *argv])
+    fields = dict(consumed_train_samples=0, skipped_train_samples=0, consumed_valid_samples=0,
+                  num_layers=2, hidden_size=64, num_attention_heads=4, tensor_model_parallel_size=1,
+                  pipeline_model_parallel_size=1, pretrained_checkpoint=None, ckpt_step=None,
+                  exit_on_missing_checkpoint=False, dataloader_save=None)
+    fields.update(megatron)
+    for k, v in fields.items():
+        setattr(args, k, v)
+    return args
+
+
+def _objects():
+    return [torch.nn.Linear(4, 4)], object(), object()
+
+
+def test_save_then_load_restores_megatron_fields(tmp_path, recording):
+    model, opt, sched = _objects()
+    args = _args(tmp_path, consumed_train_samples=640, skipped_train_samples=8, consumed_valid_samples=32)
+    megatron_lm.save_checkpoint(10, model, opt, sched, 1.5e12, None, args=args)
+    (ckpt,) = recording.instances
+    assert ckpt.calls == [("save", 10)] and ckpt.model is model and ckpt.optimizer is opt
+    assert ckpt.scheduler is sched and ckpt.config.save_dir == args.save
+    meg = recording.store[10][megatron_lm.EXTRA_STATE_KEY]
+    assert meg["iteration"] == 10 and meg["num_floating_point_operations_so_far"] == 1.5e12
+    assert meg["consumed_train_samples"] == 640 and meg["args"]["hidden_size"] == 64
+    assert megatron_lm.get_checkpointer() is ckpt
+
+    resumed = _args(tmp_path)
+    assert megatron_lm.load_checkpoint(model, opt, sched, args=resumed) == (10, 1.5e12)
+    assert (resumed.consumed_train_samples, resumed.skipped_train_samples,
+            resumed.consumed_valid_samples) == (640, 8, 32)
+
+
+def test_finalize_lifecycle(tmp_path, recording):
+    model, opt, sched = _objects()
+    assert megatron_lm.maybe_finalize(blocking=False) == []  # nothing started yet
+    args = _args(tmp_path)
+    megatron_lm.save_checkpoint(5, model, opt, sched, 0, args=args)
+    megatron_lm.save_checkpoint(6, model, opt, sched, 0, args=args)
+    assert megatron_lm.maybe_finalize(blocking=False) == [5, 6]
+    megatron_lm.save_checkpoint(7, model, opt, sched, 0, args=args)
+    assert megatron_lm.maybe_finalize(blocking=True) == [7]
+    (ckpt,) = recording.instances
+    assert ("wait", True) in ckpt.calls and not ckpt.closed
+    megatron_lm.maybe_finalize(blocking=True, terminate=True)
+    assert ckpt.closed and ckpt.calls[-2:] == [("wait", True), ("close",)]
+    assert megatron_lm.get_checkpointer() is None
+    megatron_lm.finalize_at_exit()  # idempotent
+    assert ckpt.calls.count(("close",)) == 1
+    # Megatron's pretrain() may save once more after train() finalized: a new checkpointer.
+    megatron_lm.save_checkpoint(8, model, opt, sched, 0, args=args)
+    assert len(recording.instances) == 2
+
+
+def test_other_objects_than_the_first_call_are_refused(tmp_path, recording):
+    model, opt, sched = _objects()
+    args = _args(tmp_path)
+    megatron_lm.save_checkpoint(1, model, opt, sched, 0, args=args)
+    megatron_lm.save_checkpoint(2, list(model), opt, sched, 0, args=args)  # same chunks, new list: fine
+    with pytest.raises(megatron_lm.MegatronIntegrationError, match="optimizer=None"):
+        megatron_lm.load_checkpoint(model, None, None, args=args)
+
+
+def test_no_checkpoint_starts_from_scratch(tmp_path, recording):
+    model, opt, sched = _objects()
+    assert megatron_lm.load_checkpoint(model, opt, sched, args=_args(tmp_path)) == (0, 0)
+
+
+def test_no_checkpoint_with_exit_on_missing_checkpoint_exits(tmp_path, recording):
+    model, opt, sched = _objects()
+    with pytest.raises(SystemExit):
+        megatron_lm.load_checkpoint(model, opt, sched,
+                                    args=_args(tmp_path, exit_on_missing_checkpoint=True))
+
+
+def test_ckpt_step_loads_that_iteration_and_a_missing_one_raises(tmp_path, recording):
+    model, opt, sched = _objects()
+    args = _args(tmp_path)
+    for it in (10, 20):
+        megatron_lm.save_checkpoint(it, model, opt, sched, it * 1.0, args=args)
+    assert megatron_lm.load_checkpoint(model, opt, sched, args=_args(tmp_path, ckpt_step=10)) == (10, 10.0)
+    assert recording.instances[0].calls[-1] == ("load", 10)
+    with pytest.raises(NoCheckpointError):
+        megatron_lm.load_checkpoint(model, opt, sched, args=_args(tmp_path, ckpt_step=15))
+
+
+def test_without_load_dir_nothing_is_loaded(tmp_path, recording):
+    model, opt, sched = _objects()
+    args = _args(tmp_path)
+    args.load = None
+    assert megatron_lm.load_checkpoint(model, opt, sched, args=args) == (0, 0)
+    assert recording.instances == []
+
+
+def test_non_persistent_and_release_saves_are_refused(tmp_path, recording):
+    model, opt, sched = _objects()
+    args = _args(tmp_path)
+    with pytest.raises(LazyCkptArgsError, match="--non-persistent-save-interval"):
+        megatron_lm.save_checkpoint(1, model, opt, sched, 0, non_persistent_ckpt=True, args=args)
+    with pytest.raises(LazyCkptArgsError, match="release"):
+        megatron_lm.save_checkpoint(1, model, opt, sched, 0, release=True, args=args)
+    assert recording.instances == []
+
+
+def test_no_streaming_with_a_too_small_cache_fails_when_the_checkpointer_starts(tmp_path, recording):
+    model = [torch.nn.Linear(100, 100)]  # 40000-byte weight
+    args = _args(tmp_path, "--lazy-ckpt-no-streaming", "--lazy-ckpt-host-cache-gb", "0.00001")
+    with pytest.raises(LazyCkptArgsError, match="--lazy-ckpt-host-cache-gb"):
+        megatron_lm.save_checkpoint(1, model, object(), None, 0, args=args)
+    assert megatron_lm.largest_tensor_bytes(model) == 40000
+
+
+def test_extra_state_layout_mismatch(tmp_path):
+    saved = megatron_lm.build_extra_state(_args(tmp_path, tensor_model_parallel_size=2), 30, 7)
+    with pytest.raises(LayoutMismatchError, match="tensor_model_parallel_size: checkpoint 2, run 1"):
+        megatron_lm.apply_extra_state(_args(tmp_path), 30, saved)
+
+
+def test_extra_state_from_a_newer_version(tmp_path):
+    saved = megatron_lm.build_extra_state(_args(tmp_path), 30, 7)
+    saved[megatron_lm.EXTRA_STATE_KEY]["version"] = megatron_lm.EXTRA_STATE_VERSION + 1
+    with pytest.raises(FormatVersionError):
+        megatron_lm.apply_extra_state(_args(tmp_path), 30, saved)
+
+
+def test_extra_state_without_megatron_fields(tmp_path, caplog):
+    args = _args(tmp_path, consumed_train_samples=5)
+    assert megatron_lm.apply_extra_state(args, 3, None) == 0
+    assert args.consumed_train_samples == 5 and "carries no Megatron-LM state" in caplog.text
+
+
+def test_extra_state_keeps_only_json_args(tmp_path):
+    args = _args(tmp_path, params_dtype=torch.bfloat16, iterations_to_skip=[3, 4], lr=float("nan"),
+                 _private=1, init_method=lambda x: x)
+    saved_args = megatron_lm.build_extra_state(args, 1, torch.tensor(2.0))[megatron_lm.EXTRA_STATE_KEY]
+    assert saved_args["num_floating_point_operations_so_far"] == 2.0
+    saved_args = saved_args["args"]
+    assert saved_args["iterations_to_skip"] == [3, 4] and saved_args["lazy_ckpt"] is True
+    assert not {"params_dtype", "lr", "_private", "init_method"} & set(saved_args)
+
+
+# --------------------------------------------------------------------------- #
+# part 2: the patch on a real Megatron-LM checkout
+# --------------------------------------------------------------------------- #
+MEGATRON_LM_DIR = os.environ.get("MEGATRON_LM_DIR")
+needs_checkout = pytest.mark.skipif(
+    not MEGATRON_LM_DIR,
+    reason="MEGATRON_LM_DIR is not set: point it at a Megatron-LM checkout of core_v0.16.1 or "
+           "core_v0.19.0 (e.g. `git archive core_v0.16.1 | tar -x -C /tmp/mlm-0.16.1`)")
+
+# Runs inside the patched copy: python driver.py MODE OUT_JSON TMPDIR
+DRIVER = r'''
+import dataclasses, json, sys, types, typing
+if not hasattr(typing, "override"):
+    # Megatron-LM core_v0.19 declares Python >= 3.12 but only needs typing.override to import.
+    import typing_extensions
+    typing.override = typing_extensions.override
+
+mode, out_path, tmp = sys.argv[1], sys.argv[2], sys.argv[3]
+out = {}
+
+if mode == "without-package":
+    class _Hide:  # as if datastates_megatron were not installed
+        def find_spec(self, name, path=None, target=None):
+            if name.split(".")[0] == "datastates_megatron":
+                raise ModuleNotFoundError(f"No module named {name!r}", name=name.split(".")[0])
+    sys.meta_path.insert(0, _Hide())
+    from megatron.training.arguments import parse_args
+    sys.argv = ["pretrain", "--save", tmp + "/s"]
+    out["has_lazy_ckpt"] = hasattr(parse_args(), "lazy_ckpt")
+    sys.argv = ["pretrain", "--save", tmp + "/s", "--lazy-ckpt"]
+    try:
+        parse_args()
+        out["lazy_flag_rejected"] = False
+    except SystemExit:
+        out["lazy_flag_rejected"] = True
+
+elif mode == "parse":
+    from megatron.training.arguments import parse_args
+    from datastates_megatron.megatron.args import LazyCkptArgsError, config_from_args
+    sys.argv = ["pretrain", "--lazy-ckpt", "--save", tmp + "/s", "--load", tmp + "/l",
+                "--save-interval", "100", "--train-iters", "1000",
+                "--lazy-ckpt-host-cache-gb", "8", "--lazy-ckpt-flush-threads", "3",
+                "--lazy-ckpt-max-inflight", "1", "--lazy-ckpt-keep-last", "4",
+                "--lazy-ckpt-keep-every", "1000", "--no-lazy-ckpt-verify-on-load",
+                "--lazy-ckpt-on-error", "warn", "--lazy-ckpt-no-streaming",
+                "--lazy-ckpt-direct-io", "on", "--lazy-ckpt-timeout-s", "60",
+                "--lazy-ckpt-local-dir", tmp + "/local", "--lazy-ckpt-persist-interval", "5",
+                "--lazy-ckpt-local-keep-last", "3"]
+    args = parse_args()
+    out["lazy_ckpt"] = args.lazy_ckpt
+    out["save_interval"] = args.save_interval
+    out["train_iters"] = args.train_iters
+    out["config"] = dataclasses.asdict(config_from_args(args))
+    sys.argv = ["pretrain"]
+    out["default_lazy_ckpt"] = parse_args().lazy_ckpt
+    errors = {}
+    for name, argv in {
+        "no_save": ["--lazy-ckpt"],
+        "async_save": ["--lazy-ckpt", "--save", tmp + "/s", "--async-save"],
+        "finetune": ["--lazy-ckpt", "--save", tmp + "/s", "--finetune"],
+        "non_persistent": ["--lazy-ckpt", "--save", tmp + "/s", "--non-persistent-save-interval", "10"],
+        "bad_threads": ["--lazy-ckpt", "--save", tmp + "/s", "--lazy-ckpt-flush-threads", "0"],
+    }.items():
+        sys.argv = ["pretrain", *argv]
+        try:
+            parse_args()
+            errors[name] = None
+        except LazyCkptArgsError as e:
+            errors[name] = str(e)
+    out["errors"] = errors
+
+elif mode in ("route", "glue"):
+    from megatron.training.arguments import parse_args
+    from megatron.training.global_vars import set_args
+    import megatron.training.async_utils as async_utils
+    import megatron.training.checkpointing as checkpointing
+    from datastates_megatron.megatron import megatron_lm
+    sys.argv = ["pretrain", "--lazy-ckpt", "--save", tmp + "/s", "--load", tmp + "/s",
+                "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4"]
+    args = parse_args()
+    set_args(args)
+    model, opt, sched = [object()], object(), object()
+    calls = []
+    if mode == "route":  # the patch forwards to the glue, with Megatron's arguments
+        def save(*a, **k):
+            calls.append(["save", a[0], a[1] is model, a[2] is opt, a[3] is sched, a[4], sorted(k)])
+        def load(*a, **k):
+            calls.append(["load", a[0] is model, a[1] is opt, a[2] is sched, sorted(k)])
+            return 100, 12.5
+        def fin(blocking=False, terminate=False):
+            calls.append(["finalize", blocking, terminate])
+        megatron_lm.save_checkpoint, megatron_lm.load_checkpoint, megatron_lm.maybe_finalize = save, load, fin
+        checkpointing.save_checkpoint(100, model, opt, sched, 12.5, None)
+        out["load_returned"] = list(checkpointing.load_checkpoint(model, opt, sched))
+        async_utils.maybe_finalize_async_save(blocking=False)
+        async_utils.maybe_finalize_async_save(blocking=True, terminate=True)
+        args.lazy_ckpt = False
+        async_utils.maybe_finalize_async_save(blocking=True, terminate=True)  # Megatron's own path
+    else:  # the real glue behind the patch, with a recording checkpointer and Megatron's globals
+        from megatron.core.num_microbatches_calculator import (
+            get_num_microbatches, init_num_microbatches_calculator)
+        from datastates_megatron.engine.errors import NoCheckpointError
+        store = {}
+        class Recording:
+            def __init__(self, model, optimizer, config, opt_param_scheduler=None):
+                calls.append(["init", model is model_ref, optimizer is opt, opt_param_scheduler is sched,
+                              config.save_dir])
+                self.pending = []
+            def save(self, iteration, extra_state=None):
+                json.dumps(extra_state)
+                store[iteration] = extra_state
+                self.pending.append(iteration)
+                calls.append(["save", iteration])
+            def poll(self):
+                done, self.pending = self.pending, []
+                calls.append(["poll", done])
+                return done
+            def wait(self, persist=True):
+                calls.append(["wait", persist])
+            def load(self, iteration=None):
+                calls.append(["load", iteration])
+                if not store:
+                    raise NoCheckpointError("none")
+                it = max(store)
+                return it, store[it]
+            def close(self):
+                calls.append(["close"])
+        model_ref = model
+        fake = types.ModuleType("datastates_megatron.megatron.checkpointer")
+        fake.LazyCheckpointer = Recording
+        sys.modules[fake.__name__] = fake
+        import inspect
+        if "step_batch_size_schedule" in inspect.signature(init_num_microbatches_calculator).parameters:
+            init_num_microbatches_calculator(0, None, 16, 2, 1, step_batch_size_schedule="0:4 800:16")
+        else:  # batch-size ramp-up 4 -> 16 over 800 samples
+            init_num_microbatches_calculator(0, [4, 4, 800], 16, 2, 1)
+        out["microbatches_before"] = get_num_microbatches()
+        out["empty_load"] = list(checkpointing.load_checkpoint(model, opt, sched))
+        args.consumed_train_samples, args.skipped_train_samples, args.consumed_valid_samples = 1600, 0, 64
+        checkpointing.save_checkpoint(100, model, opt, sched, 12.5, None, train_data_iterator=None)
+        async_utils.maybe_finalize_async_save(blocking=False)
+        args.consumed_train_samples = args.consumed_valid_samples = 0
+        out["load_returned"] = list(checkpointing.load_checkpoint(model, opt, sched))
+        out["consumed"] = [args.consumed_train_samples, args.consumed_valid_samples]
+        out["microbatches_after"] = get_num_microbatches()
+        out["loaded_iteration"] = checkpointing.get_loaded_iteration()
+        out["checkpoint_version"] = checkpointing.get_checkpoint_version()
+        async_utils.maybe_finalize_async_save(blocking=True, terminate=True)
+        out["checkpointer_after_exit"] = megatron_lm.get_checkpointer() is None
+    out["calls"] = calls
+
+with open(out_path, "w") as f:
+    json.dump(out, f)
+'''
+
+
+@pytest.fixture(scope="module")
+def megatron_copy(tmp_path_factory):
+    """``megatron/`` of MEGATRON_LM_DIR copied to a temporary directory, the patch applied."""
+    src = Path(MEGATRON_LM_DIR)
+    dst = tmp_path_factory.mktemp("megatron-lm")
+    shutil.copytree(src / "megatron", dst / "megatron",
+                    ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    first = _apply(dst)
+    assert first.returncode == 0, first.stderr
+    assert first.stdout.startswith("applied:"), first.stdout
+    return src, dst
+
+
+def _apply(where: Path, *extra: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["bash", str(APPLY), str(where), *extra], capture_output=True, text=True,
+                          timeout=120)
+
+
+def _drive(dst: Path, mode: str, tmp_path: Path) -> dict:
+    driver = tmp_path / "driver.py"
+    driver.write_text(textwrap.dedent(DRIVER))
+    out = tmp_path / f"{mode}.json"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(dst), str(REPO)]),
+               CUDA_VISIBLE_DEVICES="", PYTHONWARNINGS="ignore")
+    proc = subprocess.run([sys.executable, str(driver), mode, str(out), str(tmp_path)], cwd=dst,
+                          env=env, capture_output=True, text=True, timeout=SUBPROCESS_TIMEOUT_S)
+    assert proc.returncode == 0, f"driver {mode} failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
+    return json.loads(out.read_text())
+
+
+@needs_checkout
+def test_apply_is_idempotent_and_checkable(megatron_copy):
+    _, dst = megatron_copy
+    again = _apply(dst)
+    assert again.returncode == 0 and again.stdout.startswith("already applied:"), again.stdout
+    check = _apply(dst, "--check")
+    assert check.returncode == 0 and check.stdout.startswith("already applied:"), check.stdout
+    for rel in PATCHED_FILES:
+        assert "datastates_megatron" in (dst / rel).read_text(), rel
+
+
+@needs_checkout
+def test_parse_args_takes_the_lazy_ckpt_flags(megatron_copy, tmp_path):
+    _, dst = megatron_copy
+    out = _drive(dst, "parse", tmp_path)
+    assert out["lazy_ckpt"] is True and out["default_lazy_ckpt"] is False
+    assert (out["save_interval"], out["train_iters"]) == (100, 1000)
+    assert out["config"] == dict(
+        save_dir=f"{tmp_path}/s", load_dir=f"{tmp_path}/l", host_cache_gb=8.0, flush_threads=3,
+        max_inflight=1, keep_last=4, keep_every=1000, verify_on_load=False, on_error="warn",
+        streaming=False, direct_io=True, timeout_s=60.0, local_dir=f"{tmp_path}/local",
+        persist_interval=5, local_keep_last=3)
+    errors = out["errors"]
+    assert "--lazy-ckpt requires --save" in errors["no_save"]
+    assert "--lazy-ckpt cannot be combined with --async-save" in errors["async_save"]
+    assert "--lazy-ckpt cannot be combined with --finetune" in errors["finetune"]
+    assert "--non-persistent-save-interval" in errors["non_persistent"]
+    assert "--lazy-ckpt-flush-threads must be >= 1" in errors["bad_threads"]
+
+
+@needs_checkout
+def test_patched_megatron_routes_to_the_glue(megatron_copy, tmp_path):
+    _, dst = megatron_copy
+    out = _drive(dst, "route", tmp_path)
+    assert out["load_returned"] == [100, 12.5]
+    assert out["calls"] == [
+        ["save", 100, True, True, True, 12.5,
+         ["non_persistent_ckpt", "release", "train_data_iterator"]],
+        ["load", True, True, True,
+         ["checkpointing_context", "load_arg", "skip_load_to_model_and_opt", "strict"]],
+        ["finalize", False, False],
+        ["finalize", True, True],
+    ]
+
+
+@needs_checkout
+def test_glue_behind_the_patch_restores_megatron_state(megatron_copy, tmp_path):
+    _, dst = megatron_copy
+    out = _drive(dst, "glue", tmp_path)
+    assert out["empty_load"] == [0, 0]
+    assert out["load_returned"] == [100, 12.5]
+    assert out["consumed"] == [1600, 64]
+    assert out["microbatches_before"] == 2 and out["microbatches_after"] == 8  # ramp-up resumed
+    assert out["loaded_iteration"] == 100 and out["checkpoint_version"] == 3.0
+    assert out["checkpointer_after_exit"] is True
+    calls = out["calls"]
+    assert calls[0] == ["init", True, True, True, f"{tmp_path}/s"]
+    assert ["save", 100] in calls and ["poll", [100]] in calls
+    assert calls[-2:] == [["wait", True], ["close"]]
+    assert [c[0] for c in calls].count("init") == 1
+
+
+@needs_checkout
+def test_patched_megatron_works_without_the_package(megatron_copy, tmp_path):
+    _, dst = megatron_copy
+    out = _drive(dst, "without-package", tmp_path)
+    assert out == {"has_lazy_ckpt": False, "lazy_flag_rejected": True}
+
+
+@needs_checkout
+def test_revert_restores_the_original_files(megatron_copy):
+    src, dst = megatron_copy
+    rev = _apply(dst, "--revert")
+    assert rev.returncode == 0 and rev.stdout.startswith("reverted:"), rev.stdout + rev.stderr
+    for rel in PATCHED_FILES:
+        assert filecmp.cmp(src / rel, dst / rel, shallow=False), rel
+    again = _apply(dst, "--revert")
+    assert again.returncode == 0 and again.stdout.startswith("not applied:"), again.stdout
+    check = _apply(dst, "--check")
+    assert check.returncode == 0 and check.stdout.startswith("applies cleanly:"), check.stdout
+    reapply = _apply(dst)  # leave it patched for any test that runs after
+    assert reapply.returncode == 0, reapply.stderr
+
+
+def test_unsupported_version_is_named_without_a_checkout(tmp_path):
+    fake = tmp_path / "megatron" / "core"
+    fake.mkdir(parents=True)
+    (fake / "package_info.py").write_text("MAJOR = 0\nMINOR = 12\nPATCH = 0\n")
+    res = _apply(tmp_path)
+    assert res.returncode == 2 and "0.12.0" in res.stderr and "supported versions: " in res.stderr
+
+
+def test_a_directory_that_is_not_megatron_is_refused(tmp_path):
+    res = _apply(tmp_path)
+    assert res.returncode == 2 and "package_info.py not found" in res.stderr

@@ -1,0 +1,205 @@
+"""The --lazy-ckpt flags: parsing on a plain parser, start-up validation messages, config_from_args."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+
+import pytest
+
+from datastates_megatron.engine.errors import CheckpointError
+from datastates_megatron.megatron.args import (
+    UNSUPPORTED_MEGATRON_FLAGS,
+    LazyCkptArgsError,
+    add_lazy_ckpt_args,
+    check_host_cache_fits,
+    config_from_args,
+    validate_lazy_ckpt_args,
+)
+from datastates_megatron.megatron.config import LazyCkptConfig
+
+
+def _parser() -> argparse.ArgumentParser:
+    """A plain parser with the Megatron-like flags the CPU demo uses."""
+    p = argparse.ArgumentParser(allow_abbrev=False)
+    p.add_argument("--save")
+    p.add_argument("--load")
+    p.add_argument("--save-interval", type=int)
+    p.add_argument("--train-iters", type=int)
+    return add_lazy_ckpt_args(p)
+
+
+def _parse(*argv: str) -> argparse.Namespace:
+    return _parser().parse_args(list(argv))
+
+
+def _error(*argv: str, **extra) -> str:
+    args = _parse(*argv)
+    for k, v in extra.items():
+        setattr(args, k, v)
+    with pytest.raises(LazyCkptArgsError) as info:
+        validate_lazy_ckpt_args(args)
+    return str(info.value)
+
+
+def test_defaults_match_the_config_defaults(tmp_path):
+    args = _parse("--save", str(tmp_path))
+    assert args.lazy_ckpt is False
+    cfg = config_from_args(args)
+    defaults = LazyCkptConfig(save_dir=str(tmp_path))
+    assert cfg == defaults
+    assert args.lazy_ckpt_host_cache_gb == defaults.host_cache_gb
+    assert args.lazy_ckpt_verify_on_load is True and args.lazy_ckpt_streaming is True
+
+
+def test_every_flag_reaches_the_config(tmp_path):
+    save, load, local = tmp_path / "save", tmp_path / "load", tmp_path / "local"
+    args = _parse(
+        "--lazy-ckpt", "--save", str(save), "--load", str(load), "--save-interval", "50",
+        "--train-iters", "200", "--lazy-ckpt-host-cache-gb", "1.5", "--lazy-ckpt-flush-threads", "4",
+        "--lazy-ckpt-max-inflight", "3", "--lazy-ckpt-keep-last", "5", "--lazy-ckpt-keep-every", "100",
+        "--no-lazy-ckpt-verify-on-load", "--lazy-ckpt-on-error", "warn", "--lazy-ckpt-no-streaming",
+        "--lazy-ckpt-direct-io", "off", "--lazy-ckpt-timeout-s", "30",
+        "--lazy-ckpt-local-dir", str(local), "--lazy-ckpt-persist-interval", "4",
+        "--lazy-ckpt-local-keep-last", "3",
+    )
+    validate_lazy_ckpt_args(args)
+    assert args.lazy_ckpt and args.save_interval == 50 and args.train_iters == 200
+    assert config_from_args(args) == LazyCkptConfig(
+        save_dir=str(save), load_dir=str(load), host_cache_gb=1.5, flush_threads=4, max_inflight=3,
+        keep_last=5, keep_every=100, verify_on_load=False, on_error="warn", streaming=False,
+        direct_io=False, timeout_s=30.0, local_dir=str(local), persist_interval=4, local_keep_last=3)
+
+
+@pytest.mark.parametrize("flag, expected", [("--lazy-ckpt-verify-on-load", True),
+                                            ("--no-lazy-ckpt-verify-on-load", False)])
+def test_verify_on_load_has_both_spellings(tmp_path, flag, expected):
+    assert config_from_args(_parse("--save", str(tmp_path), flag)).verify_on_load is expected
+
+
+@pytest.mark.parametrize("choice, expected", [("auto", "auto"), ("on", True), ("off", False)])
+def test_direct_io_choices(tmp_path, choice, expected):
+    args = _parse("--save", str(tmp_path), "--lazy-ckpt-direct-io", choice)
+    assert config_from_args(args).direct_io == expected
+
+
+def test_load_defaults_to_save(tmp_path):
+    cfg = config_from_args(_parse("--lazy-ckpt", "--save", str(tmp_path)))
+    assert cfg.load_dir is None and cfg.effective_load_dir == str(tmp_path)
+
+
+def test_bad_choice_is_an_argparse_error(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        _parse("--save", str(tmp_path), "--lazy-ckpt-on-error", "ignore")
+    assert "--lazy-ckpt-on-error" in capsys.readouterr().err
+
+
+def test_adding_twice_is_a_no_op():
+    p = _parser()
+    assert add_lazy_ckpt_args(p) is p
+    assert p.parse_args(["--lazy-ckpt"]).lazy_ckpt is True
+
+
+def test_config_from_a_namespace_without_the_group(tmp_path):
+    cfg = config_from_args(argparse.Namespace(save=str(tmp_path), load=None))
+    assert cfg == LazyCkptConfig(save_dir=str(tmp_path))
+
+
+def test_requires_save():
+    msg = _error("--lazy-ckpt")
+    assert "--lazy-ckpt requires --save" in msg
+
+
+def test_rejects_async_save(tmp_path):
+    msg = _error("--lazy-ckpt", "--save", str(tmp_path), async_save=True)
+    assert "--lazy-ckpt cannot be combined with --async-save" in msg
+
+
+def test_reports_every_problem_at_once():
+    msg = _error("--lazy-ckpt", "--lazy-ckpt-flush-threads", "0", async_save=True)
+    assert "--save" in msg and "--async-save" in msg and "--lazy-ckpt-flush-threads must be >= 1" in msg
+
+
+@pytest.mark.parametrize("attr, flag, _hint", UNSUPPORTED_MEGATRON_FLAGS)
+def test_rejects_megatron_flags_it_cannot_honour(tmp_path, attr, flag, _hint):
+    msg = _error("--lazy-ckpt", "--save", str(tmp_path), **{attr: 1 if "interval" in attr else True})
+    assert f"cannot be combined with {flag}" in msg
+
+
+def test_megatron_flags_at_their_defaults_are_fine(tmp_path):
+    args = _parse("--lazy-ckpt", "--save", str(tmp_path))
+    for attr, _, _ in UNSUPPORTED_MEGATRON_FLAGS:  # Megatron's defaults are None or False
+        setattr(args, attr, None if "interval" in attr else False)
+    validate_lazy_ckpt_args(args)
+
+
+def test_override_iteration_zero_counts_as_given(tmp_path):
+    msg = _error("--lazy-ckpt", "--save", str(tmp_path), override_ckpt_iteration=0)
+    assert "--override-ckpt-iteration" in msg
+
+
+@pytest.mark.parametrize("argv, text", [
+    (("--lazy-ckpt-host-cache-gb", "0"), "--lazy-ckpt-host-cache-gb must be > 0"),
+    (("--lazy-ckpt-flush-threads", "0"), "--lazy-ckpt-flush-threads must be >= 1"),
+    (("--lazy-ckpt-max-inflight", "0"), "--lazy-ckpt-max-inflight must be >= 1"),
+    (("--lazy-ckpt-keep-last", "-1"), "--lazy-ckpt-keep-last must be >= 0"),
+    (("--lazy-ckpt-keep-every", "-2"), "--lazy-ckpt-keep-every must be >= 0"),
+    (("--lazy-ckpt-timeout-s", "0"), "--lazy-ckpt-timeout-s must be > 0"),
+])
+def test_numeric_bounds_name_the_flag(tmp_path, argv, text):
+    assert text in _error("--lazy-ckpt", "--save", str(tmp_path), *argv)
+
+
+@pytest.mark.parametrize("argv, flag", [
+    (("--lazy-ckpt-persist-interval", "5"), "--lazy-ckpt-persist-interval"),
+    (("--lazy-ckpt-local-keep-last", "4"), "--lazy-ckpt-local-keep-last"),
+])
+def test_local_tier_flags_need_a_local_dir(tmp_path, argv, flag):
+    msg = _error("--lazy-ckpt", "--save", str(tmp_path), *argv)
+    assert f"{flag} only applies to a local tier: it requires --lazy-ckpt-local-dir" in msg
+
+
+def test_local_dir_must_differ_from_save(tmp_path):
+    msg = _error("--lazy-ckpt", "--save", str(tmp_path), "--lazy-ckpt-local-dir", str(tmp_path / "."))
+    assert "--lazy-ckpt-local-dir and --save must differ" in msg
+
+
+def test_error_type(tmp_path):
+    with pytest.raises(ValueError):
+        validate_lazy_ckpt_args(_parse("--lazy-ckpt"))
+    assert issubclass(LazyCkptArgsError, CheckpointError)
+
+
+def test_without_lazy_ckpt_nothing_is_checked_but_ignored_flags_warn(caplog):
+    args = _parse("--lazy-ckpt-host-cache-gb", "0", "--lazy-ckpt-direct-io", "on")
+    with caplog.at_level(logging.WARNING, logger="datastates_megatron.megatron.args"):
+        validate_lazy_ckpt_args(args)
+    assert "--lazy-ckpt-host-cache-gb" in caplog.text and "--lazy-ckpt-direct-io" in caplog.text
+    assert "without --lazy-ckpt" in caplog.text
+
+
+def test_without_lazy_ckpt_and_defaults_there_is_no_warning(caplog):
+    with caplog.at_level(logging.WARNING, logger="datastates_megatron.megatron.args"):
+        validate_lazy_ckpt_args(_parse())
+    assert caplog.text == ""
+
+
+def test_host_cache_check_only_applies_without_streaming(tmp_path):
+    gib = 1 << 30
+    streaming = LazyCkptConfig(save_dir=str(tmp_path), host_cache_gb=1.0)
+    check_host_cache_fits(streaming, 10 * gib)  # streamed in chunks: fine
+    fixed = dataclasses.replace(streaming, streaming=False)
+    check_host_cache_fits(fixed, gib)  # exactly fits
+    with pytest.raises(LazyCkptArgsError) as info:
+        check_host_cache_fits(fixed, gib + 1, what="largest optimizer shard")
+    msg = str(info.value)
+    assert "--lazy-ckpt-no-streaming" in msg and "--lazy-ckpt-host-cache-gb" in msg
+    assert "largest optimizer shard" in msg and str(gib + 1) in msg
+
+
+def test_help_lists_the_group(capsys):
+    with pytest.raises(SystemExit):
+        _parser().parse_args(["--help"])
+    out = capsys.readouterr().out
+    assert "lazy-ckpt:" in out and "--no-lazy-ckpt-verify-on-load" in out
