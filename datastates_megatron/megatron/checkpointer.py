@@ -1,0 +1,237 @@
+"""LazyCheckpointer: lazy asynchronous checkpoints of a megatron-core model + DistributedOptimizer.
+
+``save(it)`` captures the non-tensor state and returns at once; the shards' device -> host copies
+overlap the next forward/backward, and a step pre-hook on every inner torch optimizer makes
+``optimizer.step()`` wait for the copies of exactly the shards it is about to mutate.  Flushing and
+the cross-rank commit run on background threads.  ``load()`` restores everything in place.
+
+Thread-safety: call every method from the training thread (all ranks, same order: ``save`` and
+``load`` are collective).  Hooks run on the training thread inside ``optimizer.step()``.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import time
+
+import torch
+
+from ..engine.commit import CommitRecord
+from ..engine.errors import EngineClosedError
+from ..engine.manager import CheckpointManager
+from ..engine.options import EngineOptions
+from . import training_state
+from .config import LazyCkptConfig
+from .shards import collect_shards, inner_optimizers, model_chunks_of, param_buffer_shards
+
+__all__ = ["LazyCheckpointer"]
+
+log = logging.getLogger(__name__)
+
+
+def parallel_layout(model_chunks) -> dict:
+    """Parallel sizes a checkpoint is tied to (recorded in the manifest, checked on load)."""
+    layout = {"model_chunks": len(model_chunks)}
+    try:
+        from megatron.core import parallel_state as ps
+
+        if ps.model_parallel_is_initialized():
+            layout.update(
+                tp=ps.get_tensor_model_parallel_world_size(),
+                pp=ps.get_pipeline_model_parallel_world_size(),
+                dp=ps.get_data_parallel_world_size(),
+                cp=ps.get_context_parallel_world_size(),
+                ep=ps.get_expert_model_parallel_world_size(),
+            )
+    except ImportError:
+        pass
+    return layout
+
+
+class LazyCheckpointer:
+    """Checkpoints ``model`` (a DDP chunk or a list of them) and ``optimizer`` (what
+    ``get_megatron_optimizer`` returns) under ``config.save_dir``.  A context manager."""
+
+    def __init__(self, model, optimizer, config: LazyCkptConfig, opt_param_scheduler=None) -> None:
+        self.model = model_chunks_of(model)
+        self.optimizer = optimizer
+        self.scheduler = opt_param_scheduler
+        self.config = config
+        opts = EngineOptions(
+            cache_bytes=config.host_cache_bytes,
+            flush_threads=config.flush_threads,
+            max_inflight=config.max_inflight,
+            streaming=config.streaming,
+            direct_io=config.direct_io,
+            timeout_s=config.timeout_s,
+        )
+        self._mgr = CheckpointManager(
+            config.save_dir, opts, keep_last=config.keep_last, keep_every=config.keep_every,
+            on_error=config.on_error, layout=parallel_layout(self.model), load_root=config.effective_load_dir,
+            verify_on_load=config.verify_on_load,
+        )  # fmt: skip
+        self.rank = self._mgr.rank
+        self._signature = None
+        self._hooked: list[int] = []
+        self._hook_handles: list = []
+        self._stall: dict[int, float] = {}  # iteration -> save-call + gate time on this rank
+        self._last_saved: int | None = None
+        self.commits: collections.deque[CommitRecord] = collections.deque(maxlen=1000)
+        self.on_commit: list = []  # callables(record, stall_s) run on the training thread after a commit
+        self._closed = False
+        self._refresh()
+
+    # ------------------------------------------------------------------ registration and hooks
+    def _refresh(self) -> None:
+        """(Re)register shards when they changed (Adam state appears at the first step; a
+        ``load_state_dict`` replaces state tensors) and hook the current inner optimizers."""
+        refs = collect_shards(self.model, self.optimizer)
+        signature = [(r.name, r.tensor.data_ptr(), tuple(r.tensor.shape), r.tensor.dtype) for r in refs]
+        if signature != self._signature:
+            self._mgr.clear()
+            for r in refs:
+                self._mgr.register(r.name, r.tensor, group=r.group, meta=r.meta)
+            self._signature = signature
+        inners = inner_optimizers(self.optimizer)
+        if [id(o) for o in inners] != self._hooked:
+            self._remove_hooks()
+            for i, inner in enumerate(inners):
+                self._hook_handles.append(inner.register_step_pre_hook(self._gate_hook(f"opt{i}")))
+            self._hooked = [id(o) for o in inners]
+
+    def _gate_hook(self, group: str):
+        def hook(_optimizer, _args, _kwargs):
+            t0 = time.perf_counter()
+            self._mgr.wait_for_snapshot(group)
+            if self._last_saved is not None:
+                self._stall[self._last_saved] = self._stall.get(self._last_saved, 0.0) + time.perf_counter() - t0
+
+        return hook
+
+    def _remove_hooks(self) -> None:
+        for h in self._hook_handles:
+            h.remove()
+        self._hook_handles = []
+        self._hooked = []
+
+    # ------------------------------------------------------------------ save path
+    def save(self, iteration: int, extra_state=None) -> bool:
+        """Start a checkpoint of ``iteration``; returns at once (``False``: not started, on_error=warn)."""
+        t0 = time.perf_counter()
+        self._check_open()
+        self.poll()
+        self._refresh()
+        objects = {
+            "iteration": int(iteration),
+            "extra_state": extra_state,
+            "training": training_state.capture(self.optimizer, self.scheduler),
+        }
+        started = self._mgr.save(iteration, objects, metadata={"iteration": int(iteration)})
+        self._last_saved = int(iteration)
+        self._stall[int(iteration)] = time.perf_counter() - t0
+        return started
+
+    def poll(self) -> list[int]:
+        """Non-blocking: iterations committed since the last call (a background error is re-raised
+        once here, or logged with ``on_error="warn"``)."""
+        return self._report(self._mgr.poll())
+
+    def wait(self, persist: bool = True) -> list[int]:
+        """Block until every pending checkpoint is committed.  (``persist`` is for the multi-level
+        tiers: with one tier, committed is persistent.)"""
+        self._check_open()
+        return self._report(self._mgr.wait())
+
+    def _report(self, records: list[CommitRecord]) -> list[int]:
+        for rec in records:
+            self.commits.append(rec)
+            stall = self._stall.pop(rec.iteration, 0.0)
+            if self.rank == 0:
+                log.info(
+                    "lazy-ckpt: committed iteration %d | %.1f MB total, %.1f MB/rank max | stall %.2f ms | "
+                    "D2H %.2f GB/s | flush %.2f GB/s | save->commit %.3f s",
+                    rec.iteration, rec.total_bytes / 1e6, max(rec.bytes_per_rank) / 1e6, stall * 1e3,
+                    rec.d2h_gbps, rec.flush_gbps, rec.commit_s,
+                )  # fmt: skip
+            for callback in self.on_commit:
+                callback(rec, stall)
+        return [r.iteration for r in records]
+
+    @property
+    def stats(self) -> dict:
+        """Telemetry of this rank: cache peak, waits, and the last commit record."""
+        eng = self._mgr.engine
+        return {
+            "cache_bytes": eng.cache.capacity,
+            "cache_peak_bytes": eng.cache.peak_used,
+            "cache_wait_s": eng.cache.wait_seconds,
+            "gate_wait_s": eng.gate_wait_s,
+            "slot_wait_s": eng.slot_wait_s,
+            "last_commit": self.commits[-1] if self.commits else None,
+        }
+
+    # ------------------------------------------------------------------ load path
+    def load(self, iteration: int | None = None):
+        """Restore the latest committed checkpoint (or ``iteration``) in place: model shards (then
+        all-gathered across data-parallel ranks), main params, optimizer state, scheduler, RNG.
+
+        Returns ``(iteration, extra_state)``; raises ``NoCheckpointError`` when there is none."""
+        self._check_open()
+        self._mgr.wait()
+        self._ensure_optimizer_state()
+        self._refresh()
+        result = self._mgr.load(iteration)
+        self._gather_params()
+        training_state.restore(result.objects["training"], self.optimizer, self.scheduler)
+        log.info("rank %d: restored iteration %d (%.1f MB, verify %.2f s, copy %.2f s)", self.rank, result.iteration,
+                 result.stats.bytes / 1e6, result.stats.verify_s, result.stats.copy_s)  # fmt: skip
+        return result.iteration, result.objects["extra_state"]
+
+    def _ensure_optimizer_state(self) -> None:
+        """Adam state is created lazily by the first step; a fresh optimizer gets it the way
+        megatron-core does before a distributed-checkpoint load (a step on zero grads, overwritten
+        right after by the restore)."""
+        for inner in inner_optimizers(self.optimizer):
+            params = [p for pg in inner.param_groups for p in pg["params"] if p.numel()]
+            if params and all(p in inner.state and inner.state[p] for p in params):
+                continue
+            with torch.no_grad():
+                saved = [p.detach().clone() for p in params]
+                for p in params:
+                    p.grad = torch.zeros_like(p)
+                inner.step()
+                inner.zero_grad()
+                for p, s in zip(params, saved):
+                    p.copy_(s)  # the dummy step must not leak into tensors the checkpoint may not cover
+
+    def _gather_params(self) -> None:
+        """Every DP rank restored only its own slice of each bucket: all-gather the rest."""
+        import torch.distributed as dist
+
+        for _, shard, buf, views in param_buffer_shards(self.model):
+            group = getattr(buf, "data_parallel_group", None)
+            if len(views) > 1 and dist.is_initialized():
+                dist.all_gather(views, shard.clone(), group=group)
+
+    # ------------------------------------------------------------------ lifecycle
+    def close(self) -> None:
+        """Commit what is pending, remove the optimizer hooks, stop every thread; idempotent."""
+        if self._closed:
+            return
+        self._remove_hooks()
+        try:
+            self._report(self._mgr.wait())
+        finally:
+            self._closed = True
+            self._mgr.close()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise EngineClosedError(f"rank {self.rank}: LazyCheckpointer is closed")
+
+    def __enter__(self) -> "LazyCheckpointer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
