@@ -23,7 +23,9 @@ def free_port() -> int:
 
 
 def run_ranks(script: str, world: int, args: list[str], *, env: dict | None = None, timeout: float = 120.0,
-              rank_env: dict[int, dict] | None = None) -> list[dict]:
+              rank_env: dict[int, dict] | None = None, kill_when=None) -> list[dict]:
+    """``script``: a ``.py`` path or a module name.  ``kill_when``: a callable polled while the ranks
+    run; when it returns True every rank gets SIGKILL (a real ``kill -9`` mid-training)."""
     port = free_port()
     procs = []
     for rank in range(world):
@@ -32,10 +34,16 @@ def run_ranks(script: str, world: int, args: list[str], *, env: dict | None = No
                   "MASTER_PORT": str(port), "PYTHONPATH": ROOT + os.pathsep + e.get("PYTHONPATH", ""), "OMP_NUM_THREADS": "1"})
         e.update(env or {})
         e.update((rank_env or {}).get(rank, {}))
-        procs.append(subprocess.Popen([sys.executable, script, *args], env=e, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        cmd = [sys.executable, script] if script.endswith(".py") else [sys.executable, "-m", script]
+        procs.append(subprocess.Popen([*cmd, *args], env=e, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                       text=True, start_new_session=True))
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline and any(p.poll() is None for p in procs):
+        if kill_when is not None and kill_when():
+            for p in procs:
+                if p.poll() is None:
+                    os.killpg(p.pid, signal.SIGKILL)
+            break
         if any(p.poll() not in (None, 0) for p in procs):
             time.sleep(0.5)  # let the others notice; then stop them like a launcher would
             for p in procs:

@@ -1,0 +1,70 @@
+"""Worker for test_lazy_checkpointer: one LazyCheckpointer over the demo GPT, one scenario per run."""
+
+import argparse
+import json
+import sys
+import time
+
+import torch
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("scenario", choices=["slow_copy", "replicated"])
+    p.add_argument("--save", required=True)
+    p.add_argument("--no-hooks", action="store_true", help="control: remove the gate to show the test can fail")
+    a = p.parse_args()
+    from datastates_megatron import LazyCheckpointer, LazyCkptConfig
+    from datastates_megatron.demo import gpt
+    from datastates_megatron.demo.train import state_digest
+    from datastates_megatron.engine import device_copy, load_file
+    from datastates_megatron.engine.device_copy import as_bytes
+    from datastates_megatron.engine.serializer import xxh64
+    from datastates_megatron.engine.manifest import iter_dir, read_manifest
+    import os
+
+    gpt.init_distributed(seed=7)
+    rank = torch.distributed.get_rank()
+    chunks, opt = gpt.build(2, 64, 4, 32, 256, bf16=a.scenario == "slow_copy", seed=7)
+    data = lambda it: gpt.batch(it, gpt.dp_rank(), seed=7, seq_len=32, vocab=256)  # noqa: E731
+    ckpt = LazyCheckpointer(chunks, opt, LazyCkptConfig(save_dir=a.save, host_cache_gb=1 / 1024, keep_last=0))
+    gpt.train_step(chunks, opt, data(1))
+    result = {"rank": rank}
+    if a.scenario == "slow_copy":
+        real = device_copy.DeviceCopier.copy
+
+        def slow(self, src, dst, ready):
+            time.sleep(0.02)  # a slow device->host copy: the step must wait for it
+            return real(self, src, dst, ready)
+
+        device_copy.DeviceCopier.copy = slow
+        if a.no_hooks:
+            ckpt._remove_hooks()
+            ckpt._refresh = lambda: None
+        at_save = state_digest(chunks, opt)
+        t0 = time.perf_counter()
+        ckpt.save(1)
+        result["save_call_s"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        gpt.train_step(chunks, opt, data(2))  # mutates every registered tensor in optimizer.step()
+        result["step_s"] = time.perf_counter() - t0
+        ckpt.wait()
+        m = read_manifest(iter_dir(a.save, 1))
+        tensors, _ = load_file(os.path.join(iter_dir(a.save, 1), m.ranks[rank].file))
+        saved = {n: xxh64(as_bytes(t).numpy()) for n, t in tensors.items()}
+        result["equal_to_save_time"] = saved == at_save
+        result["n_tensors"] = len(saved)
+    else:
+        ckpt.save(1)
+        ckpt.wait()
+        m = read_manifest(iter_dir(a.save, 1))
+        tensors, _ = load_file(os.path.join(iter_dir(a.save, 1), m.ranks[rank].file))
+        result["param_shard_bytes"] = sum(t.numel() * t.element_size() for n, t in tensors.items() if ".param_shard" in n)
+        result["param_buffer_bytes"] = sum(b.param_data.numel() * b.param_data.element_size() for c in chunks for b in c.buffers)
+    ckpt.close()
+    print("RESULT " + json.dumps(result), flush=True)
+    gpt.destroy_distributed()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
