@@ -48,7 +48,7 @@ if [ -s "$RUN_DIR/slurmctld.pid" ] && kill -0 "$(cat "$RUN_DIR/slurmctld.pid")" 
         && command -v squeue >/dev/null; then
     jobs="$(squeue -h -o '%i' 2>/dev/null || true)"
     if [ -n "$jobs" ]; then
-        log "cancelling jobs: $(echo $jobs)"
+        log "cancelling jobs: $(tr '\n' ' ' <<<"$jobs")"
         # shellcheck disable=SC2086
         scancel $jobs 2>/dev/null || true
     fi
