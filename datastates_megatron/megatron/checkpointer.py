@@ -179,19 +179,28 @@ class LazyCheckpointer:
         Returns ``(iteration, extra_state)``; raises ``NoCheckpointError`` when there is none."""
         self._check_open()
         self._mgr.wait()
-        self._ensure_optimizer_state()
-        self._refresh()
-        result = self._mgr.load(iteration)
+        if iteration is None:
+            iteration = self._mgr.latest()  # NoCheckpointError here, before anything is touched
+        created = self._ensure_optimizer_state()
+        try:
+            self._refresh()
+            result = self._mgr.load(iteration)
+        except BaseException:
+            for inner in created:  # leave a fresh optimizer as fresh as it was
+                inner.state.clear()
+            self._refresh()
+            raise
         self._gather_params()
         training_state.restore(result.objects["training"], self.optimizer, self.scheduler)
         log.info("rank %d: restored iteration %d (%.1f MB, verify %.2f s, copy %.2f s)", self.rank, result.iteration,
                  result.stats.bytes / 1e6, result.stats.verify_s, result.stats.copy_s)  # fmt: skip
         return result.iteration, result.objects["extra_state"]
 
-    def _ensure_optimizer_state(self) -> None:
+    def _ensure_optimizer_state(self) -> list:
         """Adam state is created lazily by the first step; a fresh optimizer gets it the way
         megatron-core does before a distributed-checkpoint load (a step on zero grads, overwritten
-        right after by the restore)."""
+        right after by the restore).  Returns the optimizers whose state was created here."""
+        created = []
         for inner in inner_optimizers(self.optimizer):
             params = [p for pg in inner.param_groups for p in pg["params"] if p.numel()]
             if params and all(p in inner.state and inner.state[p] for p in params):
@@ -204,6 +213,8 @@ class LazyCheckpointer:
                 inner.zero_grad()
                 for p, s in zip(params, saved):
                     p.copy_(s)  # the dummy step must not leak into tensors the checkpoint may not cover
+            created.append(inner)
+        return created
 
     def _gather_params(self) -> None:
         """Every DP rank restored only its own slice of each bucket: all-gather the rest."""
