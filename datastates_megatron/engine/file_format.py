@@ -142,7 +142,7 @@ def _parse_index(raw: memoryview, n: int, path: str) -> list[TensorEntry]:
         raise CorruptCheckpointError(f"{path}: index holds {buf.size} bytes, {n} records need {rec_bytes}")
     rec = decode_index(buf[:rec_bytes])
     total_cks = int(rec[:, 15].sum()) if n else 0
-    cks = buf[rec_bytes : rec_bytes + 8 * total_cks].view("<u8")
+    cks = buf[rec_bytes : rec_bytes + 8 * total_cks].view("<u8").copy()  # no view may pin the mapping
     names = bytes(buf[rec_bytes + 8 * total_cks :])
     out = []
     for r in rec:
@@ -169,7 +169,11 @@ class RankFile:
             self._file.close()
             raise CorruptCheckpointError(f"{self.path}: truncated ({size} bytes, header needs {HEADER_BYTES})")
         self._mm = mmap.mmap(self._file.fileno(), 0, access=mmap.ACCESS_COPY)
-        self.header = Header.unpack(self._mm[:HEADER_BYTES], self.path)
+        try:
+            self.header = Header.unpack(self._mm[:HEADER_BYTES], self.path)
+        except CorruptCheckpointError:
+            self.close()
+            raise
         h = self.header
         if size != h.file_bytes:
             self.close()

@@ -1,0 +1,597 @@
+"""``datastates-ckpt``: list, inspect and verify checkpoints from the shell.  Its ``--help`` is the reference.
+
+Layering: this module reads checkpoints through ``engine`` only (manifest, rank-file reader, restore's
+``open_rank``); it never imports megatron and never writes.  Each subcommand gathers a plain dict (the
+``--json`` document, stable keys) and renders it as text otherwise.  The gathering functions are public
+and raise ``NoCheckpointError`` (path missing / not a checkpoint), ``CorruptCheckpointError`` (damaged
+manifest) or ``CliUsageError``; ``main`` turns those into one line on stderr and an exit status.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures as cf
+import json
+import os
+import sys
+import time
+
+import numpy as np
+import torch
+
+from .engine.errors import CheckpointError, CorruptCheckpointError, NoCheckpointError
+from .engine.file_format import RankFile
+from .engine.manifest import (
+    MANIFEST_NAME,
+    TRACKER_NAME,
+    Manifest,
+    iter_dir,
+    latest_committed,
+    list_iterations,
+    read_manifest,
+    read_tracker,
+)
+from .engine.restore import open_rank
+from .engine.serializer import xxh64
+
+__all__ = [
+    "main", "list_checkpoints", "inspect_checkpoint", "verify_checkpoint", "CliUsageError",
+    "EXIT_OK", "EXIT_DAMAGED", "EXIT_USAGE",
+]  # fmt: skip
+
+PROG = "datastates-ckpt"
+JSON_SCHEMA = 1
+EXIT_OK = 0  # success; for verify: every check passed
+EXIT_DAMAGED = 1  # a checkpoint is damaged (verify found a problem, a manifest or rank file is unreadable)
+EXIT_USAGE = 2  # bad arguments, or the path is not there / not a checkpoint
+
+
+class CliUsageError(CheckpointError, ValueError):
+    """An argument does not fit the checkpoint (e.g. ``--rank`` beyond its world size)."""
+
+
+# ---------------------------------------------------------------------------------------------- helpers
+def _human(n: int | None) -> str:
+    if n is None:
+        return "-"
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(value) < 1024 or unit == "TiB":
+            return f"{int(value)} B" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    return str(n)
+
+
+def _age(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    s = max(0.0, seconds)
+    for limit, div, unit in ((120, 1, "s"), (7200, 60, "m"), (172800, 3600, "h")):
+        if s < limit:
+            return f"{s / div:.0f}{unit}"
+    return f"{s / 86400:.0f}d"
+
+
+def _when(ts: float | None) -> str:
+    return "-" if ts is None else time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(ts))
+
+
+def _dir_usage(path: str) -> tuple[int, int, float | None]:
+    """(bytes of regular files, number of ``.dsck`` files, newest mtime) of one directory; racing writers tolerated."""
+    total, files, newest = 0, 0, None
+    try:
+        names = os.listdir(path)
+    except OSError:
+        return 0, 0, None
+    for name in names:
+        try:
+            st = os.stat(os.path.join(path, name))
+        except OSError:
+            continue  # removed while we looked
+        total += st.st_size
+        files += name.endswith(".dsck")
+        newest = st.st_mtime if newest is None else max(newest, st.st_mtime)
+    return total, files, newest
+
+
+def _strip_path(message: str, path: str) -> str:
+    prefix = f"{path}: "
+    return message[len(prefix) :] if message.startswith(prefix) else message
+
+
+def _describe(value) -> str:
+    """Short type summary of a stored object (for inspect's objects column)."""
+    if isinstance(value, bool) or value is None:
+        return repr(value)
+    if isinstance(value, (int, float)):
+        return f"{type(value).__name__} = {value!r}"
+    if isinstance(value, str):
+        return f"str = {value!r}" if len(value) <= 40 else f"str ({len(value)} chars)"
+    if isinstance(value, bytes):
+        return f"bytes ({len(value)})"
+    if isinstance(value, torch.Tensor):
+        return f"tensor {str(value.dtype).removeprefix('torch.')} {list(value.shape)}"
+    if isinstance(value, np.ndarray):
+        return f"ndarray {value.dtype} {list(value.shape)}"
+    if isinstance(value, argparse.Namespace):
+        return f"Namespace ({len(vars(value))} fields)"
+    if isinstance(value, (dict, list, tuple)):
+        return f"{type(value).__name__} ({len(value)})"
+    return type(value).__name__
+
+
+def _objects_summary(objects) -> dict[str, str]:
+    stored = objects.get("objects") if isinstance(objects, dict) else None
+    if isinstance(stored, dict):
+        return {str(k): _describe(v) for k, v in stored.items()}
+    return {} if stored is None else {"<value>": _describe(stored)}
+
+
+def _load_manifest(ckpt: str) -> Manifest:
+    if not os.path.isdir(ckpt):
+        raise NoCheckpointError(f"{ckpt}: no such checkpoint directory")
+    try:
+        return read_manifest(ckpt)
+    except NoCheckpointError as e:
+        hint = ""
+        if list_iterations(ckpt):
+            hint = f" (this looks like a save directory: try `{PROG} ls {ckpt}`)"
+        raise NoCheckpointError(f"{e}{hint}") from e
+    except CorruptCheckpointError as e:
+        raise type(e)(f"damaged manifest: {e}") from e
+    except OSError as e:
+        raise CorruptCheckpointError(f"{os.path.join(ckpt, MANIFEST_NAME)}: cannot read the manifest: {e}") from e
+
+
+def _select_ranks(ckpt: str, m: Manifest, rank: int | None) -> list:
+    """The manifest's records, or the one of ``rank`` (a node-local manifest lists only some ranks)."""
+    if rank is None:
+        return list(m.ranks)
+    found = [r for r in m.ranks if r.rank == rank]
+    if not found:
+        listed = [r.rank for r in m.ranks]
+        shown = listed if len(listed) <= 8 else f"{listed[:8]} ..."
+        raise CliUsageError(f"{ckpt}: --rank {rank} is not in this checkpoint (world size {m.world_size}, {m.tier} "
+                            f"manifest lists ranks {shown})")  # fmt: skip
+    return found
+
+
+# ---------------------------------------------------------------------------------------------- ls
+def list_checkpoints(save_dir: str) -> dict:
+    """Every ``iter_*`` directory of ``save_dir`` with its state; the ``ls --json`` document."""
+    if not os.path.isdir(save_dir):
+        raise NoCheckpointError(f"{save_dir}: no such directory")
+    save_dir = os.path.abspath(save_dir)
+    now = time.time()
+    rows = []
+    for it in list_iterations(save_dir):
+        d = iter_dir(save_dir, it)
+        size, files, newest = _dir_usage(d)
+        row = {
+            "iteration": it, "path": d, "state": "uncommitted", "tier": None, "world_size": None,
+            "bytes": size, "data_bytes": None, "files": files, "commit_seq": None, "created": newest,
+            "age_s": None if newest is None else now - newest, "latest": False, "error": None,
+        }  # fmt: skip
+        try:
+            m = read_manifest(d)
+        except NoCheckpointError:
+            pass
+        except (CorruptCheckpointError, OSError) as e:
+            row.update(state="damaged", error=str(e))
+        else:
+            row.update(
+                state="committed", tier=m.tier, world_size=m.world_size, data_bytes=m.total_bytes,
+                commit_seq=m.commit_seq, created=m.created, age_s=now - m.created,
+            )  # fmt: skip
+        rows.append(row)
+    latest, latest_error = None, None
+    try:
+        latest = latest_committed(save_dir)
+    except NoCheckpointError:
+        pass
+    except CorruptCheckpointError as e:
+        latest_error = str(e)
+    for row in rows:
+        row["latest"] = row["iteration"] == latest
+    try:
+        with open(os.path.join(save_dir, TRACKER_NAME)) as f:
+            tracker_text = f.read().strip()
+    except FileNotFoundError:
+        tracker_text = None
+    except (OSError, UnicodeDecodeError) as e:
+        tracker_text = f"<unreadable: {e}>"
+    tracker = read_tracker(save_dir) if tracker_text is not None and tracker_text.isdigit() else None
+    return {
+        "schema": JSON_SCHEMA,
+        "command": "ls",
+        "save_dir": save_dir,
+        "checkpoints": rows,
+        "latest": latest,
+        "latest_error": latest_error,
+        "tracker": tracker,
+        "tracker_text": tracker_text,
+        "tracker_agrees": None if tracker_text is None or latest_error else tracker == latest,
+    }
+
+
+def _render_ls(doc: dict) -> None:
+    rows = doc["checkpoints"]
+    print(f"save dir: {doc['save_dir']}")
+    if not rows:
+        print("no iter_* directories")
+    else:
+        table = [("ITERATION", "STATE", "TIER", "WORLD", "SIZE", "AGE", "")]
+        for r in rows:
+            table.append((
+                str(r["iteration"]), r["state"].upper() if r["state"] == "damaged" else r["state"],
+                r["tier"] or "-", "-" if r["world_size"] is None else str(r["world_size"]),
+                _human(r["bytes"]), _age(r["age_s"]), "<- latest" if r["latest"] else "",
+            ))  # fmt: skip
+        widths = [max(len(row[i]) for row in table) for i in range(len(table[0]))]
+        right = {0, 3, 4, 5}
+        for i, row in enumerate(table):
+            cells = [c.rjust(w) if j in right else c.ljust(w) for j, (c, w) in enumerate(zip(row, widths))]
+            print("  ".join(cells).rstrip())
+            if i and rows[i - 1]["error"]:
+                print(f"    {rows[i - 1]['error']}")
+    if doc["latest"] is not None:
+        print(f"latest: {doc['latest']}")
+    elif doc["latest_error"]:
+        print(f"latest: none: the loader refuses to choose: {doc['latest_error']}")
+    else:
+        print("latest: none (no committed checkpoint)")
+    text = doc["tracker_text"]
+    if text is None:
+        print(f"tracker: absent ({TRACKER_NAME})")
+    else:
+        verdict = {True: "agrees", False: "DIFFERS from latest", None: "latest undetermined"}[doc["tracker_agrees"]]
+        print(f"tracker: {text} ({verdict})")
+
+
+# ---------------------------------------------------------------------------------------------- inspect
+def _rank_summary(rf: RankFile, list_tensors: bool) -> dict:
+    dtypes: dict[str, dict] = {}
+    tensors = []
+    for e in rf.entries.values():
+        name = str(e.dtype).removeprefix("torch.")
+        d = dtypes.setdefault(name, {"count": 0, "bytes": 0})
+        d["count"] += 1
+        d["bytes"] += e.nbytes
+        if list_tensors:
+            tensors.append({"name": e.name, "dtype": name, "shape": list(e.shape), "bytes": e.nbytes, "chunks": len(e.checksums)})
+    meta = rf.objects.get("tensor_meta") if isinstance(rf.objects, dict) else None
+    return {
+        "tensor_count": len(rf.entries),
+        "tensor_bytes": sum(e.nbytes for e in rf.entries.values()),
+        "chunk_bytes": rf.header.chunk_bytes,
+        "dtypes": dtypes,
+        "objects": _objects_summary(rf.objects),
+        "tensor_meta_count": len(meta) if isinstance(meta, dict) else 0,
+        "tensors": tensors if list_tensors else None,
+    }
+
+
+_SUMMARY_KEYS = ("tensor_count", "tensor_bytes", "chunk_bytes", "dtypes", "objects", "tensor_meta_count", "tensors")
+
+
+def inspect_checkpoint(ckpt: str, rank: int | None = None, list_tensors: bool = False) -> dict:
+    """Manifest and per-rank contents of one checkpoint directory; the ``inspect --json`` document."""
+    ckpt = os.path.abspath(ckpt)
+    m = _load_manifest(ckpt)
+    ranks = []
+    for rec in _select_ranks(ckpt, m, rank):
+        row = {
+            "rank": rec.rank, "file": rec.file, "file_bytes": rec.file_bytes, "data_bytes": rec.data_bytes,
+            "n_tensors": rec.n_tensors, "error": None,
+        }  # fmt: skip
+        try:
+            rf = open_rank(ckpt, m, rec.rank)
+        except (CheckpointError, OSError) as e:
+            row["error"] = _strip_path(str(e), os.path.join(ckpt, rec.file))
+            row.update(dict.fromkeys(_SUMMARY_KEYS))
+        else:
+            try:
+                row.update(_rank_summary(rf, list_tensors))
+            finally:
+                rf.close()
+        ranks.append(row)
+    return {
+        "schema": JSON_SCHEMA,
+        "command": "inspect",
+        "checkpoint": ckpt,
+        "manifest": {
+            "iteration": m.iteration, "world_size": m.world_size, "run_token": m.run_token,
+            "commit_seq": m.commit_seq, "created": m.created, "tier": m.tier, "total_bytes": m.total_bytes,
+            "layout": m.layout, "metadata": m.metadata,
+        },  # fmt: skip
+        "ranks": ranks,
+    }
+
+
+def _render_inspect(doc: dict) -> None:
+    m = doc["manifest"]
+    print(f"checkpoint: {doc['checkpoint']}")
+    print(f"iteration {m['iteration']}  world size {m['world_size']}  tier {m['tier']}  commit_seq {m['commit_seq']}  "
+          f"run token {m['run_token']}")  # fmt: skip
+    print(f"created {_when(m['created'])} ({_age(time.time() - m['created'])} ago)  tensor bytes {_human(m['total_bytes'])}")
+    print(f"layout:   {json.dumps(m['layout'], sort_keys=True)}")
+    print(f"metadata: {json.dumps(m['metadata'], sort_keys=True, default=str)}")
+    for r in doc["ranks"]:
+        print(f"\nrank {r['rank']}: {r['file']}  {_human(r['file_bytes'])} on disk, {r['n_tensors']} tensors")
+        if r["error"]:
+            print(f"  DAMAGED: {r['error']}")
+            continue
+        print(f"  tensors: {r['tensor_count']}, {_human(r['tensor_bytes'])} ({r['tensor_bytes']} B), "
+              f"checksum chunk {_human(r['chunk_bytes'])}")  # fmt: skip
+        for name, d in sorted(r["dtypes"].items(), key=lambda kv: -kv[1]["bytes"]):
+            print(f"    {name:<14} {d['count']:>7}  {_human(d['bytes']):>10}")
+        if r["objects"]:
+            print(f"  objects ({len(r['objects'])} keys):")
+            width = max(len(k) for k in r["objects"])
+            for key, desc in r["objects"].items():
+                print(f"    {key:<{width}}  {desc}")
+        else:
+            print("  objects: none")
+        if r["tensor_meta_count"]:
+            print(f"  tensor metadata: {r['tensor_meta_count']} entries")
+        if r["tensors"] is not None:
+            width = max((len(t["name"]) for t in r["tensors"]), default=4)
+            print(f"  {'NAME':<{width}}  {'DTYPE':<14} {'SHAPE':<20} {'BYTES':>10}  CHUNKS")
+            for t in r["tensors"]:
+                shape = "[" + ", ".join(map(str, t["shape"])) + "]"
+                print(f"  {t['name']:<{width}}  {t['dtype']:<14} {shape:<20} {t['bytes']:>10}  {t['chunks']}")
+
+
+# ---------------------------------------------------------------------------------------------- verify
+def _check_chunk(rf: RankFile, entry, c: int) -> tuple[bool, int]:
+    cb = rf.header.chunk_bytes
+    raw = rf.raw(entry)[c * cb : (c + 1) * cb]
+    return xxh64(raw) == int(entry.checksums[c]), raw.nbytes
+
+
+def _check_all(opened: list[tuple], fail, workers: int, progress: bool) -> tuple[int, int]:
+    """Hash every chunk of the opened rank files in a thread pool; ``fail`` once per bad tensor.
+    Returns ``(tensors, bytes)`` checked."""
+    total = sum(e.nbytes for _, rf in opened for e in rf.entries.values())
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="verify", file=sys.stderr, leave=False)
+    bad: dict[tuple, list[int]] = {}
+    try:
+        with cf.ThreadPoolExecutor(workers, thread_name_prefix="dsm-verify") as pool:
+            futures = {
+                pool.submit(_check_chunk, rf, e, c): (i, e, c)
+                for i, (_, rf) in enumerate(opened)
+                for e in rf.entries.values()
+                for c in range(len(e.checksums))
+            }
+            for f in cf.as_completed(futures):
+                i, e, c = futures[f]
+                ok, nbytes = f.result()
+                if not ok:
+                    bad.setdefault((i, e.name), []).append(c)
+                if bar is not None:
+                    bar.update(nbytes)
+    finally:
+        if bar is not None:
+            bar.close()
+    for (i, name), chunks in sorted(bad.items()):
+        rec, rf = opened[i]
+        e, cb = rf.entries[name], rf.header.chunk_bytes
+        chunks.sort()
+        spans = ", ".join(f"{c} (file bytes {e.offset + c * cb}..{e.offset + min((c + 1) * cb, e.nbytes) - 1})" for c in chunks[:4])
+        more = f" and {len(chunks) - 4} more" if len(chunks) > 4 else ""
+        fail(rec, "checksum", f"checksum mismatch in chunk(s) {spans}{more} of {len(e.checksums)}", tensor=name, chunks=chunks)
+    return sum(len(rf.entries) for _, rf in opened), total
+
+
+def verify_checkpoint(ckpt: str, *, threads: int | None = None, rank: int | None = None, progress: bool = False) -> dict:
+    """Re-check every checksum and the manifest<->file agreement; the ``verify --json`` document."""
+    ckpt = os.path.abspath(ckpt)
+    m = _load_manifest(ckpt)
+    selected = _select_ranks(ckpt, m, rank)
+    workers = threads or min(8, os.cpu_count() or 1)
+    xxh64(np.zeros(8, np.uint8))  # load the compiled kernel before the clock starts
+    t0 = time.perf_counter()
+    errors: list[dict] = []
+
+    def fail(rec, kind, message, tensor=None, chunks=None):
+        errors.append({"rank": rec.rank, "file": rec.file, "tensor": tensor, "chunks": chunks, "kind": kind, "message": message})
+
+    opened: list[tuple] = []
+    for rec in selected:
+        path = os.path.join(ckpt, rec.file)
+        lost = f"its {rec.n_tensors} tensor(s) cannot be checked"
+        if not os.path.isfile(path):
+            fail(rec, "missing", f"file is missing; {lost}")
+            continue
+        size = os.path.getsize(path)
+        if size != rec.file_bytes:
+            what = "truncated" if size < rec.file_bytes else "longer than committed"
+            fail(rec, "size", f"file is {what}: {size} bytes, manifest says {rec.file_bytes}; {lost}")
+            continue
+        try:
+            rf = open_rank(ckpt, m, rec.rank)
+        except (CheckpointError, OSError) as e:
+            fail(rec, "file", f"{_strip_path(str(e), path)}; {lost}")
+            continue
+        tensor_bytes = sum(e.nbytes for e in rf.entries.values())
+        if rf.header.n_tensors != rec.n_tensors or tensor_bytes != rec.data_bytes:
+            fail(rec, "manifest", f"file holds {rf.header.n_tensors} tensors / {tensor_bytes} bytes, manifest says "
+                                  f"{rec.n_tensors} / {rec.data_bytes}")  # fmt: skip
+        opened.append((rec, rf))
+
+    try:
+        n_tensors, total = _check_all(opened, fail, workers, progress)
+    finally:
+        for _, rf in opened:
+            rf.close()
+    seconds = time.perf_counter() - t0
+    present = {rec.file for rec in m.ranks}
+    try:
+        unreferenced = sorted(n for n in os.listdir(ckpt) if n.endswith(".dsck") and n not in present)
+    except OSError:
+        unreferenced = []
+    return {
+        "schema": JSON_SCHEMA,
+        "command": "verify",
+        "checkpoint": ckpt,
+        "iteration": m.iteration,
+        "world_size": m.world_size,
+        "ok": not errors,
+        "ranks_checked": [rec.rank for rec in selected],
+        "tensors_checked": n_tensors,
+        "bytes_checked": total,
+        "seconds": seconds,
+        "threads": workers,
+        "errors": errors,
+        "unreferenced_files": unreferenced,
+    }
+
+
+def _error_line(err: dict) -> str:
+    tensor = f"tensor {err['tensor']!r}: " if err["tensor"] is not None else ""
+    return f"rank {err['rank']}: {err['file']}: {tensor}{err['message']}"
+
+
+def _render_verify(doc: dict) -> None:
+    for err in doc["errors"]:
+        print(f"ERROR {_error_line(err)}")
+    name = os.path.basename(doc["checkpoint"])
+    rate = int(doc["bytes_checked"] / doc["seconds"]) if doc["seconds"] > 0 else 0
+    checked = (f"{len(doc['ranks_checked'])} rank(s), {doc['tensors_checked']} tensors, {_human(doc['bytes_checked'])} "
+               f"in {doc['seconds']:.2f} s ({_human(rate)}/s, {doc['threads']} threads)")  # fmt: skip
+    if doc["unreferenced_files"]:
+        print(f"note: {len(doc['unreferenced_files'])} .dsck file(s) not named by the manifest (leftovers): "
+              + ", ".join(doc["unreferenced_files"][:5]))  # fmt: skip
+    if doc["ok"]:
+        print(f"OK {name}: {checked}")
+    else:
+        bad_ranks = sorted({e["rank"] for e in doc["errors"]})
+        print(f"FAILED {name}: {len(doc['errors'])} problem(s) in rank(s) {bad_ranks}; checked {checked}")
+
+
+# ---------------------------------------------------------------------------------------------- main
+_EXAMPLES = """\
+examples:
+  datastates-ckpt ls /ckpt/gpt                       what is there, which one loads next
+  datastates-ckpt inspect /ckpt/gpt/iter_0000100 --rank 0 --tensors
+  datastates-ckpt verify /ckpt/gpt/iter_0000100 && echo clean
+  datastates-ckpt ls /ckpt/gpt --json | jq '.latest'  every subcommand takes --json (stable keys)
+
+"""
+_EPILOG = f"""\
+exit status: {EXIT_OK} success (verify: every check passed); {EXIT_DAMAGED} a checkpoint is damaged
+(verify found a problem, or a manifest does not parse); {EXIT_USAGE} bad arguments or the path is not
+there / not a checkpoint.  Errors are one line on stderr.
+
+layout: SAVE_DIR/iter_0000100/manifest.json (the commit point) + one rNNNNN-<token>-<seq>.dsck per
+rank; SAVE_DIR/{TRACKER_NAME} names the latest iteration for Megatron.
+"""
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    fmt = argparse.RawDescriptionHelpFormatter
+    p = argparse.ArgumentParser(
+        prog=PROG, formatter_class=fmt, epilog=_EXAMPLES + _EPILOG,
+        description="List, inspect and verify datastates-megatron checkpoints (read-only: nothing is ever written).",
+    )  # fmt: skip
+    sub = p.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    ls = sub.add_parser(
+        "ls", formatter_class=fmt, epilog=_EPILOG, help="list the checkpoints of a save directory",
+        description=(
+            "List every iter_* directory of SAVE_DIR, committed or not.\n\n"
+            "STATE: committed (its manifest.json parses: loadable), uncommitted (no manifest: an interrupted\n"
+            "or in-progress save; never loaded, removed at the next start), DAMAGED (a manifest exists but\n"
+            "does not parse; the reason is printed under the row, and the loader refuses to pick a latest\n"
+            "checkpoint until it is repaired or removed).\n"
+            "TIER: the manifest's storage tier ('persistent' unless the checkpoint says otherwise).\n"
+            "WORLD: ranks that wrote it.  SIZE: bytes of every file in the directory (including leftovers).\n"
+            "AGE: since the manifest was written (uncommitted: since its newest file changed).\n"
+            "'<- latest' marks the checkpoint CheckpointManager.load() picks by default (the newest commit,\n"
+            f"not the highest iteration); the last lines show it and what {TRACKER_NAME} says.\n"
+            "Cheap: reads manifests and stats files, never rank-file contents."
+        ),
+    )  # fmt: skip
+    ls.add_argument("save_dir", metavar="SAVE_DIR", help="the directory holding iter_* checkpoint directories")
+    ls.add_argument("--json", action="store_true",
+                    help="print one JSON document (keys: schema, command, save_dir, checkpoints[], latest, latest_error, "
+                         "tracker, tracker_text, tracker_agrees)")  # fmt: skip
+
+    ins = sub.add_parser(
+        "inspect", formatter_class=fmt, epilog=_EPILOG, help="show what one checkpoint holds",
+        description=(
+            "Show one checkpoint: manifest (iteration, world size, tier, run token, commit sequence, creation\n"
+            "time, layout, metadata) and per rank: file and bytes, tensor count and bytes by dtype, and the\n"
+            "stored non-tensor objects (top-level keys with a short type summary).  A rank file that cannot\n"
+            "be opened, or is not the one the manifest committed, is shown as DAMAGED (exit 1).\n"
+            "Reads indexes only; use `verify` to check the tensor bytes."
+        ),
+    )  # fmt: skip
+    ins.add_argument("ckpt_dir", metavar="CKPT_DIR", help="one checkpoint directory, e.g. SAVE_DIR/iter_0000100")
+    ins.add_argument("--rank", type=int, metavar="N", help="only rank N (default: every rank)")
+    ins.add_argument("--tensors", action="store_true", help="list every tensor (name, dtype, shape, bytes, checksum chunks)")
+    ins.add_argument("--json", action="store_true",
+                     help="print one JSON document (keys: schema, command, checkpoint, manifest{}, ranks[]; a rank's "
+                          "'tensors' is null without --tensors, its 'error' is null unless it is damaged)")  # fmt: skip
+
+    ver = sub.add_parser(
+        "verify", formatter_class=fmt, epilog=_EPILOG, help="re-check every checksum of a checkpoint",
+        description=(
+            "Re-check a checkpoint end to end: for each rank, that its file exists with the size, header\n"
+            "checksum, index checksum, tag and iteration the manifest committed, that tensor count and bytes\n"
+            "match, then every per-chunk XXH64 of every tensor (in parallel: the kernel releases the GIL).\n"
+            "Prints one ERROR line per bad tensor (or per unusable file) naming rank, file and tensor, then a\n"
+            "summary; exit 0 when clean, 1 otherwise.  A progress bar (bytes) goes to stderr when it is a\n"
+            "terminal.  Alignment padding between tensors is not covered by checksums (it holds no data)."
+        ),
+    )  # fmt: skip
+    ver.add_argument("ckpt_dir", metavar="CKPT_DIR", help="one checkpoint directory, e.g. SAVE_DIR/iter_0000100")
+    ver.add_argument("--rank", type=int, metavar="N", help="only rank N (default: every rank)")
+    ver.add_argument("--threads", type=int, metavar="N", help="hashing threads (default: min(8, CPUs))")
+    ver.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    ver.add_argument("--json", action="store_true",
+                     help="print one JSON document (keys: schema, command, checkpoint, iteration, world_size, ok, "
+                          "ranks_checked, tensors_checked, bytes_checked, seconds, threads, errors[{rank, file, "
+                          "tensor, chunks, kind, message}], unreferenced_files); kind is one of missing, size, file, "
+                          "manifest, checksum")  # fmt: skip
+    return p
+
+
+def _emit(doc: dict) -> None:
+    json.dump(doc, sys.stdout, indent=1, sort_keys=True, default=str)
+    sys.stdout.write("\n")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``datastates-ckpt`` console script; returns the exit status."""
+    args = _build_parser().parse_args(argv)
+    try:
+        if args.command == "ls":
+            doc = list_checkpoints(args.save_dir)
+            _emit(doc) if args.json else _render_ls(doc)
+            return EXIT_OK
+        if args.command == "inspect":
+            doc = inspect_checkpoint(args.ckpt_dir, args.rank, args.tensors)
+            _emit(doc) if args.json else _render_inspect(doc)
+            return EXIT_DAMAGED if any(r["error"] for r in doc["ranks"]) else EXIT_OK
+        if args.threads is not None and args.threads < 1:
+            raise CliUsageError(f"--threads must be >= 1, got {args.threads}")
+        show = not args.quiet and sys.stderr.isatty()
+        doc = verify_checkpoint(args.ckpt_dir, threads=args.threads, rank=args.rank, progress=show)
+        _emit(doc) if args.json else _render_verify(doc)
+        return EXIT_OK if doc["ok"] else EXIT_DAMAGED
+    except BrokenPipeError:  # `| head`: stop quietly
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_OK
+    except (CheckpointError, OSError) as e:
+        print(f"{PROG}: error: {e}", file=sys.stderr)
+        usage = isinstance(e, (NoCheckpointError, CliUsageError)) or not isinstance(e, CheckpointError)
+        return EXIT_USAGE if usage else EXIT_DAMAGED
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,264 @@
+"""The ``datastates-ckpt`` CLI against real checkpoints written by CheckpointManager (world size 1)."""
+
+import argparse
+import glob
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from datastates_megatron.cli import EXIT_DAMAGED, EXIT_OK, EXIT_USAGE, main
+from datastates_megatron.engine import EngineOptions, RankFile
+from datastates_megatron.engine.file_format import HEADER_BYTES
+from datastates_megatron.engine.manager import CheckpointManager
+
+
+def _state():
+    g = torch.Generator().manual_seed(0)
+    ts = {f"layer{i}.weight": torch.randn(64, 32, generator=g) for i in range(6)}
+    ts["big"] = torch.randn(600_000, generator=g)  # 2.4 MB: several checksum chunks
+    ts["bf16"] = torch.randn(7, 9, generator=g).to(torch.bfloat16)
+    ts["mask"] = torch.rand(17, generator=g) > 0.5
+    return ts
+
+
+@pytest.fixture()
+def save_dir(tmp_path):
+    """iter 100 and 200 committed (200 latest), plus an uncommitted iter 300 added afterwards."""
+    root = tmp_path / "ckpt"
+    ts = _state()
+    opts = EngineOptions(cache_bytes=1 << 20, chunk_bytes=256 << 10, timeout_s=30)
+    with CheckpointManager(str(root), opts, layout={"tp": 1, "pp": 1}, keep_last=0) as mgr:
+        for n, t in ts.items():
+            mgr.register(n, t, meta={"role": "bias"} if n == "bf16" else None)
+        objects = {"iteration": 100, "args": argparse.Namespace(lr=0.1), "rng": [1, 2, 3]}
+        assert mgr.save(100, objects, {"consumed_samples": 1600})
+        mgr.wait()
+        assert mgr.save(200, {"iteration": 200}, {"consumed_samples": 3200})
+    os.makedirs(root / "iter_0000300")
+    (root / "iter_0000300" / "r00000-0000000000000000-000009.dsck").write_bytes(b"partial")
+    return root
+
+
+def _rank_file(ckpt):
+    (path,) = glob.glob(os.path.join(ckpt, "*.dsck"))
+    return path
+
+
+def _run(capsys, *argv):
+    code = main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_ls_lists_committed_uncommitted_latest_and_tracker(save_dir, capsys):
+    code, out, err = _run(capsys, "ls", save_dir)
+    assert code == EXIT_OK and err == ""
+    lines = out.splitlines()
+    row = {int(l.split()[0]): l for l in lines if l.strip() and l.split()[0].isdigit()}
+    assert set(row) == {100, 200, 300}
+    assert "committed" in row[100] and "persistent" in row[100] and "latest" not in row[100]
+    assert "committed" in row[200] and "<- latest" in row[200]
+    assert "uncommitted" in row[300]
+    assert "latest: 200" in out and "tracker: 200 (agrees)" in out
+
+
+def test_ls_json_has_stable_keys_and_values(save_dir, capsys):
+    code, out, _ = _run(capsys, "ls", save_dir, "--json")
+    assert code == EXIT_OK
+    doc = json.loads(out)
+    assert doc["command"] == "ls" and doc["latest"] == 200 and doc["tracker"] == 200 and doc["tracker_agrees"] is True
+    by_it = {c["iteration"]: c for c in doc["checkpoints"]}
+    assert [c["iteration"] for c in doc["checkpoints"]] == [100, 200, 300]
+    keys = {"iteration", "path", "state", "tier", "world_size", "bytes", "data_bytes", "files", "commit_seq",
+            "created", "age_s", "latest", "error"}  # fmt: skip
+    assert all(set(c) == keys for c in doc["checkpoints"])
+    assert by_it[200]["state"] == "committed" and by_it[200]["latest"] and by_it[200]["world_size"] == 1
+    assert by_it[200]["tier"] == "persistent" and by_it[200]["bytes"] > by_it[200]["data_bytes"] > 2_400_000
+    assert by_it[300]["state"] == "uncommitted" and by_it[300]["tier"] is None and by_it[300]["files"] == 1
+
+
+def test_ls_shows_damaged_manifest_and_that_the_loader_refuses(save_dir, capsys):
+    os.makedirs(save_dir / "iter_0000050")
+    (save_dir / "iter_0000050" / "manifest.json").write_text("{ not json")
+    code, out, _ = _run(capsys, "ls", save_dir)
+    assert code == EXIT_OK
+    assert any(l.split()[:2] == ["50", "DAMAGED"] for l in out.splitlines())
+    assert "manifest is not valid JSON" in out and "loader refuses" in out
+    doc = json.loads(_run(capsys, "ls", save_dir, "--json")[1])
+    damaged = [c for c in doc["checkpoints"] if c["iteration"] == 50][0]
+    assert damaged["state"] == "damaged" and "not valid JSON" in damaged["error"]
+    assert doc["latest"] is None and "not valid JSON" in doc["latest_error"] and doc["tracker_agrees"] is None
+
+
+def test_ls_missing_dir_is_one_line_error(tmp_path, capsys):
+    code, out, err = _run(capsys, "ls", tmp_path / "nope")
+    assert code == EXIT_USAGE and out == ""
+    assert err.count("\n") == 1 and "no such directory" in err and "Traceback" not in err
+
+
+def test_inspect_shows_manifest_ranks_dtypes_and_objects(save_dir, capsys):
+    code, out, _ = _run(capsys, "inspect", save_dir / "iter_0000100")
+    assert code == EXIT_OK
+    assert "iteration 100" in out and "world size 1" in out and "tier persistent" in out
+    assert '"consumed_samples": 1600' in out and '"tp": 1' in out
+    assert os.path.basename(_rank_file(save_dir / "iter_0000100")) in out
+    assert "tensors: 9" in out and "float32" in out and "bfloat16" in out and "bool" in out
+    assert "iteration  int = 100" in out and "Namespace (1 fields)" in out and "list (3)" in out
+    assert "layer0.weight" not in out  # counts only without --tensors
+
+
+def test_inspect_tensors_and_json(save_dir, capsys):
+    code, out, _ = _run(capsys, "inspect", save_dir / "iter_0000100", "--tensors", "--rank", "0")
+    assert code == EXIT_OK and "layer5.weight" in out and "[600000]" in out and "2400000" in out
+    code, out, _ = _run(capsys, "inspect", save_dir / "iter_0000100", "--json", "--tensors")
+    doc = json.loads(out)
+    assert doc["manifest"]["iteration"] == 100 and doc["manifest"]["metadata"] == {"consumed_samples": 1600}
+    assert doc["manifest"]["layout"] == {"tp": 1, "pp": 1} and doc["manifest"]["tier"] == "persistent"
+    (r0,) = doc["ranks"]
+    assert r0["error"] is None and r0["tensor_count"] == 9 and r0["tensor_meta_count"] == 1
+    assert set(r0["objects"]) == {"iteration", "args", "rng"}
+    t = {x["name"]: x for x in r0["tensors"]}
+    assert t["big"] == {"name": "big", "dtype": "float32", "shape": [600000], "bytes": 2_400_000, "chunks": 10}
+    assert t["bf16"]["dtype"] == "bfloat16" and t["mask"]["dtype"] == "bool"
+    assert r0["dtypes"]["float32"]["count"] == 7
+    doc = json.loads(_run(capsys, "inspect", save_dir / "iter_0000200", "--json")[1])
+    assert doc["ranks"][0]["tensors"] is None and doc["ranks"][0]["objects"] == {"iteration": "int = 200"}
+
+
+def test_inspect_errors_are_one_line(save_dir, capsys):
+    code, _, err = _run(capsys, "inspect", save_dir / "iter_0000300")
+    assert code == EXIT_USAGE and "not a committed checkpoint" in err and err.count("\n") == 1
+    code, _, err = _run(capsys, "inspect", save_dir)
+    assert code == EXIT_USAGE and "try `datastates-ckpt ls" in err
+    code, _, err = _run(capsys, "inspect", save_dir / "iter_0000100", "--rank", "1")
+    assert code == EXIT_USAGE and "--rank 1 is not in this checkpoint" in err
+    (save_dir / "iter_0000100" / "manifest.json").write_text('{"format": "something else"}')
+    code, _, err = _run(capsys, "inspect", save_dir / "iter_0000100")
+    assert code == EXIT_DAMAGED and "damaged manifest" in err and "Traceback" not in err
+
+
+def test_verify_clean_checkpoint(save_dir, capsys):
+    code, out, err = _run(capsys, "verify", save_dir / "iter_0000200", "--threads", "2")
+    assert code == EXIT_OK and "ERROR" not in out and out.splitlines()[-1].startswith("OK iter_0000200")
+    assert err == ""  # no progress bar when stderr is not a terminal
+    doc = json.loads(_run(capsys, "verify", save_dir / "iter_0000200", "--json")[1])
+    assert doc["ok"] and doc["errors"] == [] and doc["tensors_checked"] == 9 and doc["bytes_checked"] > 2_400_000
+
+
+def _flip(path, offset):
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        b = f.read(1)
+        f.seek(offset)
+        f.write(bytes([b[0] ^ 0x10]))
+
+
+def test_verify_flipped_byte_names_rank_file_and_tensor(save_dir, capsys):
+    ckpt = save_dir / "iter_0000200"
+    path = _rank_file(ckpt)
+    with RankFile(path) as rf:
+        big, layer3 = rf.entries["big"], rf.entries["layer3.weight"]
+        chunk = rf.header.chunk_bytes
+    _flip(path, big.offset + 3 * chunk + 5)
+    _flip(path, layer3.offset + 100)
+    code, out, _ = _run(capsys, "verify", ckpt)
+    assert code == EXIT_DAMAGED
+    errors = [l for l in out.splitlines() if l.startswith("ERROR")]
+    assert len(errors) == 2  # one line per bad tensor
+    name = os.path.basename(path)
+    assert any(f"rank 0: {name}: tensor 'big': checksum mismatch in chunk(s) 3 " in l for l in errors)
+    assert any("tensor 'layer3.weight'" in l and name in l for l in errors)
+    assert out.splitlines()[-1].startswith("FAILED iter_0000200")
+    doc = json.loads(_run(capsys, "verify", ckpt, "--json")[1])
+    assert not doc["ok"]
+    bad = {e["tensor"]: e for e in doc["errors"]}
+    assert set(bad) == {"big", "layer3.weight"}
+    assert bad["big"] == {**bad["big"], "rank": 0, "file": name, "kind": "checksum", "chunks": [3]}
+
+
+def test_verify_damaged_header_names_rank_and_file(save_dir, capsys):
+    ckpt = save_dir / "iter_0000200"
+    path = _rank_file(ckpt)
+    _flip(path, 20)
+    code, out, _ = _run(capsys, "verify", ckpt)
+    assert code == EXIT_DAMAGED
+    assert f"ERROR rank 0: {os.path.basename(path)}: header checksum mismatch; its 9 tensor(s) cannot be checked" in out
+
+
+def test_verify_truncated_file(save_dir, capsys):
+    ckpt = save_dir / "iter_0000100"
+    path = _rank_file(ckpt)
+    size = os.path.getsize(path)
+    os.truncate(path, HEADER_BYTES + 1000)
+    code, out, _ = _run(capsys, "verify", ckpt)
+    assert code == EXIT_DAMAGED
+    (line,) = [l for l in out.splitlines() if l.startswith("ERROR")]
+    assert line.startswith(f"ERROR rank 0: {os.path.basename(path)}: file is truncated")
+    assert f"{HEADER_BYTES + 1000} bytes, manifest says {size}" in line and "9 tensor(s) cannot be checked" in line
+    doc = json.loads(_run(capsys, "verify", ckpt, "--json")[1])
+    assert [(e["rank"], e["kind"], e["tensor"]) for e in doc["errors"]] == [(0, "size", None)]
+
+
+def test_verify_missing_file_and_missing_dir(save_dir, capsys):
+    ckpt = save_dir / "iter_0000100"
+    path = _rank_file(ckpt)
+    os.unlink(path)
+    code, out, _ = _run(capsys, "verify", ckpt)
+    assert code == EXIT_DAMAGED and f"ERROR rank 0: {os.path.basename(path)}: file is missing" in out
+    code, out, err = _run(capsys, "verify", save_dir / "iter_0000999")
+    assert code == EXIT_USAGE and out == "" and "no such checkpoint directory" in err and err.count("\n") == 1
+
+
+def test_verify_file_from_another_save_is_rejected(save_dir, capsys):
+    """A valid file of the same size, but not the one the manifest committed (another iteration's)."""
+    with CheckpointManager(str(save_dir), EngineOptions(cache_bytes=1 << 20, timeout_s=30), layout={"tp": 1, "pp": 1}, keep_last=0) as mgr:
+        for n, t in _state().items():
+            mgr.register(n, t, meta={"role": "bias"} if n == "bf16" else None)
+        mgr.save(210, {"iteration": 210})
+    src, dst = _rank_file(save_dir / "iter_0000210"), _rank_file(save_dir / "iter_0000200")
+    assert os.path.getsize(src) == os.path.getsize(dst)
+    shutil.copyfile(src, dst)
+    code, out, _ = _run(capsys, "verify", save_dir / "iter_0000200")
+    assert code == EXIT_DAMAGED
+    assert f"ERROR rank 0: {os.path.basename(dst)}: rank 0 file is not the one committed by the manifest" in out
+
+
+def _console_script():
+    script = os.path.join(os.path.dirname(sys.executable), "datastates-ckpt")
+    return [script] if os.path.exists(script) else [sys.executable, "-m", "datastates_megatron.cli"]
+
+
+def test_console_script_end_to_end(save_dir):
+    ckpt = save_dir / "iter_0000200"
+    ok = subprocess.run([*_console_script(), "verify", str(ckpt), "--json"], capture_output=True, text=True, timeout=120)
+    assert ok.returncode == 0, ok.stderr
+    assert json.loads(ok.stdout)["ok"] is True
+    path = _rank_file(ckpt)
+    with RankFile(path) as rf:
+        offset = rf.entries["layer1.weight"].offset
+    _flip(path, offset)
+    bad = subprocess.run([*_console_script(), "verify", str(ckpt)], capture_output=True, text=True, timeout=120)
+    assert bad.returncode == EXIT_DAMAGED
+    assert f"ERROR rank 0: {os.path.basename(path)}: tensor 'layer1.weight'" in bad.stdout
+    assert "Traceback" not in bad.stderr
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["ls", "--help"], ["inspect", "--help"], ["verify", "--help"]])
+def test_help_is_the_reference(argv, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    out = capsys.readouterr().out
+    assert exc.value.code == 0 and "exit status" in out and "--json" in out
+    assert "usage: datastates-ckpt" in out
+
+
+def test_bad_usage_exits_2(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["frobnicate"])
+    assert exc.value.code == EXIT_USAGE
+    assert _run(capsys, "verify", "x", "--threads", "0")[0] == EXIT_USAGE
