@@ -49,6 +49,7 @@ class Ticket:
     durable: object  # concurrent.futures.Future[FileReceipt]
     metadata: dict
     t_save: float
+    token: str | None = None  # run token in the file names (a re-promotion carries an earlier run's)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,6 +63,7 @@ class CommitRecord:
     copy_s: float
     flush_s: float
     commit_s: float
+    tier: str = "persistent"
 
     @property
     def d2h_gbps(self) -> float:
@@ -77,7 +79,7 @@ class Committer:
 
     def __init__(
         self,
-        root: str,
+        root: str,  # the tier's root directory (node-local for the local tier)
         *,
         rank: int,
         world_size: int,
@@ -88,6 +90,10 @@ class Committer:
         keep_last: int,
         keep_every: int,
         timeout_s: float,
+        tier: str = "persistent",
+        node_ranks: list[int] | None = None,
+        on_commit=None,
+        protect=None,
     ) -> None:
         self.root = root
         self.rank = rank
@@ -99,6 +105,16 @@ class Committer:
         self._keep_last = keep_last
         self._keep_every = keep_every
         self._timeout = timeout_s
+        self.tier = tier
+        # which ranks' files this rank describes in a manifest: all of them on rank 0 for the
+        # persistent tier; its node's ranks on each node's first rank for the local tier
+        if tier == "persistent":
+            self._writes = list(range(world_size)) if rank == 0 else []
+        else:
+            nodes = node_ranks or list(range(world_size))
+            self._writes = nodes if rank == min(nodes) else []
+        self._on_commit = on_commit  # called on the commit thread with (ticket, record)
+        self._protect = protect  # () -> iterations retention must keep (e.g. being promoted)
         self._queue: queue.Queue = queue.Queue()
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)
@@ -190,7 +206,7 @@ class Committer:
             )
         failed = [i for i, r in enumerate(rows) if int(r[0]) != 1]
         if failed:
-            if self.rank == 0:
+            if self._writes:
                 self._discard(ticket)
             if self.rank in failed:
                 return  # this rank's own error is already stored by the engine
@@ -199,20 +215,22 @@ class Committer:
                 f"nothing committed, latest stays {self.latest}"
             )
         ok = torch.ones(1, dtype=torch.int64)
-        if self.rank == 0:
+        if self._writes:
             try:
                 manifest = Manifest(
                     iteration=ticket.iteration,
                     world_size=self.world_size,
                     run_token=self._token,
                     ranks=tuple(
-                        RankRecord(i, rank_file_name(i, self._token, ticket.seq), int(r[3]), int(r[4]), int(r[5]),
+                        RankRecord(i, rank_file_name(i, ticket.token or self._token, ticket.seq), int(r[3]), int(r[4]), int(r[5]),
                                    _to_u64(int(r[6])), _to_u64(int(r[7])))  # fmt: skip
                         for i, r in enumerate(rows)
+                        if i in self._writes
                     ),
                     layout=self._layout,
                     metadata=ticket.metadata,
                     commit_seq=self._commit_seq,
+                    tier=self.tier,
                 )
                 crash_point("before_manifest", self.rank)
                 write_manifest(self.root, manifest)
@@ -220,14 +238,19 @@ class Committer:
                 write_tracker(self.root, ticket.iteration)
             except OSError as e:
                 ok.zero_()
-                err = CommitError(f"rank 0: iteration {ticket.iteration}: writing the manifest in {self.root} failed: {e}")
+                err = CommitError(
+                    f"rank {self.rank}: iteration {ticket.iteration}: writing the {self.tier} manifest in {self.root} failed: {e}"
+                )
                 err.__cause__ = e
                 self._errors.append(err)
         if self.world_size > 1:
-            dist.broadcast(ok, src=0, group=self._group)
+            dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=self._group)
         if not int(ok):
-            if self.rank != 0:
-                raise CommitError(f"rank {self.rank}: iteration {ticket.iteration}: rank 0 could not write the manifest; nothing committed")
+            if not self._writes:
+                raise CommitError(
+                    f"rank {self.rank}: iteration {ticket.iteration}: a {self.tier} manifest could not be written; "
+                    "nothing committed"
+                )
             return
         self._commit_seq += 1
         self.latest = ticket.iteration
@@ -240,23 +263,28 @@ class Committer:
             copy_s=max(int(r[8]) for r in rows) / 1e6,
             flush_s=max(int(r[9]) for r in rows) / 1e6,
             commit_s=time.perf_counter() - ticket.t_save,
+            tier=self.tier,
         )
         self._records.append(record)
-        if self.rank == 0:
+        if self._writes:
             self._retain(ticket)
+        if self._on_commit is not None:
+            self._on_commit(ticket, record)
 
     def _retain(self, just_committed: Ticket) -> None:
         from .manifest import committed_iterations
 
         protected = self.pending_iterations() | {just_committed.iteration}
+        if self._protect is not None:
+            protected |= self._protect()
         for it in select_deletions(committed_iterations(self.root), self._keep_last, self._keep_every, protected):
             crash_point("retention", self.rank)
             delete_checkpoint(self.root, it)
-            log.info("rank 0: retention deleted %s", iter_dir(self.root, it))
+            log.info("rank %d: retention deleted %s (%s tier)", self.rank, iter_dir(self.root, it), self.tier)
         # files of an older save of the same iteration, now superseded by this manifest
         d = iter_dir(self.root, just_committed.iteration)
-        pending_names = {rank_file_name(r, self._token, t.seq) for t in self._snapshot_outstanding() for r in range(self.world_size)}
-        current = {rank_file_name(r, self._token, just_committed.seq) for r in range(self.world_size)}
+        pending_names = {rank_file_name(r, t.token or self._token, t.seq) for t in self._snapshot_outstanding() for r in self._writes}
+        current = {rank_file_name(r, just_committed.token or self._token, just_committed.seq) for r in self._writes}
         for name in os.listdir(d):
             if name.endswith(".dsck") and name not in current and name not in pending_names:
                 os.unlink(os.path.join(d, name))
@@ -264,9 +292,9 @@ class Committer:
     def _discard(self, ticket: Ticket) -> None:
         """Remove the files of a save that was not committed (and its directory if nothing else is there)."""
         d = iter_dir(self.root, ticket.iteration)
-        for r in range(self.world_size):
+        for r in self._writes:
             try:
-                os.unlink(os.path.join(d, rank_file_name(r, self._token, ticket.seq)))
+                os.unlink(os.path.join(d, rank_file_name(r, ticket.token or self._token, ticket.seq)))
             except FileNotFoundError:
                 pass
         others = [t for t in self._snapshot_outstanding() if t.iteration == ticket.iteration and t.seq != ticket.seq]

@@ -3,7 +3,8 @@ SIGKILL (a real ``kill -9``) the n-th time (default 1st) it reaches ``point``.  
 
 Points: ``flush`` (after a region is written), ``before_finish`` (data written, file not finished),
 ``before_manifest`` (all ranks durable, manifest not written), ``before_tracker`` (manifest written),
-``retention`` (while deleting an old checkpoint), ``restore`` (in the middle of a load).
+``retention`` / ``retention_files`` (while deleting an old checkpoint), ``promote`` (a local file
+copied to the persistent tier, not yet renamed into place).
 """
 
 from __future__ import annotations

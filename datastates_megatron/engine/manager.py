@@ -17,7 +17,7 @@ import time
 import torch
 
 from .commit import CommitRecord, Committer, Ticket
-from .errors import CheckpointError
+from .errors import CheckpointError, NoCheckpointError
 from .manifest import (
     committed_iterations,
     committed_manifests,
@@ -25,6 +25,7 @@ from .manifest import (
     latest_committed,
     list_iterations,
     rank_file_name,
+    read_manifest,
 )
 from .options import EngineOptions
 from .restore import RestoreStats, open_checkpoint, open_rank, restore_into, validate_world
@@ -42,6 +43,7 @@ class LoadResult:
     objects: object
     metadata: dict
     stats: RestoreStats
+    root: str  # the tier it was restored from
 
 
 def _dist():
@@ -70,6 +72,9 @@ class CheckpointManager:
         load_root: str | None = None,
         verify_on_load: bool = True,
         restore_threads: int = 4,
+        local_root: str | None = None,
+        persist_interval: int = 1,
+        local_keep_last: int = 2,
     ) -> None:
         if on_error not in ("raise", "warn"):
             raise ValueError(f"on_error must be 'raise' or 'warn', got {on_error!r}")
@@ -86,26 +91,56 @@ class CheckpointManager:
         self._seq = 0
         self._closed = False
         self.last_commit: CommitRecord | None = None
-        token = self._agree_token(dist)
-        self.token = token
-        if self.rank == 0:
-            os.makedirs(self.root, exist_ok=True)
-            found = committed_manifests(self.root)
-            removed = remove_uncommitted(self.root, list_iterations(self.root), {it: {r.file for r in m.ranks} for it, m in found.items()}, set())
-            if removed:
-                log.info("rank 0: removed %d leftover(s) of uncommitted checkpoints under %s", len(removed), self.root)
-            next_seq = max((m.commit_seq for m in found.values()), default=-1) + 1
-        else:
-            next_seq = 0
+        self._dist = dist
+        self.token = token = self._agree_token(dist)
+        # node of this rank (torchrun's LOCAL_WORLD_SIZE); "{node}" in local_root names a per-node dir
+        per_node = int(os.environ.get("LOCAL_WORLD_SIZE", self.world_size)) or self.world_size
+        self.node = self.rank // per_node
+        self.node_ranks = [r for r in range(self.world_size) if r // per_node == self.node]
+        self.local_root = os.path.abspath(local_root.format(node=self.node)) if local_root else None
+        next_seq = self._clean(self.root, self.rank == 0)
+        local_seq = self._clean(self.local_root, self.rank == min(self.node_ranks)) if self.local_root else 0
         self._group = dist.new_group(backend="gloo") if dist and self.world_size > 1 else None
+        self._persist_group = (
+            dist.new_group(backend="gloo") if dist and self.world_size > 1 and self.local_root else self._group
+        )
         if dist:
             dist.barrier(group=self._group)
         self.engine = SnapshotEngine(opts)
         self.committer = Committer(
-            self.root, rank=self.rank, world_size=self.world_size, group=self._group, token=token,
+            self.root, rank=self.rank, world_size=self.world_size, group=self._persist_group, token=token,
             layout=self.layout, next_commit_seq=next_seq, keep_last=keep_last, keep_every=keep_every,
             timeout_s=opts.timeout_s,
         )  # fmt: skip
+        self.local_committer = self.promoter = None
+        if self.local_root:
+            from .tiers import Promoter
+
+            self.promoter = Promoter(self.local_root, self.root, rank=self.rank, token=token,
+                                     interval=persist_interval, persistent=self.committer)  # fmt: skip
+            self.local_committer = Committer(
+                self.local_root, rank=self.rank, world_size=self.world_size, group=self._group, token=token,
+                layout=self.layout, next_commit_seq=local_seq, keep_last=local_keep_last, keep_every=0,
+                timeout_s=opts.timeout_s, tier="local", node_ranks=self.node_ranks,
+                on_commit=self.promoter.on_local_commit, protect=self.promoter.in_flight,
+            )  # fmt: skip
+            self._repromote()
+
+    @property
+    def _first_tier(self) -> Committer:
+        """Where a save is committed first: the local tier when there is one."""
+        return self.local_committer or self.committer
+
+    def _clean(self, root: str, writer: bool) -> int:
+        """Start-up cleanup of one tier (by its writer rank); returns the next commit sequence number."""
+        if not writer:
+            return 0
+        os.makedirs(root, exist_ok=True)
+        found = committed_manifests(root)
+        removed = remove_uncommitted(root, list_iterations(root), {it: {r.file for r in m.ranks} for it, m in found.items()}, set())
+        if removed:
+            log.info("rank %d: removed %d leftover(s) of uncommitted checkpoints under %s", self.rank, len(removed), root)
+        return max((m.commit_seq for m in found.values()), default=-1) + 1
 
     def _agree_token(self, dist) -> str:
         value = torch.tensor([secrets.randbits(62)], dtype=torch.int64)
@@ -130,7 +165,7 @@ class CheckpointManager:
         self._check_open()
         self._surface_errors()
         self._seq += 1
-        d = iter_dir(self.root, iteration)
+        d = iter_dir(self.local_root or self.root, iteration)
         try:
             os.makedirs(d, exist_ok=True)
             name = rank_file_name(self.rank, self.token, self._seq)
@@ -145,9 +180,9 @@ class CheckpointManager:
 
             failed: cf.Future = cf.Future()
             failed.set_exception(CheckpointError("save did not start"))
-            self.committer.submit(Ticket(iteration, self._seq, failed, dict(metadata or {}), t_save))
+            self._first_tier.submit(Ticket(iteration, self._seq, failed, dict(metadata or {}), t_save))
             return False
-        self.committer.submit(Ticket(iteration, self._seq, handle.durable, dict(metadata or {}), t_save))
+        self._first_tier.submit(Ticket(iteration, self._seq, handle.durable, dict(metadata or {}), t_save))
         return True
 
     def wait_for_snapshot(self, group: str | None = None) -> None:
@@ -158,30 +193,34 @@ class CheckpointManager:
         """Non-blocking: checkpoints committed since the last call (raises or logs failures)."""
         self._surface_errors()
         out = []
-        while True:
-            try:
-                got = self.committer.poll()
-            except CheckpointError as e:
-                self._handle(e)
-                continue
-            out.extend(got)
-            break
+        for committer in filter(None, (self.local_committer, self.committer)):
+            while True:
+                try:
+                    got = committer.poll()
+                except CheckpointError as e:
+                    self._handle(e)
+                    continue
+                out.extend(got)
+                break
         if out:
             self.last_commit = out[-1]
         return out
 
-    def wait(self, timeout: float | None = None) -> list[CommitRecord]:
-        """Block until every pending checkpoint is committed (or has failed)."""
+    def wait(self, timeout: float | None = None, persist: bool = True) -> list[CommitRecord]:
+        """Block until every pending checkpoint is committed (or has failed); with a local tier and
+        ``persist=True``, also until every scheduled promotion is committed on the persistent tier."""
         try:
             self.engine.wait(timeout)
         except CheckpointError as e:
             self._handle(e)
-        self.committer.drain(timeout)
+        self._first_tier.drain(timeout)
+        if persist:
+            self.committer.drain(timeout)
         return self.poll()
 
     @property
     def latest_committed(self) -> int | None:
-        return self.committer.latest
+        return self._first_tier.latest
 
     def _surface_errors(self) -> None:
         while True:
@@ -204,6 +243,8 @@ class CheckpointManager:
         """Restore checkpoint ``iteration`` (default: the latest committed) into the registered tensors."""
         self._check_open()
         root = os.path.abspath(root or self.load_root)
+        if self.local_root and root == self.root:
+            root, iteration = self._choose_tier(iteration)
         if iteration is None:
             iteration = latest_committed(root)
         ckpt, manifest = open_checkpoint(root, iteration)
@@ -218,10 +259,60 @@ class CheckpointManager:
         finally:
             rf.close()
         log.info("rank %d: loaded iteration %d from %s (%d bytes)", self.rank, iteration, ckpt, stats.bytes)
-        return LoadResult(iteration, objects, manifest.metadata, stats)
+        return LoadResult(iteration, objects, manifest.metadata, stats, root)
 
     def committed(self) -> list[int]:
         return committed_iterations(self.root)
+
+    # ------------------------------------------------------------------ tiers
+    def _local_committed(self) -> list[int]:
+        """Local-tier iterations whose node manifest is readable and names this rank's file."""
+        found = committed_manifests(self.local_root)
+        return sorted(it for it, m in found.items() if m.record(self.rank) is not None)
+
+    def _common_local(self) -> list[int]:
+        """Local iterations present on every rank (one small all_gather on the default group)."""
+        mine = self._local_committed()[-64:]
+        if not self._dist or self.world_size == 1:
+            return mine
+        row = torch.full((64,), -1, dtype=torch.int64)
+        row[: len(mine)] = torch.tensor(mine, dtype=torch.int64)
+        rows = [torch.empty_like(row) for _ in range(self.world_size)]
+        self._dist.all_gather(rows, row)
+        common = set(mine)
+        for r in rows:
+            common &= {int(x) for x in r if x >= 0}
+        return sorted(common)
+
+    def _choose_tier(self, iteration: int | None) -> tuple[str, int | None]:
+        """Restore from the local tier when every rank has the checkpoint there, else persistent
+        (a replaced node's empty local dir makes everyone fall back)."""
+        common = self._common_local()
+        if iteration is not None:
+            return (self.local_root, iteration) if iteration in common else (self.root, iteration)
+        try:
+            persistent = latest_committed(self.root)
+        except NoCheckpointError:
+            persistent = None
+        if common and (persistent is None or common[-1] >= persistent):
+            return self.local_root, common[-1]
+        return self.root, persistent if persistent is not None else None
+
+    def _repromote(self) -> None:
+        """After a restart, promote the newest local checkpoint if the persistent tier lacks it."""
+        common = self._common_local()
+        if not common:
+            return
+        try:
+            persistent = latest_committed(self.root)
+        except NoCheckpointError:
+            persistent = None
+        newest = common[-1]
+        if persistent is None or newest > persistent:
+            m = read_manifest(iter_dir(self.local_root, newest))
+            _, token, seq = m.record(self.rank).file.removesuffix(".dsck").split("-")
+            log.info("rank %d: promoting local checkpoint %d left unpromoted by the previous run", self.rank, newest)
+            self.promoter.schedule(newest, int(seq), dict(m.metadata), token=token)
 
     # ------------------------------------------------------------------ lifecycle
     def close(self, timeout: float | None = None) -> None:
@@ -235,7 +326,9 @@ class CheckpointManager:
             try:
                 self.engine.close(timeout)
             finally:
-                self.committer.close()
+                for part in (self.local_committer, self.promoter, self.committer):
+                    if part is not None:
+                        part.close()
 
     def _check_open(self) -> None:
         if self._closed:

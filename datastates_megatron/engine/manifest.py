@@ -79,6 +79,13 @@ class Manifest:
     def total_bytes(self) -> int:
         return sum(r.data_bytes for r in self.ranks)
 
+    def record(self, rank: int) -> RankRecord | None:
+        """The entry of ``rank`` (a node-local manifest lists only that node's ranks)."""
+        for r in self.ranks:
+            if r.rank == rank:
+                return r
+        return None
+
     def to_json(self) -> bytes:
         body = {
             "format": MANIFEST_FORMAT,
@@ -122,8 +129,13 @@ class Manifest:
             )
         except (KeyError, TypeError, ValueError) as e:
             raise CorruptCheckpointError(f"{path}: manifest is missing or has a malformed field: {e}") from e
-        if [r.rank for r in m.ranks] != list(range(m.world_size)):
-            raise CorruptCheckpointError(f"{path}: manifest lists ranks {[r.rank for r in m.ranks]} for world size {m.world_size}")
+        listed = [r.rank for r in m.ranks]
+        if m.tier == "local":  # one node's manifest: a sorted subset of the ranks
+            valid = listed == sorted(set(listed)) and all(0 <= r < m.world_size for r in listed) and listed
+        else:
+            valid = listed == list(range(m.world_size))
+        if not valid:
+            raise CorruptCheckpointError(f"{path}: {m.tier} manifest lists ranks {listed} for world size {m.world_size}")
         for r in m.ranks:
             if not _SAFE_NAME.match(r.file) or r.file in (".", ".."):
                 raise CorruptCheckpointError(f"{path}: rank {r.rank} file {r.file!r} is not a plain file name inside the checkpoint directory")

@@ -50,7 +50,9 @@ def validate_world(manifest: Manifest, ckpt: str, world_size: int, layout: dict)
 
 def open_rank(ckpt: str, manifest: Manifest, rank: int) -> RankFile:
     """Open ``rank``'s file and check it is the one the manifest committed (size and header checksum)."""
-    rec = manifest.ranks[rank]
+    rec = manifest.record(rank)
+    if rec is None:
+        raise CorruptCheckpointError(f"{ckpt}: the {manifest.tier} manifest has no file for rank {rank}")
     path = os.path.join(ckpt, rec.file)
     if not os.path.isfile(path):
         raise CorruptCheckpointError(f"{ckpt}: rank {rank} file {rec.file} is missing")

@@ -21,7 +21,9 @@ from ..engine.commit import CommitRecord
 from ..engine.errors import EngineClosedError
 from ..engine.manager import CheckpointManager
 from ..engine.options import EngineOptions
-from . import training_state
+from ..engine.restore import open_checkpoint
+from . import reshard, training_state
+from .export import model_description
 from .config import LazyCkptConfig
 from .shards import collect_shards, inner_optimizers, model_chunks_of, param_buffer_shards
 
@@ -69,7 +71,8 @@ class LazyCheckpointer:
         self._mgr = CheckpointManager(
             config.save_dir, opts, keep_last=config.keep_last, keep_every=config.keep_every,
             on_error=config.on_error, layout=parallel_layout(self.model), load_root=config.effective_load_dir,
-            verify_on_load=config.verify_on_load,
+            verify_on_load=config.verify_on_load, local_root=config.local_dir,
+            persist_interval=config.persist_interval, local_keep_last=config.local_keep_last,
         )  # fmt: skip
         self.rank = self._mgr.rank
         self._signature = None
@@ -80,6 +83,7 @@ class LazyCheckpointer:
         self.commits: collections.deque[CommitRecord] = collections.deque(maxlen=1000)
         self.on_commit: list = []  # callables(record, stall_s) run on the training thread after a commit
         self._closed = False
+        self._model_description = model_description(self.model)  # lets `datastates-ckpt export` rebuild the model
         self._refresh()
 
     # ------------------------------------------------------------------ registration and hooks
@@ -126,6 +130,7 @@ class LazyCheckpointer:
             "iteration": int(iteration),
             "extra_state": extra_state,
             "training": training_state.capture(self.optimizer, self.scheduler),
+            "model": self._model_description,
         }
         started = self._mgr.save(iteration, objects, metadata={"iteration": int(iteration)})
         self._last_saved = int(iteration)
@@ -138,10 +143,10 @@ class LazyCheckpointer:
         return self._report(self._mgr.poll())
 
     def wait(self, persist: bool = True) -> list[int]:
-        """Block until every pending checkpoint is committed.  (``persist`` is for the multi-level
-        tiers: with one tier, committed is persistent.)"""
+        """Block until every pending checkpoint is committed; with a local tier and ``persist=True``,
+        also until every scheduled promotion is committed on the persistent tier."""
         self._check_open()
-        return self._report(self._mgr.wait())
+        return self._report(self._mgr.wait(persist=persist))
 
     def _report(self, records: list[CommitRecord]) -> list[int]:
         for rec in records:
@@ -149,9 +154,9 @@ class LazyCheckpointer:
             stall = self._stall.pop(rec.iteration, 0.0)
             if self.rank == 0:
                 log.info(
-                    "lazy-ckpt: committed iteration %d | %.1f MB total, %.1f MB/rank max | stall %.2f ms | "
+                    "lazy-ckpt: committed iteration %d (%s) | %.1f MB total, %.1f MB/rank max | stall %.2f ms | "
                     "D2H %.2f GB/s | flush %.2f GB/s | save->commit %.3f s",
-                    rec.iteration, rec.total_bytes / 1e6, max(rec.bytes_per_rank) / 1e6, stall * 1e3,
+                    rec.iteration, rec.tier, rec.total_bytes / 1e6, max(rec.bytes_per_rank) / 1e6, stall * 1e3,
                     rec.d2h_gbps, rec.flush_gbps, rec.commit_s,
                 )  # fmt: skip
             for callback in self.on_commit:
@@ -176,22 +181,34 @@ class LazyCheckpointer:
         """Restore the latest committed checkpoint (or ``iteration``) in place: model shards (then
         all-gathered across data-parallel ranks), main params, optimizer state, scheduler, RNG.
 
+        A checkpoint written at another data-parallel size (TP=PP=1, same model) is resharded on the
+        fly (:mod:`.reshard`); any other layout change raises ``LayoutMismatchError`` naming
+        ``datastates-ckpt export ... --format torch_dist``.
         Returns ``(iteration, extra_state)``; raises ``NoCheckpointError`` when there is none."""
         self._check_open()
         self._mgr.wait()
         if iteration is None:
             iteration = self._mgr.latest()  # NoCheckpointError here, before anything is touched
+        ckpt_dir, manifest = open_checkpoint(self._mgr.load_root, iteration)
+        other_dp = reshard.check_layout(manifest, ckpt_dir, self._mgr.world_size, self._mgr.layout)
         created = self._ensure_optimizer_state()
         try:
             self._refresh()
-            result = self._mgr.load(iteration)
+            if other_dp:
+                result, training = reshard.load_resharded(
+                    self.model, self.optimizer, ckpt_dir, manifest, rank=self.rank,
+                    verify=self._mgr.verify_on_load, threads=self._mgr.restore_threads,
+                )  # fmt: skip
+            else:
+                result = self._mgr.load(iteration)
+                training = result.objects["training"]
         except BaseException:
             for inner in created:  # leave a fresh optimizer as fresh as it was
                 inner.state.clear()
             self._refresh()
             raise
         self._gather_params()
-        training_state.restore(result.objects["training"], self.optimizer, self.scheduler)
+        training_state.restore(training, self.optimizer, self.scheduler)
         log.info("rank %d: restored iteration %d (%.1f MB, verify %.2f s, copy %.2f s)", self.rank, result.iteration,
                  result.stats.bytes / 1e6, result.stats.verify_s, result.stats.copy_s)  # fmt: skip
         return result.iteration, result.objects["extra_state"]

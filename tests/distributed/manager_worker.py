@@ -39,13 +39,17 @@ def main():
     p.add_argument("--on-error", default="raise")
     p.add_argument("--iteration", type=int, default=None)
     p.add_argument("--world-layout", default="{}")
+    p.add_argument("--local-root", default=None, help="node-local tier; '{node}' is replaced by the node id")
+    p.add_argument("--persist-interval", type=int, default=1)
+    p.add_argument("--local-keep-last", type=int, default=2)
     a = p.parse_args()
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     ts = make_state(rank)
     opts = EngineOptions(cache_bytes=256 << 10, flush_threads=2, timeout_s=60)
     mgr = CheckpointManager(a.root, opts, keep_last=a.keep_last, keep_every=a.keep_every, on_error=a.on_error,
-                            layout=json.loads(a.world_layout))
+                            layout=json.loads(a.world_layout), local_root=a.local_root,
+                            persist_interval=a.persist_interval, local_keep_last=a.local_keep_last)
     for n, t in ts.items():
         mgr.register(n, t)
     result = {"rank": rank}
@@ -53,7 +57,7 @@ def main():
         r = mgr.load()
         expected = {n: t.clone() for n, t in ts.items()}
         fill(expected, rank, r.iteration)
-        result.update(iteration=r.iteration, exact=all(torch.equal(ts[n], expected[n]) for n in ts))
+        result.update(iteration=r.iteration, exact=all(torch.equal(ts[n], expected[n]) for n in ts), root=r.root)
         a.start = r.iteration + 1
     if a.mode in ("save", "resume"):
         if rank == a.fail_rank:
@@ -90,6 +94,7 @@ def main():
             fill(expected, rank, r.iteration)
             result["iteration"] = r.iteration
             result["objects"] = r.objects
+            result["root"] = r.root
             result["exact"] = all(torch.equal(ts[n], expected[n]) for n in ts)
         except Exception as e:  # noqa: BLE001
             result["error"] = f"{type(e).__name__}: {e}"

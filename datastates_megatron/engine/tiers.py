@@ -1,0 +1,127 @@
+"""Multi-level tiers: promote committed node-local checkpoints to persistent storage in the background.
+
+A checkpoint is first committed on the fast node-local tier (per-node manifests).  Every
+``persist_interval``-th one is then promoted: each rank verifies its local file's checksums, copies
+the verified bytes to the persistent tier and fsyncs, and the persistent tier's own committer agrees
+across ranks and writes the persistent manifest.  The local copy is never removed by a promotion —
+only by the local tier's retention, which skips checkpoints still being promoted.
+
+Thread-safety: ``schedule`` may be called from any thread (the local commit thread calls it);
+the copies run on the owned thread ``dsm-promote-r{rank}``.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import logging
+import os
+import queue
+import threading
+import time
+
+from .commit import Committer, Ticket
+from .errors import FlushError
+from .faults import crash_point
+from .file_format import RankFile
+from .manifest import iter_dir, rank_file_name
+from .serializer import xxh64
+from .snapshot import FileReceipt
+from .writer import fsync_dir
+
+__all__ = ["Promoter", "copy_verified"]
+
+log = logging.getLogger(__name__)
+_COPY_BLOCK = 16 << 20
+
+
+def copy_verified(src: str, dst: str, version: int) -> FileReceipt:
+    """Verify every checksum of ``src`` then copy it to ``dst`` (temp name, fsync, rename)."""
+    t0 = time.perf_counter()
+    with RankFile(src) as rf:
+        for entry in rf.entries.values():
+            rf.verify_entry(entry)
+        header = rf.header
+        data_bytes = sum(e.nbytes for e in rf.entries.values())
+    tmp = dst + ".promoting"
+    with open(src, "rb") as fin, open(tmp, "wb") as fout:
+        while block := fin.read(_COPY_BLOCK):
+            fout.write(block)
+        fout.flush()
+        os.fsync(fout.fileno())
+    crash_point("promote")
+    os.replace(tmp, dst)
+    fsync_dir(os.path.dirname(dst))
+    dt = time.perf_counter() - t0
+    return FileReceipt(
+        version=version, path=dst, file_bytes=header.file_bytes, data_bytes=data_bytes, n_tensors=header.n_tensors,
+        index_xxh64=header.index_xxh64, header_xxh64=xxh64(header.pack()), save_call_s=0.0, copy_s=dt, flush_s=dt,
+    )  # fmt: skip
+
+
+class Promoter:
+    """Owns the promotion thread of one rank.  ``close()`` is idempotent and joins it."""
+
+    def __init__(self, local_root: str, persist_root: str, *, rank: int, token: str, interval: int,
+                 persistent: Committer) -> None:  # fmt: skip
+        self.local_root = local_root
+        self.persist_root = persist_root
+        self.rank = rank
+        self._token = token
+        self._interval = interval
+        self._persistent = persistent
+        self._count = 0
+        self._queue: queue.Queue = queue.Queue()
+        self._lock = threading.Lock()
+        self._in_flight: set[int] = set()
+        self._closed = False
+        self._thread = threading.Thread(target=self._loop, name=f"dsm-promote-r{rank}", daemon=False)
+        self._thread.start()
+
+    def in_flight(self) -> set[int]:
+        """Local iterations being promoted (the local tier's retention must keep them)."""
+        with self._lock:
+            return set(self._in_flight)
+
+    def on_local_commit(self, ticket: Ticket, _record) -> None:
+        """Local committer callback: promote every ``interval``-th committed checkpoint."""
+        self._count += 1
+        if self._count % self._interval == 0:
+            self.schedule(ticket.iteration, ticket.seq, ticket.metadata)
+
+    def schedule(self, iteration: int, seq: int, metadata: dict, token: str | None = None) -> None:
+        """Promote local checkpoint ``iteration`` (collective: every rank schedules the same ones, in
+        order).  ``token``: the run token in its file names, when an earlier run wrote it."""
+        future: cf.Future = cf.Future()
+        with self._lock:
+            self._in_flight.add(iteration)
+        self._persistent.submit(Ticket(iteration, seq, future, dict(metadata), time.perf_counter(), token))
+        self._queue.put((iteration, seq, token or self._token, future))
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._queue.put(None)
+        self._thread.join()
+
+    def _loop(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            iteration, seq, token, future = item
+            name = rank_file_name(self.rank, token, seq)
+            src = os.path.join(iter_dir(self.local_root, iteration), name)
+            dst_dir = iter_dir(self.persist_root, iteration)
+            try:
+                os.makedirs(dst_dir, exist_ok=True)
+                future.set_result(copy_verified(src, os.path.join(dst_dir, name), iteration))
+            except BaseException as e:  # noqa: BLE001 - the persistent committer reports it on every rank
+                err = e if isinstance(e, FlushError) else FlushError(
+                    f"rank {self.rank}: promoting iteration {iteration} from {src} to {dst_dir} failed: {e}"
+                )
+                log.error("%s", err)
+                future.set_exception(err)
+            finally:
+                with self._lock:
+                    self._in_flight.discard(iteration)

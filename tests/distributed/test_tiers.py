@@ -1,0 +1,61 @@
+"""Multi-level tiers on 4 CPU ranks as 2 "nodes" (LOCAL_WORLD_SIZE=2, a local dir per node)."""
+
+import os
+import shutil
+
+from datastates_megatron.engine.manifest import committed_iterations, iter_dir, read_manifest
+
+from .ranks import describe, run_ranks
+
+WORKER = os.path.join(os.path.dirname(__file__), "manager_worker.py")
+NODES = {"LOCAL_WORLD_SIZE": "2"}
+
+
+def _ok(results):
+    assert all(r["returncode"] == 0 and r["result"] for r in results), describe(results)
+    return [r["result"] for r in results]
+
+
+def _args(tmp_path, *extra):
+    return ["--root", str(tmp_path / "persistent"), "--local-root", str(tmp_path / "local{node}"), *extra]
+
+
+def test_promotion_interval_retention_per_tier_and_restore_preference(tmp_path):
+    persistent = str(tmp_path / "persistent")
+    _ok(run_ranks(WORKER, 4, ["save", *_args(tmp_path, "--iters", "6", "--persist-interval", "2",
+                                             "--keep-last", "2", "--local-keep-last", "2")], env=NODES))
+    assert committed_iterations(persistent) == [4, 6]  # every 2nd local checkpoint, keep_last=2
+    for node, ranks in ((0, [0, 1]), (1, [2, 3])):
+        local = str(tmp_path / f"local{node}")
+        assert committed_iterations(local) == [5, 6]  # local_keep_last=2
+        m = read_manifest(iter_dir(local, 6))
+        assert m.tier == "local" and [r.rank for r in m.ranks] == ranks and m.world_size == 4
+    assert read_manifest(iter_dir(persistent, 6)).tier == "persistent"
+    loaded = _ok(run_ranks(WORKER, 4, ["load", *_args(tmp_path)], env=NODES))
+    assert all(r["iteration"] == 6 and r["exact"] and "local" in r["root"] for r in loaded), loaded
+
+    # node 1 is replaced: its local dir is gone -> every rank falls back to the persistent tier
+    shutil.rmtree(tmp_path / "local1")
+    loaded = _ok(run_ranks(WORKER, 4, ["load", *_args(tmp_path)], env=NODES))
+    assert all(r["iteration"] == 6 and r["exact"] and r["root"] == persistent for r in loaded), loaded
+
+
+def test_newer_local_checkpoint_wins_and_unpromoted_one_is_promoted_on_restart(tmp_path):
+    persistent = str(tmp_path / "persistent")
+    _ok(run_ranks(WORKER, 4, ["save", *_args(tmp_path, "--iters", "3", "--persist-interval", "2")], env=NODES))
+    assert committed_iterations(persistent) == [2]
+    resumed = _ok(run_ranks(WORKER, 4, ["resume", *_args(tmp_path, "--iters", "1", "--persist-interval", "5")], env=NODES))
+    assert all(r["iteration"] == 3 and r["exact"] and "local" in r["root"] for r in resumed), resumed
+    assert 3 in committed_iterations(persistent)  # the restart promoted what the last run left local-only
+
+
+def test_crash_during_promotion_keeps_local_copy_and_is_redone(tmp_path):
+    persistent = str(tmp_path / "persistent")
+    crashed = run_ranks(WORKER, 4, ["save", *_args(tmp_path, "--iters", "2", "--persist-interval", "2")],
+                        env={**NODES, "DSM_CRASH_AT": "promote", "DSM_CRASH_RANK": "3"})
+    assert any(r["returncode"] == -9 for r in crashed), describe(crashed)
+    assert committed_iterations(persistent) == []  # promotion of 2 never committed
+    assert committed_iterations(str(tmp_path / "local1")) == [1, 2]  # the local copies are intact
+    resumed = _ok(run_ranks(WORKER, 4, ["resume", *_args(tmp_path, "--iters", "1", "--persist-interval", "9")], env=NODES))
+    assert all(r["iteration"] == 2 and r["exact"] for r in resumed), resumed
+    assert committed_iterations(persistent) == [2]  # redone after the restart
