@@ -132,6 +132,36 @@ def get_checkpointer() -> Any:
     return None if session is None else session.ckpt
 
 
+def commit_metrics(record: Any, stall_s: float) -> dict[str, float]:
+    """The per-checkpoint telemetry, as scalars named for TensorBoard / W&B."""
+    return {
+        "lazy-ckpt/bytes-total": float(record.total_bytes),
+        "lazy-ckpt/bytes-per-rank-max": float(max(record.bytes_per_rank)),
+        "lazy-ckpt/stall-ms": stall_s * 1e3,
+        "lazy-ckpt/d2h-GBps": record.d2h_gbps,
+        "lazy-ckpt/flush-GBps": record.flush_gbps,
+        "lazy-ckpt/save-to-commit-s": record.commit_s,
+    }
+
+
+def log_commit_to_writers(record: Any, stall_s: float) -> None:
+    """After each commit, rank 0 adds the telemetry to Megatron's TensorBoard and W&B writers
+    when Megatron has them (the log line itself comes from LazyCheckpointer)."""
+    if _rank() != 0:
+        return
+    try:
+        from megatron.training.global_vars import get_tensorboard_writer, get_wandb_writer
+    except ImportError:
+        return
+    metrics = commit_metrics(record, stall_s)
+    tb, wb = get_tensorboard_writer(), get_wandb_writer()
+    if tb is not None:
+        for name, value in metrics.items():
+            tb.add_scalar(name, value, record.iteration)
+    if wb is not None:
+        wb.log(metrics, record.iteration)
+
+
 def largest_tensor_bytes(model: Any) -> int:
     """Bytes of the largest parameter or buffer of ``model`` (a module or a list of chunks)."""
     chunks = model if isinstance(model, (list, tuple)) else [model]
@@ -158,6 +188,7 @@ def _session_for(args: Any, model: Any, optimizer: Any, scheduler: Any) -> _Sess
         from .checkpointer import LazyCheckpointer
 
         ckpt = LazyCheckpointer(model, optimizer, config, opt_param_scheduler=scheduler)
+        ckpt.on_commit.append(log_commit_to_writers)
         _session = _Session(ckpt, model, optimizer, scheduler)
         if not _atexit_registered:
             atexit.register(_finalize_atexit)

@@ -203,3 +203,33 @@ def test_help_lists_the_group(capsys):
         _parser().parse_args(["--help"])
     out = capsys.readouterr().out
     assert "lazy-ckpt:" in out and "--no-lazy-ckpt-verify-on-load" in out
+
+
+def test_commit_telemetry_goes_to_megatron_writers(monkeypatch):
+    import sys
+    import types
+
+    from datastates_megatron.engine.commit import CommitRecord
+    from datastates_megatron.megatron import megatron_lm
+
+    got = {"tb": [], "wb": []}
+
+    class TB:
+        def add_scalar(self, name, value, step):
+            got["tb"].append((name, value, step))
+
+    class WB:
+        def log(self, metrics, step):
+            got["wb"].append((metrics, step))
+
+    gv = types.ModuleType("megatron.training.global_vars")
+    gv.get_tensorboard_writer = lambda: TB()
+    gv.get_wandb_writer = lambda: WB()
+    monkeypatch.setitem(sys.modules, "megatron.training", types.ModuleType("megatron.training"))
+    monkeypatch.setitem(sys.modules, "megatron.training.global_vars", gv)
+    rec = CommitRecord(iteration=7, total_bytes=4_000_000, bytes_per_rank=(2_000_000, 2_000_000), save_call_s=1e-4,
+                       copy_s=0.01, flush_s=0.02, commit_s=0.05)
+    megatron_lm.log_commit_to_writers(rec, 0.002)
+    names = {n for n, _, step in got["tb"] if step == 7}
+    assert {"lazy-ckpt/stall-ms", "lazy-ckpt/flush-GBps", "lazy-ckpt/bytes-total"} <= names
+    assert got["wb"][0][1] == 7 and got["wb"][0][0]["lazy-ckpt/d2h-GBps"] == 2_000_000 / 0.01 / 1e9
