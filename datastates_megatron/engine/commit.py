@@ -17,7 +17,6 @@ import collections
 import dataclasses
 import logging
 import os
-import queue
 import threading
 import time
 
@@ -27,6 +26,7 @@ from .errors import CacheTimeoutError, CommitError
 from .faults import crash_point
 from .manifest import Manifest, RankRecord, iter_dir, rank_file_name, write_manifest, write_tracker
 from .retention import delete_checkpoint, select_deletions
+from .threads import QueueThread
 
 __all__ = ["Committer", "Ticket", "CommitRecord"]
 
@@ -74,7 +74,7 @@ class CommitRecord:
         return max(self.bytes_per_rank) / self.flush_s / 1e9 if self.flush_s > 0 else float("inf")
 
 
-class Committer:
+class Committer(QueueThread):
     """Owns the commit thread of one rank; a context manager, ``close()`` idempotent."""
 
     def __init__(
@@ -115,21 +115,18 @@ class Committer:
             self._writes = nodes if rank == min(nodes) else []
         self._on_commit = on_commit  # called on the commit thread with (ticket, record)
         self._protect = protect  # () -> iterations retention must keep (e.g. being promoted)
-        self._queue: queue.Queue = queue.Queue()
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)
         self._outstanding: dict[int, Ticket] = {}  # seq -> ticket not yet processed
         self._records: collections.deque[CommitRecord] = collections.deque()
         self._errors: collections.deque[BaseException] = collections.deque()
         self.latest: int | None = None
-        self._closed = False
-        self._thread = threading.Thread(target=self._loop, name=f"dsm-commit-r{rank}", daemon=False)
-        self._thread.start()
+        super().__init__(f"dsm-commit-r{rank}" + ("-local" if tier == "local" else ""))
 
     def submit(self, ticket: Ticket) -> None:
         with self._lock:
             self._outstanding[ticket.seq] = ticket
-        self._queue.put(ticket)
+        self.put(ticket)
 
     def pending_iterations(self) -> set[int]:
         with self._lock:
@@ -150,33 +147,22 @@ class Committer:
             if not self._idle.wait_for(lambda: not self._outstanding, timeout):
                 raise CacheTimeoutError(f"rank {self.rank}: {len(self._outstanding)} checkpoint(s) not committed after {timeout:.0f}s")
 
-    def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        self._queue.put(None)
-        self._thread.join()
-
     # ------------------------------------------------------------------ commit thread
-    def _loop(self) -> None:
-        while True:
-            ticket = self._queue.get()
-            if ticket is None:
-                return
-            try:
-                self._commit(ticket)
-            except BaseException as e:  # noqa: BLE001 - stored, re-raised on the training thread
-                err = e if isinstance(e, CommitError) else CommitError(
-                    f"rank {self.rank}: iteration {ticket.iteration}: commit failed: {e!r}; nothing committed"
-                )
-                if err is not e:
-                    err.__cause__ = e
-                log.error("%s", err)
-                self._errors.append(err)
-            finally:
-                with self._idle:
-                    self._outstanding.pop(ticket.seq, None)
-                    self._idle.notify_all()
+    def _handle(self, ticket: Ticket) -> None:
+        try:
+            self._commit(ticket)
+        except BaseException as e:  # noqa: BLE001 - stored, re-raised on the training thread
+            err = e if isinstance(e, CommitError) else CommitError(
+                f"rank {self.rank}: iteration {ticket.iteration}: commit failed: {e!r}; nothing committed"
+            )
+            if err is not e:
+                err.__cause__ = e
+            log.error("%s", err)
+            self._errors.append(err)
+        finally:
+            with self._idle:
+                self._outstanding.pop(ticket.seq, None)
+                self._idle.notify_all()
 
     def _status(self, ticket: Ticket) -> torch.Tensor:
         status = torch.zeros(_FIELDS, dtype=torch.int64)

@@ -31,6 +31,7 @@ from .options import EngineOptions
 from .restore import RestoreStats, open_checkpoint, open_rank, restore_into, validate_world
 from .retention import remove_uncommitted
 from .snapshot import SnapshotEngine
+from .threads import ClosingContext
 
 __all__ = ["CheckpointManager", "LoadResult"]
 
@@ -52,7 +53,7 @@ def _dist():
     return dist if dist.is_available() and dist.is_initialized() else None
 
 
-class CheckpointManager:
+class CheckpointManager(ClosingContext):
     """Save / commit / retain / load for one rank.  A context manager; ``close()`` is idempotent.
 
     ``on_error="warn"`` logs a failed save instead of raising; nothing is committed for it and the
@@ -334,16 +335,5 @@ class CheckpointManager:
         if self._closed:
             raise CheckpointError(f"rank {self.rank}: checkpoint manager is closed")
 
-    def __enter__(self) -> "CheckpointManager":
-        return self
-
-    def __exit__(self, exc_type, exc, tb) -> None:
-        if exc_type is None:
-            self.close()
-        else:
-            try:
-                self.close()
-            except CheckpointError as e:
-                log.error("rank %d: error while closing after another error: %s", self.rank, e)
 
 

@@ -36,6 +36,7 @@ from .file_format import FORMAT_VERSION, HEADER_BYTES, Header, build_index, dtyp
 from .host_cache import HostCache
 from .objects import encode_objects
 from .options import EngineOptions
+from .threads import ClosingContext
 from .writer import RankFileWriter
 
 __all__ = ["SnapshotEngine", "SaveHandle", "FileReceipt"]
@@ -150,7 +151,7 @@ class SaveHandle:
         return self._job.durable
 
 
-class SnapshotEngine:
+class SnapshotEngine(ClosingContext):
     """Per-rank lazy snapshot engine.  A context manager; ``close()`` is idempotent."""
 
     def __init__(self, options: EngineOptions | None = None) -> None:
@@ -290,18 +291,6 @@ class SnapshotEngine:
             self._flush_pool.shutdown(wait=True)
             self.cache.close()
         self._raise_pending()
-
-    def __enter__(self) -> "SnapshotEngine":
-        return self
-
-    def __exit__(self, exc_type, exc, tb) -> None:
-        if exc_type is None:
-            self.close()
-        else:
-            try:
-                self.close()
-            except CheckpointError as e:
-                log.error("rank %d: error while closing after another error: %s", self.options.rank, e)
 
     def __del__(self) -> None:
         if not getattr(self, "_closed", True):

@@ -15,7 +15,6 @@ from __future__ import annotations
 import concurrent.futures as cf
 import logging
 import os
-import queue
 import threading
 import time
 
@@ -26,6 +25,7 @@ from .file_format import RankFile
 from .manifest import iter_dir, rank_file_name
 from .serializer import xxh64
 from .snapshot import FileReceipt
+from .threads import QueueThread
 from .writer import fsync_dir
 
 __all__ = ["Promoter", "copy_verified"]
@@ -58,7 +58,7 @@ def copy_verified(src: str, dst: str, version: int) -> FileReceipt:
     )  # fmt: skip
 
 
-class Promoter:
+class Promoter(QueueThread):
     """Owns the promotion thread of one rank.  ``close()`` is idempotent and joins it."""
 
     def __init__(self, local_root: str, persist_root: str, *, rank: int, token: str, interval: int,
@@ -70,12 +70,9 @@ class Promoter:
         self._interval = interval
         self._persistent = persistent
         self._count = 0
-        self._queue: queue.Queue = queue.Queue()
         self._lock = threading.Lock()
         self._in_flight: set[int] = set()
-        self._closed = False
-        self._thread = threading.Thread(target=self._loop, name=f"dsm-promote-r{rank}", daemon=False)
-        self._thread.start()
+        super().__init__(f"dsm-promote-r{rank}")
 
     def in_flight(self) -> set[int]:
         """Local iterations being promoted (the local tier's retention must keep them)."""
@@ -95,33 +92,22 @@ class Promoter:
         with self._lock:
             self._in_flight.add(iteration)
         self._persistent.submit(Ticket(iteration, seq, future, dict(metadata), time.perf_counter(), token))
-        self._queue.put((iteration, seq, token or self._token, future))
+        self.put((iteration, seq, token or self._token, future))
 
-    def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        self._queue.put(None)
-        self._thread.join()
-
-    def _loop(self) -> None:
-        while True:
-            item = self._queue.get()
-            if item is None:
-                return
-            iteration, seq, token, future = item
-            name = rank_file_name(self.rank, token, seq)
-            src = os.path.join(iter_dir(self.local_root, iteration), name)
-            dst_dir = iter_dir(self.persist_root, iteration)
-            try:
-                os.makedirs(dst_dir, exist_ok=True)
-                future.set_result(copy_verified(src, os.path.join(dst_dir, name), iteration))
-            except BaseException as e:  # noqa: BLE001 - the persistent committer reports it on every rank
-                err = e if isinstance(e, FlushError) else FlushError(
-                    f"rank {self.rank}: promoting iteration {iteration} from {src} to {dst_dir} failed: {e}"
-                )
-                log.error("%s", err)
-                future.set_exception(err)
-            finally:
-                with self._lock:
-                    self._in_flight.discard(iteration)
+    def _handle(self, item) -> None:
+        iteration, seq, token, future = item
+        name = rank_file_name(self.rank, token, seq)
+        src = os.path.join(iter_dir(self.local_root, iteration), name)
+        dst_dir = iter_dir(self.persist_root, iteration)
+        try:
+            os.makedirs(dst_dir, exist_ok=True)
+            future.set_result(copy_verified(src, os.path.join(dst_dir, name), iteration))
+        except BaseException as e:  # noqa: BLE001 - the persistent committer reports it on every rank
+            err = e if isinstance(e, FlushError) else FlushError(
+                f"rank {self.rank}: promoting iteration {iteration} from {src} to {dst_dir} failed: {e}"
+            )
+            log.error("%s", err)
+            future.set_exception(err)
+        finally:
+            with self._lock:
+                self._in_flight.discard(iteration)
