@@ -18,7 +18,7 @@ import time
 import torch
 
 from ..engine.commit import CommitRecord
-from ..engine.errors import EngineClosedError
+from ..engine.errors import EngineClosedError, LayoutMismatchError, NoCheckpointError
 from ..engine.manager import CheckpointManager
 from ..engine.options import EngineOptions
 from ..engine.restore import open_checkpoint
@@ -189,29 +189,43 @@ class LazyCheckpointer:
         self._mgr.wait()
         if iteration is None:
             iteration = self._mgr.latest()  # NoCheckpointError here, before anything is touched
-        ckpt_dir, manifest = open_checkpoint(self._mgr.load_root, iteration)
-        other_dp = reshard.check_layout(manifest, ckpt_dir, self._mgr.world_size, self._mgr.layout)
+        try:  # resharding reads the persistent tier (a node-local manifest lists only that node's ranks)
+            ckpt_dir, manifest = open_checkpoint(self._mgr.load_root, iteration)
+        except NoCheckpointError:
+            ckpt_dir = manifest = None  # only in another tier: the manager finds it, or says it is missing
+        other_dp = manifest is not None and reshard.check_layout(manifest, ckpt_dir, self._mgr.world_size, self._mgr.layout)
         created = self._ensure_optimizer_state()
         try:
             self._refresh()
             if other_dp:
-                result, training = reshard.load_resharded(
-                    self.model, self.optimizer, ckpt_dir, manifest, rank=self.rank,
-                    verify=self._mgr.verify_on_load, threads=self._mgr.restore_threads,
-                )  # fmt: skip
+                result = self._load_resharded(ckpt_dir, manifest)
             else:
-                result = self._mgr.load(iteration)
-                training = result.objects["training"]
+                try:
+                    result = self._mgr.load(iteration)
+                except LayoutMismatchError as e:  # same sizes, other tensor set (e.g. bucket size changed)
+                    if manifest is None:
+                        raise
+                    log.info("rank %d: %s; restoring by parameter identity instead", self.rank, e)
+                    try:
+                        result = self._load_resharded(ckpt_dir, manifest)
+                    except LayoutMismatchError as e2:
+                        raise e2 from e
         except BaseException:
             for inner in created:  # leave a fresh optimizer as fresh as it was
                 inner.state.clear()
             self._refresh()
             raise
         self._gather_params()
-        training_state.restore(training, self.optimizer, self.scheduler)
+        training_state.restore(result.objects["training"], self.optimizer, self.scheduler)
         log.info("rank %d: restored iteration %d (%.1f MB, verify %.2f s, copy %.2f s)", self.rank, result.iteration,
                  result.stats.bytes / 1e6, result.stats.verify_s, result.stats.copy_s)  # fmt: skip
         return result.iteration, result.objects["extra_state"]
+
+    def _load_resharded(self, ckpt_dir: str, manifest):
+        return reshard.load_resharded(
+            self.model, self.optimizer, ckpt_dir, manifest, rank=self.rank,
+            verify=self._mgr.verify_on_load, threads=self._mgr.restore_threads,
+        )  # fmt: skip
 
     def _ensure_optimizer_state(self) -> list:
         """Adam state is created lazily by the first step; a fresh optimizer gets it the way

@@ -7,17 +7,58 @@
   the torch optimizer's per-param state (``exp_avg``, ``exp_avg_sq``, ``step``, ...).
 
 Each tensor gets a gate group ``opt<i>``: the pre-step hook of inner optimizer ``i`` waits only for
-the snapshot of the tensors that step is about to mutate.  Checked against megatron-core 0.16.1
-(layout notes: docs/_megatron_internals_notes.md).
+the snapshot of the tensors that step is about to mutate.
+
+Tensor names are positional (``model0.buf0.bucket3.param_shard``, ``opt0.g1.p7.exp_avg``) and so only
+meaningful for the data-parallel size that wrote them.  Each tensor's ``meta`` (stored by the
+engine in the rank file's objects section under ``tensor_meta``) therefore also carries its *global
+identity*, which :mod:`.reshard` and :mod:`.export` use to map any element back to ``(chunk,
+parameter name, flattened element range)``.  Every identity has ``identity`` (=
+:data:`IDENTITY_VERSION`), ``chunk`` (model chunk index) and, when megatron's parallel state is
+initialised, ``tp_rank`` / ``pp_rank`` (names are local to a PP stage, shapes to a TP rank, so the
+full identity is ``(pp_rank, tp_rank, chunk, name)``; resharding today needs TP=PP=1); names are those of
+``chunk.module.named_parameters()`` without leading ``module.`` prefixes; shapes and dtypes are the
+model parameter's; element ranges index the flattened parameter:
+
+* ``param_shard`` (+ ``buffer``, ``bucket``, ``dp_rank``, ``dp_size``): ``params`` lists
+  ``[name, shape, dtype, start, end, offset]`` per parameter overlapping the shard: shard elements
+  ``[offset, offset + end - start)`` hold parameter elements ``[start, end)``; byte ranges follow
+  from the dtype size.  Bucket padding and the 64-element alignment gaps are simply not listed.
+* ``main_param`` / ``optimizer_state`` (+ ``key``): ``param``, ``shape``, ``dtype``, ``start``,
+  ``end``: the tensor holds elements ``[start, end)`` of that parameter (from the
+  DistributedOptimizer's ``_get_model_param_range_map(p)["param"]``).  Torch Adam's ``step`` is a
+  0-d scalar per parameter with the same identity.
+
+Checked against megatron-core 0.16.1 (layout notes: docs/_megatron_internals_notes.md).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 
 import torch
 
-__all__ = ["ShardRef", "model_chunks_of", "inner_optimizers", "distributed_optimizers", "collect_shards", "param_buffer_shards"]
+__all__ = [
+    "IDENTITY_VERSION",
+    "ShardRef",
+    "model_chunks_of",
+    "inner_optimizers",
+    "distributed_optimizers",
+    "collect_shards",
+    "param_buffer_shards",
+    "parameter_names",
+    "bucket_param_ranges",
+    "main_param_owners",
+    "BucketShard",
+    "bucket_shards",
+    "storage_span",
+    "model_parallel_coords",
+]
+
+log = logging.getLogger(__name__)
+
+IDENTITY_VERSION = 1  # bumped if the meaning of the identity fields below changes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,8 +98,66 @@ def _dp_rank_size(buf) -> tuple[int, int]:
     return 0, int(getattr(buf, "data_parallel_world_size", 1))
 
 
-def param_buffer_shards(model) -> list[tuple[str, torch.Tensor, object, list[torch.Tensor]]]:
-    """``(name, this rank's shard, buffer, all DP shards of the bucket)`` for every bucket."""
+def _strip(name: str) -> str:
+    while name.startswith("module."):  # Float16Module (and friends) add prefixes; Megatron strips them all
+        name = name[len("module.") :]
+    return name
+
+
+def parameter_names(model) -> dict:
+    """``{param: (chunk index, name)}``, names from ``chunk.module.named_parameters()`` without
+    leading ``module.`` prefixes (local to the PP stage / VP chunk; shapes are TP-local)."""
+    out = {}
+    for c, chunk in enumerate(model_chunks_of(model)):
+        module = getattr(chunk, "module", chunk)
+        for name, p in module.named_parameters():
+            out.setdefault(p, (c, _strip(name)))
+    return out
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def bucket_param_ranges(buf, bucket, rank: int, size: int, names: dict) -> list[list]:
+    """``[name, shape, dtype, start, end, offset]`` for each parameter overlapping DP rank ``rank``'s
+    shard of ``bucket``: shard elements ``[offset, offset + end - start)`` hold flattened parameter
+    elements ``[start, end)``.  Positions come from ``buf.param_index_map`` (buffer coordinates)."""
+    step = bucket.param_data.numel() // size
+    lo = bucket.offset + rank * step
+    hi = lo + step
+    out = []
+    for p in getattr(bucket, "params_list", None) or list(bucket.params):
+        p_start, p_end, _ = buf.param_index_map[p]
+        a, b = max(p_start, lo), min(p_end, hi)
+        if a >= b:
+            continue
+        _, name = names.get(p, (None, None))
+        if name is None:
+            raise ValueError(f"bucket {bucket.bucket_id}: a parameter of shape {list(p.shape)} has no name in the model")
+        out.append([name, list(p.shape), _dtype_name(p.dtype), a - p_start, b - p_start, a - lo])
+    out.sort(key=lambda r: r[5])
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class BucketShard:
+    """This DP rank's shard of one bucket: ``shard`` is ``views[dp_rank]`` (all DP ranks' slices)."""
+
+    name: str
+    shard: torch.Tensor
+    buf: object
+    views: list
+    chunk: int
+    buffer: str  # ``buf<b>`` or ``ep_buf<b>``
+    bucket_index: int
+    bucket: object
+    dp_rank: int
+    dp_size: int
+
+
+def bucket_shards(model) -> list[BucketShard]:
+    """Every bucket of every DDP param buffer of every chunk, with this rank's shard of it."""
     out = []
     for c, chunk in enumerate(model_chunks_of(model)):
         for bname, buf in _buffers(chunk):
@@ -74,41 +173,103 @@ def param_buffer_shards(model) -> list[tuple[str, torch.Tensor, object, list[tor
                     raise ValueError(f"chunk {c} {bname} bucket {k}: {data.numel()} elements not divisible by DP size {size}")
                 step = data.numel() // size
                 views = [data[i * step : (i + 1) * step] for i in range(size)]
-                out.append((f"model{c}.{bname}.bucket{k}.param_shard", views[rank], buf, views))
+                out.append(BucketShard(f"model{c}.{bname}.bucket{k}.param_shard", views[rank], buf, views, c, bname, k, bucket, rank, size))
     return out
 
 
-def _storage_span(t: torch.Tensor) -> tuple[int, int]:
+def param_buffer_shards(model) -> list[tuple[str, torch.Tensor, object, list[torch.Tensor]]]:
+    """``(name, this rank's shard, buffer, all DP shards of the bucket)`` for every bucket."""
+    return [(b.name, b.shard, b.buf, b.views) for b in bucket_shards(model)]
+
+
+def main_param_owners(optimizer) -> list[list[list]]:
+    """Per inner optimizer, per param group, per position: ``(model param, start, end)`` — the model
+    parameter whose flattened elements ``[start, end)`` this main shard holds — or ``None`` where the
+    optimizer is not a megatron ``DistributedOptimizer`` (pairs ``model_*_groups`` with
+    ``shard_*_groups`` as megatron's own copy functions do)."""
+    out = []
+    for do, inner in zip(distributed_optimizers(optimizer), inner_optimizers(optimizer)):
+        fp32 = getattr(do, "model_fp32_groups", None)
+        f16 = getattr(do, "model_float16_groups", None)
+        if fp32 is None or f16 is None or not hasattr(do, "_get_model_param_range_map"):
+            out.append([[None] * len(pg["params"]) for pg in inner.param_groups])
+            continue
+        groups = []
+        for g, pg in enumerate(inner.param_groups):
+            models = [*fp32[g], *f16[g]] if g < len(fp32) else []
+            if len(models) != len(pg["params"]):
+                log.warning("optimizer group %d: %d main shards but %d model params; no identity recorded",
+                            g, len(pg["params"]), len(models))  # fmt: skip
+                groups.append([None] * len(pg["params"]))
+                continue
+            row = []
+            for p in models:
+                r = do._get_model_param_range_map(p)["param"]
+                row.append((p, int(r.start), int(r.end)))
+            groups.append(row)
+        out.append(groups)
+    return out
+
+
+def model_parallel_coords() -> dict:
+    """``{"tp_rank", "pp_rank"}`` of this process, or ``{}`` without megatron's parallel state."""
+    try:
+        from megatron.core import parallel_state as ps
+
+        if ps.model_parallel_is_initialized():
+            return {"tp_rank": ps.get_tensor_model_parallel_rank(), "pp_rank": ps.get_pipeline_model_parallel_rank()}
+    except ImportError:
+        pass
+    return {}
+
+
+def storage_span(t: torch.Tensor) -> tuple[int, int]:
     start = t.untyped_storage().data_ptr() + t.storage_offset() * t.element_size()
     return start, start + t.numel() * t.element_size()
 
 
 def collect_shards(model, optimizer) -> list[ShardRef]:
-    """Every tensor to snapshot, with its gate group and metadata (for inspection and resharding)."""
+    """Every tensor to snapshot, with its gate group and metadata (inspection, resharding, export)."""
     chained = distributed_optimizers(optimizer)
     owner: dict[int, int] = {}  # id(buffer) -> index of the optimizer stepping it
     for i, do in enumerate(chained):
         for buf in getattr(do, "buffers", []) or []:
             owner[id(buf)] = i
+    names = parameter_names(model)
+    coords = model_parallel_coords() if names else {}
     refs: list[ShardRef] = []
     spans = []
-    for name, shard, buf, _ in param_buffer_shards(model):
-        group = f"opt{owner.get(id(buf), 0)}" if owner else "opt0"
-        refs.append(ShardRef(name, shard, group, {"kind": "param_shard", "dtype": str(shard.dtype)}))
-        spans.append(_storage_span(shard.detach()) if shard.numel() else (0, 0))
+    for b in bucket_shards(model):
+        group = f"opt{owner.get(id(b.buf), 0)}" if owner else "opt0"
+        meta = {"kind": "param_shard", "dtype": str(b.shard.dtype)}
+        if names:
+            meta.update(identity=IDENTITY_VERSION, **coords, chunk=b.chunk, buffer=b.buffer, bucket=b.bucket_index,
+                        dp_rank=b.dp_rank, dp_size=b.dp_size,
+                        params=bucket_param_ranges(b.buf, b.bucket, b.dp_rank, b.dp_size, names))  # fmt: skip
+        refs.append(ShardRef(b.name, b.shard, group, meta))
+        spans.append(storage_span(b.shard.detach()) if b.shard.numel() else (0, 0))
         # the whole bucket counts: an fp32 main param may be a view of any part of this rank's slice
+    owners = main_param_owners(optimizer)
     for i, inner in enumerate(inner_optimizers(optimizer)):
         for g, pg in enumerate(inner.param_groups):
             for j, p in enumerate(pg["params"]):
                 base = f"opt{i}.g{g}.p{j}"
+                ident = {}
+                found = owners[i][g][j] if g < len(owners[i]) else None
+                if found is not None and found[0] in names:
+                    mp, start, end = found
+                    c, pname = names[mp]
+                    ident = {"identity": IDENTITY_VERSION, **coords, "chunk": c, "param": pname, "shape": list(mp.shape),
+                             "dtype": _dtype_name(mp.dtype), "start": start, "end": end}  # fmt: skip
                 if p.numel():
-                    s, e = _storage_span(p.detach())
-                    is_view = any(a <= s and e <= b for a, b in spans)
+                    s, e = storage_span(p.detach())
+                    is_view = any(lo <= s and e <= hi for lo, hi in spans)
                 else:
                     is_view = True
                 if not is_view:
-                    refs.append(ShardRef(f"{base}.main", p.detach(), f"opt{i}", {"kind": "main_param"}))
+                    refs.append(ShardRef(f"{base}.main", p.detach(), f"opt{i}", {"kind": "main_param", **ident}))
                 for key, value in sorted(inner.state.get(p, {}).items()):
                     if isinstance(value, torch.Tensor):
-                        refs.append(ShardRef(f"{base}.{key}", value.detach(), f"opt{i}", {"kind": "optimizer_state", "key": key}))
+                        meta = {"kind": "optimizer_state", "key": key, **ident}
+                        refs.append(ShardRef(f"{base}.{key}", value.detach(), f"opt{i}", meta))
     return refs

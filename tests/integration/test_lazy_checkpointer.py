@@ -1,5 +1,5 @@
 """LazyCheckpointer with real megatron-core on 2 CPU ranks: bit-exact resume after kill -9, the gate,
-no duplicated bytes across data-parallel ranks, and a clear error for a different world size."""
+no duplicated bytes across data-parallel ranks, and resuming at another data-parallel size."""
 
 import json
 import os
@@ -60,10 +60,9 @@ def test_replicated_parameters_are_written_once_across_dp_ranks(tmp_path):
     assert sum(shard) == res[0]["result"]["param_buffer_bytes"] and shard[0] == shard[1]
 
 
-def test_load_into_a_different_world_size_is_a_clear_error(tmp_path):
+def test_load_into_a_different_dp_size_reshards(tmp_path):
     save = str(tmp_path / "ckpt")
     ok = run_ranks(DEMO, 2, [*SMALL, "--train-iters", "2", "--save", save])
     assert all(r["returncode"] == 0 for r in ok), describe(ok)
-    bad = run_ranks(DEMO, 1, [*SMALL, "--train-iters", "3", "--save", save])
-    assert bad[0]["returncode"] != 0
-    assert "world size 2 in checkpoint, 1 now" in bad[0]["stderr"], bad[0]["stderr"][-2000:]
+    one = run_ranks(DEMO, 1, [*SMALL, "--train-iters", "3", "--save", save])
+    assert one[0]["returncode"] == 0 and "resumed from iteration 2" in one[0]["stdout"], describe(one)

@@ -1,0 +1,230 @@
+"""Worker for test_reshard (and scripts/bench_reshard.py): the demo GPT on CPU gloo ranks, one scenario per run.
+
+The global batch is fixed (``GLOBAL_ROWS`` sequences per iteration, split evenly over the DP ranks),
+so training is the same computation at any DP size up to the order of reductions.
+
+Scenarios (each prints ``RESULT <json>`` on every rank):
+
+* ``run``: optionally ``load()`` iteration ``--load-at`` from ``--load`` into a *differently
+  initialised* model (other seed; the bucket layout is whatever ``--bucket-size`` says) — resharding
+  when the DP size differs — and compare every element with the reference in ``--ref-in``; train to
+  ``--total``, optionally checkpointing iteration ``--save-at`` under ``--save`` and dumping, right
+  after it, a reference of every full parameter and of this rank's main params / Adam states (taken
+  with megatron-core's own accessors, not our metadata) to ``--ref-out``.  Reports every loss.
+* ``tp2``: the same model with tensor-parallel size 2; ``load()`` must refuse.
+* ``load_dist``: 1 rank: a fresh model + optimizer, ``dist_checkpointing.load`` of an exported
+  ``torch_dist`` checkpoint ``--load``, compare every element with the reference ``--ref-in``.
+"""
+
+import argparse
+import glob
+import json
+import os
+import sys
+import time
+
+import torch
+
+GLOBAL_ROWS = 4
+MODEL = dict(num_layers=2, hidden=64, heads=4, seq_len=32, vocab=256)
+
+
+def _args():
+    p = argparse.ArgumentParser()
+    p.add_argument("scenario", choices=["run", "tp2", "load_dist"])
+    p.add_argument("--load", default=None)
+    p.add_argument("--load-at", type=int, default=None)
+    p.add_argument("--ref-in", default=None)
+    p.add_argument("--save", default=None)
+    p.add_argument("--save-at", type=int, default=None)
+    p.add_argument("--ref-out", default=None)
+    p.add_argument("--total", type=int, default=6)
+    p.add_argument("--bf16", action="store_true")
+    p.add_argument("--seed", type=int, default=7)
+    p.add_argument("--bucket-size", type=int, default=None, help="small buckets (overlap_grad_reduce on)")
+    p.add_argument("--layers", type=int, default=MODEL["num_layers"])
+    p.add_argument("--hidden", type=int, default=MODEL["hidden"])
+    p.add_argument("--no-verify", action="store_true")
+    return p.parse_args()
+
+
+def _build(a, seed):
+    from datastates_megatron.demo import gpt
+
+    return gpt.build(a.layers, a.hidden, MODEL["heads"], MODEL["seq_len"], MODEL["vocab"], bf16=a.bf16, seed=seed,
+                     overlap_grad_reduce=a.bucket_size is not None, bucket_size=a.bucket_size)  # fmt: skip
+
+
+def _data(it):
+    from datastates_megatron.demo import gpt
+
+    rows = GLOBAL_ROWS // gpt.dp_size()
+    full = gpt.batch(it, 0, seed=11, micro_batch_size=GLOBAL_ROWS, seq_len=MODEL["seq_len"], vocab=MODEL["vocab"])
+    r = gpt.dp_rank()
+    return {k: (v[r * rows : (r + 1) * rows] if isinstance(v, torch.Tensor) else v) for k, v in full.items()}
+
+
+def _names(chunks):
+    from datastates_megatron.megatron.shards import parameter_names
+
+    return {p: name for p, (_c, name) in parameter_names(chunks).items()}
+
+
+def _optimizer_view(chunks, opt):
+    """``{name: (start, end, {main, exp_avg, exp_avg_sq, step})}`` via megatron-core's accessors."""
+    names = _names(chunks)
+    out = {}
+    for do in opt.chained_optimizers:
+        for g in range(len(do.model_fp32_groups)):
+            for mp in [*do.model_fp32_groups[g], *do.model_float16_groups[g]]:
+                r = do._get_model_param_range_map(mp)["param"]
+                t = do._get_main_param_and_optimizer_states(mp)
+                states = {"main": t["param"], "exp_avg": t["exp_avg"], "exp_avg_sq": t["exp_avg_sq"], "step": t["step"]}
+                out[names[mp]] = (int(r.start), int(r.end), {k: v.detach().clone() for k, v in states.items()})
+    return out
+
+
+def _dump_reference(path, chunks, opt):
+    params = {name: p.detach().clone() for p, name in _names(chunks).items()}
+    torch.save({"params": params, "states": _optimizer_view(chunks, opt)}, path)
+
+
+def _full_reference(ref_dir):
+    """Full parameters and full flattened optimizer states assembled from every old rank's dump."""
+    params, states, steps = None, {}, {}
+    for f in sorted(glob.glob(os.path.join(ref_dir, "rank*.pt"))):
+        d = torch.load(f, weights_only=True)
+        params = params or d["params"]
+        for name, (start, end, st) in d["states"].items():
+            numel = params[name].numel()
+            for key, v in st.items():
+                if key == "step":
+                    steps.setdefault(name, set()).add(float(v))
+                    continue
+                full = states.setdefault((name, key), torch.full((numel,), float("nan"), dtype=v.dtype))
+                full[start:end] = v.view(-1)
+    return params, states, steps
+
+
+def compare_with_reference(chunks, opt, ref_dir) -> list[str]:
+    """Every element of this rank's parameters and optimizer shards against the reference; [] when equal."""
+    params, states, steps = _full_reference(ref_dir)
+    bad = []
+    for p, name in _names(chunks).items():
+        if not torch.equal(p.detach(), params[name]):
+            bad.append(f"param {name}")
+    for name, (start, end, st) in _optimizer_view(chunks, opt).items():
+        for key, v in st.items():
+            if key == "step":
+                if steps[name] != {float(v)}:
+                    bad.append(f"step {name}: {float(v)} vs {steps[name]}")
+            elif not torch.equal(v.view(-1), states[(name, key)][start:end]):
+                bad.append(f"{key} {name}[{start}:{end}]")
+    return bad
+
+
+def main():
+    a = _args()
+    from datastates_megatron import LazyCheckpointer, LazyCkptConfig
+    from datastates_megatron.demo import gpt
+
+    if a.scenario == "tp2":
+        from datastates_megatron.demo import cuda_on_cpu
+        from megatron.core import parallel_state
+
+        cuda_on_cpu.install()
+        torch.distributed.init_process_group("gloo", init_method="env://")
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=2)
+    gpt.init_distributed(seed=a.seed)
+    rank = torch.distributed.get_rank()
+    result = {"rank": rank, "dp": gpt.dp_size()}
+    if a.scenario == "load_dist":
+        result.update(_load_dist(a))
+        print("RESULT " + json.dumps(result), flush=True)
+        gpt.destroy_distributed()
+        return
+    chunks, opt = _build(a, a.seed if a.load is None else a.seed + 1)
+    sched = gpt.make_scheduler(opt, lr=1e-3, warmup_steps=2, decay_steps=100)
+    save_dir = a.save or f"{os.path.normpath(a.load)}-scratch-dp{gpt.dp_size()}"
+    cfg = LazyCkptConfig(save_dir=save_dir, load_dir=a.load, host_cache_gb=0.05, keep_last=0, verify_on_load=not a.no_verify)
+    losses = {}
+    with LazyCheckpointer(chunks, opt, cfg, opt_param_scheduler=sched) as ckpt:
+        start = 0
+        if a.load is not None:
+            timing = result["restore"] = {}
+            ckpt._mgr.load = _timed(ckpt._mgr.load, "same_layout", timing)
+            ckpt._load_resharded = _timed(ckpt._load_resharded, "resharded", timing)
+            torch.distributed.barrier()
+            t0 = time.perf_counter()
+            try:
+                start, _ = ckpt.load(a.load_at)
+            except Exception as e:  # noqa: BLE001 - reported to the test
+                result["error"] = f"{type(e).__name__}: {e}"
+                print("RESULT " + json.dumps(result), flush=True)
+                gpt.destroy_distributed()
+                return
+            result["load_s"] = time.perf_counter() - t0
+            torch.distributed.barrier()
+            result["load_all_s"] = time.perf_counter() - t0
+            if a.ref_in:
+                result["mismatches"] = compare_with_reference(chunks, opt, a.ref_in)[:20]
+        for it in range(start + 1, a.total + 1):
+            losses[it] = gpt.train_step(chunks, opt, _data(it), scheduler=sched)
+            if it == a.save_at:
+                ckpt.save(it)
+                ckpt.wait()
+                if a.ref_out:
+                    os.makedirs(a.ref_out, exist_ok=True)
+                    _dump_reference(os.path.join(a.ref_out, f"rank{rank}.pt"), chunks, opt)
+    result["losses"] = losses
+    print("RESULT " + json.dumps(result), flush=True)
+    gpt.destroy_distributed()
+
+
+def _timed(fn, path: str, out: dict):
+    """Wrap a restore path to record its time and read statistics (for the benchmark)."""
+
+    def wrapper(*args, **kwargs):
+        t0 = time.perf_counter()
+        res = fn(*args, **kwargs)
+        out[path] = {"s": time.perf_counter() - t0, "bytes": res.stats.bytes, "verify_s": res.stats.verify_s,
+                     "copy_s": res.stats.copy_s}  # fmt: skip
+        return res
+
+    return wrapper
+
+
+def _load_dist(a) -> dict:
+    from megatron.core import dist_checkpointing
+
+    chunks, opt = _build(a, a.seed + 2)
+    # a fresh optimizer has no Adam state yet; megatron-core's load path fills it with a step on zero grads
+    for do in opt.chained_optimizers:
+        do._init_optimizer_states_with_dummy_values()
+    metadata = dist_checkpointing.load_content_metadata(a.load)  # as Megatron-LM's load_checkpoint does
+    model_sd = chunks[0].module.sharded_state_dict(metadata=metadata)
+    sd = {"model": model_sd, "optimizer": opt.sharded_state_dict(model_sd, is_loading=True, metadata=metadata)}
+    loaded = dist_checkpointing.load(sd, a.load)
+    chunks[0].module.load_state_dict(loaded["model"])
+    _load_optimizer(opt, loaded["optimizer"])
+    return {"mismatches": compare_with_reference(chunks, opt, a.ref_in)[:20], "iteration": loaded.get("iteration")}
+
+
+def _load_optimizer(opt, state):
+    """``opt.load_state_dict(state)``, working around megatron-core 0.16.1 on the torch-Adam path (no
+    TE/Apex): ``_set_main_param_and_optimizer_states`` copies every key of the live state, and torch
+    Adam's per-param ``step`` is not in a ``fully_reshardable`` param state (KeyError 'step').  The
+    step comes from ``param_groups`` instead, as megatron-core intends."""
+    (do,) = opt.chained_optimizers
+    state = dict(state)
+    param_state = state.pop("param_state")
+    assert state.pop("param_state_sharding_type") == "fully_reshardable"
+    do.load_state_dict(state)  # param groups, step (one shared tensor: megatron's torch-Adam path)
+    steps = {p: st.pop("step") for p, st in do.optimizer.state.items()}
+    do.load_parameter_state_from_fully_reshardable(param_state)
+    for p, step in steps.items():
+        do.optimizer.state[p]["step"] = step.clone()  # one tensor per param again
+
+
+if __name__ == "__main__":
+    sys.exit(main())

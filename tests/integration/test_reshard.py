@@ -1,0 +1,151 @@
+"""Restoring at another data-parallel size, and exporting, with real megatron-core on CPU gloo ranks;
+plus the engine's checksummed partial reads (no megatron needed).
+
+One chain of runs (the demo GPT, a fixed global batch split over the DP ranks):
+DP=2 fp32 (small buckets) --ckpt 3--> DP=1 (one bucket) --ckpt 4--> DP=2, and DP=4 bf16 --ckpt 3--> DP=2.
+Right after each load every parameter, main param and Adam state must equal, element for element,
+what the saving run held (dumped with megatron-core's own accessors), and the following losses must
+match the saving run's own continuation — which is what resuming at the original DP gives, to the
+bit (test_lazy_checkpointer) — to within float tolerance (reductions run in another order).
+"""
+
+import importlib.util
+import json
+import os
+
+import pytest
+import torch
+
+from datastates_megatron.engine import CorruptCheckpointError, EngineOptions
+from datastates_megatron.engine.manager import CheckpointManager
+from datastates_megatron.engine.manifest import iter_dir, read_manifest
+from datastates_megatron.engine.partial_read import ElementRange, PartialReader
+from tests.distributed.ranks import describe, run_ranks
+
+needs_megatron = pytest.mark.skipif(importlib.util.find_spec("megatron") is None, reason="needs megatron-core")
+
+WORKER = os.path.join(os.path.dirname(__file__), "reshard_worker.py")
+TOTAL = ["--total", "6"]
+
+
+def _ok(results):
+    assert all(r["returncode"] == 0 and r["result"] is not None for r in results), describe(results)
+    return [r["result"] for r in results]
+
+
+def _losses(result):
+    return {int(k): v for k, v in result["losses"].items()}
+
+
+def _close(resumed, reference, tol):
+    assert resumed and all(abs(resumed[i] - reference[i]) <= tol * abs(reference[i]) for i in resumed), (resumed, reference)
+
+
+@pytest.fixture(scope="module")
+def dp2(tmp_path_factory):
+    """DP=2 fp32 with small buckets: checkpoint of iteration 3 and its reference."""
+    d = tmp_path_factory.mktemp("dp2")
+    out = _ok(run_ranks(WORKER, 2, ["run", *TOTAL, "--bucket-size", "20000", "--save", str(d / "ckpt"), "--save-at", "3",
+                                    "--ref-out", str(d / "ref")], timeout=240))  # fmt: skip
+    return d, _losses(out[0])
+
+
+@needs_megatron
+def test_dp2_to_dp1_to_dp2(dp2, tmp_path):
+    d, losses2 = dp2
+    # 2 -> 1: exact state right after load, then the same training up to float tolerance
+    (one,) = _ok(run_ranks(WORKER, 1, ["run", *TOTAL, "--load", str(d / "ckpt"), "--load-at", "3", "--ref-in", str(d / "ref"),
+                                       "--save", str(tmp_path / "ckpt1"), "--save-at", "4", "--ref-out", str(tmp_path / "ref1")],
+                           timeout=240))  # fmt: skip
+    assert one["mismatches"] == [], one["mismatches"]
+    _close(_losses(one), losses2, 1e-5)
+    # 1 -> 2 (from the DP=1 run's own checkpoint of iteration 4; small buckets again)
+    two = _ok(run_ranks(WORKER, 2, ["run", *TOTAL, "--bucket-size", "20000", "--load", str(tmp_path / "ckpt1"),
+                                    "--load-at", "4", "--ref-in", str(tmp_path / "ref1")], timeout=240))  # fmt: skip
+    for r in two:
+        assert r["mismatches"] == [], r["mismatches"]
+        assert sorted(_losses(r)) == [5, 6]
+        _close(_losses(r), _losses(one), 1e-5)
+
+
+@needs_megatron
+def test_dp4_to_dp2_bf16(tmp_path):
+    four = _ok(run_ranks(WORKER, 4, ["run", *TOTAL, "--bf16", "--save", str(tmp_path / "ckpt"), "--save-at", "3",
+                                     "--ref-out", str(tmp_path / "ref")], timeout=240))  # fmt: skip
+    two = _ok(run_ranks(WORKER, 2, ["run", *TOTAL, "--bf16", "--bucket-size", "20000", "--load", str(tmp_path / "ckpt"),
+                                    "--load-at", "3", "--ref-in", str(tmp_path / "ref")], timeout=240))  # fmt: skip
+    for r in two:
+        assert r["mismatches"] == [], r["mismatches"]
+        _close(_losses(r), _losses(four[0]), 1e-3)  # bf16 params: a last-bit flip moves the loss a little more
+
+
+@needs_megatron
+def test_changed_tensor_parallel_size_is_refused_naming_the_export(dp2):
+    d, _ = dp2
+    for r in _ok(run_ranks(WORKER, 2, ["tp2", "--load", str(d / "ckpt"), "--load-at", "3"], timeout=240)):
+        err = r["error"]
+        assert err.startswith("LayoutMismatchError") and "tp=1 in checkpoint, 2 now" in err, err
+        assert f"datastates-ckpt export {d / 'ckpt'} OUT_DIR --format torch_dist" in err, err
+
+
+@needs_megatron
+def test_export_torch_and_torch_dist(dp2, tmp_path):
+    from datastates_megatron.megatron.export import export
+
+    d, _ = dp2
+    # torch: one consolidated file, every element equal to what the DP=2 run held
+    path = export(str(d / "ckpt"), str(tmp_path / "torch"), "torch", iteration=3)
+    state = torch.load(path, weights_only=False)
+    ref = [torch.load(d / "ref" / f"rank{r}.pt", weights_only=True) for r in range(2)]
+    for name, value in ref[0]["params"].items():
+        assert torch.equal(state[name], value), name
+        for rr in ref:
+            if name in rr["states"]:
+                start, end, st = rr["states"][name]
+                for key in ("main", "exp_avg", "exp_avg_sq"):
+                    assert torch.equal(state["optimizer"][name][key].view(-1)[start:end], st[key].view(-1)), (name, key)
+                assert float(state["optimizer"][name]["step"]) == float(st["step"])
+    assert state["iteration"] == 3 and state["model"]["num_layers"] == 2 and state["layout"]["dp"] == 2
+    # torch_dist: megatron-core's own loader fills a fresh model + optimizer with the same values
+    out = export(str(d / "ckpt"), str(tmp_path / "dist"), "torch_dist", iteration=3, timeout_s=240)
+    assert out == str(tmp_path / "dist" / "iter_0000003")
+    assert open(tmp_path / "dist" / "latest_checkpointed_iteration.txt").read().strip() == "3"
+    (loaded,) = _ok(run_ranks(WORKER, 1, ["load_dist", "--load", out, "--ref-in", str(d / "ref")], timeout=240))
+    assert loaded["mismatches"] == [] and loaded["iteration"] == 3, json.dumps(loaded)
+
+
+# ---------------------------------------------------------------------------------------------- engine
+def _one_rank_checkpoint(root, tensors):
+    opts = EngineOptions(cache_bytes=1 << 20, chunk_bytes=4096, small_bytes=0, timeout_s=30)  # 4 KiB checksum chunks
+    with CheckpointManager(str(root), opts, keep_last=0) as mgr:
+        for name, t in tensors.items():
+            mgr.register(name, t)
+        mgr.save(5, {"iteration": 5})
+    ckpt = iter_dir(str(root), 5)
+    return ckpt, read_manifest(ckpt)
+
+
+def test_partial_reads_verify_only_the_chunks_they_touch(tmp_path):
+    w = torch.arange(10_000, dtype=torch.float32)  # 40000 bytes: 10 chunks of 4 KiB
+    ckpt, manifest = _one_rank_checkpoint(tmp_path, {"w": w, "b": torch.arange(7, dtype=torch.bfloat16)})
+    with PartialReader(ckpt, manifest) as reader:
+        assert torch.equal(reader.read(ElementRange(0, "w", 1020, 10)), w[1020:1030])  # straddles chunks 0 and 1
+        assert reader.chunks_of(ElementRange(0, "w", 1020, 10)) == [(0, "w", 0), (0, "w", 1)]
+        assert torch.equal(reader.read(ElementRange(0, "b", 2, 3)), torch.arange(2, 5, dtype=torch.bfloat16))
+    # corrupt one byte of chunk 5 of "w": ranges elsewhere still read, a range over it is refused
+    path = os.path.join(ckpt, manifest.ranks[0].file)
+    with PartialReader(ckpt, manifest) as reader:
+        offset = reader.entry(0, "w").offset + 5 * 4096 + 7
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)
+        f.seek(offset)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    with PartialReader(ckpt, manifest, threads=2) as reader:
+        assert torch.equal(reader.read(ElementRange(0, "w", 0, 1000)), w[:1000])
+        dst_ok, dst_bad = torch.zeros(1000), torch.zeros(100)
+        with pytest.raises(CorruptCheckpointError, match="rank 0 tensor 'w': checksum mismatch in chunk 5"):
+            reader.copy([(ElementRange(0, "w", 0, 1000), dst_ok), (ElementRange(0, "w", 5200, 100), dst_bad)])
+        assert not dst_ok.any() and not dst_bad.any()  # verified first: nothing was written
+    with PartialReader(ckpt, manifest, verify=False) as reader:  # verification off: the bytes as they are
+        assert not torch.equal(reader.read(ElementRange(0, "w", 5120, 1024)), w[5120:6144])
