@@ -496,7 +496,8 @@ def _build_parser() -> argparse.ArgumentParser:
     fmt = argparse.RawDescriptionHelpFormatter
     p = argparse.ArgumentParser(
         prog=PROG, formatter_class=fmt, epilog=_EXAMPLES + _EPILOG,
-        description="List, inspect and verify datastates-megatron checkpoints (read-only: nothing is ever written).",
+        description=("List, inspect and verify datastates-megatron checkpoints (read-only), and export one to\n"
+                     "another format (writes only under OUT_DIR)."),
     )  # fmt: skip
     sub = p.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
@@ -558,6 +559,20 @@ def _build_parser() -> argparse.ArgumentParser:
                           "ranks_checked, tensors_checked, bytes_checked, seconds, threads, errors[{rank, file, "
                           "tensor, chunks, kind, message}], unreferenced_files); kind is one of missing, size, file, "
                           "manifest, checksum")  # fmt: skip
+
+    exp = sub.add_parser(
+        "export", formatter_class=fmt, epilog=_EPILOG, help="write a checkpoint in another format",
+        description=(
+            "Convert a committed checkpoint: --format torch writes one consolidated torch.save file (full\n"
+            "parameters, per-parameter optimizer state, non-tensor state) for inspection or conversion;\n"
+            "--format torch_dist writes a megatron-core dist_checkpointing checkpoint that megatron-core\n"
+            "loads with its own resharding across TP/PP/DP (the path for a changed TP or PP size).\n"
+            "Every byte read is checksum-verified unless --no-verify.  Prints the path written."
+        ),
+    )  # fmt: skip
+    from .megatron.export import add_export_arguments
+
+    add_export_arguments(exp)
     return p
 
 
@@ -574,6 +589,10 @@ def main(argv: list[str] | None = None) -> int:
             doc = list_checkpoints(args.save_dir)
             _emit(doc) if args.json else _render_ls(doc)
             return EXIT_OK
+        if args.command == "export":
+            from .megatron.export import run_export
+
+            return run_export(args)
         if args.command == "inspect":
             doc = inspect_checkpoint(args.ckpt_dir, args.rank, args.tensors)
             _emit(doc) if args.json else _render_inspect(doc)

@@ -174,6 +174,12 @@ def consolidate(ckpt_dir: str, iteration: int | None = None, *, verify: bool = T
             if "main" not in states:  # fp32 model: the master copy is the parameter itself
                 states["main"] = out[key].detach().clone().float()
         objects = reader.objects(0)
+    if not out:
+        raise ExportError(
+            f"{path}: no Megatron parameter maps in this checkpoint (not written by LazyCheckpointer, or by a "
+            "version before they were recorded): nothing to export"
+        )
+    objects = objects if isinstance(objects, dict) else {}
     out["optimizer"] = optimizer
     out.update(iteration=it, training=objects.get("training"), extra_state=objects.get("extra_state"),
                model=objects.get("model"), layout=dict(manifest.layout))  # fmt: skip

@@ -262,3 +262,19 @@ def test_bad_usage_exits_2(capsys):
         main(["frobnicate"])
     assert exc.value.code == EXIT_USAGE
     assert _run(capsys, "verify", "x", "--threads", "0")[0] == EXIT_USAGE
+
+
+def test_export_of_a_non_megatron_checkpoint_is_a_one_line_error(tmp_path, capsys):
+    import torch
+
+    from datastates_megatron.cli import main
+    from datastates_megatron.engine import EngineOptions
+    from datastates_megatron.engine.manager import CheckpointManager
+
+    with CheckpointManager(str(tmp_path / "c"), EngineOptions(cache_bytes=1 << 20)) as m:
+        m.register("w", torch.ones(10))
+        m.save(1)
+    rc = main(["export", str(tmp_path / "c"), str(tmp_path / "out"), "--format", "torch"])
+    err = capsys.readouterr().err
+    assert rc != 0 and "no Megatron parameter maps" in err and "Traceback" not in err
+    assert not (tmp_path / "out" / "iter_1.pt").exists()
