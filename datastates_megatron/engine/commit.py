@@ -220,8 +220,6 @@ class Committer(QueueThread):
                 )
                 crash_point("before_manifest", self.rank)
                 write_manifest(self.root, manifest)
-                crash_point("before_tracker", self.rank)
-                write_tracker(self.root, ticket.iteration)
             except OSError as e:
                 ok.zero_()
                 err = CommitError(
@@ -232,6 +230,8 @@ class Committer(QueueThread):
         if self.world_size > 1:
             dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=self._group)
         if not int(ok):
+            if self._writes:
+                self._discard(ticket)
             if not self._writes:
                 raise CommitError(
                     f"rank {self.rank}: iteration {ticket.iteration}: a {self.tier} manifest could not be written; "
@@ -240,6 +240,14 @@ class Committer(QueueThread):
             return
         self._commit_seq += 1
         self.latest = ticket.iteration
+        if self._writes:
+            # the manifest is the commit point; the tracker is Megatron's hint and may lag it
+            crash_point("before_tracker", self.rank)
+            try:
+                write_tracker(self.root, ticket.iteration)
+            except OSError as e:
+                log.warning("rank %d: iteration %d is committed but %s could not update the tracker: %s",
+                            self.rank, ticket.iteration, self.root, e)  # fmt: skip
         bytes_per_rank = tuple(int(r[4]) for r in rows)
         record = CommitRecord(
             iteration=ticket.iteration,

@@ -31,7 +31,7 @@ from .options import EngineOptions
 from .restore import RestoreStats, open_checkpoint, open_rank, restore_into, validate_world
 from .retention import remove_uncommitted
 from .snapshot import SnapshotEngine
-from .threads import ClosingContext
+from .threads import ClosingContext, close_at_exit, forget
 
 __all__ = ["CheckpointManager", "LoadResult"]
 
@@ -126,6 +126,7 @@ class CheckpointManager(ClosingContext):
                 on_commit=self.promoter.on_local_commit, protect=self.promoter.in_flight,
             )  # fmt: skip
             self._repromote()
+        close_at_exit(self)
 
     @property
     def _first_tier(self) -> Committer:
@@ -250,17 +251,33 @@ class CheckpointManager(ClosingContext):
             iteration = latest_committed(root)
         ckpt, manifest = open_checkpoint(root, iteration)
         validate_world(manifest, ckpt, self.world_size, self.layout)
-        rf = open_rank(ckpt, manifest, self.rank)
+        try:
+            rf = open_rank(ckpt, manifest, self.rank)
+        except CheckpointError:
+            self._agree(False)
+            raise
         try:
             stats = restore_into(
                 rf, self.engine.registered, self.rank,
                 verify=self.verify_on_load if verify is None else verify, threads=self.restore_threads,
+                agree=self._agree,
             )  # fmt: skip
             objects = rf.objects["objects"]
         finally:
             rf.close()
         log.info("rank %d: loaded iteration %d from %s (%d bytes)", self.rank, iteration, ckpt, stats.bytes)
         return LoadResult(iteration, objects, manifest.metadata, stats, root)
+
+    def _agree(self, ok: bool) -> list[int]:
+        """Every rank says whether its file validated; returns the ranks that failed (default group)."""
+        if not self._dist or self.world_size == 1:
+            return [] if ok else [self.rank]
+        flag = torch.tensor([1 if ok else 0], dtype=torch.int64)
+        if self._dist.get_backend() == "nccl":
+            flag = flag.cuda()
+        flags = [torch.zeros_like(flag) for _ in range(self.world_size)]
+        self._dist.all_gather(flags, flag)
+        return [r for r, f in enumerate(flags) if not int(f.item())]
 
     def committed(self) -> list[int]:
         return committed_iterations(self.root)
@@ -320,6 +337,7 @@ class CheckpointManager(ClosingContext):
         """Drain (commit what is pending), then stop every thread; idempotent."""
         if self._closed:
             return
+        forget(self)
         try:
             self.wait(timeout)
         finally:

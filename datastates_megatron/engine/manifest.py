@@ -100,6 +100,7 @@ class Manifest:
             "metadata": self.metadata,
             "ranks": [dataclasses.asdict(r) for r in self.ranks],
         }
+        body["checksum"] = _body_xxh64(body)
         return json.dumps(body, indent=1, sort_keys=True).encode("utf-8")
 
     @classmethod
@@ -139,7 +140,17 @@ class Manifest:
         for r in m.ranks:
             if not _SAFE_NAME.match(r.file) or r.file in (".", ".."):
                 raise CorruptCheckpointError(f"{path}: rank {r.rank} file {r.file!r} is not a plain file name inside the checkpoint directory")
+        stored = body.pop("checksum", None)
+        if stored != _body_xxh64(body):
+            raise CorruptCheckpointError(f"{path}: manifest checksum mismatch (stored {stored!r}): the manifest was altered")
         return m
+
+
+def _body_xxh64(body: dict) -> int:
+    """XXH64 of the manifest's canonical JSON (sorted keys, compact), without its checksum field."""
+    from .serializer import xxh64
+
+    return xxh64(json.dumps(body, sort_keys=True, separators=(",", ":")).encode("utf-8"))
 
 
 def atomic_write(path: str, data: bytes) -> None:
@@ -148,13 +159,20 @@ def atomic_write(path: str, data: bytes) -> None:
     tmp = f"{path}.tmp-{os.getpid()}"
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view) :]
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.replace(tmp, path)
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view) :]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)  # a full disk must not leave temp files behind
+        except OSError:
+            pass
+        raise
     fsync_dir(directory)
 
 

@@ -17,6 +17,7 @@ import torch
 from .errors import CorruptCheckpointError, LayoutMismatchError, NoCheckpointError
 from .file_format import RankFile, TensorEntry
 from .manifest import Manifest, iter_dir, read_manifest
+from .faults import crash_point
 from .serializer import _xxh64_impl
 
 __all__ = ["open_checkpoint", "validate_world", "verify_file", "restore_into", "RestoreStats"]
@@ -106,26 +107,43 @@ def check_tensor_set(rf: RankFile, targets: dict[str, torch.Tensor], rank: int) 
         raise LayoutMismatchError(f"{rf.path}: rank {rank}: " + "; ".join(problems[:8]))
 
 
-def _copy_one(rf: RankFile, name: str, dst: torch.Tensor) -> int:
+def _copy_one(rf: RankFile, name: str, dst: torch.Tensor, rank: int) -> int:
+    crash_point("restore", rank)
     with torch.no_grad():
         dst.copy_(rf.tensor(name))
     return rf.entries[name].nbytes
 
 
-def restore_into(rf: RankFile, targets: dict[str, torch.Tensor], rank: int, *, verify: bool, threads: int = 4) -> RestoreStats:
-    """Validate then copy ``rf``'s tensors into ``targets`` in place; nothing is written on any error."""
+def restore_into(rf: RankFile, targets: dict[str, torch.Tensor], rank: int, *, verify: bool, threads: int = 4,
+                 agree=None) -> RestoreStats:
+    """Validate then copy ``rf``'s tensors into ``targets`` in place; nothing is written on any error.
+
+    ``agree(ok: bool) -> failed ranks`` (a collective) is called once validation is over on this
+    rank: the copy only happens when every rank validated its file, so no rank restores alone."""
     import time
 
     stats = RestoreStats()
-    check_tensor_set(rf, targets, rank)
+    try:
+        check_tensor_set(rf, targets, rank)
+    except LayoutMismatchError:
+        if agree is not None:
+            agree(False)
+        raise
     with cf.ThreadPoolExecutor(threads, thread_name_prefix=f"dsm-restore-r{rank}") as pool:
         if verify:
             t0 = time.perf_counter()
             bad = verify_file(rf, pool)
             stats.verify_s = time.perf_counter() - t0
             if bad:
+                if agree is not None:
+                    agree(False)
                 raise CorruptCheckpointError(f"rank {rank}: {len(bad)} corrupt chunk(s): " + "; ".join(bad[:5]))
+        failed = agree(True) if agree is not None else []
+        if failed:
+            raise CorruptCheckpointError(
+                f"rank {rank}: rank(s) {failed} could not validate their checkpoint files; nothing restored"
+            )
         t0 = time.perf_counter()
-        stats.bytes = sum(pool.map(lambda n: _copy_one(rf, n, targets[n]), list(targets)))
+        stats.bytes = sum(pool.map(lambda n: _copy_one(rf, n, targets[n], rank), list(targets)))
         stats.copy_s = time.perf_counter() - t0
     return stats

@@ -36,7 +36,7 @@ from .file_format import FORMAT_VERSION, HEADER_BYTES, Header, build_index, dtyp
 from .host_cache import HostCache
 from .objects import encode_objects
 from .options import EngineOptions
-from .threads import ClosingContext
+from .threads import ClosingContext, close_at_exit, forget
 from .writer import RankFileWriter
 
 __all__ = ["SnapshotEngine", "SaveHandle", "FileReceipt"]
@@ -175,6 +175,7 @@ class SnapshotEngine(ClosingContext):
         self._flush_pool = cf.ThreadPoolExecutor(opts.flush_threads, thread_name_prefix=f"dsm-flush-r{opts.rank}")
         self._thread = threading.Thread(target=self._copy_loop, name=f"dsm-copier-r{opts.rank}", daemon=False)
         self._thread.start()
+        close_at_exit(self)
 
     # ------------------------------------------------------------------ registration
     def register(self, name: str, tensor: torch.Tensor, *, group: str = "default", meta: dict | None = None) -> None:
@@ -282,14 +283,24 @@ class SnapshotEngine(ClosingContext):
         """Drain pending versions, stop and join every thread; idempotent.  Re-raises a stored error."""
         if self._closed:
             return
+        forget(self)
+        drained = False
         try:
             self.wait(timeout)
+            drained = True
         finally:
             self._closed = True
             self._jobs.put(None)
-            self._thread.join()
-            self._flush_pool.shutdown(wait=True)
-            self.cache.close()
+            if drained:
+                self._thread.join()
+                self._flush_pool.shutdown(wait=True)
+                self.cache.close()
+            else:  # storage is stuck: report instead of hanging on the blocked writes
+                self.cache.close()
+                self._thread.join(self.options.timeout_s)
+                self._flush_pool.shutdown(wait=False, cancel_futures=True)
+                log.error("rank %d: closed with writes still blocked in storage; their versions are not durable",
+                          self.options.rank)  # fmt: skip
         self._raise_pending()
 
     def __del__(self) -> None:

@@ -8,9 +8,50 @@ import threading
 
 from .errors import CheckpointError
 
-__all__ = ["QueueThread", "ClosingContext"]
+__all__ = ["QueueThread", "ClosingContext", "close_at_exit", "forget"]
 
 log = logging.getLogger(__name__)
+
+
+_open_at_exit: list = []  # objects to close at interpreter exit, newest last
+_exit_lock = threading.Lock()
+_exit_registered = False
+
+
+def close_at_exit(obj) -> None:
+    """At interpreter exit, before Python joins non-daemon threads, drain and close ``obj`` (newest
+    first): pending checkpoints are committed or their failure is logged, never silently left
+    partial, and the process does not hang on our threads.  ``obj.close()`` calls :func:`forget`."""
+    global _exit_registered
+    with _exit_lock:
+        _open_at_exit.append(obj)
+        if not _exit_registered:
+            try:
+                threading._register_atexit(_close_all)  # runs before threading's shutdown joins threads
+                _exit_registered = True
+            except (AttributeError, RuntimeError):  # pragma: no cover - interpreter already exiting
+                pass
+
+
+def forget(obj) -> None:
+    """``obj`` was closed: drop it from the exit list (so its memory can be freed)."""
+    with _exit_lock:
+        for i, o in enumerate(_open_at_exit):
+            if o is obj:
+                del _open_at_exit[i]
+                break
+
+
+def _close_all() -> None:
+    while True:
+        with _exit_lock:
+            if not _open_at_exit:
+                return
+            target = _open_at_exit.pop()
+        try:
+            target.close()
+        except Exception as e:  # noqa: BLE001 - the interpreter is exiting: report, do not raise
+            log.error("pending checkpoint work could not be completed at interpreter exit: %s", e)
 
 
 class QueueThread:

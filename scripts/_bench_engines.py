@@ -1,0 +1,561 @@
+"""The checkpoint engines that ``scripts/bench_peers.py`` compares, behind one small protocol.
+
+Every engine checkpoints the same live megatron-core training state (a list of DDP chunks built
+with ``use_distributed_optimizer=True`` and the optimizer from ``get_megatron_optimizer``) and is
+driven the way its own framework drives it:
+
+============== ==============================================================================
+``baseline``     nothing (the reference for every ratio)
+``torch_save``   ``torch.save`` of this rank's state (:func:`rank_state`) to ``rank{r}.pt``, then
+                 ``fsync`` of the file and of its directory -- synchronous
+``mcore_sync``   megatron-core ``dist_checkpointing.save`` with the ``torch_dist`` strategy wrapped
+                 in ``FullyParallelSaveStrategyWrapper`` (what Megatron-LM's ``save_checkpoint``
+                 does, ``distrib_optim_sharding_type='dp_reshardable'``) -- synchronous
+``mcore_async``  the same with ``async_sharded_save=True``; the request goes to an
+                 ``AsyncCallsQueue`` and ``maybe_finalize_async_calls(blocking=False)`` runs once
+                 per iteration, as Megatron-LM's training loop does
+``dcp_async``    ``torch.distributed.checkpoint.async_save`` of :func:`rank_state` with a
+                 ``DefaultStager`` (TorchTitan's ``async_with_pinned_mem`` mode): the save call waits
+                 for the previous upload, and a step pre-hook on every inner torch optimizer waits
+                 for staging before ``optimizer.step()`` mutates the state
+``ours``         :class:`datastates_megatron.LazyCheckpointer`
+============== ==============================================================================
+
+Protocol (:class:`Engine`): ``save(iteration)`` at Megatron's save point (after ``train_step``),
+``tick()`` once per iteration after it, ``drain()`` until every started checkpoint is durable,
+``restore()`` loads the newest checkpoint into the live model and optimizer in place,
+``close()`` releases threads, processes and hooks (idempotent).  Checkpoint directories are
+``<root>/iter_XXXXXXX`` for every engine, so :meth:`Engine.last_dir` can be measured.
+
+Thread-safety: none of these objects is thread-safe; drive each from the training thread.  All
+methods except ``tick`` of the synchronous engines are collective (every rank, same order).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import torch
+
+__all__ = [
+    "ENGINES",
+    "BenchOptions",
+    "Workload",
+    "Engine",
+    "GateTimer",
+    "inner_optimizers",
+    "rank_state",
+    "iter_dir",
+    "dir_bytes",
+    "evict_page_cache",
+    "snapshot_state",
+    "scramble_state",
+    "compare_state",
+]
+
+
+# --------------------------------------------------------------------------- #
+# workload and the rank-local state
+# --------------------------------------------------------------------------- #
+@dataclasses.dataclass(frozen=True)
+class BenchOptions:
+    """Engine knobs taken from the command line.
+
+    host_cache_gb / flush_threads / keep_last: ours (``LazyCkptConfig``).
+    dcp_checkpointer: ``"process"`` (TorchTitan's ``async_with_pinned_mem``) or ``"thread"``.
+    """
+
+    host_cache_gb: float = 1.0
+    flush_threads: int = 2
+    keep_last: int = 2
+    dcp_checkpointer: str = "process"
+
+    def __post_init__(self) -> None:
+        if self.dcp_checkpointer not in ("thread", "process"):
+            raise ValueError(f"dcp_checkpointer must be 'thread' or 'process', got {self.dcp_checkpointer!r}")
+
+
+class Workload:
+    """What an engine checkpoints: the live model chunks, optimizer and LR scheduler of one run.
+
+    ``io_group`` is a gloo group reserved for background checkpoint collectives (DCP runs its
+    finish-phase gather on it from a worker thread, so it must not share the training groups).
+    """
+
+    def __init__(self, chunks: list, optimizer: Any, scheduler: Any, root: Path,
+                 io_group: Any) -> None:
+        self.chunks = chunks
+        self.optimizer = optimizer
+        self.scheduler = scheduler
+        self.root = Path(root)
+        self.io_group = io_group
+        self.rank = torch.distributed.get_rank()
+        self.world = torch.distributed.get_world_size()
+
+
+def inner_optimizers(optimizer: Any) -> list:
+    """The torch optimizers inside megatron's ``ChainedOptimizer`` / ``DistributedOptimizer``."""
+    return [do.optimizer for do in getattr(optimizer, "chained_optimizers", [optimizer])]
+
+
+def _buffers(chunk: Any) -> list:
+    return list(chunk.buffers) + list(chunk.expert_parallel_buffers)
+
+
+def _on_real_gpu(t: torch.Tensor) -> bool:
+    return t.device.type == "cuda"
+
+
+def rank_state(chunks: list, optimizer: Any) -> dict[str, torch.Tensor]:
+    """This rank's share of the training state as a flat ``{name: tensor}`` of live tensors.
+
+    * ``param/c{chunk}.b{buffer}.k{bucket}``: this rank's slice of every DDP bucket's
+      ``param_data`` (the DistributedOptimizer's shard, ``shard_buffer`` slicing);
+    * ``main/o{opt}.g{group}.p{i}``: the fp32 main params -- only where they are separate tensors
+      (bf16/fp16 models); in fp32 they are views into ``param_data`` and already covered;
+    * ``{exp_avg,exp_avg_sq,step}/o{opt}.g{group}.p{i}``: the inner optimizer's state.
+
+    The tensors are live (views included): callers that serialise whole storages (``torch.save``)
+    must clone views first.
+    """
+    out: dict[str, torch.Tensor] = {}
+    buffer_storages = set()
+    for ci, chunk in enumerate(chunks):
+        for bi, buf in enumerate(_buffers(chunk)):
+            buffer_storages.add(buf.param_data.untyped_storage().data_ptr())
+            dp = buf.data_parallel_world_size
+            r = buf.data_parallel_group.rank()
+            for k, bucket in enumerate(buf.buckets):
+                size = bucket.param_data.numel() // dp
+                out[f"param/c{ci}.b{bi}.k{k}"] = bucket.param_data[r * size:(r + 1) * size]
+    for oi, inner in enumerate(inner_optimizers(optimizer)):
+        for gi, group in enumerate(inner.param_groups):
+            for pi, p in enumerate(group["params"]):
+                tag = f"o{oi}.g{gi}.p{pi}"
+                if p.untyped_storage().data_ptr() not in buffer_storages:
+                    out[f"main/{tag}"] = p.detach()
+                for key, value in inner.state.get(p, {}).items():
+                    if isinstance(value, torch.Tensor):
+                        out[f"{key}/{tag}"] = value
+    return out
+
+
+def iter_dir(root: Path, iteration: int) -> Path:
+    """Megatron's checkpoint directory naming, used by every engine here."""
+    return Path(root) / f"iter_{iteration:07d}"
+
+
+def dir_bytes(path: Path) -> int:
+    """Sum of the sizes of the regular files under ``path`` (0 if it does not exist)."""
+    total = 0
+    for dirpath, _dirs, files in os.walk(path):
+        for name in files:
+            try:
+                total += os.lstat(os.path.join(dirpath, name)).st_size
+            except FileNotFoundError:
+                pass
+    return total
+
+
+def evict_page_cache(path: Path) -> None:
+    """Drop the clean page-cache pages of every file under ``path`` (POSIX_FADV_DONTNEED), so a
+    restore reads from the device rather than from memory.  Best effort."""
+    if not hasattr(os, "posix_fadvise"):
+        return
+    for dirpath, _dirs, files in os.walk(path):
+        for name in files:
+            try:
+                fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
+            except OSError:
+                continue
+            try:
+                os.fdatasync(fd)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            except OSError:
+                pass
+            finally:
+                os.close(fd)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _param_all_gather(chunks: list) -> None:
+    """Refill the other ranks' slices of ``param_data`` after only this rank's shard was loaded."""
+    for chunk in chunks:
+        chunk.start_param_sync(force_sync=True)
+
+
+# --------------------------------------------------------------------------- #
+# restore verification
+# --------------------------------------------------------------------------- #
+def snapshot_state(chunks: list, optimizer: Any) -> dict[str, torch.Tensor]:
+    """Clones of everything a restore must bring back: every full ``param_data`` buffer plus the
+    optimizer's main params and state (by position)."""
+    snap = {f"buffer/{ci}.{bi}": buf.param_data.detach().clone()
+            for ci, chunk in enumerate(chunks) for bi, buf in enumerate(_buffers(chunk))}
+    for oi, inner in enumerate(inner_optimizers(optimizer)):
+        for gi, group in enumerate(inner.param_groups):
+            for pi, p in enumerate(group["params"]):
+                snap[f"main/o{oi}.g{gi}.p{pi}"] = p.detach().clone()
+                for key, value in inner.state.get(p, {}).items():
+                    if isinstance(value, torch.Tensor):
+                        snap[f"{key}/o{oi}.g{gi}.p{pi}"] = value.detach().clone()
+    return snap
+
+
+@torch.no_grad()
+def scramble_state(chunks: list, optimizer: Any) -> None:
+    """Overwrite the state in place (params -> 0.5, Adam moments -> 0) so that only a restore that
+    really copies data passes :func:`compare_state`."""
+    for chunk in chunks:
+        for buf in _buffers(chunk):
+            buf.param_data.fill_(0.5)
+    for inner in inner_optimizers(optimizer):
+        for group in inner.param_groups:
+            for p in group["params"]:
+                p.detach().fill_(0.5)
+                for key, value in inner.state.get(p, {}).items():
+                    if isinstance(value, torch.Tensor) and key != "step":
+                        value.zero_()
+
+
+def compare_state(chunks: list, optimizer: Any, snap: dict[str, torch.Tensor]) -> list[str]:
+    """Names whose live values differ from ``snap`` (empty list: the restore was exact)."""
+    live = snapshot_state(chunks, optimizer)
+    bad = sorted(set(snap) ^ set(live))
+    for key, ref in snap.items():
+        cur = live.get(key)
+        if cur is not None and not (cur.shape == ref.shape and torch.equal(cur.float(), ref.float())):
+            bad.append(key)
+    return bad
+
+
+# --------------------------------------------------------------------------- #
+# step-gate timing
+# --------------------------------------------------------------------------- #
+class GateTimer:
+    """Measures how long ``optimizer.step()`` waits in the step pre-hooks of the inner optimizers.
+
+    Registers a first and a last pre-hook on every inner optimizer; :meth:`order` (call it before
+    each step) moves them back to the two ends of the hook list, so hooks that an engine registers
+    later (or re-registers) are still bracketed.  :meth:`take` returns and resets the total.
+    """
+
+    def __init__(self, optimizer: Any) -> None:
+        self._t0 = 0.0
+        self._total = 0.0
+        self._handles = []
+        for inner in inner_optimizers(optimizer):
+            first = inner.register_step_pre_hook(self._start)
+            last = inner.register_step_pre_hook(self._end)
+            self._handles.append((inner, first, last))
+
+    def _start(self, *_: Any) -> None:
+        self._t0 = time.perf_counter()
+
+    def _end(self, *_: Any) -> None:
+        self._total += time.perf_counter() - self._t0
+
+    def order(self) -> None:
+        for inner, first, last in self._handles:
+            hooks = inner._optimizer_step_pre_hooks
+            if first.id in hooks and last.id in hooks:
+                hooks.move_to_end(first.id, last=False)
+                hooks.move_to_end(last.id, last=True)
+
+    def take(self) -> float:
+        total, self._total = self._total, 0.0
+        return total
+
+    def close(self) -> None:
+        for _inner, first, last in self._handles:
+            first.remove()
+            last.remove()
+        self._handles = []
+
+
+# --------------------------------------------------------------------------- #
+# engines
+# --------------------------------------------------------------------------- #
+class Engine:
+    """No checkpoint (the baseline), and the protocol every engine follows."""
+
+    name = "baseline"
+    persists = False
+
+    def __init__(self, w: Workload, opts: BenchOptions) -> None:
+        self.w = w
+        self.opts = opts
+        self.last_iteration: Optional[int] = None
+
+    def save(self, iteration: int) -> None:
+        """Start (or do) a checkpoint of ``iteration``; the time this takes is a training stall."""
+
+    def tick(self) -> None:
+        """Once per iteration after the save point (also a stall when it blocks)."""
+
+    def drain(self) -> None:
+        """Block until every started checkpoint is durable."""
+
+    def restore(self) -> Optional[int]:
+        """Load the newest checkpoint into the live model/optimizer in place; its iteration."""
+        return None
+
+    def last_dir(self) -> Optional[Path]:
+        return None if self.last_iteration is None else iter_dir(self.w.root, self.last_iteration)
+
+    def close(self) -> None:
+        """Release threads, processes and hooks (idempotent)."""
+
+
+class TorchSaveEngine(Engine):
+    """``torch.save`` of :func:`rank_state` + fsync, synchronous (views cloned first: ``torch.save``
+    writes a view's whole storage)."""
+
+    name = "torch_save"
+    persists = True
+
+    def _file(self, iteration: int) -> Path:
+        return iter_dir(self.w.root, iteration) / f"rank{self.w.rank}.pt"
+
+    def save(self, iteration: int) -> None:
+        state = {k: (v.clone() if v.numel() != v.untyped_storage().nbytes() // v.element_size() else v)
+                 for k, v in rank_state(self.w.chunks, self.w.optimizer).items()}
+        payload = {"iteration": iteration, "tensors": state,
+                   "scheduler": None if self.w.scheduler is None else self.w.scheduler.state_dict()}
+        path = self._file(iteration)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".pt.tmp")
+        with open(tmp, "wb") as fh:
+            torch.save(payload, fh)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+        _fsync_dir(path.parent)
+        self.last_iteration = iteration
+
+    def restore(self) -> Optional[int]:
+        if self.last_iteration is None:
+            return None
+        payload = torch.load(self._file(self.last_iteration), map_location="cpu", weights_only=True)
+        live = rank_state(self.w.chunks, self.w.optimizer)
+        with torch.no_grad():
+            for key, saved in payload["tensors"].items():
+                live[key].copy_(saved)
+        _param_all_gather(self.w.chunks)
+        return int(payload["iteration"])
+
+
+class McoreEngine(Engine):
+    """megatron-core ``dist_checkpointing`` (``torch_dist`` + fully parallel save), as Megatron-LM's
+    ``save_checkpoint`` / ``load_checkpoint`` drive it (one model chunk)."""
+
+    name = "mcore_sync"
+    persists = True
+    async_save = False
+
+    def __init__(self, w: Workload, opts: BenchOptions) -> None:
+        super().__init__(w, opts)
+        from megatron.core import parallel_state
+        from megatron.core.dist_checkpointing.serialization import get_default_save_sharded_strategy
+        from megatron.core.dist_checkpointing.strategies.fully_parallel import (
+            FullyParallelSaveStrategyWrapper,
+        )
+
+        if len(w.chunks) != 1:
+            raise ValueError("the megatron-core engines here support one model chunk")
+        dp_group = parallel_state.get_data_parallel_group(with_context_parallel=True)
+        # Megatron-LM 0.16.1 _build_sharded_state_dict_metadata with default args.
+        self._content_metadata = {"distrib_optim_sharding_type": "dp_reshardable",
+                                  "singleton_local_shards": False,
+                                  "chained_optim_avoid_prefix": True}
+        self._metadata = dict(self._content_metadata, dp_cp_group=dp_group)
+        self._strategy = FullyParallelSaveStrategyWrapper(
+            get_default_save_sharded_strategy("torch_dist"), dp_group, False)
+        self._queue = None
+        if self.async_save:
+            from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+
+            self._queue = AsyncCallsQueue()
+
+    def _sharded_state_dict(self, is_loading: bool) -> dict:
+        model_sd = self.w.chunks[0].module.sharded_state_dict(metadata=self._metadata)
+        optim_sd = self.w.optimizer.sharded_state_dict(model_sd, is_loading=is_loading,
+                                                       metadata=self._metadata)
+        return {"model": model_sd, "optimizer": optim_sd}
+
+    def save(self, iteration: int) -> None:
+        from megatron.core import dist_checkpointing
+
+        d = iter_dir(self.w.root, iteration)
+        if self.w.rank == 0:
+            d.mkdir(parents=True, exist_ok=True)
+        state = self._sharded_state_dict(is_loading=False)
+        state["iteration"] = iteration
+        state["checkpoint_version"] = 3.0
+        if self.w.scheduler is not None:
+            state["opt_param_scheduler"] = self.w.scheduler.state_dict()
+        request = dist_checkpointing.save(state, str(d), self._strategy,
+                                          async_sharded_save=self.async_save,
+                                          validate_access_integrity=True,
+                                          content_metadata=self._content_metadata)
+        if self._queue is not None:
+            self._queue.schedule_async_request(request)
+        torch.distributed.barrier()  # Megatron-LM's save_checkpoint ends with one
+        self.last_iteration = iteration
+
+    def tick(self) -> None:
+        if self._queue is not None:
+            self._queue.maybe_finalize_async_calls(blocking=False)
+
+    def drain(self) -> None:
+        if self._queue is not None:
+            self._queue.maybe_finalize_async_calls(blocking=True)
+
+    def restore(self) -> Optional[int]:
+        from megatron.core import dist_checkpointing
+
+        if self.last_iteration is None:
+            return None
+        sharded = self._sharded_state_dict(is_loading=True)
+        loaded = dist_checkpointing.load(sharded, str(iter_dir(self.w.root, self.last_iteration)))
+        with torch.no_grad():
+            self.w.chunks[0].module.load_state_dict(loaded["model"])
+            self.w.optimizer.load_state_dict(loaded["optimizer"])
+        return int(loaded["iteration"])
+
+    def close(self) -> None:
+        if self._queue is not None:
+            queue, self._queue = self._queue, None
+            queue.close()
+
+
+class McoreAsyncEngine(McoreEngine):
+    name = "mcore_async"
+    async_save = True
+
+
+class DcpAsyncEngine(Engine):
+    """``torch.distributed.checkpoint.async_save`` + ``DefaultStager``, TorchTitan style."""
+
+    name = "dcp_async"
+    persists = True
+
+    def __init__(self, w: Workload, opts: BenchOptions) -> None:
+        super().__init__(w, opts)
+        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+        from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+
+        cuda = torch.cuda.is_available() and any(
+            _on_real_gpu(t) for t in rank_state(w.chunks, w.optimizer).values())
+        process = opts.dcp_checkpointer == "process"
+        self._kind = AsyncCheckpointerType.PROCESS if process else AsyncCheckpointerType.THREAD
+        # TorchTitan: StagingOptions(True, True, True, True); pinning and non-blocking copies
+        # need a GPU, shared memory is what hands the staged tensors to the writer process.
+        self._stager = DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=process,
+                                                    use_async_staging=True,
+                                                    use_non_blocking_copy=cuda))
+        self._staging = None
+        self._upload = None
+        self._hooks = [inner.register_step_pre_hook(self._wait_for_staging)
+                       for inner in inner_optimizers(w.optimizer)]
+
+    def _state(self, iteration: int) -> dict:
+        return {f"rank{self.w.rank}": rank_state(self.w.chunks, self.w.optimizer),
+                "iteration": iteration}
+
+    def _wait_for_staging(self, *_: Any) -> None:
+        if self._staging is not None:
+            staging, self._staging = self._staging, None
+            staging.result()
+
+    def save(self, iteration: int) -> None:
+        import torch.distributed.checkpoint as dcp
+
+        self._wait_for_staging()
+        if self._upload is not None:  # TorchTitan's _async_wait: one upload in flight
+            upload, self._upload = self._upload, None
+            upload.result()
+        response = dcp.async_save(self._state(iteration),
+                                  checkpoint_id=str(iter_dir(self.w.root, iteration)),
+                                  process_group=self.w.io_group,
+                                  async_checkpointer_type=self._kind,
+                                  async_stager=self._stager)
+        self._staging = response.staging_completion
+        self._upload = response.upload_completion
+        self.last_iteration = iteration
+
+    def drain(self) -> None:
+        self._wait_for_staging()
+        if self._upload is not None:
+            upload, self._upload = self._upload, None
+            upload.result()
+
+    def restore(self) -> Optional[int]:
+        import torch.distributed.checkpoint as dcp
+
+        if self.last_iteration is None:
+            return None
+        state = self._state(-1)
+        dcp.load(state, checkpoint_id=str(iter_dir(self.w.root, self.last_iteration)),
+                 process_group=self.w.io_group)
+        _param_all_gather(self.w.chunks)
+        return int(state["iteration"])
+
+    def close(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+        if self._stager is not None:
+            stager, self._stager = self._stager, None
+            stager.close()
+
+
+class LazyEngine(Engine):
+    """Ours: :class:`datastates_megatron.LazyCheckpointer` (its own gate pre-hook)."""
+
+    name = "ours"
+    persists = True
+
+    def __init__(self, w: Workload, opts: BenchOptions) -> None:
+        super().__init__(w, opts)
+        from datastates_megatron import LazyCheckpointer, LazyCkptConfig
+
+        config = LazyCkptConfig(save_dir=str(w.root), host_cache_gb=opts.host_cache_gb,
+                                flush_threads=opts.flush_threads, keep_last=opts.keep_last)
+        self._ckpt = LazyCheckpointer(w.chunks, w.optimizer, config, opt_param_scheduler=w.scheduler)
+
+    def save(self, iteration: int) -> None:
+        self._ckpt.save(iteration)
+        self.last_iteration = iteration
+
+    def tick(self) -> None:
+        self._ckpt.poll()
+
+    def drain(self) -> None:
+        self._ckpt.wait(persist=True)
+
+    def restore(self) -> Optional[int]:
+        iteration, _extra = self._ckpt.load()
+        return iteration
+
+    def close(self) -> None:
+        if self._ckpt is not None:
+            ckpt, self._ckpt = self._ckpt, None
+            ckpt.close()
+
+
+ENGINES: dict[str, Callable[[Workload, BenchOptions], Engine]] = {
+    cls.name: cls
+    for cls in (Engine, TorchSaveEngine, McoreEngine, McoreAsyncEngine, DcpAsyncEngine, LazyEngine)
+}

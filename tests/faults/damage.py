@@ -1,0 +1,47 @@
+"""Ways to damage a checkpoint on disk, shared by the bad-input tests and the sweep."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+
+from datastates_megatron.engine.manifest import MANIFEST_NAME, Manifest, RankRecord, iter_dir
+
+
+def flip(path: str, offset: int, bit: int = 0) -> None:
+    """Flip one bit of one byte of ``path`` in place."""
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        b = f.read(1)
+        f.seek(offset)
+        f.write(bytes([b[0] ^ (1 << bit)]))
+
+
+def edit_manifest(ckpt_dir: str, edit, *, reseal: bool = True) -> None:
+    """Hand-edit ``ckpt_dir``'s manifest: ``edit(body)`` changes the parsed JSON in place.
+
+    ``reseal``: write it back through ``Manifest.to_json`` so that whatever integrity data the
+    engine puts in a manifest is recomputed (a hand editor can do the same), and the reader's own
+    validation is what has to refuse the edit.  Falls back to a plain JSON dump when the edited body
+    no longer makes a ``Manifest`` (a field removed, say)."""
+    path = os.path.join(ckpt_dir, MANIFEST_NAME)
+    with open(path) as f:
+        body = json.load(f)
+    edit(body)
+    data = None
+    if reseal:
+        try:
+            ranks = tuple(RankRecord(**{f.name: r[f.name] for f in dataclasses.fields(RankRecord)}) for r in body["ranks"])
+            fields = {f.name: body[f.name] for f in dataclasses.fields(Manifest) if f.name in body and f.name != "ranks"}
+            data = Manifest(ranks=ranks, **fields).to_json()
+        except (KeyError, TypeError, ValueError):
+            data = None
+    if data is None:
+        data = json.dumps(body, indent=1, sort_keys=True).encode()
+    with open(path, "wb") as f:
+        f.write(data)
+
+
+def manifest_path(root: str, iteration: int) -> str:
+    return os.path.join(iter_dir(root, iteration), MANIFEST_NAME)

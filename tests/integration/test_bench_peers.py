@@ -1,0 +1,98 @@
+"""Integration smoke test of ``scripts/bench_peers.py`` (the peer benchmark, issue 7).
+
+Runs the script under torchrun on 2 CPU gloo ranks with a tiny GPT, 3 measured iterations per
+engine and only the fast engines (megatron-core ``dist_checkpointing`` is left out: it has hung on
+small models on gloo), and checks that the JSON has every engine's keys, that every restore was
+verified bit for bit, and that the plot was written.  A second launch with a tiny
+``--engine-timeout`` checks that an overrunning phase is reported as ``timeout`` (exit status 3,
+partial JSON written) instead of hanging.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+SCRIPT = REPO / "scripts" / "bench_peers.py"
+TINY = ["--layers", "2", "--hidden", "64", "--heads", "4", "--seq-len", "32", "--vocab", "256",
+        "--iters", "3", "--warmup", "1", "--no-progress"]
+FAST_ENGINES = ("baseline", "torch_save", "dcp_async", "ours")
+LAUNCH_TIMEOUT_S = 80.0
+
+
+def _launch(tmp_path: Path, *extra: str) -> tuple[subprocess.CompletedProcess, Path]:
+    pytest.importorskip("megatron.core")
+    pytest.importorskip("matplotlib")
+    pytest.importorskip("tqdm")
+    out = tmp_path / "bench.json"
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           str(SCRIPT), *TINY, "--dir", str(tmp_path / "ckpt"), "--json", str(out), *extra]
+    try:
+        proc = subprocess.run(cmd, env=env, cwd=str(tmp_path), capture_output=True, text=True,
+                              timeout=LAUNCH_TIMEOUT_S)
+    except subprocess.TimeoutExpired as e:
+        pytest.fail(f"bench_peers.py did not finish in {LAUNCH_TIMEOUT_S}s:\n{(e.stderr or '')[-4000:]}")
+    return proc, out
+
+
+def test_fast_engines_report_every_key(tmp_path):
+    proc, out = _launch(tmp_path, "--engines", ",".join(FAST_ENGINES), "--intervals", "1,2",
+                        "--sweep-engines", "torch_save", "--probe-mb", "4",
+                        "--dcp-checkpointer", "thread", "--plot", str(tmp_path / "bench.png"))
+    if proc.returncode != 0:
+        errors = ""
+        if out.exists():
+            doc = json.loads(out.read_text())
+            errors = "\n".join(f"{n}: {r['status']} {r['error']}" for n, r in doc["engines"].items())
+        pytest.fail(f"rc={proc.returncode}\n{errors}\n{proc.stdout[-3000:]}\n{proc.stderr[-8000:]}")
+    sys.path.insert(0, str(SCRIPT.parent))
+    try:
+        from bench_peers import ENGINE_KEYS
+    finally:
+        sys.path.remove(str(SCRIPT.parent))
+
+    doc = json.loads(out.read_text())
+    assert list(doc["engines"]) == list(FAST_ENGINES)
+    for name, res in doc["engines"].items():
+        missing = [k for k in ENGINE_KEYS if k not in res]
+        assert not missing, f"{name}: missing {missing}"
+        assert res["status"] == "ok", (name, res["error"])
+        assert res["iterations"] == 3 and len(res["iter_times_s"]) == 3
+        assert res["ratio_e2e"] is not None and res["ratio_median"] is not None
+        if name == "baseline":
+            assert res["checkpoints"] == 3 and res["restore_ok"] is None
+            continue
+        assert res["checkpoints"] == 3
+        assert res["bytes_per_ckpt"] and res["bytes_per_ckpt"] > 0, name
+        assert res["restore_ok"] is True, (name, res["restore_mismatches"])
+        assert res["restore_iteration"] == 1 + 3, name  # warm-up 1 + 3 measured, last one saved
+        assert res["restore_s"] > 0 and res["drain_s"] >= 0 and res["stall_per_ckpt_s"] >= 0
+
+    sweep = doc["sweep"]["torch_save"]["2"]
+    assert sweep["status"] == "ok" and sweep["checkpoints"] == 1 and sweep["ratio_e2e"] is not None
+    machine = doc["machine"]
+    for key in ("memcpy_GBps_per_rank", "write_fsync_GBps", "read_cold_GBps"):
+        assert machine[key] > 0, key
+    assert doc["config"]["world_size"] == 2 and doc["config"]["params"] > 0
+    assert (tmp_path / "bench.png").stat().st_size > 0
+    assert "ours" in proc.stdout and "overhead vs checkpoint interval" in proc.stdout
+    assert not (tmp_path / "ckpt" / "ours-every1").exists(), "engine directories are cleaned"
+
+
+def test_overrunning_phase_is_reported_as_timeout(tmp_path):
+    proc, out = _launch(tmp_path, "--engines", "baseline,torch_save", "--sweep-engines", "",
+                        "--probe-mb", "0", "--engine-timeout", "0.001")
+    assert proc.returncode != 0
+    doc = json.loads(out.read_text())
+    assert doc["engines"]["baseline"]["status"] == "timeout"
+    assert "engine-timeout" in doc["engines"]["baseline"]["error"]
+    assert doc["engines"]["torch_save"]["status"] == "skipped"
+    assert "timeout" in proc.stdout
