@@ -53,6 +53,7 @@ class RecordingCheckpointer:
         self.calls: list[tuple] = []
         self.pending: list[int] = []
         self.closed = False
+        self.on_commit: list = []  # LazyCheckpointer's telemetry callbacks (the glue adds one)
         RecordingCheckpointer.instances.append(self)
 
     def save(self, iteration, extra_state=None):
