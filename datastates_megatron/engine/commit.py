@@ -3,8 +3,9 @@
 One thread per rank (``dsm-commit-r{rank}``) takes tickets in save order.  For each it waits for the
 local file to be durable, then all ranks exchange one small int64 status vector (``all_gather`` on a
 dedicated gloo group that no other code uses, so it never interleaves with training collectives).
-If every rank succeeded, rank 0 writes ``manifest.json`` (the commit point) and then the tracker, and
-broadcasts the outcome; otherwise nothing is written and every rank learns which ranks failed.
+If every rank succeeded, the tier's writer (rank 0; on the local tier each node's first rank)
+writes ``manifest.json`` (the commit point) and the ranks agree on the outcome (all_reduce MIN);
+the tracker follows; otherwise nothing is written and every rank learns which ranks failed.
 Retention runs afterwards on rank 0, on this thread, so deletions never block training.
 
 Thread-safety: ``submit``/``poll``/``drain``/``close`` are called from the training thread; the
