@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import shutil
 import time
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -66,6 +67,7 @@ class BenchOptions:
     """Engine knobs taken from the command line.
 
     host_cache_gb / flush_threads / keep_last: ours (``LazyCkptConfig``).
+    local_dir / persist_interval: ours_local's node-local tier and promotion interval.
     dcp_checkpointer: ``"process"`` (TorchTitan's ``async_with_pinned_mem``) or ``"thread"``.
     """
 
@@ -73,6 +75,8 @@ class BenchOptions:
     flush_threads: int = 2
     keep_last: int = 2
     dcp_checkpointer: str = "process"
+    local_dir: str = "/dev/shm/dsm-bench-local"
+    persist_interval: int = 10
 
     def __post_init__(self) -> None:
         if self.dcp_checkpointer not in ("thread", "process"):
@@ -532,8 +536,12 @@ class LazyEngine(Engine):
         from datastates_megatron import LazyCheckpointer, LazyCkptConfig
 
         config = LazyCkptConfig(save_dir=str(w.root), host_cache_gb=opts.host_cache_gb,
-                                flush_threads=opts.flush_threads, keep_last=opts.keep_last)
+                                flush_threads=opts.flush_threads, keep_last=opts.keep_last,
+                                **self._tier_options(w, opts))
         self._ckpt = LazyCheckpointer(w.chunks, w.optimizer, config, opt_param_scheduler=w.scheduler)
+
+    def _tier_options(self, w: Workload, opts: BenchOptions) -> dict:
+        return {}
 
     def save(self, iteration: int) -> None:
         self._ckpt.save(iteration)
@@ -555,7 +563,35 @@ class LazyEngine(Engine):
             ckpt.close()
 
 
+class LazyLocalEngine(LazyEngine):
+    """Ours with a node-local tier: every checkpoint committed under ``local_dir`` (per engine run),
+    every ``persist_interval``-th promoted to ``root`` in the background; restore reads the
+    newest tier every rank has (the local one here)."""
+
+    name = "ours_local"
+
+    def _tier_options(self, w: Workload, opts: BenchOptions) -> dict:
+        self._local = Path(opts.local_dir) / w.root.name
+        if w.rank == 0:
+            shutil.rmtree(self._local, ignore_errors=True)
+        torch.distributed.barrier()
+        return {"local_dir": str(self._local / "{node}"), "persist_interval": opts.persist_interval,
+                "local_keep_last": opts.keep_last}
+
+    def last_dir(self) -> Optional[Path]:
+        if self.last_iteration is None:
+            return None
+        nodes = sorted(p for p in self._local.iterdir() if p.is_dir()) if self._local.is_dir() else []
+        return iter_dir(nodes[0], self.last_iteration) if nodes else None
+
+    def close(self) -> None:
+        super().close()
+        if self.w.rank == 0:
+            shutil.rmtree(self._local, ignore_errors=True)
+
+
 ENGINES: dict[str, Callable[[Workload, BenchOptions], Engine]] = {
     cls.name: cls
-    for cls in (Engine, TorchSaveEngine, McoreEngine, McoreAsyncEngine, DcpAsyncEngine, LazyEngine)
+    for cls in (Engine, TorchSaveEngine, McoreEngine, McoreAsyncEngine, DcpAsyncEngine, LazyEngine,
+                LazyLocalEngine)
 }

@@ -14,6 +14,8 @@ iterations (default every iteration):
   dcp_async    torch.distributed.checkpoint.async_save + DefaultStager; staging awaited in an
                optimizer step pre-hook (TorchTitan)
   ours         datastates_megatron.LazyCheckpointer
+  ours_local   the same with a node-local tier (--local-dir, a tmpfs by default): every checkpoint
+               committed there, every --persist-interval-th promoted to --dir in the background
   mcore_sync   megatron-core dist_checkpointing.save, torch_dist + FullyParallelSaveStrategyWrapper
   mcore_async  the same with async_sharded_save + AsyncCallsQueue, finalized every iteration
                (Megatron-LM's maybe_finalize_async_save)
@@ -69,7 +71,7 @@ import _bench_engines as be  # noqa: E402
 
 log = logging.getLogger("bench_peers")
 
-ALL_ENGINES = ("baseline", "torch_save", "dcp_async", "ours", "mcore_sync", "mcore_async")
+ALL_ENGINES = ("baseline", "torch_save", "dcp_async", "ours", "ours_local", "mcore_sync", "mcore_async")
 RISKY = ("mcore_sync", "mcore_async")  # hung once on a small model: run them last
 ENGINE_KEYS = (
     "status", "error", "interval", "iterations", "checkpoints",
@@ -78,7 +80,7 @@ ENGINE_KEYS = (
     "ratio_median", "ratio_p90", "ratio_stall", "ratio_e2e",
     "bytes_per_ckpt", "restore_s", "restore_runs_s", "restore_ok", "restore_iteration",
     "restore_mismatches",
-    "foreign_cores",
+    "foreign_cores", "steal_cores",
 )
 GB = 1e9
 MB = 1 << 20
@@ -127,6 +129,10 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     g.add_argument("--host-cache-gb", type=float, default=1.0, help="ours: host cache per rank")
     g.add_argument("--flush-threads", type=int, default=2, help="ours: flush threads per rank")
     g.add_argument("--keep-last", type=int, default=2, help="ours: retention")
+    g.add_argument("--local-dir", default="/dev/shm/dsm-bench-local",
+                   help="ours_local: node-local tier (the engine adds {node}/ per host)")
+    g.add_argument("--persist-interval", type=int, default=10,
+                   help="ours_local: promote every N-th local checkpoint to --dir")
     g.add_argument("--dcp-checkpointer", choices=("process", "thread"), default="process",
                    help="DCP async_checkpointer_type (TorchTitan's async_with_pinned_mem: process)")
     g = p.add_argument_group("output")
@@ -259,11 +265,16 @@ def _ratio(a: Optional[float], b: Optional[float]) -> Optional[float]:
 
 
 class ForeignLoad:
-    """CPU used by processes outside this benchmark, in cores, over a window (needs psutil).
+    """CPU used by processes outside this benchmark, and CPU the hypervisor took, in cores, over a
+    window (needs psutil).
 
-    Busy time of the whole machine minus the CPU time of the benchmark's rank processes and their
-    children (writer threads and processes included).  Anything well above 0 means the timings
-    were taken on a shared, contended machine.  Rank 0 only; not thread-safe.
+    *foreign*: busy time of the whole machine (steal excluded) minus the CPU time of the
+    benchmark's rank processes and their children (writer threads and processes included);
+    anything well above 0 means the timings were taken on a shared, contended machine.
+    *steal*: time the vCPUs were runnable but the host ran something else.  On a virtual machine
+    whose disk is emulated on the same physical cores, every byte written costs steal: training
+    loses CPU to the writes of any engine that persists, however asynchronous it is.
+    Rank 0 only; not thread-safe.
     """
 
     def __init__(self, pids: list[int]) -> None:
@@ -285,18 +296,25 @@ class ForeignLoad:
                 pass
         return total
 
-    def _busy(self) -> float:
+    def _busy_steal(self) -> tuple[float, float]:
         t = self._psutil.cpu_times()
-        return sum(t) - t.idle - getattr(t, "iowait", 0.0) - getattr(t, "guest", 0.0) - getattr(
-            t, "guest_nice", 0.0)
+        steal = getattr(t, "steal", 0.0)
+        busy = sum(t) - t.idle - getattr(t, "iowait", 0.0) - getattr(t, "guest", 0.0) - getattr(
+            t, "guest_nice", 0.0) - steal
+        return busy, steal
 
-    def start(self) -> tuple[float, float, float]:
-        return time.monotonic(), self._busy(), self._own()
+    def start(self) -> tuple[float, float, float, float]:
+        busy, steal = self._busy_steal()
+        return time.monotonic(), busy, steal, self._own()
 
-    def stop(self, mark: tuple[float, float, float]) -> float:
+    def stop(self, mark: tuple[float, float, float, float]) -> tuple[float, float]:
+        """``(foreign cores, steal cores)`` since ``mark``."""
         wall = time.monotonic() - mark[0]
-        foreign = (self._busy() - mark[1]) - (self._own() - mark[2])
-        return max(0.0, foreign / wall) if wall > 0 else 0.0
+        busy, steal = self._busy_steal()
+        if wall <= 0:
+            return 0.0, 0.0
+        foreign = (busy - mark[1]) - (self._own() - mark[3])
+        return max(0.0, foreign / wall), max(0.0, (steal - mark[2]) / wall)
 
 
 # --------------------------------------------------------------------------- #
@@ -397,7 +415,8 @@ def run_engine(name: str, interval: int, args: argparse.Namespace, io_group: Any
     scheduler = gpt.make_scheduler(optimizer, lr=args.lr, warmup_steps=2, decay_steps=1000)
     gate = be.GateTimer(optimizer)
     opts = be.BenchOptions(host_cache_gb=args.host_cache_gb, flush_threads=args.flush_threads,
-                           keep_last=args.keep_last, dcp_checkpointer=args.dcp_checkpointer)
+                           keep_last=args.keep_last, dcp_checkpointer=args.dcp_checkpointer,
+                           local_dir=args.local_dir, persist_interval=args.persist_interval)
     engine = be.ENGINES[name](be.Workload(chunks, optimizer, scheduler, root, io_group), opts)
     dp = gpt.dp_rank()
     local: dict[str, Any] = {"iter": [], "save": [], "gate": [], "tick": [], "ckpt": []}
@@ -447,7 +466,7 @@ def run_engine(name: str, interval: int, args: argparse.Namespace, io_group: Any
         _sync_device()
         local["drain"] = time.perf_counter() - t0
         if mark is not None:
-            local["foreign_cores"] = meter.stop(mark)
+            local["foreign_cores"], local["steal_cores"] = meter.stop(mark)
         _barrier()
         if rank == 0 and engine.last_dir() is not None:
             local["bytes"] = be.dir_bytes(engine.last_dir())
@@ -503,6 +522,7 @@ def _summarise(name: str, interval: int, ranks: list[dict]) -> dict:
         bytes_per_ckpt=r0.get("bytes"),
         params=r0.get("params"),
         foreign_cores=r0.get("foreign_cores"),
+        steal_cores=r0.get("steal_cores"),
         rank_state_bytes=max(r.get("state_bytes", 0) for r in ranks),
     )
     if any("restore" in r for r in ranks):
@@ -571,7 +591,7 @@ def render(doc: dict) -> str:
             f"{m['write_fsync_GBps']:.2f} GB/s, cold read {m['read_cold_GBps']:.2f} GB/s "
             f"(all {len(m['per_rank'])} ranks at once, {m['bytes_per_rank'] / MB:.0f} MiB each){extra}")
     hdr = ("engine", "status", "iter med s", "x base", "p90 x", "stall/ckpt s", "stall/iter",
-           "drain s", "e2e x", "MiB/ckpt", "first save s", "restore s", "restored", "other load")
+           "drain s", "e2e x", "MiB/ckpt", "first save s", "restore s", "restored", "other load", "steal")
     rows = []
     for name, r in doc["engines"].items():
         rows.append((
@@ -580,7 +600,7 @@ def render(doc: dict) -> str:
             _f(r["ratio_stall"], "{:.1%}"), _f(r["drain_s"]), _f(r["ratio_e2e"], "{:.3f}"),
             _f(None if r["bytes_per_ckpt"] is None else r["bytes_per_ckpt"] / MB, "{:.1f}"),
             _f(r["first_save_s"]), _f(r["restore_s"]), _f(r["restore_ok"]),
-            _f(r["foreign_cores"], "{:.2f}"),
+            _f(r["foreign_cores"], "{:.2f}"), _f(r.get("steal_cores"), "{:.2f}"),
         ))
     lines += _table(hdr, rows)
     loads = [r["foreign_cores"] for r in doc["engines"].values() if r.get("foreign_cores") is not None]
@@ -610,7 +630,9 @@ def render(doc: dict) -> str:
                  "x base = ratio to the baseline of this run; e2e = measured iterations + drain; "
                  "restore = median of --restore-repeats loads of the last checkpoint, page cache evicted, "
                  "each verified bit for bit; "
-                 "other load = cores used by processes outside the benchmark while it measured.")
+                 "other load = cores used by processes outside the benchmark while it measured; "
+                 "steal = cores the hypervisor took from this VM meanwhile (on this kind of VM it grows "
+                 "with the bytes written to disk).")
     return "\n".join(lines)
 
 

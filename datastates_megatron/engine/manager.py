@@ -27,7 +27,7 @@ from .manifest import (
     rank_file_name,
     read_manifest,
 )
-from .options import EngineOptions
+from .options import LOCAL_FALLBACK_CHOICES, EngineOptions
 from .restore import RestoreStats, open_checkpoint, open_rank, restore_into, validate_world
 from .retention import remove_uncommitted
 from .snapshot import SnapshotEngine
@@ -76,9 +76,13 @@ class CheckpointManager(ClosingContext):
         local_root: str | None = None,
         persist_interval: int = 1,
         local_keep_last: int = 2,
+        local_fallback: str = "all",
     ) -> None:
         if on_error not in ("raise", "warn"):
             raise ValueError(f"on_error must be 'raise' or 'warn', got {on_error!r}")
+        if local_fallback not in LOCAL_FALLBACK_CHOICES:
+            raise ValueError(f"local_fallback must be one of {LOCAL_FALLBACK_CHOICES}, got {local_fallback!r}")
+        self.local_fallback = local_fallback
         dist = _dist()
         self.rank = dist.get_rank() if dist else 0
         self.world_size = dist.get_world_size() if dist else 1
@@ -304,17 +308,34 @@ class CheckpointManager(ClosingContext):
 
     def _choose_tier(self, iteration: int | None) -> tuple[str, int | None]:
         """Restore from the local tier when every rank has the checkpoint there, else persistent
-        (a replaced node's empty local dir makes everyone fall back)."""
+        (a replaced node's empty local dir makes everyone fall back).  With
+        ``local_fallback="rank"`` a rank whose local copy of the persistent checkpoint is intact
+        reads it locally and only the others read the persistent tier."""
         common = self._common_local()
         if iteration is not None:
-            return (self.local_root, iteration) if iteration in common else (self.root, iteration)
+            chosen = (self.local_root, iteration) if iteration in common else (self.root, iteration)
+        else:
+            try:
+                persistent = latest_committed(self.root)
+            except NoCheckpointError:
+                persistent = None
+            if common and (persistent is None or common[-1] >= persistent):
+                return self.local_root, common[-1]
+            chosen = (self.root, persistent)
+        root, it = chosen
+        if root == self.root and it is not None and self.local_fallback == "rank" and self._local_copy_of(it):
+            return self.local_root, it
+        return chosen
+
+    def _local_copy_of(self, iteration: int) -> bool:
+        """This rank's local file of ``iteration`` is the very file the persistent manifest lists
+        (same name -- run token and sequence -- size and checksums), so either may be read."""
         try:
-            persistent = latest_committed(self.root)
-        except NoCheckpointError:
-            persistent = None
-        if common and (persistent is None or common[-1] >= persistent):
-            return self.local_root, common[-1]
-        return self.root, persistent if persistent is not None else None
+            local = read_manifest(iter_dir(self.local_root, iteration)).record(self.rank)
+            persistent = read_manifest(iter_dir(self.root, iteration)).record(self.rank)
+        except (CheckpointError, OSError):
+            return False
+        return local is not None and local == persistent
 
     def _repromote(self) -> None:
         """After a restart, promote the newest local checkpoint if the persistent tier lacks it."""

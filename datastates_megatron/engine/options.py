@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 
-__all__ = ["EngineOptions"]
+__all__ = ["EngineOptions", "LOCAL_FALLBACK_CHOICES"]
+
+LOCAL_FALLBACK_CHOICES = ("all", "rank")  # who reads the persistent tier when a node lost its local copy
 
 _ALIGN = 4096
 

@@ -16,7 +16,7 @@ import os
 from typing import Any
 
 from ..engine.errors import CheckpointError
-from .config import ON_ERROR_CHOICES, LazyCkptConfig
+from .config import LOCAL_FALLBACK_CHOICES, ON_ERROR_CHOICES, LazyCkptConfig
 
 __all__ = [
     "LazyCkptArgsError",
@@ -130,6 +130,10 @@ def add_lazy_ckpt_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
     g.add_argument("--lazy-ckpt-local-keep-last", type=int, default=d["local_keep_last"], metavar="N",
                    help="With --lazy-ckpt-local-dir, keep the N newest local checkpoints "
                         "(default: %(default)s).")
+    g.add_argument("--lazy-ckpt-local-fallback", choices=LOCAL_FALLBACK_CHOICES, default=d["local_fallback"],
+                   help="With --lazy-ckpt-local-dir, when a node lost its local copy (node replaced): "
+                        "'all' ranks restore from --save; 'rank': only the ranks lacking an intact "
+                        "local copy read --save, the others read locally (default: %(default)s).")
     return parser
 
 
@@ -151,6 +155,7 @@ _FLAG_FIELDS: tuple[tuple[str, str, str], ...] = (
     ("lazy_ckpt_local_dir", "--lazy-ckpt-local-dir", "local_dir"),
     ("lazy_ckpt_persist_interval", "--lazy-ckpt-persist-interval", "persist_interval"),
     ("lazy_ckpt_local_keep_last", "--lazy-ckpt-local-keep-last", "local_keep_last"),
+    ("lazy_ckpt_local_fallback", "--lazy-ckpt-local-fallback", "local_fallback"),
 )
 
 
@@ -213,7 +218,7 @@ def validate_lazy_ckpt_args(args: argparse.Namespace) -> None:
     local_dir = _value(args, "lazy_ckpt_local_dir", "local_dir")
     if local_dir is None:
         for attr, flag, field in _FLAG_FIELDS:
-            if field in ("persist_interval", "local_keep_last") and \
+            if field in ("persist_interval", "local_keep_last", "local_fallback") and \
                     _value(args, attr, field) != _DEFAULTS[field]:
                 problems.append(f"{flag} only applies to a local tier: it requires --lazy-ckpt-local-dir")
     elif getattr(args, "save", None) and \

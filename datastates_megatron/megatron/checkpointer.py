@@ -25,7 +25,7 @@ from ..engine.restore import open_checkpoint
 from . import reshard, training_state
 from .export import model_description
 from .config import LazyCkptConfig
-from .shards import collect_shards, inner_optimizers, model_chunks_of, param_buffer_shards
+from .shards import bucket_shards, collect_shards, inner_optimizers, model_chunks_of
 
 __all__ = ["LazyCheckpointer"]
 
@@ -73,6 +73,7 @@ class LazyCheckpointer:
             on_error=config.on_error, layout=parallel_layout(self.model), load_root=config.effective_load_dir,
             verify_on_load=config.verify_on_load, local_root=config.local_dir,
             persist_interval=config.persist_interval, local_keep_last=config.local_keep_last,
+            local_fallback=config.local_fallback,
         )  # fmt: skip
         self.rank = self._mgr.rank
         self._signature = None
@@ -90,11 +91,10 @@ class LazyCheckpointer:
     def _refresh(self) -> None:
         """(Re)register shards when they changed (Adam state appears at the first step; a
         ``load_state_dict`` replaces state tensors) and hook the current inner optimizers."""
-        refs = collect_shards(self.model, self.optimizer)
-        signature = [(r.name, r.tensor.data_ptr(), tuple(r.tensor.shape), r.tensor.dtype) for r in refs]
+        signature = self._fingerprint()
         if signature != self._signature:
             self._mgr.clear()
-            for r in refs:
+            for r in collect_shards(self.model, self.optimizer):
                 self._mgr.register(r.name, r.tensor, group=r.group, meta=r.meta)
             self._signature = signature
         inners = inner_optimizers(self.optimizer)
@@ -103,6 +103,26 @@ class LazyCheckpointer:
             for i, inner in enumerate(inners):
                 self._hook_handles.append(inner.register_step_pre_hook(self._gate_hook(f"opt{i}")))
             self._hooked = [id(o) for o in inners]
+
+    def _fingerprint(self) -> list:
+        """Changes whenever :func:`collect_shards` would return other tensors (a bucket or main param
+        replaced, optimizer state created or swapped) -- a few hundred ``data_ptr`` calls instead of
+        re-walking the model and rebuilding every identity on each save."""
+        out: list = []
+        for chunk in self.model:
+            for buf in [*(getattr(chunk, "buffers", None) or []), *(getattr(chunk, "expert_parallel_buffers", None) or [])]:
+                data = getattr(buf, "param_data", None)
+                out.append(None if data is None else (data.data_ptr(), data.numel(), data.dtype))
+        for inner in inner_optimizers(self.optimizer):
+            state = inner.state
+            out.append((id(inner), id(state), len(state)))
+            for pg in inner.param_groups:
+                for p in pg["params"]:
+                    out.append((p.data_ptr(), p.numel()))
+                    for v in state.get(p, {}).values():
+                        if isinstance(v, torch.Tensor):
+                            out.append((v.data_ptr(), v.numel(), v.dtype))
+        return out
 
     def _gate_hook(self, group: str):
         def hook(_optimizer, _args, _kwargs):
@@ -194,6 +214,7 @@ class LazyCheckpointer:
         except NoCheckpointError:
             ckpt_dir = manifest = None  # only in another tier: the manager finds it, or says it is missing
         other_dp = manifest is not None and reshard.check_layout(manifest, ckpt_dir, self._mgr.world_size, self._mgr.layout)
+        self._drain_param_gathers()
         created = self._ensure_optimizer_state()
         try:
             self._refresh()
@@ -248,13 +269,25 @@ class LazyCheckpointer:
         return created
 
     def _gather_params(self) -> None:
-        """Every DP rank restored only its own slice of each bucket: all-gather the rest."""
+        """Every DP rank restored only its own slice of each bucket: all-gather the rest, in place
+        into the bucket (one ``all_gather_into_tensor`` per bucket, as megatron's param sync does)."""
         import torch.distributed as dist
 
-        for _, shard, buf, views in param_buffer_shards(self.model):
-            group = getattr(buf, "data_parallel_group", None)
-            if len(views) > 1 and dist.is_initialized():
-                dist.all_gather(views, shard.clone(), group=group)
+        if not dist.is_initialized():
+            return
+        for b in bucket_shards(self.model):
+            if b.dp_size > 1:
+                dist.all_gather_into_tensor(b.bucket.param_data, b.shard, group=getattr(b.buf, "data_parallel_group", None))
+
+    def _drain_param_gathers(self) -> None:
+        """An overlapped param all-gather still in flight (``overlap_param_gather``) would land on
+        top of the restored buffers: finish it before the restore writes them."""
+        for chunk in self.model:
+            for bucket_group in [*getattr(chunk, "bucket_groups", []), *getattr(chunk, "expert_parallel_bucket_groups", [])]:
+                handle = getattr(bucket_group, "param_gather_handle", None)
+                if handle is not None:
+                    handle.wait()
+                    bucket_group.param_gather_handle = None
 
     # ------------------------------------------------------------------ lifecycle
     def close(self) -> None:

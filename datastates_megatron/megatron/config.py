@@ -5,9 +5,12 @@ from __future__ import annotations
 import dataclasses
 import os
 
-__all__ = ["LazyCkptConfig", "ON_ERROR_CHOICES"]
+from ..engine.options import LOCAL_FALLBACK_CHOICES
+
+__all__ = ["LazyCkptConfig", "ON_ERROR_CHOICES", "LOCAL_FALLBACK_CHOICES"]
 
 ON_ERROR_CHOICES = ("raise", "warn")
+
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,6 +33,9 @@ class LazyCkptConfig:
     local_dir:       optional fast node-local tier (multi-level); ``None`` disables it.
     persist_interval: with ``local_dir``, promote every N-th local checkpoint to ``save_dir``.
     local_keep_last: retention of the local tier.
+    local_fallback:  when some node lost its local copy: ``"all"`` ranks restore the persistent
+                     checkpoint from the persistent tier; ``"rank"``: only the ranks without an
+                     intact local copy of it read the persistent tier, the others read locally.
     """
 
     save_dir: str
@@ -47,6 +53,7 @@ class LazyCkptConfig:
     local_dir: str | None = None
     persist_interval: int = 1
     local_keep_last: int = 2
+    local_fallback: str = "all"
 
     def __post_init__(self) -> None:
         if not self.save_dir:
@@ -66,6 +73,8 @@ class LazyCkptConfig:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.on_error not in ON_ERROR_CHOICES:
             raise ValueError(f"on_error must be one of {ON_ERROR_CHOICES}, got {self.on_error!r}")
+        if self.local_fallback not in LOCAL_FALLBACK_CHOICES:
+            raise ValueError(f"local_fallback must be one of {LOCAL_FALLBACK_CHOICES}, got {self.local_fallback!r}")
         if self.direct_io not in (True, False, "auto"):
             raise ValueError(f"direct_io must be True, False or 'auto', got {self.direct_io!r}")
         if not self.timeout_s > 0:

@@ -46,7 +46,6 @@ __all__ = [
     "inner_optimizers",
     "distributed_optimizers",
     "collect_shards",
-    "param_buffer_shards",
     "parameter_names",
     "bucket_param_ranges",
     "main_param_owners",
@@ -175,11 +174,6 @@ def bucket_shards(model) -> list[BucketShard]:
                 views = [data[i * step : (i + 1) * step] for i in range(size)]
                 out.append(BucketShard(f"model{c}.{bname}.bucket{k}.param_shard", views[rank], buf, views, c, bname, k, bucket, rank, size))
     return out
-
-
-def param_buffer_shards(model) -> list[tuple[str, torch.Tensor, object, list[torch.Tensor]]]:
-    """``(name, this rank's shard, buffer, all DP shards of the bucket)`` for every bucket."""
-    return [(b.name, b.shard, b.buf, b.views) for b in bucket_shards(model)]
 
 
 def main_param_owners(optimizer) -> list[list[list]]:

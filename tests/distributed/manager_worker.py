@@ -42,6 +42,7 @@ def main():
     p.add_argument("--local-root", default=None, help="node-local tier; '{node}' is replaced by the node id")
     p.add_argument("--persist-interval", type=int, default=1)
     p.add_argument("--local-keep-last", type=int, default=2)
+    p.add_argument("--local-fallback", default="all")
     a = p.parse_args()
     dist.init_process_group("gloo")
     rank = dist.get_rank()
@@ -49,7 +50,8 @@ def main():
     opts = EngineOptions(cache_bytes=256 << 10, flush_threads=2, timeout_s=60)
     mgr = CheckpointManager(a.root, opts, keep_last=a.keep_last, keep_every=a.keep_every, on_error=a.on_error,
                             layout=json.loads(a.world_layout), local_root=a.local_root,
-                            persist_interval=a.persist_interval, local_keep_last=a.local_keep_last)
+                            persist_interval=a.persist_interval, local_keep_last=a.local_keep_last,
+                            local_fallback=a.local_fallback)
     for n, t in ts.items():
         mgr.register(n, t)
     result = {"rank": rank}

@@ -40,6 +40,25 @@ def test_promotion_interval_retention_per_tier_and_restore_preference(tmp_path):
     assert all(r["iteration"] == 6 and r["exact"] and r["root"] == persistent for r in loaded), loaded
 
 
+def test_local_fallback_rank_reads_only_the_missing_node_from_persistent(tmp_path):
+    persistent = str(tmp_path / "persistent")
+    _ok(run_ranks(WORKER, 4, ["save", *_args(tmp_path, "--iters", "6", "--persist-interval", "2")], env=NODES))
+    shutil.rmtree(tmp_path / "local1")  # node 1 replaced; node 0 still has 5 and 6 locally
+    loaded = _ok(run_ranks(WORKER, 4, ["load", *_args(tmp_path, "--local-fallback", "rank")], env=NODES))
+    assert all(r["iteration"] == 6 and r["exact"] for r in loaded), loaded
+    roots = {r["rank"]: r["root"] for r in loaded}
+    assert roots[0] == roots[1] == str(tmp_path / "local0"), roots
+    assert roots[2] == roots[3] == persistent, roots
+
+    # a local copy that is not the persistent file is never read: a new run re-saves 6 locally
+    # (not promoted), node 1 is replaced again -> node 0's local 6 differs from the persistent 6
+    _ok(run_ranks(WORKER, 4, ["save", *_args(tmp_path, "--start", "6", "--iters", "1", "--persist-interval", "5")],
+                  env=NODES))
+    shutil.rmtree(tmp_path / "local1")
+    loaded = _ok(run_ranks(WORKER, 4, ["load", *_args(tmp_path, "--local-fallback", "rank")], env=NODES))
+    assert all(r["iteration"] == 6 and r["exact"] and r["root"] == persistent for r in loaded), loaded
+
+
 def test_newer_local_checkpoint_wins_and_unpromoted_one_is_promoted_on_restart(tmp_path):
     persistent = str(tmp_path / "persistent")
     _ok(run_ranks(WORKER, 4, ["save", *_args(tmp_path, "--iters", "3", "--persist-interval", "2")], env=NODES))
