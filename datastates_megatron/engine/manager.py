@@ -29,7 +29,7 @@ from .manifest import (
 )
 from .options import LOCAL_FALLBACK_CHOICES, EngineOptions
 from .restore import RestoreStats, open_checkpoint, open_rank, restore_into, validate_world
-from .retention import remove_uncommitted
+from .retention import remove_stale_tracker_temps, remove_uncommitted
 from .snapshot import SnapshotEngine
 from .threads import ClosingContext, close_at_exit, forget
 
@@ -144,6 +144,7 @@ class CheckpointManager(ClosingContext):
         os.makedirs(root, exist_ok=True)
         found = committed_manifests(root)
         removed = remove_uncommitted(root, list_iterations(root), {it: {r.file for r in m.ranks} for it, m in found.items()}, set())
+        removed += remove_stale_tracker_temps(root)
         if removed:
             log.info("rank %d: removed %d leftover(s) of uncommitted checkpoints under %s", self.rank, len(removed), root)
         return max((m.commit_seq for m in found.values()), default=-1) + 1
@@ -243,7 +244,14 @@ class CheckpointManager(ClosingContext):
 
     # ------------------------------------------------------------------ load path
     def latest(self, root: str | None = None) -> int:
-        return latest_committed(root or self.load_root)
+        """The iteration :meth:`load` restores by default: with a local tier, the newest one every
+        rank can read (local or persistent; collective then); raises ``NoCheckpointError``."""
+        root = os.path.abspath(root or self.load_root)
+        if self.local_root and root == self.root:
+            root, iteration = self._choose_tier(None)
+            if iteration is not None:
+                return iteration
+        return latest_committed(root)
 
     def load(self, iteration: int | None = None, *, root: str | None = None, verify: bool | None = None) -> LoadResult:
         """Restore checkpoint ``iteration`` (default: the latest committed) into the registered tensors."""

@@ -248,9 +248,8 @@ def latest_committed(root: str) -> int:
     if damaged:
         # manifests are written atomically, so a damaged one means corruption, not a crash: say so
         # rather than silently falling back to an older checkpoint
-        raise CorruptCheckpointError(
-            f"{damaged[0]} (pass an explicit iteration to load another checkpoint)"
-        ) from damaged[0]
+        first = damaged[0]  # keep its class: FormatVersionError says "upgrade", not "damaged"
+        raise type(first)(f"{first} (pass an explicit iteration to load another checkpoint)") from first
     if not found:
         raise NoCheckpointError(f"{root}: no committed checkpoint (no iter_*/{MANIFEST_NAME})")
     return max(found, key=lambda it: (found[it].commit_seq, it))

@@ -10,10 +10,10 @@ import logging
 import os
 import shutil
 
-from .manifest import MANIFEST_NAME, iter_dir
+from .manifest import MANIFEST_NAME, TRACKER_NAME, iter_dir
 from .writer import fsync_dir
 
-__all__ = ["select_deletions", "delete_checkpoint", "remove_uncommitted"]
+__all__ = ["select_deletions", "delete_checkpoint", "remove_uncommitted", "remove_stale_tracker_temps"]
 
 log = logging.getLogger(__name__)
 
@@ -63,4 +63,23 @@ def remove_uncommitted(root: str, iterations: list[int], referenced: dict[int, s
             if os.path.isfile(path):
                 os.unlink(path)
                 removed.append(path)
+    return removed
+
+
+def remove_stale_tracker_temps(root: str) -> list[str]:
+    """Start-up cleanup: temp files of a tracker update that a crash interrupted (``atomic_write``
+    names them ``<tracker>.tmp-<pid>``); the tracker itself is untouched."""
+    prefix = TRACKER_NAME + ".tmp-"
+    try:
+        names = [n for n in os.listdir(root) if n.startswith(prefix)]
+    except FileNotFoundError:
+        return []
+    removed = []
+    for name in names:
+        path = os.path.join(root, name)
+        try:
+            os.unlink(path)
+            removed.append(path)
+        except OSError as e:
+            log.warning("%s: could not remove a stale tracker temp file: %s", path, e)
     return removed

@@ -163,7 +163,7 @@ def test_unknown_manifest_format_version_is_named(ckpt):
     _expect(root, r"manifest\.json: unknown manifest format version 2 \(this reader knows 1\)", FormatVersionError,
             iteration=2)
     # discovering the latest checkpoint reports it too (rather than silently falling back to iteration 1)
-    _expect(root, r"unknown manifest format version 2")
+    _expect(root, r"unknown manifest format version 2", FormatVersionError)
 
 
 @pytest.mark.parametrize("name", ["/etc/passwd", "..", ".", "sub/file.dsck", "", "r00000 x.dsck", "..\\x"])
@@ -272,6 +272,17 @@ def test_no_partial_checkpoint_is_ever_loadable(ckpt):
     assert not os.path.exists(iter_dir(root, 3))
     err, _, (result, ts) = _load(root)
     assert err is None and result.iteration == 2 and is_state_of(ts, 0, 2)
+
+
+def test_tracker_temp_file_left_by_a_crash_is_removed_at_start_up(ckpt):
+    root, _, _ = ckpt
+    stale = os.path.join(root, "latest_checkpointed_iteration.txt.tmp-99999")
+    with open(stale, "w") as f:
+        f.write("3")
+    err, _, (result, _) = _load(root)
+    assert err is None and result.iteration == 2
+    assert not os.path.exists(stale)
+    assert os.path.exists(os.path.join(root, "latest_checkpointed_iteration.txt"))
 
 
 def test_header_struct_is_what_the_tests_assume():

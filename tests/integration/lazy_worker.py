@@ -10,8 +10,9 @@ import torch
 
 def main():
     p = argparse.ArgumentParser()
-    p.add_argument("scenario", choices=["slow_copy", "replicated"])
+    p.add_argument("scenario", choices=["slow_copy", "replicated", "local_tier"])
     p.add_argument("--save", required=True)
+    p.add_argument("--local", default=None, help="local_tier: the node-local tier")
     p.add_argument("--no-hooks", action="store_true", help="control: remove the gate to show the test can fail")
     a = p.parse_args()
     from datastates_megatron import LazyCheckpointer, LazyCkptConfig
@@ -27,10 +28,21 @@ def main():
     rank = torch.distributed.get_rank()
     chunks, opt = gpt.build(2, 64, 4, 32, 256, bf16=a.scenario == "slow_copy", seed=7)
     data = lambda it: gpt.batch(it, gpt.dp_rank(), seed=7, seq_len=32, vocab=256)  # noqa: E731
-    ckpt = LazyCheckpointer(chunks, opt, LazyCkptConfig(save_dir=a.save, host_cache_gb=1 / 1024, keep_last=0))
+    tier = {"local_dir": a.local, "persist_interval": 3} if a.local else {}
+    ckpt = LazyCheckpointer(chunks, opt, LazyCkptConfig(save_dir=a.save, host_cache_gb=1 / 1024, keep_last=0, **tier))
     gpt.train_step(chunks, opt, data(1))
     result = {"rank": rank}
-    if a.scenario == "slow_copy":
+    if a.scenario == "local_tier":  # iterations 1-4 saved locally, 3 promoted; load() in the same run
+        ckpt.save(1)
+        for it in range(2, 5):
+            gpt.train_step(chunks, opt, data(it))
+            ckpt.save(it)
+        at_4 = state_digest(chunks, opt)
+        ckpt.wait()
+        gpt.train_step(chunks, opt, data(5))
+        result["loaded"], _ = ckpt.load()
+        result["exact"] = state_digest(chunks, opt) == at_4
+    elif a.scenario == "slow_copy":
         real = device_copy.DeviceCopier.copy
 
         def slow(self, src, dst, ready):

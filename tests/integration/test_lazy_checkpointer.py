@@ -8,7 +8,7 @@ import pytest
 
 pytest.importorskip("megatron.core")
 
-from datastates_megatron.engine.manifest import read_tracker  # noqa: E402
+from datastates_megatron.engine.manifest import committed_iterations, read_tracker  # noqa: E402
 from tests.distributed.ranks import describe, run_ranks  # noqa: E402
 
 WORKER = os.path.join(os.path.dirname(__file__), "lazy_worker.py")
@@ -58,6 +58,14 @@ def test_replicated_parameters_are_written_once_across_dp_ranks(tmp_path):
     assert all(r["returncode"] == 0 for r in res), describe(res)
     shard = [r["result"]["param_shard_bytes"] for r in res]
     assert sum(shard) == res[0]["result"]["param_buffer_bytes"] and shard[0] == shard[1]
+
+
+def test_load_in_the_same_run_takes_the_newest_local_tier_checkpoint(tmp_path):
+    save = str(tmp_path / "ckpt")
+    res = run_ranks(WORKER, 2, ["local_tier", "--save", save, "--local", str(tmp_path / "local{node}")])
+    assert all(r["returncode"] == 0 for r in res), describe(res)
+    assert committed_iterations(save) == [3]  # only the 3rd local checkpoint was promoted
+    assert all(r["result"]["loaded"] == 4 and r["result"]["exact"] for r in res), [r["result"] for r in res]
 
 
 def test_load_into_a_different_dp_size_reshards(tmp_path):

@@ -62,14 +62,15 @@ def test_every_flag_reaches_the_config(tmp_path):
         "--no-lazy-ckpt-verify-on-load", "--lazy-ckpt-on-error", "warn", "--lazy-ckpt-no-streaming",
         "--lazy-ckpt-direct-io", "off", "--lazy-ckpt-timeout-s", "30",
         "--lazy-ckpt-local-dir", str(local), "--lazy-ckpt-persist-interval", "4",
-        "--lazy-ckpt-local-keep-last", "3",
+        "--lazy-ckpt-local-keep-last", "3", "--lazy-ckpt-local-fallback", "rank",
     )
     validate_lazy_ckpt_args(args)
     assert args.lazy_ckpt and args.save_interval == 50 and args.train_iters == 200
     assert config_from_args(args) == LazyCkptConfig(
         save_dir=str(save), load_dir=str(load), host_cache_gb=1.5, flush_threads=4, max_inflight=3,
         keep_last=5, keep_every=100, verify_on_load=False, on_error="warn", streaming=False,
-        direct_io=False, timeout_s=30.0, local_dir=str(local), persist_interval=4, local_keep_last=3)
+        direct_io=False, timeout_s=30.0, local_dir=str(local), persist_interval=4, local_keep_last=3,
+        local_fallback="rank")
 
 
 @pytest.mark.parametrize("flag, expected", [("--lazy-ckpt-verify-on-load", True),
@@ -154,6 +155,7 @@ def test_numeric_bounds_name_the_flag(tmp_path, argv, text):
 @pytest.mark.parametrize("argv, flag", [
     (("--lazy-ckpt-persist-interval", "5"), "--lazy-ckpt-persist-interval"),
     (("--lazy-ckpt-local-keep-last", "4"), "--lazy-ckpt-local-keep-last"),
+    (("--lazy-ckpt-local-fallback", "rank"), "--lazy-ckpt-local-fallback"),
 ])
 def test_local_tier_flags_need_a_local_dir(tmp_path, argv, flag):
     msg = _error("--lazy-ckpt", "--save", str(tmp_path), *argv)
