@@ -80,7 +80,7 @@ ENGINE_KEYS = (
     "ratio_median", "ratio_p90", "ratio_stall", "ratio_e2e",
     "bytes_per_ckpt", "restore_s", "restore_runs_s", "restore_ok", "restore_iteration",
     "restore_mismatches",
-    "foreign_cores", "steal_cores",
+    "foreign_cores", "steal_cores", "ratio_e2e_rounds", "rounds",
 )
 GB = 1e9
 MB = 1 << 20
@@ -111,7 +111,11 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     g = p.add_argument_group("schedule")
     g.add_argument("--engines", type=_csv, default=list(ALL_ENGINES),
                    help="comma-separated, from: " + ",".join(ALL_ENGINES) + " (baseline is always run)")
-    g.add_argument("--iters", type=int, default=12, help="measured iterations per engine")
+    g.add_argument("--iters", type=int, default=8, help="measured iterations per engine and round")
+    g.add_argument("--rounds", type=int, default=2,
+                   help="rounds of the main comparison, in alternating order (ABBA: drift of the "
+                        "machine's speed cancels); ratios are taken against the baseline of the same "
+                        "round, then averaged")
     g.add_argument("--warmup", type=int, default=2,
                    help="unmeasured iterations per engine (they checkpoint too; drained before measuring)")
     g.add_argument("--interval", type=int, default=1, help="checkpoint interval of the main comparison")
@@ -146,8 +150,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     unknown = sorted(set(args.engines + args.sweep_engines) - set(ALL_ENGINES))
     if unknown:
         p.error(f"unknown engine(s) {unknown}; choose from {ALL_ENGINES}")
-    if args.restore_repeats < 1:
-        p.error("--restore-repeats must be >= 1")
+    if args.restore_repeats < 1 or args.rounds < 1:
+        p.error("--restore-repeats and --rounds must be >= 1")
     if args.iters < 2 or args.warmup < 0 or args.interval < 1 or min(args.intervals or [1]) < 1:
         p.error("need --iters >= 2, --warmup >= 0 and intervals >= 1")
     if "baseline" not in args.engines:
@@ -344,6 +348,7 @@ def probe_machine(directory: Path, nbytes: int) -> dict:
     view = memoryview(src.numpy()).cast("B")
     chunk = 16 * MB
     _barrier()
+    steal0 = _steal_s()
     t0 = time.perf_counter()
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
@@ -354,6 +359,7 @@ def probe_machine(directory: Path, nbytes: int) -> dict:
         os.close(fd)
     write_s = time.perf_counter() - t0
     _barrier()
+    steal_s = _steal_s() - steal0  # machine-wide: read on rank 0 only
     be.evict_page_cache(directory)
     _barrier()
     out = memoryview(dst.numpy()).cast("B")
@@ -378,9 +384,20 @@ def probe_machine(directory: Path, nbytes: int) -> dict:
         "read_cold_GBps": total / max(r["read_s"] for r in per_rank) / GB,
         "per_rank": per_rank,
     }
+    if rank == 0 and steal_s == steal_s:
+        summary["write_steal_core_s_per_GB"] = steal_s / (total / GB)
     if "d2h_pinned_GBps" in res:
         summary["d2h_pinned_GBps_per_rank"] = statistics.mean(r["d2h_pinned_GBps"] for r in per_rank)
     return summary
+
+
+def _steal_s() -> float:
+    """Machine-wide CPU seconds stolen by the hypervisor so far (NaN without psutil)."""
+    try:
+        import psutil
+    except ImportError:
+        return float("nan")
+    return float(getattr(psutil.cpu_times(), "steal", 0.0))
 
 
 def _timed(fn: Callable[[], Any]) -> float:
@@ -580,7 +597,8 @@ def render(doc: dict) -> str:
     lines.append(
         f"workload: GPT {cfg['layers']}L/{cfg['hidden']}h/seq{cfg['seq_len']}/mb{cfg['micro_batch']}"
         f" {'bf16' if cfg['bf16'] else 'fp32'}, {cfg['params'] or 0:,} params, {cfg['world_size']} ranks "
-        f"({cfg['backend']}), {cfg['iters']} measured iterations/engine after {cfg['warmup']} warm-up, "
+        f"({cfg['backend']}), {cfg.get('rounds', 1)} rounds x {cfg['iters']} measured iterations/engine "
+        f"after {cfg['warmup']} warm-up, "
         f"checkpoint every {cfg['interval']}; rank state "
         f"{(cfg['rank_state_bytes'] or 0) / MB:.1f} MiB/rank")
     if m:
@@ -590,14 +608,18 @@ def render(doc: dict) -> str:
             f"machine: memcpy {m['memcpy_GBps_per_rank']:.2f} GB/s/rank, write+fsync "
             f"{m['write_fsync_GBps']:.2f} GB/s, cold read {m['read_cold_GBps']:.2f} GB/s "
             f"(all {len(m['per_rank'])} ranks at once, {m['bytes_per_rank'] / MB:.0f} MiB each){extra}")
+        if m.get("write_steal_core_s_per_GB") is not None:
+            lines.append(f"machine: writing to disk costs {m['write_steal_core_s_per_GB']:.2f} core-s of "
+                         "hypervisor steal per GB written (CPU this VM loses to its own disk I/O)")
     hdr = ("engine", "status", "iter med s", "x base", "p90 x", "stall/ckpt s", "stall/iter",
-           "drain s", "e2e x", "MiB/ckpt", "first save s", "restore s", "restored", "other load", "steal")
+           "drain s", "e2e x", "e2e x by round", "MiB/ckpt", "first save s", "restore s", "restored", "other load", "steal")
     rows = []
     for name, r in doc["engines"].items():
         rows.append((
             name, r["status"], _f(r["iter_median_s"]), _f(r["ratio_median"], "{:.2f}"),
             _f(r["ratio_p90"], "{:.2f}"), _f(r["stall_per_ckpt_s"]),
             _f(r["ratio_stall"], "{:.1%}"), _f(r["drain_s"]), _f(r["ratio_e2e"], "{:.3f}"),
+            "/".join(_f(x, "{:.2f}") for x in r.get("ratio_e2e_rounds") or []) or "-",
             _f(None if r["bytes_per_ckpt"] is None else r["bytes_per_ckpt"] / MB, "{:.1f}"),
             _f(r["first_save_s"]), _f(r["restore_s"]), _f(r["restore_ok"]),
             _f(r["foreign_cores"], "{:.2f}"), _f(r.get("steal_cores"), "{:.2f}"),
@@ -627,7 +649,8 @@ def render(doc: dict) -> str:
         lines += _table(("engine",) + tuple(f"every {i}" for i in ivs), rows)
     lines.append("")
     lines.append("stall = save call + step pre-hook wait + per-iteration finalize/poll, max over ranks; "
-                 "x base = ratio to the baseline of this run; e2e = measured iterations + drain; "
+                 "x base = ratio to the baseline of the same round, averaged over the rounds (run in "
+                 "alternating order); e2e = measured iterations + drain; "
                  "restore = median of --restore-repeats loads of the last checkpoint, page cache evicted, "
                  "each verified bit for bit; "
                  "other load = cores used by processes outside the benchmark while it measured; "
@@ -699,16 +722,63 @@ def emit(doc: dict, args: argparse.Namespace, final: bool) -> None:
 # --------------------------------------------------------------------------- #
 # main
 # --------------------------------------------------------------------------- #
-def _plan(args: argparse.Namespace) -> list[tuple[str, int, bool]]:
-    """(engine, interval, main?) in run order: safe engines and their sweep first, mcore last."""
+def _plan(args: argparse.Namespace) -> list[tuple[str, int, bool, int]]:
+    """(engine, interval, main?, round) in run order.  The main comparison runs ``--rounds`` times,
+    every other round in reverse order (ABBA), so a slow drift of the machine's speed hits the
+    baseline and the engines alike; the interval sweep runs once, after it."""
     main = [e for e in ALL_ENGINES if e in args.engines]
     sweep_iv = [i for i in dict.fromkeys(args.intervals) if i != args.interval]
     plan = []
-    for group in ([e for e in main if e not in RISKY], [e for e in main if e in RISKY]):
-        plan += [(e, args.interval, True) for e in group]
-        plan += [(e, i, False) for e in group if e in args.sweep_engines and e != "baseline"
-                 for i in sweep_iv]
+    for k in range(args.rounds):
+        plan += [(e, args.interval, True, k) for e in (main if k % 2 == 0 else main[::-1])]
+    plan += [(e, i, False, 0) for e in main if e in args.sweep_engines and e != "baseline"
+             for i in sweep_iv]
     return plan
+
+
+def merge_rounds(name: str, interval: int, rounds: list[dict]) -> dict:
+    """One engine's figures over its rounds: times pooled, ratios averaged over the rounds (each
+    against the baseline of its own round), restore from the round that measured it."""
+    done = [r for r in rounds if r.get("status") == "ok"]
+    res = _blank(name, interval)
+    res["rounds"] = rounds
+    if not done:
+        if rounds:  # the round that failed (timeout, error) rather than the ones skipped after it
+            bad = next((r for r in rounds if r["status"] not in ("pending", "skipped")), rounds[-1])
+            res.update(status=bad["status"], error=bad.get("error"))
+        return res
+    iters = [t for r in done for t in r["iter_times_s"]]
+    n_ckpt = sum(r["checkpoints"] or 0 for r in done)
+    stall = sum(r["stall_per_ckpt_s"] * (r["checkpoints"] or 0) for r in done)
+
+    def mean(key: str) -> Optional[float]:
+        vals = [r[key] for r in done if r.get(key) is not None]
+        return statistics.mean(vals) if vals else None
+
+    res.update(
+        status="ok" if len(done) == len(rounds) else "partial",
+        iterations=len(iters), checkpoints=n_ckpt,
+        iter_times_s=iters,
+        save_call_s=[t for r in done for t in r["save_call_s"]],
+        gate_wait_s=[t for r in done for t in r["gate_wait_s"]],
+        tick_s=[t for r in done for t in r["tick_s"]],
+        iter_median_s=statistics.median(iters), iter_p90_s=_pct(iters, 0.9),
+        stall_per_ckpt_s=stall / n_ckpt if n_ckpt else 0.0,
+        first_save_s=done[0]["first_save_s"],
+        drain_s=mean("drain_s"), e2e_s=mean("e2e_s"),
+        ratio_median=mean("ratio_median"), ratio_p90=mean("ratio_p90"), ratio_stall=mean("ratio_stall"),
+        ratio_e2e=mean("ratio_e2e"),
+        ratio_e2e_rounds=[r["ratio_e2e"] for r in done],
+        bytes_per_ckpt=next((r["bytes_per_ckpt"] for r in done if r.get("bytes_per_ckpt")), None),
+        foreign_cores=mean("foreign_cores"), steal_cores=mean("steal_cores"),
+    )
+    for r in done:
+        if r.get("restore_s") is not None:
+            res.update({k: r[k] for k in ("restore_s", "restore_runs_s", "restore_ok", "restore_iteration",
+                                          "restore_mismatches")})
+    for key in ("params", "rank_state_bytes"):
+        res[key] = done[0].get(key)
+    return res
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -750,9 +820,11 @@ def main(argv: Optional[list[str]] = None) -> int:
         "sweep": {},
     }
     plan = _plan(args)
-    for name, interval, is_main in plan:
+    rounds: dict[str, list[dict]] = {}  # engine -> its per-round results (main comparison)
+    for name, interval, is_main, k in plan:
         if is_main:
             doc["engines"][name] = _blank(name, interval)
+            rounds.setdefault(name, []).append(_blank(name, interval))
         else:
             doc["sweep"].setdefault(name, {})[str(interval)] = _blank(name, interval)
 
@@ -765,10 +837,12 @@ def main(argv: Optional[list[str]] = None) -> int:
         if slot is not None:
             slot.update(status="timeout", error=f"{label} exceeded --engine-timeout "
                                                  f"{args.engine_timeout:.0f}s")
-        for r in list(doc["engines"].values()) + [x for per in doc["sweep"].values()
-                                                  for x in per.values()]:
+        for r in [x for per in rounds.values() for x in per] + [x for per in doc["sweep"].values()
+                                                                 for x in per.values()]:
             if r["status"] == "pending":
                 r["status"] = "skipped"
+        for n in rounds:
+            doc["engines"][n] = merge_rounds(n, args.interval, rounds[n])
         emit(doc, args, final=True)
 
     pids = _gather(os.getpid())
@@ -796,24 +870,36 @@ def main(argv: Optional[list[str]] = None) -> int:
                 doc["machine"] = probe_machine(root / "probe", args.probe_mb * MB)
             if rank == 0:
                 _rmtree(root / "probe")
-        for name, interval, is_main in plan:
-            slot = doc["engines"][name] if is_main else doc["sweep"][name][str(interval)]
+        for name, interval, is_main, k in plan:
+            slot = rounds[name][k] if is_main else doc["sweep"][name][str(interval)]
             current["slot"] = slot
             if bar is not None:
-                bar.set_description(f"{name}@{interval}")
+                bar.set_description(f"{name}@{interval}" + (f" r{k + 1}" if is_main else ""))
+            last_round = is_main and k == args.rounds - 1
             try:
                 with watchdog.guard(f"{name} (interval {interval})", args.engine_timeout):
                     res = run_engine(name, interval, args, io_group, root / f"{name}-every{interval}",
-                                     restore=is_main and not args.no_restore, progress=progress,
+                                     restore=last_round and not args.no_restore, progress=progress,
                                      meter=meter)
             except Exception as e:  # recorded; the next engine starts from a fresh model
                 log.exception("rank %d: engine %s (interval %d) failed", rank, name, interval)
                 res = dict(slot, status="error", error=f"{type(e).__name__}: {e}")
             slot.update(res)
-            if name == "baseline" and res.get("status") == "ok":
-                doc["config"]["params"] = res.get("params")
-                doc["config"]["rank_state_bytes"] = res.get("rank_state_bytes")
-            add_ratios(slot, doc["engines"].get("baseline"))
+            if is_main:
+                base_k = rounds.get("baseline", [None] * (k + 1))[k]
+                if name == "baseline":  # the engines of this round measured before it (ABBA)
+                    for other in rounds.values():
+                        add_ratios(other[k], base_k)
+                else:
+                    add_ratios(slot, base_k)
+                for n in rounds:
+                    doc["engines"][n] = merge_rounds(n, args.interval, rounds[n])
+                base = doc["engines"].get("baseline")
+                if base and base["status"] == "ok":
+                    doc["config"]["params"] = base.get("params")
+                    doc["config"]["rank_state_bytes"] = base.get("rank_state_bytes")
+            else:
+                add_ratios(slot, doc["engines"].get("baseline"))
             if rank == 0:
                 emit(doc, args, final=False)
     finally:

@@ -22,7 +22,7 @@ REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "scripts" / "bench_peers.py"
 TINY = ["--layers", "2", "--hidden", "64", "--heads", "4", "--seq-len", "32", "--vocab", "256",
         "--iters", "3", "--warmup", "1", "--no-progress"]
-FAST_ENGINES = ("baseline", "torch_save", "dcp_async", "ours")
+FAST_ENGINES = ("baseline", "torch_save", "dcp_async", "ours", "ours_local")
 LAUNCH_TIMEOUT_S = 80.0
 
 
@@ -46,7 +46,8 @@ def _launch(tmp_path: Path, *extra: str) -> tuple[subprocess.CompletedProcess, P
 def test_fast_engines_report_every_key(tmp_path):
     proc, out = _launch(tmp_path, "--engines", ",".join(FAST_ENGINES), "--intervals", "1,2",
                         "--sweep-engines", "torch_save", "--probe-mb", "4",
-                        "--dcp-checkpointer", "thread", "--plot", str(tmp_path / "bench.png"))
+                        "--dcp-checkpointer", "thread", "--plot", str(tmp_path / "bench.png"),
+                        "--rounds", "2", "--local-dir", str(tmp_path / "local"), "--persist-interval", "3")
     if proc.returncode != 0:
         errors = ""
         if out.exists():
@@ -65,15 +66,18 @@ def test_fast_engines_report_every_key(tmp_path):
         missing = [k for k in ENGINE_KEYS if k not in res]
         assert not missing, f"{name}: missing {missing}"
         assert res["status"] == "ok", (name, res["error"])
-        assert res["iterations"] == 3 and len(res["iter_times_s"]) == 3
+        assert res["iterations"] == 6 and len(res["iter_times_s"]) == 6  # 2 rounds x 3
+        assert len(res["rounds"]) == 2 and len(res["ratio_e2e_rounds"]) == 2
         assert res["ratio_e2e"] is not None and res["ratio_median"] is not None
         if name == "baseline":
-            assert res["checkpoints"] == 3 and res["restore_ok"] is None
+            assert res["checkpoints"] == 6 and res["restore_ok"] is None
+            assert res["ratio_e2e_rounds"] == [1.0, 1.0]
             continue
-        assert res["checkpoints"] == 3
+        assert res["checkpoints"] == 6
         assert res["bytes_per_ckpt"] and res["bytes_per_ckpt"] > 0, name
         assert res["restore_ok"] is True, (name, res["restore_mismatches"])
         assert res["restore_iteration"] == 1 + 3, name  # warm-up 1 + 3 measured, last one saved
+        # (ours_local: 4 is only in the local tier -- every 3rd is promoted -- and is still the one restored)
         assert res["restore_s"] > 0 and res["drain_s"] >= 0 and res["stall_per_ckpt_s"] >= 0
 
     sweep = doc["sweep"]["torch_save"]["2"]
@@ -85,6 +89,7 @@ def test_fast_engines_report_every_key(tmp_path):
     assert (tmp_path / "bench.png").stat().st_size > 0
     assert "ours" in proc.stdout and "overhead vs checkpoint interval" in proc.stdout
     assert not (tmp_path / "ckpt" / "ours-every1").exists(), "engine directories are cleaned"
+    assert not any((tmp_path / "local").iterdir()), "the local tier is cleaned"
 
 
 def test_overrunning_phase_is_reported_as_timeout(tmp_path):
