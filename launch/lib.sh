@@ -108,7 +108,9 @@ dsm_run_step() {
 # dsm_megatron_args WORLD_SIZE: validate the preset against the allocation and fill the array
 # MEGATRON_ARGS for Megatron-LM's pretrain_gpt.py. Reads the preset variables (NUM_LAYERS, TP, ...),
 # SAVE_DIR, optional DATA_PATH / TOKENIZER_TYPE / TOKENIZER_MODEL (default: --mock-data with the
-# NullTokenizer) and MEGATRON_EXTRA_ARGS (appended verbatim, word-split).
+# NullTokenizer), optional LAZY_CKPT_LOCAL_DIR (a node-local tier, e.g. /dev/shm/ckpt or local NVMe;
+# with LAZY_CKPT_PERSIST_INTERVAL, default 10, and LAZY_CKPT_LOCAL_FALLBACK, default all) and
+# MEGATRON_EXTRA_ARGS (appended verbatim, word-split).
 dsm_megatron_args() {
     local world="$1" v
     for v in NUM_LAYERS HIDDEN_SIZE FFN_HIDDEN_SIZE NUM_ATTENTION_HEADS NUM_QUERY_GROUPS SEQ_LENGTH \
@@ -157,6 +159,11 @@ dsm_megatron_args() {
         --lazy-ckpt-host-cache-gb "$LAZY_CKPT_HOST_CACHE_GB"
         --lazy-ckpt-flush-threads "$LAZY_CKPT_FLUSH_THREADS"
     )
+    if [ -n "${LAZY_CKPT_LOCAL_DIR:-}" ]; then
+        MEGATRON_ARGS+=(--lazy-ckpt-local-dir "$LAZY_CKPT_LOCAL_DIR"
+                        --lazy-ckpt-persist-interval "${LAZY_CKPT_PERSIST_INTERVAL:-10}"
+                        --lazy-ckpt-local-fallback "${LAZY_CKPT_LOCAL_FALLBACK:-all}")
+    fi
     if [ "$NUM_QUERY_GROUPS" != "$NUM_ATTENTION_HEADS" ]; then
         MEGATRON_ARGS+=(--group-query-attention --num-query-groups "$NUM_QUERY_GROUPS")
     fi

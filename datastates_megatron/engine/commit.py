@@ -26,7 +26,7 @@ import torch
 from .errors import CacheTimeoutError, CommitError
 from .faults import crash_point
 from .manifest import Manifest, RankRecord, iter_dir, rank_file_name, write_manifest, write_tracker
-from .retention import delete_checkpoint, select_deletions
+from .retention import delete_checkpoint, select_deletions, trim_recycled
 from .threads import QueueThread
 
 __all__ = ["Committer", "Ticket", "CommitRecord"]
@@ -95,8 +95,10 @@ class Committer(QueueThread):
         node_ranks: list[int] | None = None,
         on_commit=None,
         protect=None,
+        recycle: bool = False,
     ) -> None:
         self.root = root
+        self._recycle = recycle  # retention moves rank files to the pool the next saves reuse
         self.rank = rank
         self.world_size = world_size
         self._group = group
@@ -123,6 +125,11 @@ class Committer(QueueThread):
         self._errors: collections.deque[BaseException] = collections.deque()
         self.latest: int | None = None
         super().__init__(f"dsm-commit-r{rank}" + ("-local" if tier == "local" else ""))
+
+    @property
+    def is_writer(self) -> bool:
+        """Whether this rank writes this tier's manifests (and so runs its retention)."""
+        return bool(self._writes)
 
     def submit(self, ticket: Ticket) -> None:
         with self._lock:
@@ -274,8 +281,10 @@ class Committer(QueueThread):
             protected |= self._protect()
         for it in select_deletions(committed_iterations(self.root), self._keep_last, self._keep_every, protected):
             crash_point("retention", self.rank)
-            delete_checkpoint(self.root, it)
+            delete_checkpoint(self.root, it, recycle=self._recycle)
             log.info("rank %d: retention deleted %s (%s tier)", self.rank, iter_dir(self.root, it), self.tier)
+        if self._recycle:
+            trim_recycled(self.root, keep=2 * len(self._writes))  # two checkpoints' worth
         # files of an older save of the same iteration, now superseded by this manifest
         d = iter_dir(self.root, just_committed.iteration)
         pending_names = {rank_file_name(r, t.token or self._token, t.seq) for t in self._snapshot_outstanding() for r in self._writes}

@@ -29,7 +29,7 @@ from .manifest import (
 )
 from .options import LOCAL_FALLBACK_CHOICES, EngineOptions
 from .restore import RestoreStats, open_checkpoint, open_rank, restore_into, validate_world
-from .retention import remove_stale_tracker_temps, remove_uncommitted
+from .retention import remove_stale_tracker_temps, remove_uncommitted, take_recycled, trim_recycled
 from .snapshot import SnapshotEngine
 from .threads import ClosingContext, close_at_exit, forget
 
@@ -115,7 +115,7 @@ class CheckpointManager(ClosingContext):
         self.committer = Committer(
             self.root, rank=self.rank, world_size=self.world_size, group=self._persist_group, token=token,
             layout=self.layout, next_commit_seq=next_seq, keep_last=keep_last, keep_every=keep_every,
-            timeout_s=opts.timeout_s,
+            timeout_s=opts.timeout_s, recycle=not self.local_root,
         )  # fmt: skip
         self.local_committer = self.promoter = None
         if self.local_root:
@@ -127,7 +127,7 @@ class CheckpointManager(ClosingContext):
                 self.local_root, rank=self.rank, world_size=self.world_size, group=self._group, token=token,
                 layout=self.layout, next_commit_seq=local_seq, keep_last=local_keep_last, keep_every=0,
                 timeout_s=opts.timeout_s, tier="local", node_ranks=self.node_ranks,
-                on_commit=self.promoter.on_local_commit, protect=self.promoter.in_flight,
+                on_commit=self.promoter.on_local_commit, protect=self.promoter.in_flight, recycle=True,
             )  # fmt: skip
             self._repromote()
         close_at_exit(self)
@@ -145,6 +145,7 @@ class CheckpointManager(ClosingContext):
         found = committed_manifests(root)
         removed = remove_uncommitted(root, list_iterations(root), {it: {r.file for r in m.ranks} for it, m in found.items()}, set())
         removed += remove_stale_tracker_temps(root)
+        trim_recycled(root, keep=0)
         if removed:
             log.info("rank %d: removed %d leftover(s) of uncommitted checkpoints under %s", self.rank, len(removed), root)
         return max((m.commit_seq for m in found.values()), default=-1) + 1
@@ -172,11 +173,14 @@ class CheckpointManager(ClosingContext):
         self._check_open()
         self._surface_errors()
         self._seq += 1
-        d = iter_dir(self.local_root or self.root, iteration)
+        tier_root = self.local_root or self.root
+        d = iter_dir(tier_root, iteration)
         try:
             os.makedirs(d, exist_ok=True)
             name = rank_file_name(self.rank, self.token, self._seq)
-            handle = self.engine.save(iteration, os.path.join(d, name), objects, tag=name)
+            path = os.path.join(d, name)
+            take_recycled(tier_root, path)  # overwrite a retired rank file in place when there is one
+            handle = self.engine.save(iteration, path, objects, tag=name)
         except CheckpointError as e:
             self._handle(e)
             handle = None
@@ -377,6 +381,15 @@ class CheckpointManager(ClosingContext):
                 for part in (self.local_committer, self.promoter, self.committer):
                     if part is not None:
                         part.close()
+                self._empty_recycle_pool()
+
+    def _empty_recycle_pool(self) -> None:
+        """Training is over: the pool's retired files only hold space (the tier's writer rank)."""
+        if self._first_tier.is_writer:
+            try:
+                trim_recycled(self.local_root or self.root, keep=0)
+            except OSError as e:
+                log.warning("rank %d: could not empty the recycle pool: %s", self.rank, e)
 
     def _check_open(self) -> None:
         if self._closed:

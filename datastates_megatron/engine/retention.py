@@ -2,6 +2,13 @@
 
 A checkpoint is deleted manifest first (then it is no longer committed), then its files, then the
 directory; a crash half-way leaves a manifest-less directory that start-up cleanup removes.
+
+Recycling: instead of unlinking the rank files of a deleted checkpoint, retention may move them
+into ``<root>/.recycle/``, and the next save renames one into place and overwrites it.  At a
+checkpoint every iteration this avoids freeing and re-allocating (and, on tmpfs, zeroing) a whole
+checkpoint's worth of pages or blocks per iteration -- measured as the largest CPU cost of the
+local tier.  Recycled files are never referenced by a manifest; the pool is bounded, emptied at
+start-up and on close.
 """
 
 from __future__ import annotations
@@ -13,7 +20,12 @@ import shutil
 from .manifest import MANIFEST_NAME, TRACKER_NAME, iter_dir
 from .writer import fsync_dir
 
-__all__ = ["select_deletions", "delete_checkpoint", "remove_uncommitted", "remove_stale_tracker_temps"]
+__all__ = [
+    "select_deletions", "delete_checkpoint", "remove_uncommitted", "remove_stale_tracker_temps",
+    "RECYCLE_DIR", "take_recycled", "trim_recycled",
+]
+
+RECYCLE_DIR = ".recycle"
 
 log = logging.getLogger(__name__)
 
@@ -30,7 +42,9 @@ def select_deletions(commit_order: list[int], keep_last: int, keep_every: int, p
     return [it for it in commit_order if it not in keep]
 
 
-def delete_checkpoint(root: str, iteration: int) -> None:
+def delete_checkpoint(root: str, iteration: int, recycle: bool = False) -> None:
+    """Uncommit (manifest first), then remove the files -- or, with ``recycle``, move the rank files
+    into the recycle pool -- then the directory."""
     d = iter_dir(root, iteration)
     manifest = os.path.join(d, MANIFEST_NAME)
     if os.path.exists(manifest):
@@ -39,7 +53,47 @@ def delete_checkpoint(root: str, iteration: int) -> None:
     from .faults import crash_point
 
     crash_point("retention_files")
+    if recycle:
+        pool = os.path.join(root, RECYCLE_DIR)
+        try:
+            os.makedirs(pool, exist_ok=True)
+            for name in os.listdir(d):
+                if name.endswith(".dsck"):
+                    os.rename(os.path.join(d, name), os.path.join(pool, f"{iteration:07d}-{name}"))
+        except OSError as e:  # recycling is an optimisation: fall back to deleting
+            log.warning("%s: could not recycle rank files (%s); deleting them", d, e)
     shutil.rmtree(d, ignore_errors=True)
+
+
+def take_recycled(root: str, dst: str) -> bool:
+    """Move one file of ``root``'s recycle pool to ``dst`` (atomic rename; ranks sharing the pool may
+    race for a file, the loser tries the next).  ``False`` when the pool is empty."""
+    pool = os.path.join(root, RECYCLE_DIR)
+    try:
+        names = sorted(os.listdir(pool))
+    except FileNotFoundError:
+        return False
+    for name in names:
+        try:
+            os.rename(os.path.join(pool, name), dst)
+            return True
+        except FileNotFoundError:
+            continue  # taken by another rank
+    return False
+
+
+def trim_recycled(root: str, keep: int) -> None:
+    """Unlink pool files beyond the ``keep`` newest (``keep=0``: empty the pool)."""
+    pool = os.path.join(root, RECYCLE_DIR)
+    try:
+        names = sorted(os.listdir(pool))
+    except FileNotFoundError:
+        return
+    for name in names[: max(0, len(names) - keep)]:
+        try:
+            os.unlink(os.path.join(pool, name))
+        except FileNotFoundError:
+            pass
 
 
 def remove_uncommitted(root: str, iterations: list[int], referenced: dict[int, set[str]], keep_names: set[str]) -> list[str]:

@@ -12,7 +12,7 @@ import os
 import numpy as np
 
 from .errors import FlushError
-from .file_format import Header
+from .file_format import HEADER_BYTES, Header
 
 __all__ = ["RankFileWriter", "fsync_dir"]
 
@@ -44,7 +44,15 @@ class RankFileWriter:
 
     def __init__(self, path: str, direct: bool | str = "auto") -> None:
         self.path = path
-        self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        # no O_TRUNC: ``path`` may be a recycled rank file, overwritten in place (its blocks/pages
+        # reused); its old header is zeroed at once and ``finish`` truncates to the new size
+        self._fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
+        try:
+            if os.fstat(self._fd).st_size:
+                _pwrite_all(self._fd, bytes(HEADER_BYTES), 0)
+        except OSError:
+            os.close(self._fd)
+            raise
         self._direct_fd = None
         if direct and hasattr(os, "O_DIRECT"):
             try:

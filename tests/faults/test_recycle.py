@@ -1,0 +1,88 @@
+"""Rank-file recycling (one process, real files): retention moves retired rank files into a pool,
+the next save overwrites one in place, and nothing of the old contents can pass for the new file."""
+
+from __future__ import annotations
+
+import os
+
+from datastates_megatron.engine import EngineOptions
+from datastates_megatron.engine.manager import CheckpointManager
+from datastates_megatron.engine.manifest import iter_dir, read_manifest
+from datastates_megatron.engine.retention import RECYCLE_DIR
+
+from .fault_worker import fill, is_state_of, make_state
+
+
+def _manager(root, **kw):
+    return CheckpointManager(str(root), EngineOptions(cache_bytes=256 << 10, timeout_s=30), **kw)
+
+
+def _rank_file(root, iteration):
+    m = read_manifest(iter_dir(str(root), iteration))
+    return os.path.join(iter_dir(str(root), iteration), m.ranks[0].file), m.ranks[0].file_bytes
+
+
+def _save(mgr, ts, it):
+    fill(ts, 0, it)
+    mgr.save(it, {"iteration": it})
+    mgr.wait()
+
+
+def test_retired_rank_file_is_overwritten_in_place_and_loads_exactly(tmp_path):
+    root = tmp_path / "ckpt"
+    pool = root / RECYCLE_DIR
+    ts = make_state(0, 50_000)
+    with _manager(root, keep_last=1) as mgr:
+        for n, t in ts.items():
+            mgr.register(n, t)
+        _save(mgr, ts, 1)
+        inode_1 = os.stat(_rank_file(root, 1)[0]).st_ino
+        _save(mgr, ts, 2)  # retention retires 1: its rank file goes to the pool
+        assert not os.path.exists(iter_dir(str(root), 1))
+        assert [os.stat(pool / n).st_ino for n in os.listdir(pool)] == [inode_1]
+        _save(mgr, ts, 3)  # reuses it
+        path_3, size_3 = _rank_file(root, 3)
+        assert os.stat(path_3).st_ino == inode_1 and os.path.getsize(path_3) == size_3
+    assert os.listdir(pool) == []  # emptied on close: only keep_last checkpoints hold space
+
+    ts = make_state(0, 50_000)
+    with _manager(root, keep_last=1) as mgr:
+        for n, t in ts.items():
+            mgr.register(n, t)
+        result = mgr.load()  # verifies every checksum
+    assert result.iteration == 3 and is_state_of(ts, 0, 3)
+
+
+def test_a_larger_stale_file_in_the_pool_is_truncated_and_its_header_never_survives(tmp_path):
+    root = tmp_path / "ckpt"
+    ts = make_state(0, 50_000)
+    with _manager(root, keep_last=0) as mgr:
+        for n, t in ts.items():
+            mgr.register(n, t)
+        _save(mgr, ts, 1)
+        path_1, size_1 = _rank_file(root, 1)
+        pool = root / RECYCLE_DIR
+        os.makedirs(pool)
+        stale = pool / "0000001-stale.dsck"
+        with open(path_1, "rb") as f:
+            junk = f.read() * 3  # a valid-looking header at 0 and far more bytes than a new file has
+        stale.write_bytes(junk)
+        _save(mgr, ts, 2)
+        path_2, size_2 = _rank_file(root, 2)
+        assert os.path.getsize(path_2) == size_2 < len(junk)
+        assert not os.path.exists(stale)
+    ts = make_state(0, 50_000)
+    with _manager(root, keep_last=0) as mgr:
+        for n, t in ts.items():
+            mgr.register(n, t)
+        assert mgr.load().iteration == 2 and is_state_of(ts, 0, 2)
+        assert mgr.load(1).iteration == 1 and is_state_of(ts, 0, 1)
+
+
+def test_start_up_empties_a_pool_left_by_a_crash(tmp_path):
+    root = tmp_path / "ckpt"
+    pool = root / RECYCLE_DIR
+    os.makedirs(pool)
+    (pool / "0000007-left.dsck").write_bytes(b"x" * 8192)
+    with _manager(root, keep_last=1):
+        assert os.listdir(pool) == []
