@@ -77,12 +77,14 @@ class CheckpointManager(ClosingContext):
         persist_interval: int = 1,
         local_keep_last: int = 2,
         local_fallback: str = "all",
+        recycle_files: bool = True,
     ) -> None:
         if on_error not in ("raise", "warn"):
             raise ValueError(f"on_error must be 'raise' or 'warn', got {on_error!r}")
         if local_fallback not in LOCAL_FALLBACK_CHOICES:
             raise ValueError(f"local_fallback must be one of {LOCAL_FALLBACK_CHOICES}, got {local_fallback!r}")
         self.local_fallback = local_fallback
+        self.recycle_files = recycle_files
         dist = _dist()
         self.rank = dist.get_rank() if dist else 0
         self.world_size = dist.get_world_size() if dist else 1
@@ -115,7 +117,7 @@ class CheckpointManager(ClosingContext):
         self.committer = Committer(
             self.root, rank=self.rank, world_size=self.world_size, group=self._persist_group, token=token,
             layout=self.layout, next_commit_seq=next_seq, keep_last=keep_last, keep_every=keep_every,
-            timeout_s=opts.timeout_s, recycle=not self.local_root,
+            timeout_s=opts.timeout_s, recycle=recycle_files and not self.local_root,
         )  # fmt: skip
         self.local_committer = self.promoter = None
         if self.local_root:
@@ -127,7 +129,7 @@ class CheckpointManager(ClosingContext):
                 self.local_root, rank=self.rank, world_size=self.world_size, group=self._group, token=token,
                 layout=self.layout, next_commit_seq=local_seq, keep_last=local_keep_last, keep_every=0,
                 timeout_s=opts.timeout_s, tier="local", node_ranks=self.node_ranks,
-                on_commit=self.promoter.on_local_commit, protect=self.promoter.in_flight, recycle=True,
+                on_commit=self.promoter.on_local_commit, protect=self.promoter.in_flight, recycle=recycle_files,
             )  # fmt: skip
             self._repromote()
         close_at_exit(self)
@@ -179,7 +181,8 @@ class CheckpointManager(ClosingContext):
             os.makedirs(d, exist_ok=True)
             name = rank_file_name(self.rank, self.token, self._seq)
             path = os.path.join(d, name)
-            take_recycled(tier_root, path)  # overwrite a retired rank file in place when there is one
+            if self.recycle_files:
+                take_recycled(tier_root, path)  # overwrite a retired rank file in place when there is one
             handle = self.engine.save(iteration, path, objects, tag=name)
         except CheckpointError as e:
             self._handle(e)

@@ -73,7 +73,7 @@ class LazyCheckpointer:
             on_error=config.on_error, layout=parallel_layout(self.model), load_root=config.effective_load_dir,
             verify_on_load=config.verify_on_load, local_root=config.local_dir,
             persist_interval=config.persist_interval, local_keep_last=config.local_keep_last,
-            local_fallback=config.local_fallback,
+            local_fallback=config.local_fallback, recycle_files=config.recycle_files,
         )  # fmt: skip
         self.rank = self._mgr.rank
         self._signature = None

@@ -33,6 +33,8 @@ class LazyCkptConfig:
     local_dir:       optional fast node-local tier (multi-level); ``None`` disables it.
     persist_interval: with ``local_dir``, promote every N-th local checkpoint to ``save_dir``.
     local_keep_last: retention of the local tier.
+    recycle_files:   retention moves retired rank files to a pool and later saves overwrite them in
+                     place (saves freeing and re-allocating a checkpoint's pages/blocks each time).
     local_fallback:  when some node lost its local copy: ``"all"`` ranks restore the persistent
                      checkpoint from the persistent tier; ``"rank"``: only the ranks without an
                      intact local copy of it read the persistent tier, the others read locally.
@@ -54,6 +56,7 @@ class LazyCkptConfig:
     persist_interval: int = 1
     local_keep_last: int = 2
     local_fallback: str = "all"
+    recycle_files: bool = True
 
     def __post_init__(self) -> None:
         if not self.save_dir:

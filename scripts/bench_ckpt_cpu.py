@@ -1,0 +1,136 @@
+#!/usr/bin/env python
+"""CPU that checkpointing takes from training, per thread, side by side in one run.
+
+    torchrun --nproc_per_node 2 scripts/bench_ckpt_cpu.py [--dirs /dev/shm/x,./runs/x]
+
+On a machine whose cores the training already keeps busy (CPU-only training here), every CPU
+millisecond of the background copier, flush and commit threads is a millisecond of training lost,
+so this is the cost that decides the end-to-end overhead of an asynchronous checkpoint.  For each
+directory (default: a tmpfs and the repository's disk) it trains the bench_peers workload (demo
+GPT + DistributedOptimizer, 2 gloo ranks) without checkpoints, then with ``LazyCheckpointer``
+checkpointing every iteration, with and without rank-file recycling, and prints per rank: median
+iteration time (and its ratio to the baseline) and CPU milliseconds per iteration of the training
+thread and of each of our threads (``/proc/<pid>/task/<tid>/stat``, Linux only).
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import os
+import shutil
+import statistics
+import sys
+import threading
+import time
+import warnings
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+
+TICK = os.sysconf("SC_CLK_TCK")
+
+
+def thread_cpu_s() -> dict[str, float]:
+    """CPU seconds so far per thread name (our pool threads merged: ``dsm-flush-r0``)."""
+    names = {t.native_id: t.name.split("_")[0] for t in threading.enumerate()}
+    out: dict[str, float] = {}
+    for stat in glob.glob(f"/proc/{os.getpid()}/task/*/stat"):
+        try:
+            text = open(stat).read()
+        except OSError:
+            continue  # the thread ended
+        tid = int(stat.split("/")[-2])
+        name = names.get(tid) or text[text.index("(") + 1 : text.rindex(")")]
+        fields = text[text.rindex(")") + 2 :].split()
+        out[name] = out.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / TICK
+    return out
+
+
+def run(mode: str, directory: str | None, args) -> dict:
+    from datastates_megatron import LazyCheckpointer, LazyCkptConfig
+    from datastates_megatron.demo import gpt
+
+    rank = torch.distributed.get_rank()
+    if directory and rank == 0:
+        shutil.rmtree(directory, ignore_errors=True)
+    torch.distributed.barrier()
+    chunks, opt = gpt.build(args.layers, args.hidden, args.heads, args.seq_len, args.vocab, seed=1)
+    ckpt = None
+    if mode != "baseline":
+        config = LazyCkptConfig(save_dir=directory, host_cache_gb=1.0, keep_last=2, recycle_files=mode == "ours")
+        ckpt = LazyCheckpointer(chunks, opt, config)
+    times: list[float] = []
+    for it in range(1, args.warmup + args.iters + 1):
+        data = gpt.batch(it, gpt.dp_rank(), seed=1, micro_batch_size=4, seq_len=args.seq_len, vocab=args.vocab)
+        if it == args.warmup + 1:
+            if ckpt:
+                ckpt.wait()
+            torch.distributed.barrier()
+            cpu0 = thread_cpu_s()
+            times.clear()
+        t0 = time.perf_counter()
+        gpt.train_step(chunks, opt, data)
+        if ckpt:
+            ckpt.save(it)
+            ckpt.poll()
+        times.append(time.perf_counter() - t0)
+    if ckpt:
+        ckpt.wait()
+    cpu1 = thread_cpu_s()
+    if ckpt:
+        ckpt.close()
+    if directory and rank == 0:
+        shutil.rmtree(directory, ignore_errors=True)
+    cpu = {k: (cpu1.get(k, 0.0) - cpu0.get(k, 0.0)) / args.iters for k in cpu1}
+    return {"iter_s": statistics.median(times), "cpu": cpu}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--dirs", default="/dev/shm/dsm-bench-cpu,./runs/bench-cpu",
+                   help="comma-separated checkpoint directories to compare (default: %(default)s)")
+    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--layers", type=int, default=6)
+    p.add_argument("--hidden", type=int, default=512)
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--seq-len", type=int, default=128)
+    p.add_argument("--vocab", type=int, default=1024)
+    args = p.parse_args()
+    warnings.filterwarnings("ignore")
+    if "RANK" not in os.environ:
+        sys.exit("run me with torchrun, e.g.: torchrun --nproc_per_node 2 scripts/bench_ckpt_cpu.py")
+    from datastates_megatron.demo import gpt
+
+    gpt.init_distributed(seed=1)
+    rank = torch.distributed.get_rank()
+    rows = [("baseline", None, run("baseline", None, args))]
+    for d in [x for x in args.dirs.split(",") if x]:
+        d = os.path.abspath(d)
+        for mode in ("ours", "ours-no-recycle"):
+            rows.append((mode, d, run(mode, d, args)))
+    gathered: list = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(gathered, rows)
+    if rank == 0:
+        base = {r: g[0][2]["iter_s"] for r, g in enumerate(gathered)}
+        threads = ["MainThread", "dsm-copier", "dsm-flush", "dsm-commit"]
+        hdr = f"{'rank':>4}  {'engine':<16} {'directory':<28} {'iter med s':>10} {'x base':>6}  " + "  ".join(
+            f"{t + ' ms':>14}" for t in threads) + f"  {'ours total ms':>13}"
+        print(f"CPU per iteration, checkpoint every iteration ({args.iters} iterations after {args.warmup} warm-up)")
+        print(hdr)
+        print("-" * len(hdr))
+        for r, g in enumerate(gathered):
+            for mode, d, res in g:
+                cpu = {k.rsplit("-r", 1)[0] if k.startswith("dsm-") else k: v for k, v in res["cpu"].items()}
+                ours = sum(v for k, v in cpu.items() if k.startswith("dsm-"))
+                print(f"{r:>4}  {mode:<16} {(d or '-')[-28:]:<28} {res['iter_s']:>10.3f} {res['iter_s'] / base[r]:>6.2f}  "
+                      + "  ".join(f"{cpu.get(t, 0.0) * 1e3:>14.1f}" for t in threads) + f"  {ours * 1e3:>13.1f}")
+    gpt.destroy_distributed()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
