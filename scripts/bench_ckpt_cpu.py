@@ -1,16 +1,18 @@
 #!/usr/bin/env python
 """CPU that checkpointing takes from training, per thread, side by side in one run.
 
-    torchrun --nproc_per_node 2 scripts/bench_ckpt_cpu.py [--dirs /dev/shm/x,./runs/x]
+    torchrun --nproc_per_node 2 scripts/bench_ckpt_cpu.py [--dirs /dev/shm/x,./runs/x] [--modes ours,ours-buffered]
 
 On a machine whose cores the training already keeps busy (CPU-only training here), every CPU
 millisecond of the background copier, flush and commit threads is a millisecond of training lost,
 so this is the cost that decides the end-to-end overhead of an asynchronous checkpoint.  For each
 directory (default: a tmpfs and the repository's disk) it trains the bench_peers workload (demo
 GPT + DistributedOptimizer, 2 gloo ranks) without checkpoints, then with ``LazyCheckpointer``
-checkpointing every iteration, with and without rank-file recycling, and prints per rank: median
-iteration time (and its ratio to the baseline) and CPU milliseconds per iteration of the training
-thread and of each of our threads (``/proc/<pid>/task/<tid>/stat``, Linux only).
+checkpointing every iteration in each ``--modes`` variant (default: with and without rank-file
+recycling; ``ours-buffered``: no O_DIRECT), and prints per rank: median iteration time (and its ratio
+to the baseline), CPU milliseconds per iteration of the training thread and of each of our threads
+(``/proc/<pid>/task/<tid>/stat``, Linux only), and the machine's idle and hypervisor-steal cores
+over the measured iterations (``/proc/stat``).
 """
 
 from __future__ import annotations
@@ -49,6 +51,20 @@ def thread_cpu_s() -> dict[str, float]:
     return out
 
 
+def machine_ticks() -> tuple[float, float, float]:
+    """(idle, steal, wall) seconds so far from ``/proc/stat``'s aggregate cpu line (steal: time the
+    hypervisor ran something else on this VM's cores)."""
+    f = [int(x) for x in open("/proc/stat").readline().split()[1:]]
+    return (f[3] + f[4]) / TICK, (f[7] if len(f) > 7 else 0) / TICK, time.monotonic()
+
+
+MODES = {  # mode -> LazyCkptConfig overrides
+    "ours": {},
+    "ours-no-recycle": {"recycle_files": False},
+    "ours-buffered": {"direct_io": False},
+}
+
+
 def run(mode: str, directory: str | None, args) -> dict:
     from datastates_megatron import LazyCheckpointer, LazyCkptConfig
     from datastates_megatron.demo import gpt
@@ -60,7 +76,7 @@ def run(mode: str, directory: str | None, args) -> dict:
     chunks, opt = gpt.build(args.layers, args.hidden, args.heads, args.seq_len, args.vocab, seed=1)
     ckpt = None
     if mode != "baseline":
-        config = LazyCkptConfig(save_dir=directory, host_cache_gb=1.0, keep_last=2, recycle_files=mode == "ours")
+        config = LazyCkptConfig(save_dir=directory, host_cache_gb=1.0, keep_last=2, **MODES[mode])
         ckpt = LazyCheckpointer(chunks, opt, config)
     times: list[float] = []
     for it in range(1, args.warmup + args.iters + 1):
@@ -69,7 +85,7 @@ def run(mode: str, directory: str | None, args) -> dict:
             if ckpt:
                 ckpt.wait()
             torch.distributed.barrier()
-            cpu0 = thread_cpu_s()
+            cpu0, m0 = thread_cpu_s(), machine_ticks()
             times.clear()
         t0 = time.perf_counter()
         gpt.train_step(chunks, opt, data)
@@ -79,19 +95,22 @@ def run(mode: str, directory: str | None, args) -> dict:
         times.append(time.perf_counter() - t0)
     if ckpt:
         ckpt.wait()
-    cpu1 = thread_cpu_s()
+    cpu1, m1 = thread_cpu_s(), machine_ticks()
     if ckpt:
         ckpt.close()
     if directory and rank == 0:
         shutil.rmtree(directory, ignore_errors=True)
     cpu = {k: (cpu1.get(k, 0.0) - cpu0.get(k, 0.0)) / args.iters for k in cpu1}
-    return {"iter_s": statistics.median(times), "cpu": cpu}
+    wall = m1[2] - m0[2]
+    return {"iter_s": statistics.median(times), "cpu": cpu, "idle": (m1[0] - m0[0]) / wall, "steal": (m1[1] - m0[1]) / wall}
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--dirs", default="/dev/shm/dsm-bench-cpu,./runs/bench-cpu",
                    help="comma-separated checkpoint directories to compare (default: %(default)s)")
+    p.add_argument("--modes", default="ours,ours-no-recycle",
+                   help=f"comma-separated, from {', '.join(MODES)} (default: %(default)s)")
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--layers", type=int, default=6)
@@ -105,12 +124,15 @@ def main() -> int:
         sys.exit("run me with torchrun, e.g.: torchrun --nproc_per_node 2 scripts/bench_ckpt_cpu.py")
     from datastates_megatron.demo import gpt
 
+    unknown = [m for m in args.modes.split(",") if m and m not in MODES]
+    if unknown:
+        sys.exit(f"unknown --modes {unknown}; choose from {list(MODES)}")
     gpt.init_distributed(seed=1)
     rank = torch.distributed.get_rank()
     rows = [("baseline", None, run("baseline", None, args))]
     for d in [x for x in args.dirs.split(",") if x]:
         d = os.path.abspath(d)
-        for mode in ("ours", "ours-no-recycle"):
+        for mode in [m for m in args.modes.split(",") if m]:
             rows.append((mode, d, run(mode, d, args)))
     gathered: list = [None] * torch.distributed.get_world_size()
     torch.distributed.all_gather_object(gathered, rows)
@@ -118,7 +140,7 @@ def main() -> int:
         base = {r: g[0][2]["iter_s"] for r, g in enumerate(gathered)}
         threads = ["MainThread", "dsm-copier", "dsm-flush", "dsm-commit"]
         hdr = f"{'rank':>4}  {'engine':<16} {'directory':<28} {'iter med s':>10} {'x base':>6}  " + "  ".join(
-            f"{t + ' ms':>14}" for t in threads) + f"  {'ours total ms':>13}"
+            f"{t + ' ms':>14}" for t in threads) + f"  {'ours total ms':>13}  {'idle':>5}  {'steal':>5}"
         print(f"CPU per iteration, checkpoint every iteration ({args.iters} iterations after {args.warmup} warm-up)")
         print(hdr)
         print("-" * len(hdr))
@@ -127,7 +149,7 @@ def main() -> int:
                 cpu = {k.rsplit("-r", 1)[0] if k.startswith("dsm-") else k: v for k, v in res["cpu"].items()}
                 ours = sum(v for k, v in cpu.items() if k.startswith("dsm-"))
                 print(f"{r:>4}  {mode:<16} {(d or '-')[-28:]:<28} {res['iter_s']:>10.3f} {res['iter_s'] / base[r]:>6.2f}  "
-                      + "  ".join(f"{cpu.get(t, 0.0) * 1e3:>14.1f}" for t in threads) + f"  {ours * 1e3:>13.1f}")
+                      + "  ".join(f"{cpu.get(t, 0.0) * 1e3:>14.1f}" for t in threads) + f"  {ours * 1e3:>13.1f}  {res['idle']:>5.2f}  {res['steal']:>5.2f}")
     gpt.destroy_distributed()
     return 0
 
