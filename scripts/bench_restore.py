@@ -6,7 +6,8 @@
 Writes one checkpoint with ``CheckpointManager`` (world size 1, ``--size-mb`` across many tensors), then
 measures, each ``--repeats`` times (median reported):
   * restore GB/s: ``CheckpointManager.load`` into the registered tensors, verify on and off
-    (tensor bytes / wall time of the call: manifest, open, checksums, copies);
+    (tensor bytes / wall time of the call: manifest, open, read-ahead of a cold file, checksums,
+    copies);
   * raw read GB/s: the same rank file read sequentially with ``os.readv`` into a preallocated buffer
     (file bytes / time), single-threaded.
 Cold page cache: ``sync`` then ``echo 3 > /proc/sys/vm/drop_caches`` before each timed run.  Without
@@ -19,9 +20,7 @@ cache: a virtual disk may still be cached by the host underneath.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
-import mmap
 import os
 import shutil
 import statistics
@@ -37,36 +36,13 @@ from bench_engine import MB, gbps, machine_info, make_out_dir, make_tensors, ren
 from datastates_megatron.engine import EngineOptions  # noqa: E402
 from datastates_megatron.engine.manager import CheckpointManager  # noqa: E402
 from datastates_megatron.engine.manifest import MANIFEST_NAME, iter_dir, read_manifest  # noqa: E402
+from datastates_megatron.engine.page_cache import resident_fraction  # noqa: E402
 
 ITERATION = 100
 READ_CHUNK = 16 * MB
 
 
 # ------------------------------------------------------------------------------------ page cache
-def resident_fraction(path: str) -> float | None:
-    """Fraction of ``path``'s pages in the page cache (``mincore``), or None when it cannot be asked."""
-    size = os.path.getsize(path)
-    if size == 0:
-        return 0.0
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        with open(path, "rb") as f:
-            mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)  # private mapping: nothing is read in
-            anchor = ctypes.c_char.from_buffer(mm)
-            try:
-                pages = (size + mmap.PAGESIZE - 1) // mmap.PAGESIZE
-                vec = (ctypes.c_ubyte * pages)()
-                rc = libc.mincore(ctypes.c_void_p(ctypes.addressof(anchor)), ctypes.c_size_t(size), vec)
-            finally:
-                del anchor
-                mm.close()
-    except (OSError, AttributeError, ValueError, TypeError):
-        return None
-    if rc != 0:
-        return None
-    return float((np.frombuffer(vec, np.uint8) & 1).sum()) / pages
-
-
 class ColdCache:
     """Evicts the checkpoint from the page cache before a cold run; ``method`` says how (or None)."""
 
@@ -139,7 +115,7 @@ def raw_read(path: str, buf: np.ndarray) -> int:
 
 def measure(kind: str, mgr: CheckpointManager, path: str, buf: np.ndarray, cold: ColdCache | None, repeats: int) -> dict:
     """``repeats`` timed runs of one measure (+ one untimed warm-up when warm); cold runs evict first."""
-    secs, nbytes, residual, verify_s, copy_s = [], 0, [], [], []
+    secs, nbytes, residual, verify_s, copy_s, ahead_s = [], 0, [], [], [], []
     runs = repeats if cold else repeats + 1
     for i in range(runs):
         if cold:
@@ -152,6 +128,7 @@ def measure(kind: str, mgr: CheckpointManager, path: str, buf: np.ndarray, cold:
             nbytes = res.stats.bytes
             verify_s.append(res.stats.verify_s)
             copy_s.append(res.stats.copy_s)
+            ahead_s.append(res.stats.read_ahead_s)
         dt = time.perf_counter() - t0
         if cold or i:  # warm: the first run only warms the cache
             secs.append(dt)
@@ -159,6 +136,7 @@ def measure(kind: str, mgr: CheckpointManager, path: str, buf: np.ndarray, cold:
     if verify_s:
         out["verify_s"] = statistics.median(verify_s[-repeats:])
         out["copy_s"] = statistics.median(copy_s[-repeats:])
+        out["read_ahead_s"] = statistics.median(ahead_s[-repeats:])
     if cold:
         out["resident_before"] = residual
     return out
@@ -182,7 +160,7 @@ def report(doc: dict) -> str:
             r = block[kind]
             extra = ""
             if "verify_s" in r:
-                extra = f"verify {r['verify_s']:.2f} s, copy {r['copy_s']:.2f} s"
+                extra = f"read-ahead {r['read_ahead_s']:.2f} s, verify {r['verify_s']:.2f} s, copy {r['copy_s']:.2f} s"
             ratio = "1.00" if kind == "raw_read" else f"{r['gbps'] / raw:.2f}"
             rows.append((f"{cache}: {labels[kind]}", f"{r['gbps']:.2f} GB/s", f"{r['bytes'] / MB:.0f} MiB", ratio, extra))
     title = (

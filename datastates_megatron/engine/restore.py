@@ -17,6 +17,7 @@ import torch
 from .errors import CorruptCheckpointError, LayoutMismatchError, NoCheckpointError
 from .file_format import RankFile, TensorEntry
 from .manifest import Manifest, iter_dir, read_manifest
+from .page_cache import warm_file
 from .faults import crash_point
 from .serializer import _xxh64_impl
 
@@ -28,6 +29,7 @@ class RestoreStats:
     bytes: int = 0
     verify_s: float = 0.0
     copy_s: float = 0.0
+    read_ahead_s: float = 0.0  # 0 when the file was resident already
 
 
 def open_checkpoint(root: str, iteration: int) -> tuple[str, Manifest]:
@@ -130,6 +132,9 @@ def restore_into(rf: RankFile, targets: dict[str, torch.Tensor], rank: int, *, v
             agree(False)
         raise
     with cf.ThreadPoolExecutor(threads, thread_name_prefix=f"dsm-restore-r{rank}") as pool:
+        t0 = time.perf_counter()
+        if warm_file(rf.path, pool, threads):
+            stats.read_ahead_s = time.perf_counter() - t0
         if verify:
             t0 = time.perf_counter()
             bad = verify_file(rf, pool)

@@ -238,8 +238,9 @@ class LazyCheckpointer:
             raise
         self._gather_params()
         training_state.restore(result.objects["training"], self.optimizer, self.scheduler)
-        log.info("rank %d: restored iteration %d (%.1f MB, verify %.2f s, copy %.2f s)", self.rank, result.iteration,
-                 result.stats.bytes / 1e6, result.stats.verify_s, result.stats.copy_s)  # fmt: skip
+        log.info("rank %d: restored iteration %d (%.1f MB, read-ahead %.2f s, verify %.2f s, copy %.2f s)", self.rank,
+                 result.iteration, result.stats.bytes / 1e6, result.stats.read_ahead_s, result.stats.verify_s,
+                 result.stats.copy_s)  # fmt: skip
         return result.iteration, result.objects["extra_state"]
 
     def _load_resharded(self, ckpt_dir: str, manifest):

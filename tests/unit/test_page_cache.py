@@ -1,0 +1,77 @@
+"""Reading a cold rank file into the page cache before restore (engine/page_cache.py)."""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import os
+
+import pytest
+import torch
+
+from datastates_megatron.engine import EngineOptions, SnapshotEngine
+from datastates_megatron.engine.file_format import RankFile
+from datastates_megatron.engine.page_cache import read_range, resident_fraction, warm_file
+from datastates_megatron.engine.restore import restore_into
+
+
+def _write_rank_file(path: str) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(7)
+    state = {f"t{i}": torch.randn(2_000_000, generator=g) for i in range(6)}  # 48 MB: well past a readahead window (8 MiB here)
+    with SnapshotEngine(EngineOptions(cache_bytes=4 << 20, timeout_s=30)) as eng:
+        for name, t in state.items():
+            eng.register(name, t)
+        eng.save(1, path)
+        eng.wait()
+    return state
+
+
+def _evict(path: str) -> None:
+    """Drop ``path`` from the page cache, or skip where this file system keeps it (tmpfs)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+    left = resident_fraction(path)
+    if left is None or left > 0.5:
+        pytest.skip(f"cannot evict {path} from the page cache here (resident fraction {left})")
+
+
+def test_a_cold_file_is_read_in_and_a_resident_one_is_left_alone(tmp_path):
+    path = str(tmp_path / "rank0")
+    _write_rank_file(path)
+    _evict(path)
+    with cf.ThreadPoolExecutor(3) as pool:
+        assert warm_file(path, pool, stripes=3) is True
+        assert resident_fraction(path) == pytest.approx(1.0)
+        assert warm_file(path, pool, stripes=3) is False
+
+
+def test_restore_of_a_cold_file_reads_ahead_and_restores_the_saved_values(tmp_path):
+    path = str(tmp_path / "rank0")
+    state = _write_rank_file(path)
+    _evict(path)
+    targets = {name: torch.zeros_like(t) for name, t in state.items()}
+    with RankFile(path) as rf:
+        stats = restore_into(rf, targets, 0, verify=True, threads=2)
+    assert stats.read_ahead_s > 0 and stats.bytes == sum(t.numel() * 4 for t in state.values())
+    assert all(torch.equal(targets[n], state[n]) for n in state)
+    with RankFile(path) as rf:  # now resident: no second read
+        assert restore_into(rf, targets, 0, verify=True, threads=2).read_ahead_s == 0.0
+
+
+def test_read_range_stops_at_the_end_of_the_file(tmp_path):
+    path = tmp_path / "short"
+    path.write_bytes(b"x" * 5000)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        read_range(fd, 4096, 1 << 20)  # asks for far more than is there
+        read_range(fd, 10_000, 10)  # starts past the end
+    finally:
+        os.close(fd)
+
+
+def test_resident_fraction_of_an_empty_file_is_zero(tmp_path):
+    (tmp_path / "empty").write_bytes(b"")
+    assert resident_fraction(str(tmp_path / "empty")) == 0.0
