@@ -1,0 +1,67 @@
+"""copy_verified: the byte copy a promotion makes from the local tier to the persistent one."""
+
+from __future__ import annotations
+
+import errno
+import os
+
+import pytest
+import torch
+
+from datastates_megatron.engine import CorruptCheckpointError, EngineOptions, SnapshotEngine, load_file
+from datastates_megatron.engine import tiers
+
+
+def _rank_file(path: str) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(3)
+    state = {f"t{i}": torch.randn(1_500_000, generator=g) for i in range(4)}  # 24 MB: several copy blocks
+    with SnapshotEngine(EngineOptions(cache_bytes=8 << 20, timeout_s=30)) as eng:
+        for name, t in state.items():
+            eng.register(name, t)
+        eng.save(1, path)
+        eng.wait()
+    return state
+
+
+@pytest.fixture
+def small_blocks(monkeypatch):
+    monkeypatch.setattr(tiers, "_COPY_BLOCK", 5 << 20)  # not a divisor of the file size
+
+
+def _check_copy(tmp_path, state) -> None:
+    src, dst = str(tmp_path / "src"), str(tmp_path / "dst")
+    receipt = tiers.copy_verified(src, dst, 1)
+    assert open(src, "rb").read() == open(dst, "rb").read()
+    assert receipt.file_bytes == os.path.getsize(dst) and not os.path.exists(dst + ".promoting")
+    tensors, _ = load_file(dst)
+    assert all(torch.equal(tensors[n], state[n]) for n in state)
+
+
+def test_the_copy_is_byte_identical_through_sendfile(tmp_path, small_blocks):
+    _check_copy(tmp_path, _rank_file(str(tmp_path / "src")))
+
+
+def test_the_copy_is_byte_identical_where_sendfile_is_refused(tmp_path, small_blocks, monkeypatch):
+    state = _rank_file(str(tmp_path / "src"))
+    calls = []
+
+    def refuse(*args):
+        calls.append(args)
+        raise OSError(errno.EINVAL, "sendfile not supported between these file systems")
+
+    monkeypatch.setattr(os, "sendfile", refuse)
+    _check_copy(tmp_path, state)
+    assert calls  # the fast path was tried first
+
+
+def test_a_corrupt_source_is_refused_and_nothing_is_left_at_the_destination(tmp_path):
+    src, dst = str(tmp_path / "src"), str(tmp_path / "dst")
+    _rank_file(src)
+    with open(src, "r+b") as f:
+        f.seek(os.path.getsize(src) // 2)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    with pytest.raises(CorruptCheckpointError):
+        tiers.copy_verified(src, dst, 1)
+    assert not os.path.exists(dst) and not os.path.exists(dst + ".promoting")
