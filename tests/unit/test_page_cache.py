@@ -8,21 +8,16 @@ import os
 import pytest
 import torch
 
-from datastates_megatron.engine import EngineOptions, SnapshotEngine
 from datastates_megatron.engine.file_format import RankFile
 from datastates_megatron.engine.page_cache import read_range, resident_fraction, warm_file
 from datastates_megatron.engine.restore import restore_into
 
+from .rank_files import write_rank_file
+
 
 def _write_rank_file(path: str) -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(7)
-    state = {f"t{i}": torch.randn(2_000_000, generator=g) for i in range(6)}  # 48 MB: well past a readahead window (8 MiB here)
-    with SnapshotEngine(EngineOptions(cache_bytes=4 << 20, timeout_s=30)) as eng:
-        for name, t in state.items():
-            eng.register(name, t)
-        eng.save(1, path)
-        eng.wait()
-    return state
+    # 48 MB: well past a readahead window (8 MiB on the development machine)
+    return write_rank_file(path, tensors=6, numel=2_000_000, seed=7, cache_bytes=4 << 20)
 
 
 def _evict(path: str) -> None:

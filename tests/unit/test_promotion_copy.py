@@ -8,19 +8,13 @@ import os
 import pytest
 import torch
 
-from datastates_megatron.engine import CorruptCheckpointError, EngineOptions, SnapshotEngine, load_file
-from datastates_megatron.engine import tiers
+from datastates_megatron.engine import CorruptCheckpointError, load_file, tiers
+
+from .rank_files import write_rank_file
 
 
 def _rank_file(path: str) -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(3)
-    state = {f"t{i}": torch.randn(1_500_000, generator=g) for i in range(4)}  # 24 MB: several copy blocks
-    with SnapshotEngine(EngineOptions(cache_bytes=8 << 20, timeout_s=30)) as eng:
-        for name, t in state.items():
-            eng.register(name, t)
-        eng.save(1, path)
-        eng.wait()
-    return state
+    return write_rank_file(path, tensors=4, numel=1_500_000, seed=3, cache_bytes=8 << 20)  # 24 MB: several blocks
 
 
 @pytest.fixture
