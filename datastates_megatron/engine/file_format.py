@@ -191,6 +191,10 @@ class RankFile:
         self.objects = decode_objects(objects_raw)
         self._bytes = np.frombuffer(self._mm, dtype=np.uint8)
 
+    def fileno(self) -> int:
+        """The descriptor of the open file (the mapped inode, even if the path was replaced since)."""
+        return self._file.fileno()
+
     def raw(self, entry: TensorEntry) -> np.ndarray:
         return self._bytes[entry.offset : entry.offset + entry.nbytes]
 

@@ -5,20 +5,24 @@ its pages then arrive by page faults in readahead-window units, about half the s
 sequential read on the development machine (docs/BENCHMARKS.md).  Reading the file first in a few
 contiguous stripes of large ``preadv`` calls, one per thread, fills the page cache at the device's
 speed, after which hashing and copying run from memory.  A file that is already resident (a tmpfs
-tier, a checkpoint just written) is left alone: the read would only cost a copy.
+tier, a checkpoint just written) is left alone: the read would only cost a copy; so is one too big
+for the memory available, whose first pages would be evicted again before they are verified.
 """
 
 from __future__ import annotations
 
 import concurrent.futures as cf
 import ctypes
+import logging
 import mmap
 import os
 import threading
 
 import numpy as np
 
-__all__ = ["resident_fraction", "read_range", "warm_file"]
+__all__ = ["resident_fraction", "resident_fraction_of", "read_range", "warm_file"]
+
+log = logging.getLogger(__name__)
 
 _BLOCK = 8 << 20  # bytes per preadv
 _RESIDENT_ENOUGH = 0.9  # skip the read-ahead above this fraction of resident pages
@@ -27,13 +31,28 @@ _scratch = threading.local()
 
 def resident_fraction(path: str) -> float | None:
     """Fraction of ``path``'s pages in the page cache (``mincore``), or None when it cannot be asked."""
-    size = os.path.getsize(path)
-    if size == 0:
-        return 0.0
     try:
-        libc = ctypes.CDLL(None, use_errno=True)
         with open(path, "rb") as f:
-            mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)  # private mapping: nothing is read in
+            return resident_fraction_of(f.fileno(), path)
+    except OSError:
+        return None
+
+
+def resident_fraction_of(fd: int, path: str) -> float | None:
+    """:func:`resident_fraction` of the open file ``fd`` (named ``path`` for the permission check).
+
+    None also for a file this process neither owns nor may write: Linux then reports every page as
+    resident (``can_do_mincore``), which would hide a cold file."""
+    try:
+        st = os.fstat(fd)
+        if st.st_uid != os.geteuid() and not os.access(path, os.W_OK):
+            return None
+        size = st.st_size
+        if size == 0:
+            return 0.0
+        libc = ctypes.CDLL(None, use_errno=True)
+        mm = mmap.mmap(fd, 0, access=mmap.ACCESS_COPY)  # private mapping: nothing is read in
+        try:
             anchor = ctypes.c_char.from_buffer(mm)
             try:
                 pages = (size + mmap.PAGESIZE - 1) // mmap.PAGESIZE
@@ -41,45 +60,62 @@ def resident_fraction(path: str) -> float | None:
                 rc = libc.mincore(ctypes.c_void_p(ctypes.addressof(anchor)), ctypes.c_size_t(size), vec)
             finally:
                 del anchor
-                mm.close()
-    except (OSError, AttributeError, ValueError, TypeError):
+        finally:
+            mm.close()
+    except (OSError, AttributeError, ValueError, TypeError, BufferError):
         return None
     if rc != 0:
         return None
     return float((np.frombuffer(vec, np.uint8) & 1).sum()) / pages
 
 
-def read_range(fd: int, start: int, nbytes: int) -> None:
+def read_range(fd: int, start: int, nbytes: int) -> int:
     """Read ``[start, start + nbytes)`` of ``fd`` into a per-thread scratch buffer (and drop it): the
-    point is the page cache it fills, in requests large enough for the device."""
+    point is the page cache it fills, in requests large enough for the device.  Returns the bytes
+    read (fewer at the end of the file)."""
     buf = getattr(_scratch, "buf", None)
     if buf is None:
         buf = _scratch.buf = memoryview(bytearray(_BLOCK))
-    end = start + nbytes
-    while start < end:
-        n = os.preadv(fd, [buf[: min(_BLOCK, end - start)]], start)
+    done = 0
+    while done < nbytes:
+        n = os.preadv(fd, [buf[: min(_BLOCK, nbytes - done)]], start + done)
         if n <= 0:
-            return  # end of file
-        start += n
+            break  # end of file
+        done += n
+    return done
 
 
-def warm_file(path: str, pool: cf.Executor, stripes: int) -> bool:
-    """Read ``path`` into the page cache in ``stripes`` contiguous parts on ``pool`` unless most of it
-    is resident already; returns whether it read.  Best effort: an error leaves reads to page faults."""
-    frac = resident_fraction(path)
-    if frac is not None and frac >= _RESIDENT_ENOUGH:
-        return False
+def _memory_available() -> int | None:
     try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return False
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def warm_file(path: str, fd: int, pool: cf.Executor, stripes: int) -> bool:
+    """Read the open file ``fd`` (named ``path``) into the page cache in ``stripes`` contiguous parts
+    on ``pool``, unless most of it is resident already or it would not fit in available memory.
+
+    Returns whether it read.  Never raises: it only speeds up what the caller reads anyway, so any
+    failure leaves the reads to page faults."""
     try:
         size = os.fstat(fd).st_size
+        frac = resident_fraction_of(fd, path)
+        if size == 0 or (frac is not None and frac >= _RESIDENT_ENOUGH):
+            return False
+        available = _memory_available()
+        if available is not None and size > available // 2:
+            return False
         part = -(-size // max(1, stripes))
-        starts = range(0, size, max(part, 1))
-        list(pool.map(lambda s: read_range(fd, s, min(part, size - s)), starts))
-    except OSError:
+        futures = [pool.submit(read_range, fd, s, min(part, size - s)) for s in range(0, size, part)]
+        cf.wait(futures)  # every stripe is over before the caller may close fd
+        for fut in futures:
+            fut.result()
+    except Exception as e:  # noqa: BLE001 - an optimisation: report, never fail the restore
+        log.warning("%s: read-ahead failed (%s); reading through page faults", path, e)
         return False
-    finally:
-        os.close(fd)
     return True

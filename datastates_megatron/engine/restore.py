@@ -133,7 +133,7 @@ def restore_into(rf: RankFile, targets: dict[str, torch.Tensor], rank: int, *, v
         raise
     with cf.ThreadPoolExecutor(threads, thread_name_prefix=f"dsm-restore-r{rank}") as pool:
         t0 = time.perf_counter()
-        if warm_file(rf.path, pool, threads):
+        if warm_file(rf.path, rf.fileno(), pool, threads):
             stats.read_ahead_s = time.perf_counter() - t0
         if verify:
             t0 = time.perf_counter()

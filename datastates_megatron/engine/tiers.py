@@ -46,7 +46,7 @@ def _copy_bytes(fd_in: int, fd_out: int, size: int) -> None:
                 break
             done += n
     except OSError as e:
-        if e.errno not in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP) or done:
+        if e.errno not in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSOCK) or done:
             raise
     except AttributeError:  # pragma: no cover - no os.sendfile on this platform
         pass
@@ -60,21 +60,28 @@ def _copy_bytes(fd_in: int, fd_out: int, size: int) -> None:
             written += os.pwrite(fd_out, buf[written:n], done + written)
         done += n
     if done != size:
-        raise FlushError(f"copied {done} of {size} bytes: the source file shrank while it was promoted")
+        raise FlushError(f"copied {done} of {size} bytes: the source file is shorter than its header says")
 
 
 def copy_verified(src: str, dst: str, version: int) -> FileReceipt:
     """Verify every checksum of ``src`` then copy it to ``dst`` (temp name, fsync, rename)."""
     t0 = time.perf_counter()
+    tmp = dst + ".promoting"
     with RankFile(src) as rf:
         for entry in rf.entries.values():
             rf.verify_entry(entry)
         header = rf.header
         data_bytes = sum(e.nbytes for e in rf.entries.values())
-    tmp = dst + ".promoting"
-    with open(src, "rb") as fin, open(tmp, "wb") as fout:
-        _copy_bytes(fin.fileno(), fout.fileno(), os.fstat(fin.fileno()).st_size)
-        os.fsync(fout.fileno())
+        try:
+            with open(tmp, "wb") as fout:  # copied from the descriptor just verified, not the path again
+                _copy_bytes(rf.fileno(), fout.fileno(), header.file_bytes)
+                os.fsync(fout.fileno())
+        except BaseException:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+            raise
     crash_point("promote")
     os.replace(tmp, dst)
     fsync_dir(os.path.dirname(dst))

@@ -21,7 +21,7 @@ def _launch(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(SCRIPT),
            "--layers", "2", "--hidden", "64", "--heads", "4", "--seq-len", "32", "--vocab", "256",
            "--iters", "3", "--warmup", "1", *args]
-    return subprocess.run(cmd, env=env, cwd=str(tmp_path), capture_output=True, text=True, timeout=120)
+    return subprocess.run(cmd, env=env, cwd=str(tmp_path), capture_output=True, text=True, timeout=300)
 
 
 @pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="reads per-thread CPU from /proc (Linux)")
@@ -39,7 +39,9 @@ def test_every_mode_prints_a_row_per_rank_with_our_threads_busy(tmp_path):
         if mode == "baseline":
             assert ours_total_ms == 0.0
         else:  # per-thread CPU is counted in 10 ms ticks: a tiny model may show 0 ms, so no lower bound
-            assert ours_total_ms >= 0 and float(row[3]) > 0 and 0 <= float(row[-2]) <= 2 and 0 <= float(row[-1]) <= 2, row
+            cores = 1.5 * (os.cpu_count() or 1)  # idle and steal are in cores (10 ms ticks: some slack)
+            assert ours_total_ms >= 0 and float(row[3]) > 0 and 0 <= float(row[-2]) <= cores, row
+            assert 0 <= float(row[-1]) <= cores, row
 
 
 def test_an_unknown_mode_is_refused_with_the_choices(tmp_path):

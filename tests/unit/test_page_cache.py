@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import os
+import threading
 
 import pytest
 import torch
 
 from datastates_megatron.engine.file_format import RankFile
+from datastates_megatron.engine import page_cache
 from datastates_megatron.engine.page_cache import read_range, resident_fraction, warm_file
 from datastates_megatron.engine.restore import restore_into
 
@@ -38,9 +40,10 @@ def test_a_cold_file_is_read_in_and_a_resident_one_is_left_alone(tmp_path):
     _write_rank_file(path)
     _evict(path)
     with cf.ThreadPoolExecutor(3) as pool:
-        assert warm_file(path, pool, stripes=3) is True
-        assert resident_fraction(path) == pytest.approx(1.0)
-        assert warm_file(path, pool, stripes=3) is False
+        with open(path, "rb") as f:
+            assert warm_file(path, f.fileno(), pool, stripes=3) is True
+            assert resident_fraction(path) == pytest.approx(1.0)
+            assert warm_file(path, f.fileno(), pool, stripes=3) is False
 
 
 def test_restore_of_a_cold_file_reads_ahead_and_restores_the_saved_values(tmp_path):
@@ -61,10 +64,58 @@ def test_read_range_stops_at_the_end_of_the_file(tmp_path):
     path.write_bytes(b"x" * 5000)
     fd = os.open(path, os.O_RDONLY)
     try:
-        read_range(fd, 4096, 1 << 20)  # asks for far more than is there
-        read_range(fd, 10_000, 10)  # starts past the end
+        assert read_range(fd, 4096, 1 << 20) == 904  # asks for far more than is there
+        assert read_range(fd, 10_000, 10) == 0  # starts past the end
+        assert read_range(fd, 0, 5000) == 5000
     finally:
         os.close(fd)
+
+
+def test_a_cold_file_is_read_in_contiguous_stripes_that_cover_it_exactly(tmp_path, monkeypatch):
+    """Runs everywhere (no eviction needed): residency is reported as 0 and the reads recorded."""
+    path = str(tmp_path / "rank0")
+    size = 3 * (1 << 20) + 12345
+    open(path, "wb").write(os.urandom(size))
+    monkeypatch.setattr(page_cache, "resident_fraction_of", lambda fd, p: 0.0)
+    reads, lock = [], threading.Lock()
+    real = page_cache.read_range
+
+    def spy(fd, start, nbytes):
+        with lock:
+            reads.append((start, nbytes))
+        return real(fd, start, nbytes)
+
+    monkeypatch.setattr(page_cache, "read_range", spy)
+    with open(path, "rb") as f, cf.ThreadPoolExecutor(4) as pool:
+        assert warm_file(path, f.fileno(), pool, stripes=4) is True
+    reads.sort()
+    assert len(reads) == 4 and reads[0][0] == 0 and sum(n for _, n in reads) == size
+    assert all(a + n == b for (a, n), (b, _) in zip(reads, reads[1:]))
+
+
+def test_a_failing_read_ahead_does_not_fail_the_restore(tmp_path, monkeypatch, caplog):
+    path = str(tmp_path / "rank0")
+    state = _write_rank_file(path)
+    targets = {name: torch.zeros_like(t) for name, t in state.items()}
+    monkeypatch.setattr(page_cache, "resident_fraction_of", lambda fd, p: 0.0)
+
+    def broken(fd, start, nbytes):
+        raise OSError(5, "Input/output error")
+
+    monkeypatch.setattr(page_cache, "read_range", broken)
+    with RankFile(path) as rf:
+        stats = restore_into(rf, targets, 0, verify=True, threads=2)
+    assert stats.read_ahead_s == 0.0 and "read-ahead failed" in caplog.text
+    assert all(torch.equal(targets[n], state[n]) for n in state)
+
+
+def test_a_file_larger_than_half_the_available_memory_is_not_read_ahead(tmp_path, monkeypatch):
+    path = str(tmp_path / "f")
+    open(path, "wb").write(b"z" * (1 << 20))
+    monkeypatch.setattr(page_cache, "resident_fraction_of", lambda fd, p: 0.0)
+    monkeypatch.setattr(page_cache, "_memory_available", lambda: 1 << 20)
+    with open(path, "rb") as f, cf.ThreadPoolExecutor(2) as pool:
+        assert warm_file(path, f.fileno(), pool, stripes=2) is False
 
 
 def test_resident_fraction_of_an_empty_file_is_zero(tmp_path):

@@ -8,7 +8,7 @@ import os
 import pytest
 import torch
 
-from datastates_megatron.engine import CorruptCheckpointError, load_file, tiers
+from datastates_megatron.engine import CorruptCheckpointError, FlushError, load_file, tiers
 
 from .rank_files import write_rank_file
 
@@ -31,8 +31,13 @@ def _check_copy(tmp_path, state) -> None:
     assert all(torch.equal(tensors[n], state[n]) for n in state)
 
 
-def test_the_copy_is_byte_identical_through_sendfile(tmp_path, small_blocks):
-    _check_copy(tmp_path, _rank_file(str(tmp_path / "src")))
+def test_the_copy_is_byte_identical_through_sendfile(tmp_path, small_blocks, monkeypatch):
+    state = _rank_file(str(tmp_path / "src"))
+    sent, real = [], os.sendfile
+    monkeypatch.setattr(os, "sendfile", lambda *a: sent.append(a[3]) or real(*a))
+    monkeypatch.setattr(os, "pwrite", lambda *a: pytest.fail("the fallback copy ran"))
+    _check_copy(tmp_path, state)
+    assert sum(sent) >= os.path.getsize(tmp_path / "src") and max(sent) <= 5 << 20
 
 
 def test_the_copy_is_byte_identical_where_sendfile_is_refused(tmp_path, small_blocks, monkeypatch):
@@ -59,3 +64,32 @@ def test_a_corrupt_source_is_refused_and_nothing_is_left_at_the_destination(tmp_
     with pytest.raises(CorruptCheckpointError):
         tiers.copy_verified(src, dst, 1)
     assert not os.path.exists(dst) and not os.path.exists(dst + ".promoting")
+
+
+def test_a_failed_copy_leaves_no_partial_file_and_the_source_intact(tmp_path, monkeypatch):
+    src, dst = str(tmp_path / "src"), str(tmp_path / "dst")
+    _rank_file(src)
+    before = open(src, "rb").read()
+
+    def disk_full(fd_in, fd_out, size):
+        os.write(fd_out, b"partial")
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(tiers, "_copy_bytes", disk_full)
+    with pytest.raises(OSError, match="No space"):
+        tiers.copy_verified(src, dst, 1)
+    assert not os.path.exists(dst) and not os.path.exists(dst + ".promoting")
+    assert open(src, "rb").read() == before
+
+
+def test_a_source_shorter_than_its_header_is_refused(tmp_path):
+    src = tmp_path / "short"
+    src.write_bytes(b"y" * 1000)
+    fd_in = os.open(src, os.O_RDONLY)
+    fd_out = os.open(tmp_path / "out", os.O_WRONLY | os.O_CREAT, 0o644)
+    try:
+        with pytest.raises(FlushError, match="copied 1000 of 4096 bytes"):
+            tiers._copy_bytes(fd_in, fd_out, 4096)
+    finally:
+        os.close(fd_in)
+        os.close(fd_out)
