@@ -136,6 +136,11 @@ class Committer(QueueThread):
             self._outstanding[ticket.seq] = ticket
         self.put(ticket)
 
+    @property
+    def recycles(self) -> bool:
+        """Whether this tier's retention recycles rank files (so saves should take from the pool)."""
+        return self._recycle
+
     def pending_iterations(self) -> set[int]:
         with self._lock:
             return {t.iteration for t in self._outstanding.values()}
@@ -290,8 +295,15 @@ class Committer(QueueThread):
         pending_names = {rank_file_name(r, t.token or self._token, t.seq) for t in self._snapshot_outstanding() for r in self._writes}
         current = {rank_file_name(r, just_committed.token or self._token, just_committed.seq) for r in self._writes}
         for name in os.listdir(d):
-            if name.endswith(".dsck") and name not in current and name not in pending_names:
+            if name.endswith(".dsck") and name not in current and name not in pending_names \
+                    and not self._newer_save_of_this_run(name, just_committed.seq):
                 os.unlink(os.path.join(d, name))
+
+    def _newer_save_of_this_run(self, name: str, seq: int) -> bool:
+        """A file of a later save of the same iteration that another rank may have started before
+        this (writer) rank submitted it: it is not superseded, it supersedes."""
+        parts = name.removesuffix(".dsck").split("-")
+        return len(parts) == 3 and parts[1] == self._token and parts[2].isdigit() and int(parts[2]) > seq
 
     def _discard(self, ticket: Ticket) -> None:
         """Remove the files of a save that was not committed (and its directory if nothing else is there)."""

@@ -27,9 +27,10 @@ from .manifest import (
     rank_file_name,
     read_manifest,
 )
-from .options import LOCAL_FALLBACK_CHOICES, EngineOptions
+from .options import LOCAL_FALLBACK_CHOICES, RECYCLE_CHOICES, EngineOptions
 from .restore import RestoreStats, open_checkpoint, open_rank, restore_into, validate_world
 from .retention import remove_stale_tracker_temps, remove_uncommitted, take_recycled, trim_recycled
+from .serializer import xxh64
 from .snapshot import SnapshotEngine
 from .threads import ClosingContext, close_at_exit, forget
 
@@ -77,14 +78,15 @@ class CheckpointManager(ClosingContext):
         persist_interval: int = 1,
         local_keep_last: int = 2,
         local_fallback: str = "all",
-        recycle_files: bool = True,
+        recycle_files: str = "local",
     ) -> None:
         if on_error not in ("raise", "warn"):
             raise ValueError(f"on_error must be 'raise' or 'warn', got {on_error!r}")
         if local_fallback not in LOCAL_FALLBACK_CHOICES:
             raise ValueError(f"local_fallback must be one of {LOCAL_FALLBACK_CHOICES}, got {local_fallback!r}")
+        if recycle_files not in RECYCLE_CHOICES:
+            raise ValueError(f"recycle_files must be one of {RECYCLE_CHOICES}, got {recycle_files!r}")
         self.local_fallback = local_fallback
-        self.recycle_files = recycle_files
         dist = _dist()
         self.rank = dist.get_rank() if dist else 0
         self.world_size = dist.get_world_size() if dist else 1
@@ -117,7 +119,7 @@ class CheckpointManager(ClosingContext):
         self.committer = Committer(
             self.root, rank=self.rank, world_size=self.world_size, group=self._persist_group, token=token,
             layout=self.layout, next_commit_seq=next_seq, keep_last=keep_last, keep_every=keep_every,
-            timeout_s=opts.timeout_s, recycle=recycle_files and not self.local_root,
+            timeout_s=opts.timeout_s, recycle=recycle_files == "all" and not self.local_root,
         )  # fmt: skip
         self.local_committer = self.promoter = None
         if self.local_root:
@@ -129,10 +131,17 @@ class CheckpointManager(ClosingContext):
                 self.local_root, rank=self.rank, world_size=self.world_size, group=self._group, token=token,
                 layout=self.layout, next_commit_seq=local_seq, keep_last=local_keep_last, keep_every=0,
                 timeout_s=opts.timeout_s, tier="local", node_ranks=self.node_ranks,
-                on_commit=self.promoter.on_local_commit, protect=self.promoter.in_flight, recycle=recycle_files,
+                on_commit=self.promoter.on_local_commit, protect=self._promotions_pending,
+                recycle=recycle_files != "off",
             )  # fmt: skip
             self._repromote()
         close_at_exit(self)
+
+    def _promotions_pending(self) -> set[int]:
+        """Local iterations the local tier's retention must keep: those this rank is copying and those
+        whose persistent commit is still open -- the latter covers the other ranks of the node, still
+        copying their own files of it, since that commit waits for every rank's copy."""
+        return self.promoter.in_flight() | self.committer.pending_iterations()
 
     @property
     def _first_tier(self) -> Committer:
@@ -181,7 +190,7 @@ class CheckpointManager(ClosingContext):
             os.makedirs(d, exist_ok=True)
             name = rank_file_name(self.rank, self.token, self._seq)
             path = os.path.join(d, name)
-            if self.recycle_files:
+            if self._first_tier.recycles:
                 take_recycled(tier_root, path)  # overwrite a retired rank file in place when there is one
             handle = self.engine.save(iteration, path, objects, tag=name)
         except CheckpointError as e:
@@ -266,11 +275,11 @@ class CheckpointManager(ClosingContext):
         root = os.path.abspath(root or self.load_root)
         if self.local_root and root == self.root:
             root, iteration = self._choose_tier(iteration)
-        if iteration is None:
-            iteration = latest_committed(root)
-        ckpt, manifest = open_checkpoint(root, iteration)
-        validate_world(manifest, ckpt, self.world_size, self.layout)
-        try:
+        try:  # a rank failing here still joins the agreement the others reach in restore_into
+            if iteration is None:
+                iteration = latest_committed(root)
+            ckpt, manifest = open_checkpoint(root, iteration)
+            validate_world(manifest, ckpt, self.world_size, self.layout)
             rf = open_rank(ckpt, manifest, self.rank)
         except CheckpointError:
             self._agree(False)
@@ -302,24 +311,33 @@ class CheckpointManager(ClosingContext):
         return committed_iterations(self.root)
 
     # ------------------------------------------------------------------ tiers
-    def _local_committed(self) -> list[int]:
-        """Local-tier iterations whose node manifest is readable and names this rank's file."""
+    def _local_committed(self) -> dict[int, int]:
+        """Local-tier iterations whose node manifest is readable and names this rank's file, each
+        with the identity of the save that wrote it (run token and sequence, from the file name)."""
         found = committed_manifests(self.local_root)
-        return sorted(it for it, m in found.items() if m.record(self.rank) is not None)
+        out = {}
+        for it, m in sorted(found.items()):
+            rec = m.record(self.rank)
+            if rec is not None:
+                out[it] = xxh64(rec.file.split("-", 1)[-1].encode()) & ((1 << 63) - 1)
+        return out
 
     def _common_local(self) -> list[int]:
-        """Local iterations present on every rank (one small all_gather on the default group)."""
-        mine = self._local_committed()[-64:]
+        """Local iterations every rank has from the same save (one small all_gather on the default
+        group): two nodes holding the same iteration from different runs -- one node's manifest of a
+        re-save lost in a crash -- must not be restored together."""
+        mine = dict(list(self._local_committed().items())[-64:])
         if not self._dist or self.world_size == 1:
-            return mine
-        row = torch.full((64,), -1, dtype=torch.int64)
-        row[: len(mine)] = torch.tensor(mine, dtype=torch.int64)
+            return sorted(mine)
+        row = torch.full((2, 64), -1, dtype=torch.int64)
+        row[0, : len(mine)] = torch.tensor(list(mine), dtype=torch.int64)
+        row[1, : len(mine)] = torch.tensor(list(mine.values()), dtype=torch.int64)
         rows = [torch.empty_like(row) for _ in range(self.world_size)]
         self._dist.all_gather(rows, row)
-        common = set(mine)
+        common = set(mine.items())
         for r in rows:
-            common &= {int(x) for x in r if x >= 0}
-        return sorted(common)
+            common &= {(int(i), int(k)) for i, k in zip(r[0], r[1]) if i >= 0}
+        return sorted(it for it, _ in common)
 
     def _choose_tier(self, iteration: int | None) -> tuple[str, int | None]:
         """Restore from the local tier when every rank has the checkpoint there, else persistent

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import dataclasses
 
-__all__ = ["EngineOptions", "LOCAL_FALLBACK_CHOICES"]
+__all__ = ["EngineOptions", "LOCAL_FALLBACK_CHOICES", "RECYCLE_CHOICES"]
 
 LOCAL_FALLBACK_CHOICES = ("all", "rank")  # who reads the persistent tier when a node lost its local copy
+# where retired rank files are overwritten in place by later saves: the node-local tier only (private
+# to the job), every tier (also the persistent one, when nothing outside the job reads it), or nowhere
+RECYCLE_CHOICES = ("local", "all", "off")
 
 _ALIGN = 4096
 

@@ -22,7 +22,7 @@ import time
 from .commit import Committer, Ticket
 from .errors import FlushError
 from .faults import crash_point
-from .file_format import RankFile
+from .file_format import HEADER_BYTES, RankFile
 from .manifest import iter_dir, rank_file_name
 from .serializer import xxh64
 from .snapshot import FileReceipt
@@ -76,6 +76,10 @@ def copy_verified(src: str, dst: str, version: int) -> FileReceipt:
             with open(tmp, "wb") as fout:  # copied from the descriptor just verified, not the path again
                 _copy_bytes(rf.fileno(), fout.fileno(), header.file_bytes)
                 os.fsync(fout.fileno())
+            # a rewrite of the source in place (a recycled file) zeroes its header first: if the
+            # header is still the verified one, the bytes copied are the ones verified
+            if os.pread(rf.fileno(), HEADER_BYTES, 0) != header.pack():
+                raise FlushError(f"{src}: the local file was rewritten while it was promoted")
         except BaseException:
             try:
                 os.unlink(tmp)

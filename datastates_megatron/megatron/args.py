@@ -16,7 +16,7 @@ import os
 from typing import Any
 
 from ..engine.errors import CheckpointError
-from .config import LOCAL_FALLBACK_CHOICES, ON_ERROR_CHOICES, LazyCkptConfig
+from .config import LOCAL_FALLBACK_CHOICES, ON_ERROR_CHOICES, RECYCLE_CHOICES, LazyCkptConfig
 
 __all__ = [
     "LazyCkptArgsError",
@@ -134,6 +134,11 @@ def add_lazy_ckpt_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
                    help="With --lazy-ckpt-local-dir, when a node lost its local copy (node replaced): "
                         "'all' ranks restore from --save; 'rank': only the ranks lacking an intact "
                         "local copy read --save, the others read locally (default: %(default)s).")
+    g.add_argument("--lazy-ckpt-recycle-files", choices=RECYCLE_CHOICES, default=d["recycle_files"],
+                   help="Where later saves overwrite retired rank files in place instead of freeing and "
+                        "re-allocating them: 'local' the node-local tier only; 'all' also --save (only "
+                        "when nothing outside this job reads checkpoints while it trains); 'off' "
+                        "(default: %(default)s).")
     return parser
 
 
@@ -156,6 +161,7 @@ _FLAG_FIELDS: tuple[tuple[str, str, str], ...] = (
     ("lazy_ckpt_persist_interval", "--lazy-ckpt-persist-interval", "persist_interval"),
     ("lazy_ckpt_local_keep_last", "--lazy-ckpt-local-keep-last", "local_keep_last"),
     ("lazy_ckpt_local_fallback", "--lazy-ckpt-local-fallback", "local_fallback"),
+    ("lazy_ckpt_recycle_files", "--lazy-ckpt-recycle-files", "recycle_files"),
 )
 
 

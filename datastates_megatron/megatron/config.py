@@ -5,9 +5,9 @@ from __future__ import annotations
 import dataclasses
 import os
 
-from ..engine.options import LOCAL_FALLBACK_CHOICES
+from ..engine.options import LOCAL_FALLBACK_CHOICES, RECYCLE_CHOICES
 
-__all__ = ["LazyCkptConfig", "ON_ERROR_CHOICES", "LOCAL_FALLBACK_CHOICES"]
+__all__ = ["LazyCkptConfig", "ON_ERROR_CHOICES", "LOCAL_FALLBACK_CHOICES", "RECYCLE_CHOICES"]
 
 ON_ERROR_CHOICES = ("raise", "warn")
 
@@ -33,8 +33,12 @@ class LazyCkptConfig:
     local_dir:       optional fast node-local tier (multi-level); ``None`` disables it.
     persist_interval: with ``local_dir``, promote every N-th local checkpoint to ``save_dir``.
     local_keep_last: retention of the local tier.
-    recycle_files:   retention moves retired rank files to a pool and later saves overwrite them in
-                     place (saves freeing and re-allocating a checkpoint's pages/blocks each time).
+    recycle_files:   where retention moves retired rank files to a pool that later saves overwrite in
+                     place (saves freeing and re-allocating a checkpoint's pages/blocks each time):
+                     ``"local"`` the node-local tier only (private to the job); ``"all"`` also the
+                     persistent tier -- only when nothing outside the job (an eval job, the CLI)
+                     reads checkpoints while training runs, since a reader of a retired checkpoint
+                     would then see it overwritten; ``"off"``.
     local_fallback:  when some node lost its local copy: ``"all"`` ranks restore the persistent
                      checkpoint from the persistent tier; ``"rank"``: only the ranks without an
                      intact local copy of it read the persistent tier, the others read locally.
@@ -56,7 +60,7 @@ class LazyCkptConfig:
     persist_interval: int = 1
     local_keep_last: int = 2
     local_fallback: str = "all"
-    recycle_files: bool = True
+    recycle_files: str = "local"
 
     def __post_init__(self) -> None:
         if not self.save_dir:
@@ -76,6 +80,8 @@ class LazyCkptConfig:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.on_error not in ON_ERROR_CHOICES:
             raise ValueError(f"on_error must be one of {ON_ERROR_CHOICES}, got {self.on_error!r}")
+        if self.recycle_files not in RECYCLE_CHOICES:
+            raise ValueError(f"recycle_files must be one of {RECYCLE_CHOICES}, got {self.recycle_files!r}")
         if self.local_fallback not in LOCAL_FALLBACK_CHOICES:
             raise ValueError(f"local_fallback must be one of {LOCAL_FALLBACK_CHOICES}, got {self.local_fallback!r}")
         if self.direct_io not in (True, False, "auto"):

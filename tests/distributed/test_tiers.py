@@ -78,3 +78,23 @@ def test_crash_during_promotion_keeps_local_copy_and_is_redone(tmp_path):
     resumed = _ok(run_ranks(WORKER, 4, ["resume", *_args(tmp_path, "--iters", "1", "--persist-interval", "9")], env=NODES))
     assert all(r["iteration"] == 2 and r["exact"] for r in resumed), resumed
     assert committed_iterations(persistent) == [2]  # redone after the restart
+
+
+def test_nodes_holding_the_same_iteration_from_different_saves_are_never_restored_together(tmp_path):
+    """Node 0's local 6 comes from a second run's re-save, node 1's from the first run (its manifest
+    of the re-save lost): both are committed and intact, but restoring them together would mix two
+    runs.  The second run's start-up promoted the first run's 6 to the persistent tier, so that is
+    the newest checkpoint every rank can read from one save."""
+    _ok(run_ranks(WORKER, 4, ["save", *_args(tmp_path, "--iters", "6", "--persist-interval", "5")], env=NODES))
+    first_run_node1 = tmp_path / "first-run-local1"
+    shutil.copytree(tmp_path / "local1", first_run_node1)
+    _ok(run_ranks(WORKER, 4, ["save", *_args(tmp_path, "--start", "6", "--iters", "1", "--persist-interval", "5")],
+                  env=NODES))
+    shutil.rmtree(tmp_path / "local1")
+    shutil.copytree(first_run_node1, tmp_path / "local1")
+    node0 = read_manifest(iter_dir(str(tmp_path / "local0"), 6)).run_token
+    node1 = read_manifest(iter_dir(str(tmp_path / "local1"), 6)).run_token
+    assert node0 != node1  # the setup: same iteration, two runs
+    loaded = _ok(run_ranks(WORKER, 4, ["load", *_args(tmp_path)], env=NODES))
+    persistent = str(tmp_path / "persistent")
+    assert all(r["iteration"] == 6 and r["exact"] and r["root"] == persistent for r in loaded), loaded

@@ -14,6 +14,7 @@ from .fault_worker import fill, is_state_of, make_state
 
 
 def _manager(root, **kw):
+    kw.setdefault("recycle_files", "all")  # a single (persistent) tier recycles only when asked to
     return CheckpointManager(str(root), EngineOptions(cache_bytes=256 << 10, timeout_s=30), **kw)
 
 
@@ -86,3 +87,22 @@ def test_start_up_empties_a_pool_left_by_a_crash(tmp_path):
     (pool / "0000007-left.dsck").write_bytes(b"x" * 8192)
     with _manager(root, keep_last=1):
         assert os.listdir(pool) == []
+
+
+def test_by_default_the_persistent_tier_does_not_recycle_so_a_reader_keeps_its_file(tmp_path):
+    """A reader outside the job (eval job, CLI) holding a retired checkpoint's file open must keep
+    reading what was committed: without a local tier, retention unlinks instead of recycling."""
+    root = tmp_path / "ckpt"
+    ts = make_state(0, 50_000)
+    with _manager(root, keep_last=1, recycle_files="local") as mgr:
+        for n, t in ts.items():
+            mgr.register(n, t)
+        _save(mgr, ts, 1)
+        path, _ = _rank_file(root, 1)
+        with open(path, "rb") as reader:
+            committed = reader.read()
+            for it in (2, 3, 4):
+                _save(mgr, ts, it)
+            assert not os.path.exists(path) and not (root / RECYCLE_DIR).exists()
+            reader.seek(0)
+            assert reader.read() == committed

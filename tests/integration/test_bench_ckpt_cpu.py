@@ -12,7 +12,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "scripts" / "bench_ckpt_cpu.py"
-MODES = ("ours", "ours-no-recycle", "ours-buffered")
+MODES = ("ours", "ours-recycle", "ours-buffered")
 
 
 def _launch(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:

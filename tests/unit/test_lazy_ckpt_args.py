@@ -63,6 +63,7 @@ def test_every_flag_reaches_the_config(tmp_path):
         "--lazy-ckpt-direct-io", "off", "--lazy-ckpt-timeout-s", "30",
         "--lazy-ckpt-local-dir", str(local), "--lazy-ckpt-persist-interval", "4",
         "--lazy-ckpt-local-keep-last", "3", "--lazy-ckpt-local-fallback", "rank",
+        "--lazy-ckpt-recycle-files", "all",
     )
     validate_lazy_ckpt_args(args)
     assert args.lazy_ckpt and args.save_interval == 50 and args.train_iters == 200
@@ -70,7 +71,7 @@ def test_every_flag_reaches_the_config(tmp_path):
         save_dir=str(save), load_dir=str(load), host_cache_gb=1.5, flush_threads=4, max_inflight=3,
         keep_last=5, keep_every=100, verify_on_load=False, on_error="warn", streaming=False,
         direct_io=False, timeout_s=30.0, local_dir=str(local), persist_interval=4, local_keep_last=3,
-        local_fallback="rank")
+        local_fallback="rank", recycle_files="all")
 
 
 @pytest.mark.parametrize("flag, expected", [("--lazy-ckpt-verify-on-load", True),
@@ -83,6 +84,16 @@ def test_verify_on_load_has_both_spellings(tmp_path, flag, expected):
 def test_direct_io_choices(tmp_path, choice, expected):
     args = _parse("--save", str(tmp_path), "--lazy-ckpt-direct-io", choice)
     assert config_from_args(args).direct_io == expected
+
+
+def test_recycling_defaults_to_the_local_tier_and_rejects_unknown_values(tmp_path, capsys):
+    assert config_from_args(_parse("--save", str(tmp_path))).recycle_files == "local"
+    assert config_from_args(_parse("--save", str(tmp_path), "--lazy-ckpt-recycle-files", "off")).recycle_files == "off"
+    with pytest.raises(SystemExit):
+        _parse("--save", str(tmp_path), "--lazy-ckpt-recycle-files", "yes")
+    assert "--lazy-ckpt-recycle-files" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="recycle_files"):
+        LazyCkptConfig(save_dir=str(tmp_path), recycle_files=True)
 
 
 def test_load_defaults_to_save(tmp_path):

@@ -93,3 +93,21 @@ def test_a_source_shorter_than_its_header_is_refused(tmp_path):
     finally:
         os.close(fd_in)
         os.close(fd_out)
+
+
+def test_a_source_rewritten_in_place_during_the_copy_fails_the_promotion(tmp_path, monkeypatch):
+    """Recycling rewrites a retired local file in place, header first: a promotion that copied
+    while that happened must not commit the mixed bytes."""
+    src, dst = str(tmp_path / "src"), str(tmp_path / "dst")
+    _rank_file(src)
+    real = tiers._copy_bytes
+
+    def copy_then_recycled(fd_in, fd_out, size):
+        real(fd_in, fd_out, size)
+        with open(src, "r+b") as f:  # what take_recycled + the writer do first: zero the header
+            f.write(b"\0" * 4096)
+
+    monkeypatch.setattr(tiers, "_copy_bytes", copy_then_recycled)
+    with pytest.raises(FlushError, match="rewritten while it was promoted"):
+        tiers.copy_verified(src, dst, 1)
+    assert not os.path.exists(dst) and not os.path.exists(dst + ".promoting")
