@@ -273,8 +273,26 @@ class CheckpointManager(ClosingContext):
         """Restore checkpoint ``iteration`` (default: the latest committed) into the registered tensors."""
         self._check_open()
         root = os.path.abspath(root or self.load_root)
-        if self.local_root and root == self.root:
-            root, iteration = self._choose_tier(iteration)
+        if not (self.local_root and root == self.root):
+            return self._load_from(root, iteration, verify)
+        chosen_root, chosen = self._choose_tier(iteration)
+        try:
+            return self._load_from(chosen_root, chosen, verify)
+        except CheckpointError as e:
+            # every rank raised (the failure was agreed before any tensor was written): a bad local
+            # copy on some rank must not hide an intact persistent checkpoint
+            if chosen_root == self.root and self.local_fallback != "rank":
+                raise
+            try:
+                fallback = iteration if iteration is not None else latest_committed(self.root)
+            except NoCheckpointError:
+                raise e from None
+            log.warning("rank %d: restoring local checkpoint %s failed (%s); restoring persistent checkpoint %d",
+                        self.rank, chosen, e, fallback)  # fmt: skip
+            return self._load_from(self.root, fallback, verify)
+
+    def _load_from(self, root: str, iteration: int | None, verify: bool | None) -> LoadResult:
+        """Restore ``iteration`` of the tier at ``root`` (collective; raises on every rank or none)."""
         try:  # a rank failing here still joins the agreement the others reach in restore_into
             if iteration is None:
                 iteration = latest_committed(root)

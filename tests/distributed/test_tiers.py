@@ -98,3 +98,17 @@ def test_nodes_holding_the_same_iteration_from_different_saves_are_never_restore
     loaded = _ok(run_ranks(WORKER, 4, ["load", *_args(tmp_path)], env=NODES))
     persistent = str(tmp_path / "persistent")
     assert all(r["iteration"] == 6 and r["exact"] and r["root"] == persistent for r in loaded), loaded
+
+
+def test_a_corrupt_local_file_on_one_rank_falls_back_to_the_intact_persistent_checkpoint(tmp_path):
+    persistent = str(tmp_path / "persistent")
+    _ok(run_ranks(WORKER, 4, ["save", *_args(tmp_path, "--iters", "6", "--persist-interval", "2")], env=NODES))
+    local1 = iter_dir(str(tmp_path / "local1"), 6)
+    record = read_manifest(local1).record(3)
+    with open(os.path.join(local1, record.file), "r+b") as f:  # one bit flipped in rank 3's tensor data
+        f.seek(record.file_bytes // 2)
+        byte = f.read(1)[0]
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte ^ 0x10]))
+    loaded = _ok(run_ranks(WORKER, 4, ["load", *_args(tmp_path)], env=NODES))
+    assert all(r["iteration"] == 6 and r["exact"] and r["root"] == persistent for r in loaded), loaded
