@@ -106,3 +106,37 @@ def test_by_default_the_persistent_tier_does_not_recycle_so_a_reader_keeps_its_f
             assert not os.path.exists(path) and not (root / RECYCLE_DIR).exists()
             reader.seek(0)
             assert reader.read() == committed
+
+
+def test_local_retention_keeps_a_checkpoint_until_its_persistent_commit_is_done(tmp_path):
+    """The local tier's retention (node's first rank) must not recycle a checkpoint whose promotion
+    this rank finished copying but whose persistent commit still waits -- in a multi-rank job, for
+    the node's other ranks, still copying their own files of it.  The wait is simulated by holding
+    the persistent commit thread; world size 1."""
+    import threading
+
+    from datastates_megatron.engine.manifest import committed_iterations
+
+    local, persistent = tmp_path / "local", tmp_path / "persistent"
+    ts = make_state(0, 50_000)
+    hold = threading.Event()
+    with CheckpointManager(str(persistent), EngineOptions(cache_bytes=256 << 10, timeout_s=30),
+                           keep_last=0, local_root=str(local), persist_interval=1, local_keep_last=1) as mgr:
+        real = mgr.committer._handle
+        mgr.committer._handle = lambda ticket: (hold.wait(30), real(ticket))
+        for n, t in ts.items():
+            mgr.register(n, t)
+        try:
+            for it in (1, 2, 3):
+                fill(ts, 0, it)
+                mgr.save(it, {"iteration": it})
+                mgr.wait(persist=False)  # committed locally; promotions copied or queued
+            assert not mgr.promoter.in_flight() - {2, 3}  # this rank is done copying 1 ...
+            assert committed_iterations(str(persistent)) == []  # ... but its persistent commit waits
+            assert committed_iterations(str(local)) == [1, 2, 3]  # so local_keep_last=1 kept 1 (and 2)
+            path, size = _rank_file(local, 1)
+            assert os.path.getsize(path) == size and not (local / RECYCLE_DIR).exists()
+        finally:
+            hold.set()
+        mgr.wait()
+        assert committed_iterations(str(persistent)) == [1, 2, 3]
