@@ -91,7 +91,7 @@ def main():
         result.update(committed=committed, errors=errors)
     else:
         try:
-            r = mgr.load(a.iteration)
+            r = mgr.load(a.iteration, root=os.environ.get("DSM_TEST_LOAD_ROOT"))  # per-rank override
             expected = {n: t.clone() for n, t in ts.items()}
             fill(expected, rank, r.iteration)
             result["iteration"] = r.iteration

@@ -132,3 +132,17 @@ def test_world_size_mismatch_is_a_clear_error(tmp_path):
     _ok(run_ranks(WORKER, 2, ["save", "--root", root, "--iters", "1"]))
     res = [r["result"] for r in run_ranks(WORKER, 4, ["load", "--root", root])]
     assert all("world size 2 in checkpoint, 4 now" in r["error"] for r in res), res
+
+
+def test_a_rank_that_cannot_open_the_checkpoint_makes_every_rank_fail_without_a_hang(tmp_path):
+    """Rank 1 looks in a directory with no checkpoint (NoCheckpointError before it reaches the
+    restore); the others validated theirs and wait for agreement: it must still join it."""
+    root = str(tmp_path / "ckpt")
+    _ok(run_ranks(WORKER, 3, ["save", "--root", root, "--iters", "2"]))
+    res = run_ranks(WORKER, 3, ["load", "--root", root], timeout=90,
+                    rank_env={1: {"DSM_TEST_LOAD_ROOT": str(tmp_path / "empty")}})
+    assert all(r["returncode"] == 0 for r in res), describe(res)  # nobody hung (or was killed)
+    results = {r["result"]["rank"]: r["result"] for r in res}
+    assert "NoCheckpointError" in results[1]["error"], results
+    for rank in (0, 2):
+        assert "rank(s) [1]" in results[rank]["error"] and results[rank]["untouched"], results
