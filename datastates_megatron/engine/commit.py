@@ -25,7 +25,7 @@ import torch
 
 from .errors import CacheTimeoutError, CommitError
 from .faults import crash_point
-from .manifest import Manifest, RankRecord, iter_dir, rank_file_name, write_manifest, write_tracker
+from .manifest import Manifest, RankRecord, iter_dir, parse_rank_file_name, rank_file_name, write_manifest, write_tracker
 from .retention import delete_checkpoint, select_deletions, trim_recycled
 from .threads import QueueThread
 
@@ -302,8 +302,8 @@ class Committer(QueueThread):
     def _newer_save_of_this_run(self, name: str, seq: int) -> bool:
         """A file of a later save of the same iteration that another rank may have started before
         this (writer) rank submitted it: it is not superseded, it supersedes."""
-        parts = name.removesuffix(".dsck").split("-")
-        return len(parts) == 3 and parts[1] == self._token and parts[2].isdigit() and int(parts[2]) > seq
+        parsed = parse_rank_file_name(name)
+        return parsed is not None and parsed[1] == self._token and parsed[2] > seq
 
     def _discard(self, ticket: Ticket) -> None:
         """Remove the files of a save that was not committed (and its directory if nothing else is there)."""

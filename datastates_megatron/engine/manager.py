@@ -24,13 +24,13 @@ from .manifest import (
     iter_dir,
     latest_committed,
     list_iterations,
+    parse_rank_file_name,
     rank_file_name,
     read_manifest,
 )
 from .options import LOCAL_FALLBACK_CHOICES, RECYCLE_CHOICES, EngineOptions
 from .restore import RestoreStats, open_checkpoint, open_rank, restore_into, validate_world
 from .retention import remove_stale_tracker_temps, remove_uncommitted, take_recycled, trim_recycled
-from .serializer import xxh64
 from .snapshot import SnapshotEngine
 from .threads import ClosingContext, close_at_exit, forget
 
@@ -52,6 +52,11 @@ def _dist():
     import torch.distributed as dist
 
     return dist if dist.is_available() and dist.is_initialized() else None
+
+
+def _is_token(text: str) -> bool:
+    """A run token as :meth:`CheckpointManager._agree_token` writes it: 16 hex digits, < 2**63."""
+    return len(text) == 16 and all(c in "0123456789abcdef" for c in text) and int(text, 16) < 1 << 63
 
 
 class CheckpointManager(ClosingContext):
@@ -329,15 +334,16 @@ class CheckpointManager(ClosingContext):
         return committed_iterations(self.root)
 
     # ------------------------------------------------------------------ tiers
-    def _local_committed(self) -> dict[int, int]:
+    def _local_committed(self) -> dict[int, tuple[int, int]]:
         """Local-tier iterations whose node manifest is readable and names this rank's file, each
-        with the identity of the save that wrote it (run token and sequence, from the file name)."""
-        found = committed_manifests(self.local_root)
+        with the save that wrote it: (run token as an integer, save sequence)."""
         out = {}
-        for it, m in sorted(found.items()):
+        for it, m in sorted(committed_manifests(self.local_root).items()):
             rec = m.record(self.rank)
-            if rec is not None:
-                out[it] = xxh64(rec.file.split("-", 1)[-1].encode()) & ((1 << 63) - 1)
+            parsed = parse_rank_file_name(rec.file) if rec is not None else None
+            token = int(parsed[1], 16) if parsed is not None and _is_token(parsed[1]) else None
+            if token is not None:
+                out[it] = (token, parsed[2])
         return out
 
     def _common_local(self) -> list[int]:
@@ -347,15 +353,15 @@ class CheckpointManager(ClosingContext):
         mine = dict(list(self._local_committed().items())[-64:])
         if not self._dist or self.world_size == 1:
             return sorted(mine)
-        row = torch.full((2, 64), -1, dtype=torch.int64)
-        row[0, : len(mine)] = torch.tensor(list(mine), dtype=torch.int64)
-        row[1, : len(mine)] = torch.tensor(list(mine.values()), dtype=torch.int64)
+        row = torch.full((64, 3), -1, dtype=torch.int64)  # (iteration, token, sequence) per checkpoint
+        if mine:
+            row[: len(mine)] = torch.tensor([(it, *save) for it, save in mine.items()], dtype=torch.int64)
         rows = [torch.empty_like(row) for _ in range(self.world_size)]
         self._dist.all_gather(rows, row)
-        common = set(mine.items())
+        common = {(it, *save) for it, save in mine.items()}
         for r in rows:
-            common &= {(int(i), int(k)) for i, k in zip(r[0], r[1]) if i >= 0}
-        return sorted(it for it, _ in common)
+            common &= {tuple(x) for x in r.tolist() if x[0] >= 0}
+        return sorted(it for it, _, _ in common)
 
     def _choose_tier(self, iteration: int | None) -> tuple[str, int | None]:
         """Restore from the local tier when every rank has the checkpoint there, else persistent
@@ -400,9 +406,9 @@ class CheckpointManager(ClosingContext):
         newest = common[-1]
         if persistent is None or newest > persistent:
             m = read_manifest(iter_dir(self.local_root, newest))
-            _, token, seq = m.record(self.rank).file.removesuffix(".dsck").split("-")
+            _, token, seq = parse_rank_file_name(m.record(self.rank).file)
             log.info("rank %d: promoting local checkpoint %d left unpromoted by the previous run", self.rank, newest)
-            self.promoter.schedule(newest, int(seq), dict(m.metadata), token=token)
+            self.promoter.schedule(newest, seq, dict(m.metadata), token=token)
 
     # ------------------------------------------------------------------ lifecycle
     def close(self, timeout: float | None = None) -> None:

@@ -25,6 +25,7 @@ __all__ = [
     "Manifest",
     "iter_dir",
     "rank_file_name",
+    "parse_rank_file_name",
     "atomic_write",
     "write_manifest",
     "read_manifest",
@@ -50,6 +51,15 @@ def iter_dir(root: str, iteration: int) -> str:
 
 def rank_file_name(rank: int, token: str, seq: int) -> str:
     return f"r{rank:05d}-{token}-{seq:06d}.dsck"
+
+
+def parse_rank_file_name(name: str) -> tuple[int, str, int] | None:
+    """``(rank, run token, save sequence)`` of a :func:`rank_file_name`, or None for another name.
+    Token and sequence identify the save: every rank's file of one save shares them."""
+    parts = name.removesuffix(".dsck").split("-") if name.endswith(".dsck") else []
+    if len(parts) != 3 or not parts[0].startswith("r") or not parts[0][1:].isdigit() or not parts[2].isdigit():
+        return None
+    return int(parts[0][1:]), parts[1], int(parts[2])
 
 
 @dataclasses.dataclass(frozen=True)
