@@ -120,8 +120,7 @@ def test_local_retention_keeps_a_checkpoint_until_its_persistent_commit_is_done(
     local, persistent = tmp_path / "local", tmp_path / "persistent"
     ts = make_state(0, 50_000)
     hold = threading.Event()
-    with CheckpointManager(str(persistent), EngineOptions(cache_bytes=256 << 10, timeout_s=30),
-                           keep_last=0, local_root=str(local), persist_interval=1, local_keep_last=1) as mgr:
+    with _manager(persistent, keep_last=0, local_root=str(local), persist_interval=1, local_keep_last=1) as mgr:
         real = mgr.committer._handle
         mgr.committer._handle = lambda ticket: (hold.wait(30), real(ticket))
         for n, t in ts.items():
