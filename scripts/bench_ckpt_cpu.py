@@ -13,7 +13,7 @@ recycling -- ``ours`` is the default config, which recycles only on a node-local
 ``ours-buffered``: no O_DIRECT), and prints per rank: median iteration time (and its ratio
 to the baseline), CPU milliseconds per iteration of the training thread and of each of our threads
 (``/proc/<pid>/task/<tid>/stat``, Linux only), and the machine's idle and hypervisor-steal cores
-over the measured iterations (``/proc/stat``).
+over the measured iterations (``psutil.cpu_times``).
 """
 
 from __future__ import annotations
@@ -53,10 +53,12 @@ def thread_cpu_s() -> dict[str, float]:
 
 
 def machine_ticks() -> tuple[float, float, float]:
-    """(idle, steal, wall) seconds so far from ``/proc/stat``'s aggregate cpu line (steal: time the
-    hypervisor ran something else on this VM's cores)."""
-    f = [int(x) for x in open("/proc/stat").readline().split()[1:]]
-    return (f[3] + f[4]) / TICK, (f[7] if len(f) > 7 else 0) / TICK, time.monotonic()
+    """(idle, steal, wall) seconds so far, machine-wide (``psutil.cpu_times``, as bench_peers reads
+    them; steal: time the hypervisor ran something else on this VM's cores)."""
+    import psutil
+
+    t = psutil.cpu_times()
+    return t.idle + getattr(t, "iowait", 0.0), getattr(t, "steal", 0.0), time.monotonic()
 
 
 MODES = {  # mode -> LazyCkptConfig overrides
