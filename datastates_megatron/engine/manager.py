@@ -285,8 +285,9 @@ class CheckpointManager(ClosingContext):
             return self._load_from(chosen_root, chosen, verify)
         except CheckpointError as e:
             # every rank raised (the failure was agreed before any tensor was written): a bad local
-            # copy on some rank must not hide an intact persistent checkpoint
-            if chosen_root == self.root and self.local_fallback != "rank":
+            # copy on some rank must not hide an intact persistent checkpoint -- unless no rank read
+            # a local copy (with local_fallback="rank" only some may have), so a retry would repeat it
+            if not self._agree(chosen_root == self.root):
                 raise
             try:
                 fallback = iteration if iteration is not None else latest_committed(self.root)
