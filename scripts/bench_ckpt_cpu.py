@@ -10,7 +10,8 @@ directory (default: a tmpfs and the repository's disk) it trains the bench_peers
 GPT + DistributedOptimizer, 2 gloo ranks) without checkpoints, then with ``LazyCheckpointer``
 checkpointing every iteration in each ``--modes`` variant (default: with and without rank-file
 recycling -- ``ours`` is the default config, which recycles only on a node-local tier;
-``ours-buffered``: no O_DIRECT), and prints per rank: median iteration time (and its ratio
+``ours-buffered``: no O_DIRECT; ``ours-copy``: no writes straight from the shards, every byte
+through the host cache), and prints per rank: median iteration time (and its ratio
 to the baseline), CPU milliseconds per iteration of the training thread and of each of our threads
 (``/proc/<pid>/task/<tid>/stat``, Linux only), and the machine's idle and hypervisor-steal cores
 over the measured iterations (``psutil.cpu_times``).
@@ -62,9 +63,11 @@ def machine_ticks() -> tuple[float, float, float]:
 
 
 MODES = {  # mode -> LazyCkptConfig overrides
-    "ours": {},  # defaults: no recycling on a tier without a local one
+    "ours": {},  # defaults: no recycling on a tier without a local one; source writes where buffered
     "ours-recycle": {"recycle_files": "all"},
     "ours-buffered": {"direct_io": False},
+    "ours-copy": {"source_writes": False},  # every shard through the host cache, even on tmpfs
+    "ours-recycle-copy": {"recycle_files": "all", "source_writes": False},
 }
 
 

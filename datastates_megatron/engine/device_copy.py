@@ -11,6 +11,8 @@ waits on the returned completions; ``gate`` runs on the training thread.
 
 from __future__ import annotations
 
+import threading
+
 import torch
 
 __all__ = ["DeviceCopier", "Completion", "as_bytes"]
@@ -27,19 +29,24 @@ def as_bytes(tensor: torch.Tensor) -> torch.Tensor:
 
 
 class Completion:
-    """Done when the bytes are in host memory; ``event`` is a CUDA event or ``None`` (already done)."""
+    """Done when the region no longer needs its source.  ``event``: CUDA event of the device->host
+    copy (``None``: copied synchronously, already done).  ``written``: set by the flush thread once
+    a region written straight from its source (no copy, see ``EngineOptions.source_writes``) has
+    been hashed and written; ``None`` for copied regions."""
 
-    __slots__ = ("event",)
+    __slots__ = ("event", "written")
 
-    def __init__(self, event=None) -> None:
+    def __init__(self, event=None, written: threading.Event | None = None) -> None:
         self.event = event
+        self.written = written
 
     def synchronize(self) -> None:
+        """Wait for the copy (not for ``written``: the flush thread that sets it calls this)."""
         if self.event is not None:
             self.event.synchronize()
 
     def query(self) -> bool:
-        return self.event is None or self.event.query()
+        return (self.event is None or self.event.query()) and (self.written is None or self.written.is_set())
 
 
 class DeviceCopier:

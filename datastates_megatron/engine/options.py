@@ -28,6 +28,11 @@ class EngineOptions:
                    most ``pack_bytes`` (one write, one region for many tiny tensors).
     streaming:     if False, a tensor is never split; one larger than the cache is an error.
     direct_io:     True / False / "auto" (try O_DIRECT, fall back to buffered writes).
+    source_writes: hash and write host-resident (CPU) tensors straight from their own memory, with no
+                   copy into the cache; the gate then waits for those writes instead of for a copy.
+                   "auto": only where the file takes buffered writes anyway (tmpfs/ramfs, or no
+                   O_DIRECT), so the cache copy would be a second copy of the same bytes; True:
+                   always (those writes become buffered); False: never.
     timeout_s:     longest wait for cache space or an in-flight slot before raising.
     pin_memory:    pin the cache (default: when CUDA is available).
     rank:          used in thread names, log lines and error messages only.
@@ -41,6 +46,7 @@ class EngineOptions:
     pack_bytes: int = 4 << 20
     streaming: bool = True
     direct_io: bool | str = "auto"
+    source_writes: bool | str = "auto"
     timeout_s: float = 600.0
     pin_memory: bool | None = None
     rank: int = 0
@@ -55,6 +61,8 @@ class EngineOptions:
             raise ValueError(f"small_bytes must be >= 0, got {self.small_bytes}")
         if self.direct_io not in (True, False, "auto"):
             raise ValueError(f"direct_io must be True, False or 'auto', got {self.direct_io!r}")
+        if self.source_writes not in (True, False, "auto"):
+            raise ValueError(f"source_writes must be True, False or 'auto', got {self.source_writes!r}")
         if not self.timeout_s > 0:
             raise ValueError(f"timeout_s must be > 0, got {self.timeout_s}")
 

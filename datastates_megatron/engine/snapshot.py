@@ -5,9 +5,12 @@ Pipeline of one version (one rank file)::
     save() [training thread]     encode objects, enqueue job                       (~tens of µs)
     copier thread                for each region: acquire cache space (backpressure),
                                  device->host copy, hand the region to the flush pool
+                                 (a CPU tensor under ``source_writes``: no cache, no copy;
+                                 the region is handed over as a view of the tensor itself)
     flush threads (N)            wait for the copy, XXH64 each item, pwrite, release the region;
                                  the last one writes index + objects + header and fsyncs
-    wait_for_snapshot() [gate]   returns once the copies are complete: the caller may mutate
+    wait_for_snapshot() [gate]   returns once the copies (and writes from sources) are complete:
+                                 the caller may mutate
 
 Thread-safety: ``register`` and ``save`` are for one (training) thread; ``wait_for_snapshot``,
 ``wait``, ``poll`` and ``close`` may be called from any thread.  A background failure is stored and
@@ -44,6 +47,7 @@ __all__ = ["SnapshotEngine", "SaveHandle", "FileReceipt"]
 log = logging.getLogger(__name__)
 _ALIGN = 4096
 _SMALL_ALIGN = 64
+_ZEROS = np.zeros(_ALIGN, np.uint8)  # padding after a region written from its source
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,6 +133,7 @@ class _Job:
         self.error: BaseException | None = None
         self.finishing = False
         self.writer: RankFileWriter | None = None
+        self.source_bytes = 0  # written straight from the registered tensors
         self.copied = threading.Event()
         self.durable: cf.Future = cf.Future()
 
@@ -143,7 +148,9 @@ class SaveHandle:
 
     @property
     def snapshot_done(self) -> bool:
-        return self._job.copied.is_set()
+        """Every region copied or written from its source: the registered tensors may change."""
+        job = self._job
+        return job.copied.is_set() and all(c.query() for c in list(job.completions))
 
     @property
     def durable(self) -> cf.Future:
@@ -172,6 +179,7 @@ class SnapshotEngine(ClosingContext):
         self._closed = False
         self.gate_wait_s = 0.0
         self.slot_wait_s = 0.0
+        self.source_bytes = 0  # bytes written straight from registered tensors (no cache copy)
         self._flush_pool = cf.ThreadPoolExecutor(opts.flush_threads, thread_name_prefix=f"dsm-flush-r{opts.rank}")
         self._thread = threading.Thread(target=self._copy_loop, name=f"dsm-copier-r{opts.rank}", daemon=False)
         self._thread.start()
@@ -238,7 +246,7 @@ class SnapshotEngine(ClosingContext):
         t0 = time.perf_counter()
         with self._pending_lock:
             jobs = list(self._pending.values())
-        completions = []
+        completions, writes = [], []
         for job in jobs:
             last = job.layout.group_last_region.get(group, -1) if group is not None else len(job.layout.regions) - 1
             if last < 0:
@@ -250,9 +258,21 @@ class SnapshotEngine(ClosingContext):
                     f"rank {self.options.rank}: version {job.version}: snapshot copies not issued after {timeout:.0f}s"
                 )
             with job.lock:
-                if last < len(job.completions):
-                    completions.append(job.completions[last])
+                upto = job.completions[: last + 1]
+            # device copies run in order on one side stream: the last one with an event covers the rest
+            completions += [c for c in reversed(upto) if c.event is not None][:1]
+            writes += [(job, c.written) for c in upto if c.written is not None]
         DeviceCopier.gate(completions)
+        for job, written in writes:
+            if not written.wait(max(0.0, t0 + timeout - time.perf_counter())):
+                err = CacheTimeoutError(
+                    f"rank {self.options.rank}: version {job.version}: writes of {job.path} straight from the "
+                    f"registered tensors not done after {timeout:.0f}s; the version is abandoned (the tensors "
+                    f"may change under those writes)"
+                )
+                with job.lock:
+                    job.error = job.error or err
+                raise err
         self.gate_wait_s += time.perf_counter() - t0
 
     def wait(self, timeout: float | None = None) -> list[FileReceipt]:
@@ -340,9 +360,15 @@ class SnapshotEngine(ClosingContext):
         except OSError as e:
             raise FlushError(f"rank {self.options.rank}: version {job.version}: cannot create {job.path}: {e}") from e
         items = layout.items
+        from_source = self._writes_from_source(job.writer)
         for r, (_, padded, first, count) in enumerate(layout.regions):
             if job.error is not None:
                 return
+            t, chunk, off, length = (int(x) for x in items[first])
+            if from_source and count == 1 and off == 0 and layout.bytes_views[t].device.type == "cpu":
+                start = chunk * layout.chunk_bytes
+                self._issue(job, r, None, Completion(written=threading.Event()), layout.bytes_views[t][start : start + length])
+                continue
             try:
                 region = self.cache.acquire(int(padded), self.options.timeout_s)
             except CacheTimeoutError as e:
@@ -367,25 +393,44 @@ class SnapshotEngine(ClosingContext):
                     f"rank {self.options.rank}: version {job.version}: copying {layout.names[int(items[first, 0])]!r} "
                     f"to host failed: {e}"
                 ) from e
-            with self._progress:
-                job.completions.append(completion)
-                job.issued += 1
-                self._progress.notify_all()
-            self._flush_pool.submit(self._flush_region, job, r, region, completion)
+            self._issue(job, r, region, completion, None)
+
+    def _writes_from_source(self, writer: RankFileWriter) -> bool:
+        """Whether CPU tensors skip the cache: see ``EngineOptions.source_writes``."""
+        mode = self.options.source_writes
+        if mode == "auto":
+            return writer.memory_backed or not writer.direct
+        return bool(mode)
+
+    def _issue(self, job: _Job, r: int, region, completion: Completion, source) -> None:
+        with self._progress:
+            job.completions.append(completion)
+            job.issued += 1
+            self._progress.notify_all()
+        self._flush_pool.submit(self._flush_region, job, r, region, completion, source)
 
     # ------------------------------------------------------------------ flush threads
-    def _flush_region(self, job: _Job, r: int, region, completion: Completion) -> None:
+    def _flush_region(self, job: _Job, r: int, region, completion: Completion, source: torch.Tensor | None) -> None:
+        """Hash and write region ``r`` from the cache (``region``) or straight from a CPU tensor
+        (``source``, a uint8 view; ``completion.written`` is set when it is no longer read)."""
         layout = job.layout
         offset, padded, first, count = (int(x) for x in layout.regions[r])
         try:
             if job.error is None:
                 completion.synchronize()
-                data = region.tensor.numpy()
+                data = (region.tensor if source is None else source).numpy()
                 for k in range(first, first + count):
                     off, length = int(layout.items[k, 2]), int(layout.items[k, 3])
                     job.checksums[k] = serializer._xxh64_impl(data[off : off + length], np.uint64(0))
                 try:
-                    job.writer.write(data[:padded], HEADER_BYTES + offset)
+                    if source is None:
+                        job.writer.write(data[:padded], HEADER_BYTES + offset)
+                    else:
+                        job.writer.write(data, HEADER_BYTES + offset)
+                        if padded > data.nbytes:
+                            job.writer.write(_ZEROS[: padded - data.nbytes], HEADER_BYTES + offset + data.nbytes)
+                        with job.lock:
+                            job.source_bytes += data.nbytes
                     crash_point("flush", self.options.rank)
                 except OSError as e:
                     name = layout.names[int(layout.items[first, 0])]
@@ -396,7 +441,10 @@ class SnapshotEngine(ClosingContext):
         except BaseException as e:  # noqa: BLE001
             self._fail(job, e, "flush")
         finally:
-            self.cache.release(region)
+            if region is not None:
+                self.cache.release(region)
+            if completion.written is not None:
+                completion.written.set()
             with job.lock:
                 job.flushed += 1
         self._maybe_finish(job)
@@ -424,6 +472,7 @@ class SnapshotEngine(ClosingContext):
             self._done.append(receipt)
             job.durable.set_result(receipt)
         with self._pending_lock:
+            self.source_bytes += job.source_bytes
             for seq, j in list(self._pending.items()):
                 if j is job:
                     del self._pending[seq]

@@ -30,7 +30,12 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-DIRECT_IO_CHOICES = {"auto": "auto", "on": True, "off": False}
+DIRECT_IO_CHOICES = {"auto": "auto", "on": True, "off": False}  # flag value -> config value
+# on/off/auto flags: (args attribute, flag, config field), each with DIRECT_IO_CHOICES
+_AUTO_FLAGS = (
+    ("lazy_ckpt_direct_io", "--lazy-ckpt-direct-io", "direct_io"),
+    ("lazy_ckpt_source_writes", "--lazy-ckpt-source-writes", "source_writes"),
+)
 
 _DEFAULTS = {f.name: f.default for f in dataclasses.fields(LazyCkptConfig)}
 
@@ -116,6 +121,11 @@ def add_lazy_ckpt_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
     g.add_argument("--lazy-ckpt-direct-io", choices=tuple(DIRECT_IO_CHOICES), default="auto",
                    help="O_DIRECT writes: auto tries and falls back, on requires, off never "
                         "(default: %(default)s).")
+    g.add_argument("--lazy-ckpt-source-writes", choices=tuple(DIRECT_IO_CHOICES), default="auto",
+                   help="Write host-resident (CPU) shards straight from their memory, without a copy "
+                        "into the host cache; the pre-step gate then waits for those writes. auto: where "
+                        "writes are buffered anyway (tmpfs, no O_DIRECT); on: always; off: never "
+                        "(default: %(default)s).")
     g.add_argument("--lazy-ckpt-timeout-s", type=float, default=d["timeout_s"], metavar="S",
                    help="Longest wait on cache space, an in-flight slot or a peer rank before erroring "
                         "(default: %(default)s).")
@@ -171,8 +181,7 @@ def _value(args: argparse.Namespace, attr: str, field: str) -> Any:
 
 def _non_default_flags(args: argparse.Namespace) -> list[str]:
     flags = [flag for attr, flag, field in _FLAG_FIELDS if _value(args, attr, field) != _DEFAULTS[field]]
-    if getattr(args, "lazy_ckpt_direct_io", "auto") != "auto":
-        flags.append("--lazy-ckpt-direct-io")
+    flags += [flag for attr, flag, _ in _AUTO_FLAGS if getattr(args, attr, "auto") != "auto"]
     return flags
 
 
@@ -216,10 +225,10 @@ def validate_lazy_ckpt_args(args: argparse.Namespace) -> None:
     if on_error not in ON_ERROR_CHOICES:
         problems.append(f"--lazy-ckpt-on-error must be one of {', '.join(ON_ERROR_CHOICES)}, "
                         f"got {on_error!r}")
-    direct_io = getattr(args, "lazy_ckpt_direct_io", "auto")
-    if direct_io not in DIRECT_IO_CHOICES:
-        problems.append(f"--lazy-ckpt-direct-io must be one of {', '.join(DIRECT_IO_CHOICES)}, "
-                        f"got {direct_io!r}")
+    for attr, flag, _ in _AUTO_FLAGS:
+        value = getattr(args, attr, "auto")
+        if value not in DIRECT_IO_CHOICES:
+            problems.append(f"{flag} must be one of {', '.join(DIRECT_IO_CHOICES)}, got {value!r}")
 
     local_dir = _value(args, "lazy_ckpt_local_dir", "local_dir")
     if local_dir is None:
@@ -247,8 +256,9 @@ def config_from_args(args: argparse.Namespace) -> LazyCkptConfig:
     for messages that name the flags.
     """
     fields = {field: _value(args, attr, field) for attr, _, field in _FLAG_FIELDS}
-    direct_io = getattr(args, "lazy_ckpt_direct_io", "auto")
-    fields["direct_io"] = DIRECT_IO_CHOICES.get(direct_io, direct_io)
+    for attr, _, field in _AUTO_FLAGS:
+        value = getattr(args, attr, "auto")
+        fields[field] = DIRECT_IO_CHOICES.get(value, value)
     return LazyCkptConfig(save_dir=getattr(args, "save", None),
                           load_dir=getattr(args, "load", None), **fields)
 

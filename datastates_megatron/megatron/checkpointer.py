@@ -66,6 +66,7 @@ class LazyCheckpointer:
             max_inflight=config.max_inflight,
             streaming=config.streaming,
             direct_io=config.direct_io,
+            source_writes=config.source_writes,
             timeout_s=config.timeout_s,
         )
         self._mgr = CheckpointManager(

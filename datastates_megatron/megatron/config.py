@@ -29,6 +29,9 @@ class LazyCkptConfig:
                      nothing is committed for that iteration and training goes on.
     streaming:       allow tensors larger than the host cache to be streamed through it in chunks.
     direct_io:       ``"auto"`` tries O_DIRECT and falls back; ``True`` requires it; ``False`` never.
+    source_writes:   write host-resident (CPU) shards straight from their memory, without a copy into
+                     the host cache (the pre-step gate then waits for those writes): ``"auto"`` where
+                     the write is buffered anyway (tmpfs, no O_DIRECT); ``True`` always; ``False`` never.
     timeout_s:       longest wait on cache space, an in-flight slot or a peer rank before erroring.
     local_dir:       optional fast node-local tier (multi-level); ``None`` disables it.
     persist_interval: with ``local_dir``, promote every N-th local checkpoint to ``save_dir``.
@@ -55,6 +58,7 @@ class LazyCkptConfig:
     on_error: str = "raise"
     streaming: bool = True
     direct_io: bool | str = "auto"
+    source_writes: bool | str = "auto"
     timeout_s: float = 600.0
     local_dir: str | None = None
     persist_interval: int = 1
@@ -84,8 +88,9 @@ class LazyCkptConfig:
             raise ValueError(f"recycle_files must be one of {RECYCLE_CHOICES}, got {self.recycle_files!r}")
         if self.local_fallback not in LOCAL_FALLBACK_CHOICES:
             raise ValueError(f"local_fallback must be one of {LOCAL_FALLBACK_CHOICES}, got {self.local_fallback!r}")
-        if self.direct_io not in (True, False, "auto"):
-            raise ValueError(f"direct_io must be True, False or 'auto', got {self.direct_io!r}")
+        for name in ("direct_io", "source_writes"):
+            if getattr(self, name) not in (True, False, "auto"):
+                raise ValueError(f"{name} must be True, False or 'auto', got {getattr(self, name)!r}")
         if not self.timeout_s > 0:
             raise ValueError(f"timeout_s must be > 0, got {self.timeout_s}")
 

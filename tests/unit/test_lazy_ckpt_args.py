@@ -60,7 +60,7 @@ def test_every_flag_reaches_the_config(tmp_path):
         "--train-iters", "200", "--lazy-ckpt-host-cache-gb", "1.5", "--lazy-ckpt-flush-threads", "4",
         "--lazy-ckpt-max-inflight", "3", "--lazy-ckpt-keep-last", "5", "--lazy-ckpt-keep-every", "100",
         "--no-lazy-ckpt-verify-on-load", "--lazy-ckpt-on-error", "warn", "--lazy-ckpt-no-streaming",
-        "--lazy-ckpt-direct-io", "off", "--lazy-ckpt-timeout-s", "30",
+        "--lazy-ckpt-direct-io", "off", "--lazy-ckpt-source-writes", "on", "--lazy-ckpt-timeout-s", "30",
         "--lazy-ckpt-local-dir", str(local), "--lazy-ckpt-persist-interval", "4",
         "--lazy-ckpt-local-keep-last", "3", "--lazy-ckpt-local-fallback", "rank",
         "--lazy-ckpt-recycle-files", "all",
@@ -70,7 +70,7 @@ def test_every_flag_reaches_the_config(tmp_path):
     assert config_from_args(args) == LazyCkptConfig(
         save_dir=str(save), load_dir=str(load), host_cache_gb=1.5, flush_threads=4, max_inflight=3,
         keep_last=5, keep_every=100, verify_on_load=False, on_error="warn", streaming=False,
-        direct_io=False, timeout_s=30.0, local_dir=str(local), persist_interval=4, local_keep_last=3,
+        direct_io=False, source_writes=True, timeout_s=30.0, local_dir=str(local), persist_interval=4, local_keep_last=3,
         local_fallback="rank", recycle_files="all")
 
 
@@ -81,9 +81,11 @@ def test_verify_on_load_has_both_spellings(tmp_path, flag, expected):
 
 
 @pytest.mark.parametrize("choice, expected", [("auto", "auto"), ("on", True), ("off", False)])
-def test_direct_io_choices(tmp_path, choice, expected):
-    args = _parse("--save", str(tmp_path), "--lazy-ckpt-direct-io", choice)
-    assert config_from_args(args).direct_io == expected
+@pytest.mark.parametrize("flag, field", [("--lazy-ckpt-direct-io", "direct_io"),
+                                         ("--lazy-ckpt-source-writes", "source_writes")])
+def test_on_off_auto_choices(tmp_path, flag, field, choice, expected):
+    args = _parse("--save", str(tmp_path), flag, choice)
+    assert getattr(config_from_args(args), field) == expected
 
 
 def test_recycling_defaults_to_the_local_tier_and_rejects_unknown_values(tmp_path, capsys):
