@@ -30,9 +30,10 @@ class EngineOptions:
     direct_io:     True / False / "auto" (try O_DIRECT, fall back to buffered writes).
     source_writes: hash and write host-resident (CPU) tensors straight from their own memory, with no
                    copy into the cache; the gate then waits for those writes instead of for a copy.
-                   "auto": only where the file takes buffered writes anyway (tmpfs/ramfs, or no
-                   O_DIRECT), so the cache copy would be a second copy of the same bytes; True:
-                   always (those writes become buffered); False: never.
+                   "auto": only on tmpfs/ramfs, where a write is itself a memcpy (the cache copy
+                   would be a second copy of the same bytes) and cannot block on a device; True:
+                   always (those writes become buffered, and the gate may wait on the disk);
+                   False: never.
     timeout_s:     longest wait for cache space or an in-flight slot before raising.
     pin_memory:    pin the cache (default: when CUDA is available).
     rank:          used in thread names, log lines and error messages only.

@@ -399,7 +399,7 @@ class SnapshotEngine(ClosingContext):
         """Whether CPU tensors skip the cache: see ``EngineOptions.source_writes``."""
         mode = self.options.source_writes
         if mode == "auto":
-            return writer.memory_backed or not writer.direct
+            return writer.memory_backed
         return bool(mode)
 
     def _issue(self, job: _Job, r: int, region, completion: Completion, source) -> None:

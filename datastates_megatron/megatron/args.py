@@ -123,8 +123,8 @@ def add_lazy_ckpt_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
                         "(default: %(default)s).")
     g.add_argument("--lazy-ckpt-source-writes", choices=tuple(DIRECT_IO_CHOICES), default="auto",
                    help="Write host-resident (CPU) shards straight from their memory, without a copy "
-                        "into the host cache; the pre-step gate then waits for those writes. auto: where "
-                        "writes are buffered anyway (tmpfs, no O_DIRECT); on: always; off: never "
+                        "into the host cache; the pre-step gate then waits for those writes. auto: on "
+                        "tmpfs/ramfs (e.g. a --lazy-ckpt-local-dir in /dev/shm); on: always; off: never "
                         "(default: %(default)s).")
     g.add_argument("--lazy-ckpt-timeout-s", type=float, default=d["timeout_s"], metavar="S",
                    help="Longest wait on cache space, an in-flight slot or a peer rank before erroring "

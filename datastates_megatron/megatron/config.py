@@ -30,8 +30,8 @@ class LazyCkptConfig:
     streaming:       allow tensors larger than the host cache to be streamed through it in chunks.
     direct_io:       ``"auto"`` tries O_DIRECT and falls back; ``True`` requires it; ``False`` never.
     source_writes:   write host-resident (CPU) shards straight from their memory, without a copy into
-                     the host cache (the pre-step gate then waits for those writes): ``"auto"`` where
-                     the write is buffered anyway (tmpfs, no O_DIRECT); ``True`` always; ``False`` never.
+                     the host cache (the pre-step gate then waits for those writes): ``"auto"`` on
+                     tmpfs/ramfs (a node-local tier in ``/dev/shm``); ``True`` always; ``False`` never.
     timeout_s:       longest wait on cache space, an in-flight slot or a peer rank before erroring.
     local_dir:       optional fast node-local tier (multi-level); ``None`` disables it.
     persist_interval: with ``local_dir``, promote every N-th local checkpoint to ``save_dir``.

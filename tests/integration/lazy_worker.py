@@ -14,11 +14,13 @@ def main():
     p.add_argument("--save", required=True)
     p.add_argument("--local", default=None, help="local_tier: the node-local tier")
     p.add_argument("--no-hooks", action="store_true", help="control: remove the gate to show the test can fail")
+    p.add_argument("--source-writes", action="store_true",
+                   help="slow_copy: shards written straight from their memory; the writes are the slow part")
     a = p.parse_args()
     from datastates_megatron import LazyCheckpointer, LazyCkptConfig
     from datastates_megatron.demo import gpt
     from datastates_megatron.demo.train import state_digest
-    from datastates_megatron.engine import device_copy, load_file
+    from datastates_megatron.engine import CorruptCheckpointError, device_copy, load_file, writer
     from datastates_megatron.engine.device_copy import as_bytes
     from datastates_megatron.engine.serializer import xxh64
     from datastates_megatron.engine.manifest import iter_dir, read_manifest
@@ -26,9 +28,12 @@ def main():
 
     gpt.init_distributed(seed=7)
     rank = torch.distributed.get_rank()
-    chunks, opt = gpt.build(2, 64, 4, 32, 256, bf16=a.scenario == "slow_copy", seed=7)
+    hidden = 128 if a.source_writes else 64  # a param shard above small_bytes: written from its memory
+    chunks, opt = gpt.build(2, hidden, 4, 32, 256, bf16=a.scenario == "slow_copy", seed=7)
     data = lambda it: gpt.batch(it, gpt.dp_rank(), seed=7, seq_len=32, vocab=256)  # noqa: E731
     tier = {"local_dir": a.local, "persist_interval": 3} if a.local else {}
+    if a.source_writes:
+        tier["source_writes"] = True
     ckpt = LazyCheckpointer(chunks, opt, LazyCkptConfig(save_dir=a.save, host_cache_gb=1 / 1024, keep_last=0, **tier))
     gpt.train_step(chunks, opt, data(1))
     result = {"rank": rank}
@@ -43,13 +48,22 @@ def main():
         result["loaded"], _ = ckpt.load()
         result["exact"] = state_digest(chunks, opt) == at_4
     elif a.scenario == "slow_copy":
-        real = device_copy.DeviceCopier.copy
+        if a.source_writes:
+            real_write = writer.RankFileWriter.write
 
-        def slow(self, src, dst, ready):
-            time.sleep(0.02)  # a slow device->host copy: the step must wait for it
-            return real(self, src, dst, ready)
+            def slow_write(self, data, offset):
+                time.sleep(0.06)  # a slow write straight from a shard: the step must wait for it
+                return real_write(self, data, offset)
 
-        device_copy.DeviceCopier.copy = slow
+            writer.RankFileWriter.write = slow_write
+        else:
+            real = device_copy.DeviceCopier.copy
+
+            def slow(self, src, dst, ready):
+                time.sleep(0.02)  # a slow device->host copy: the step must wait for it
+                return real(self, src, dst, ready)
+
+            device_copy.DeviceCopier.copy = slow
         if a.no_hooks:
             ckpt._remove_hooks()
             ckpt._refresh = lambda: None
@@ -62,10 +76,14 @@ def main():
         result["step_s"] = time.perf_counter() - t0
         ckpt.wait()
         m = read_manifest(iter_dir(a.save, 1))
-        tensors, _ = load_file(os.path.join(iter_dir(a.save, 1), m.ranks[rank].file))
+        try:
+            tensors, _ = load_file(os.path.join(iter_dir(a.save, 1), m.ranks[rank].file))
+        except CorruptCheckpointError:  # control only: a shard changed between its hash and its write
+            tensors = {}
         saved = {n: xxh64(as_bytes(t).numpy()) for n, t in tensors.items()}
         result["equal_to_save_time"] = saved == at_save
         result["n_tensors"] = len(saved)
+        result["source_bytes"] = ckpt._mgr.engine.source_bytes
     else:
         ckpt.save(1)
         ckpt.wait()

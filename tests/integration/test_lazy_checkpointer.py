@@ -41,14 +41,17 @@ def test_resume_after_kill_9_is_bit_exact(tmp_path, precision):
         assert a["digest"] == b["digest"]  # every param shard, main param and Adam state
 
 
-def test_step_waits_for_slow_snapshot_copies(tmp_path):
-    res = run_ranks(WORKER, 2, ["slow_copy", "--save", str(tmp_path / "a")])
+@pytest.mark.parametrize("mode", ["copy", "source_writes"])
+def test_step_waits_for_slow_snapshot_copies(tmp_path, mode):
+    extra = ["--source-writes"] if mode == "source_writes" else []
+    res = run_ranks(WORKER, 2, ["slow_copy", *extra, "--save", str(tmp_path / "a")])
     assert all(r["returncode"] == 0 for r in res), describe(res)
     for r in res:
         out = r["result"]
         assert out["equal_to_save_time"] and out["n_tensors"] > 10, out
         assert out["save_call_s"] < 0.05 < out["step_s"]  # save returned at once; the step waited
-    control = run_ranks(WORKER, 2, ["slow_copy", "--no-hooks", "--save", str(tmp_path / "b")])
+        assert (out["source_bytes"] > 0) == (mode == "source_writes"), out
+    control = run_ranks(WORKER, 2, ["slow_copy", *extra, "--no-hooks", "--save", str(tmp_path / "b")])
     assert all(r["returncode"] == 0 for r in control), describe(control)
     assert not all(r["result"]["equal_to_save_time"] for r in control)  # without the gate the step races the copy
 
