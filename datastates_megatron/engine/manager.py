@@ -9,6 +9,7 @@ gloo group).  Thread-safety: one training thread calls every method; the work ru
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import os
 import secrets
@@ -195,9 +196,10 @@ class CheckpointManager(ClosingContext):
             os.makedirs(d, exist_ok=True)
             name = rank_file_name(self.rank, self.token, self._seq)
             path = os.path.join(d, name)
-            if self._first_tier.recycles:
-                take_recycled(tier_root, path)  # overwrite a retired rank file in place when there is one
-            handle = self.engine.save(iteration, path, objects, tag=name)
+            # overwrite a retired rank file in place when there is one (a listdir and a rename: done on
+            # the copier thread, not here on the training thread)
+            recycle = functools.partial(take_recycled, tier_root, path) if self._first_tier.recycles else None
+            handle = self.engine.save(iteration, path, objects, tag=name, before_open=recycle)
         except CheckpointError as e:
             self._handle(e)
             handle = None

@@ -115,9 +115,11 @@ class _Layout:
 class _Job:
     """One version in flight.  Its counters are guarded by ``lock``."""
 
-    def __init__(self, version: int, path: str, layout: _Layout, objects_json: bytes, ready, t_save: float):
+    def __init__(self, version: int, path: str, layout: _Layout, objects_json: bytes, ready, t_save: float,
+                 before_open=None):
         self.version = version
         self.path = path
+        self.before_open = before_open
         self.layout = layout
         self.objects_json = objects_json
         self.ready = ready
@@ -208,12 +210,14 @@ class SnapshotEngine(ClosingContext):
         return self._layout
 
     # ------------------------------------------------------------------ training-thread API
-    def save(self, version: int, path: str, objects=None, tag: str = "") -> SaveHandle:
+    def save(self, version: int, path: str, objects=None, tag: str = "", before_open=None) -> SaveHandle:
         """Snapshot every registered tensor (and ``objects``) into ``path`` as ``version``; returns at once.
 
         ``tag`` is stored with the file (the commit layer uses run token, rank and sequence) so a file
-        from another run or rank never passes for this one.  Blocks only while ``max_inflight`` versions
-        are pending (bounded by ``timeout_s``)."""
+        from another run or rank never passes for this one.  ``before_open()`` runs on the copier thread
+        just before ``path`` is opened (the manager moves a recycled rank file into place there, off the
+        training thread); an ``OSError`` from it is logged and the file is written anew.  Blocks only
+        while ``max_inflight`` versions are pending (bounded by ``timeout_s``)."""
         t0 = time.perf_counter()
         self._check_open()
         self._raise_pending()
@@ -229,7 +233,7 @@ class SnapshotEngine(ClosingContext):
                     f"rank {self.options.rank}: version {version}: waited {self.options.timeout_s:.0f}s for one of "
                     f"{self.options.max_inflight} in-flight slots"
                 )
-        job = _Job(version, os.fspath(path), layout, objects_json, self._copier.mark_ready(), t0)
+        job = _Job(version, os.fspath(path), layout, objects_json, self._copier.mark_ready(), t0, before_open)
         with self._pending_lock:
             self._seq += 1
             self._pending[self._seq] = job
@@ -355,6 +359,12 @@ class SnapshotEngine(ClosingContext):
 
     def _copy_job(self, job: _Job) -> None:
         layout = job.layout
+        if job.before_open is not None:
+            try:
+                job.before_open()
+            except OSError as e:
+                log.warning("rank %d: version %d: preparing %s failed (%s); writing a new file",
+                            self.options.rank, job.version, job.path, e)  # fmt: skip
         try:
             job.writer = RankFileWriter(job.path, self.options.direct_io)
         except OSError as e:

@@ -4,8 +4,9 @@ the next save overwrites one in place, and nothing of the old contents can pass 
 from __future__ import annotations
 
 import os
+import threading
 
-from datastates_megatron.engine import EngineOptions
+from datastates_megatron.engine import EngineOptions, manager as manager_mod
 from datastates_megatron.engine.manager import CheckpointManager
 from datastates_megatron.engine.manifest import iter_dir, read_manifest
 from datastates_megatron.engine.retention import RECYCLE_DIR
@@ -52,6 +53,27 @@ def test_retired_rank_file_is_overwritten_in_place_and_loads_exactly(tmp_path):
             mgr.register(n, t)
         result = mgr.load()  # verifies every checksum
     assert result.iteration == 3 and is_state_of(ts, 0, 3)
+
+
+def test_the_pool_is_read_on_the_copier_thread_not_in_save(tmp_path, monkeypatch):
+    taken = []
+    real = manager_mod.take_recycled
+
+    def spy(root, dst):
+        ok = real(root, dst)
+        taken.append((threading.current_thread().name, ok))
+        return ok
+
+    monkeypatch.setattr(manager_mod, "take_recycled", spy)
+    root = tmp_path / "ckpt"
+    ts = make_state(0, 50_000)
+    with _manager(root, keep_last=1) as mgr:
+        for n, t in ts.items():
+            mgr.register(n, t)
+        for it in (1, 2, 3):
+            _save(mgr, ts, it)
+    assert [ok for _, ok in taken] == [False, False, True]  # the third save reused the first one's file
+    assert all(name.startswith("dsm-copier-r0") for name, _ in taken), taken
 
 
 def test_a_larger_stale_file_in_the_pool_is_truncated_and_its_header_never_survives(tmp_path):
