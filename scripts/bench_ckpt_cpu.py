@@ -63,7 +63,7 @@ def machine_ticks() -> tuple[float, float, float]:
 
 
 MODES = {  # mode -> LazyCkptConfig overrides
-    "ours": {},  # defaults: no recycling on a tier without a local one; source writes where buffered
+    "ours": {},  # defaults: no recycling on a tier without a local one; source writes on tmpfs
     "ours-recycle": {"recycle_files": "all"},
     "ours-buffered": {"direct_io": False},
     "ours-copy": {"source_writes": False},  # every shard through the host cache, even on tmpfs

@@ -16,17 +16,34 @@ import ctypes
 import logging
 import mmap
 import os
+import sys
 import threading
 
 import numpy as np
 
-__all__ = ["resident_fraction", "resident_fraction_of", "read_range", "warm_file"]
+__all__ = ["memory_backed", "resident_fraction", "resident_fraction_of", "read_range", "warm_file"]
 
 log = logging.getLogger(__name__)
+try:
+    _libc = ctypes.CDLL(None, use_errno=True)  # the C library this process already has loaded
+except OSError:  # pragma: no cover - no C library to load (Windows)
+    _libc = None
+_MEMORY_FS_MAGIC = {0x01021994, 0x858458F6}  # tmpfs, ramfs (linux/magic.h)
 
 _BLOCK = 8 << 20  # bytes per preadv
 _RESIDENT_ENOUGH = 0.9  # skip the read-ahead above this fraction of resident pages
 _scratch = threading.local()
+
+
+def memory_backed(fd: int) -> bool:
+    """Whether ``fd`` lives on tmpfs/ramfs: every page is resident and every write is a memcpy into
+    page-cache pages (O_DIRECT or not).  Linux ``fstatfs``; False elsewhere or when the call fails."""
+    if _libc is None or not sys.platform.startswith("linux"):  # struct statfs below is Linux's
+        return False
+    buf = ctypes.create_string_buffer(256)  # struct statfs is 120 bytes on 64-bit Linux; f_type comes first
+    if _libc.fstatfs(fd, buf) != 0:
+        return False
+    return ctypes.c_long.from_buffer(buf).value in _MEMORY_FS_MAGIC
 
 
 def resident_fraction(path: str) -> float | None:
@@ -50,14 +67,15 @@ def resident_fraction_of(fd: int, path: str) -> float | None:
         size = st.st_size
         if size == 0:
             return 0.0
-        libc = ctypes.CDLL(None, use_errno=True)
+        if _libc is None:
+            return None
         mm = mmap.mmap(fd, 0, access=mmap.ACCESS_COPY)  # private mapping: nothing is read in
         try:
             anchor = ctypes.c_char.from_buffer(mm)
             try:
                 pages = (size + mmap.PAGESIZE - 1) // mmap.PAGESIZE
                 vec = (ctypes.c_ubyte * pages)()
-                rc = libc.mincore(ctypes.c_void_p(ctypes.addressof(anchor)), ctypes.c_size_t(size), vec)
+                rc = _libc.mincore(ctypes.c_void_p(ctypes.addressof(anchor)), ctypes.c_size_t(size), vec)
             finally:
                 del anchor
         finally:

@@ -264,7 +264,9 @@ class SnapshotEngine(ClosingContext):
             with job.lock:
                 upto = job.completions[: last + 1]
             # device copies run in order on one side stream: the last one with an event covers the rest
-            completions += [c for c in reversed(upto) if c.event is not None][:1]
+            last_copy = next((c for c in reversed(upto) if c.event is not None), None)
+            if last_copy is not None:
+                completions.append(last_copy)
             writes += [(job, c.written) for c in upto if c.written is not None]
         DeviceCopier.gate(completions)
         for job, written in writes:

@@ -5,35 +5,20 @@ Thread-safe: several flush threads may ``write`` disjoint ranges of the same fil
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import errno
 import logging
 import os
-import sys
 
 import numpy as np
 
 from .errors import FlushError
 from .file_format import HEADER_BYTES, Header
+from .page_cache import memory_backed
 
-__all__ = ["RankFileWriter", "fsync_dir", "memory_backed"]
+__all__ = ["RankFileWriter", "fsync_dir"]
 
 log = logging.getLogger(__name__)
 _ALIGN = 4096
-_MEMORY_FS_MAGIC = {0x01021994, 0x858458F6}  # tmpfs, ramfs (linux/magic.h)
-_libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True) if sys.platform.startswith("linux") else None
-
-
-def memory_backed(fd: int) -> bool:
-    """Whether ``fd`` lives on tmpfs/ramfs, where every write is a memcpy into page-cache pages
-    (O_DIRECT or not).  Linux ``fstatfs``; False elsewhere or when the call fails."""
-    if _libc is None:
-        return False
-    buf = ctypes.create_string_buffer(256)  # struct statfs is 120 bytes on 64-bit Linux; f_type comes first
-    if _libc.fstatfs(fd, buf) != 0:
-        return False
-    return ctypes.c_long.from_buffer(buf).value in _MEMORY_FS_MAGIC
 
 
 def fsync_dir(path: str) -> None:
@@ -82,12 +67,7 @@ class RankFileWriter:
             raise FlushError(f"{path}: O_DIRECT is not available on this platform")
         self.direct_bytes = 0
         self.buffered_bytes = 0
-        self.memory_backed = memory_backed(self._fd)
-
-    @property
-    def direct(self) -> bool:
-        """Whether aligned writes go around the page cache (an O_DIRECT descriptor is open)."""
-        return self._direct_fd is not None
+        self.memory_backed = memory_backed(self._fd)  # tmpfs/ramfs: see EngineOptions.source_writes
 
     def write(self, data: np.ndarray, offset: int) -> None:
         """Write ``data`` (uint8) at ``offset``; O_DIRECT when address, offset and length are 4 KiB-aligned."""
