@@ -550,8 +550,8 @@ class LazyEngine(Engine):
     def tick(self) -> None:
         self._ckpt.poll()
 
-    def drain(self) -> None:
-        self._ckpt.wait(persist=True)
+    def drain(self) -> None:  # as at the end of a run: the newest checkpoint promoted too
+        self._ckpt.wait(persist=True, promote_newest=True)
 
     def restore(self) -> Optional[int]:
         iteration, _extra = self._ckpt.load()

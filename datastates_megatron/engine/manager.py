@@ -236,15 +236,22 @@ class CheckpointManager(ClosingContext):
             self.last_commit = out[-1]
         return out
 
-    def wait(self, timeout: float | None = None, persist: bool = True) -> list[CommitRecord]:
+    def wait(self, timeout: float | None = None, persist: bool = True,
+             promote_newest: bool = False) -> list[CommitRecord]:
         """Block until every pending checkpoint is committed (or has failed); with a local tier and
-        ``persist=True``, also until every scheduled promotion is committed on the persistent tier."""
+        ``persist=True``, also until every scheduled promotion is committed on the persistent tier.
+
+        ``promote_newest`` (collective; for the end of a run, and what ``close`` does): first
+        promote the newest local checkpoint if its ``persist_interval`` turn had not come -- what a
+        job leaves behind must not depend on node-local storage outliving it."""
         try:
             self.engine.wait(timeout)
         except CheckpointError as e:
             self._handle(e)
         self._first_tier.drain(timeout)
         if persist:
+            if promote_newest and self.promoter is not None:
+                self.promoter.promote_newest()
             self.committer.drain(timeout)
         return self.poll()
 
@@ -415,12 +422,13 @@ class CheckpointManager(ClosingContext):
 
     # ------------------------------------------------------------------ lifecycle
     def close(self, timeout: float | None = None) -> None:
-        """Drain (commit what is pending), then stop every thread; idempotent."""
+        """Drain (commit what is pending and promote the newest local checkpoint), then stop every
+        thread; idempotent."""
         if self._closed:
             return
         forget(self)
         try:
-            self.wait(timeout)
+            self.wait(timeout, promote_newest=True)
         finally:
             self._closed = True
             try:

@@ -110,6 +110,7 @@ class Promoter(QueueThread):
         self._count = 0
         self._lock = threading.Lock()
         self._in_flight: set[int] = set()
+        self._newest: Ticket | None = None  # this run's newest local commit, until it is scheduled
         super().__init__(f"dsm-promote-r{rank}")
 
     def in_flight(self) -> set[int]:
@@ -120,8 +121,22 @@ class Promoter(QueueThread):
     def on_local_commit(self, ticket: Ticket, _record) -> None:
         """Local committer callback: promote every ``interval``-th committed checkpoint."""
         self._count += 1
+        with self._lock:
+            self._newest = ticket
         if self._count % self._interval == 0:
             self.schedule(ticket.iteration, ticket.seq, ticket.metadata)
+
+    def promote_newest(self) -> bool:
+        """Schedule this run's newest local checkpoint unless it already was (collective, like every
+        schedule: every rank saw the same local commits).  For the end of a run: node-local storage
+        may not outlive the job, so its last checkpoint must reach the persistent tier whatever
+        ``interval`` says.  Returns whether a promotion was scheduled."""
+        with self._lock:
+            ticket, self._newest = self._newest, None
+        if ticket is None:
+            return False
+        self.schedule(ticket.iteration, ticket.seq, ticket.metadata)
+        return True
 
     def schedule(self, iteration: int, seq: int, metadata: dict, token: str | None = None) -> None:
         """Promote local checkpoint ``iteration`` (collective: every rank schedules the same ones, in
@@ -129,6 +144,8 @@ class Promoter(QueueThread):
         future: cf.Future = cf.Future()
         with self._lock:
             self._in_flight.add(iteration)
+            if self._newest is not None and (self._newest.iteration, self._newest.seq) == (iteration, seq):
+                self._newest = None
         self._persistent.submit(Ticket(iteration, seq, future, dict(metadata), time.perf_counter(), token))
         self.put((iteration, seq, token or self._token, future))
 

@@ -135,8 +135,8 @@ def add_lazy_ckpt_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
                         "(default: off).")
     g.add_argument("--lazy-ckpt-persist-interval", type=int, default=d["persist_interval"],
                    metavar="N",
-                   help="With --lazy-ckpt-local-dir, promote every N-th local checkpoint to --save "
-                        "(default: %(default)s).")
+                   help="With --lazy-ckpt-local-dir, promote every N-th local checkpoint to --save; "
+                        "the last one of a run is promoted at exit whatever N (default: %(default)s).")
     g.add_argument("--lazy-ckpt-local-keep-last", type=int, default=d["local_keep_last"], metavar="N",
                    help="With --lazy-ckpt-local-dir, keep the N newest local checkpoints "
                         "(default: %(default)s).")

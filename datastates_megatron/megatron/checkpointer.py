@@ -163,11 +163,13 @@ class LazyCheckpointer:
         once here, or logged with ``on_error="warn"``)."""
         return self._report(self._mgr.poll())
 
-    def wait(self, persist: bool = True) -> list[int]:
+    def wait(self, persist: bool = True, promote_newest: bool = False) -> list[int]:
         """Block until every pending checkpoint is committed; with a local tier and ``persist=True``,
-        also until every scheduled promotion is committed on the persistent tier."""
+        also until every scheduled promotion is committed on the persistent tier.
+        ``promote_newest`` (end of a run; ``close`` does it): the newest local checkpoint is
+        promoted too, whatever ``persist_interval`` says."""
         self._check_open()
-        return self._report(self._mgr.wait(persist=persist))
+        return self._report(self._mgr.wait(persist=persist, promote_newest=promote_newest))
 
     def _report(self, records: list[CommitRecord]) -> list[int]:
         for rec in records:
@@ -293,12 +295,13 @@ class LazyCheckpointer:
 
     # ------------------------------------------------------------------ lifecycle
     def close(self) -> None:
-        """Commit what is pending, remove the optimizer hooks, stop every thread; idempotent."""
+        """Commit what is pending (the newest local checkpoint promoted), remove the optimizer hooks,
+        stop every thread; idempotent."""
         if self._closed:
             return
         self._remove_hooks()
         try:
-            self._report(self._mgr.wait())
+            self._report(self._mgr.wait(promote_newest=True))
         finally:
             self._closed = True
             self._mgr.close()

@@ -34,7 +34,8 @@ class LazyCkptConfig:
                      tmpfs/ramfs (a node-local tier in ``/dev/shm``); ``True`` always; ``False`` never.
     timeout_s:       longest wait on cache space, an in-flight slot or a peer rank before erroring.
     local_dir:       optional fast node-local tier (multi-level); ``None`` disables it.
-    persist_interval: with ``local_dir``, promote every N-th local checkpoint to ``save_dir``.
+    persist_interval: with ``local_dir``, promote every N-th local checkpoint to ``save_dir`` (and the
+                     newest at ``close``, whatever N).
     local_keep_last: retention of the local tier.
     recycle_files:   where retention moves retired rank files to a pool that later saves overwrite in
                      place (saves freeing and re-allocating a checkpoint's pages/blocks each time):

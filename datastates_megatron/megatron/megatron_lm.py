@@ -425,7 +425,8 @@ def maybe_finalize(blocking: bool = False, terminate: bool = False) -> list[int]
 
 
 def finalize_at_exit() -> None:
-    """Wait until every pending checkpoint is committed, then close the checkpointer. Idempotent.
+    """Wait until every pending checkpoint is committed (with a node-local tier, the newest one
+    promoted to ``--save`` too), then close the checkpointer. Idempotent.
 
     A later save or load starts a new checkpointer (Megatron's ``pretrain`` may save once more after
     ``train`` has finalized).
@@ -436,7 +437,7 @@ def finalize_at_exit() -> None:
     if session is None:
         return
     try:
-        session.ckpt.wait(persist=True)
+        session.ckpt.wait(persist=True, promote_newest=True)
         _info("rank %d: all lazy checkpoints committed", _rank())
     finally:
         session.ckpt.close()

@@ -50,18 +50,31 @@ def test_local_fallback_rank_reads_only_the_missing_node_from_persistent(tmp_pat
     assert roots[0] == roots[1] == str(tmp_path / "local0"), roots
     assert roots[2] == roots[3] == persistent, roots
 
-    # a local copy that is not the persistent file is never read: a new run re-saves 6 locally
-    # (not promoted), node 1 is replaced again -> node 0's local 6 differs from the persistent 6
-    _ok(run_ranks(WORKER, 4, ["save", *_args(tmp_path, "--start", "6", "--iters", "1", "--persist-interval", "5")],
-                  env=NODES))
+    # a local copy that is not the persistent file is never read: a new run re-saves 6 locally and
+    # is killed in its end-of-run promotion, node 1 is replaced again -> node 0's local 6 differs
+    # from the persistent 6
+    killed = run_ranks(WORKER, 4, ["save", *_args(tmp_path, "--start", "6", "--iters", "1", "--persist-interval", "5")],
+                       env={**NODES, "DSM_CRASH_AT": "promote"})
+    assert all(r["returncode"] == -9 for r in killed), describe(killed)
     shutil.rmtree(tmp_path / "local1")
     loaded = _ok(run_ranks(WORKER, 4, ["load", *_args(tmp_path, "--local-fallback", "rank")], env=NODES))
     assert all(r["iteration"] == 6 and r["exact"] and r["root"] == persistent for r in loaded), loaded
 
 
+def test_a_clean_end_promotes_the_newest_local_checkpoint_whatever_the_interval(tmp_path):
+    persistent = str(tmp_path / "persistent")
+    done = _ok(run_ranks(WORKER, 4, ["save", *_args(tmp_path, "--iters", "3", "--persist-interval", "2")], env=NODES))
+    assert all(not r["errors"] for r in done), done
+    assert committed_iterations(persistent) == [2, 3]  # 2 by the interval, 3 by close()
+    assert read_manifest(iter_dir(persistent, 3)).tier == "persistent"
+
+
 def test_newer_local_checkpoint_wins_and_unpromoted_one_is_promoted_on_restart(tmp_path):
     persistent = str(tmp_path / "persistent")
-    _ok(run_ranks(WORKER, 4, ["save", *_args(tmp_path, "--iters", "3", "--persist-interval", "2")], env=NODES))
+    # killed in its end-of-run promotion (the 2nd promotion: 2 by the interval, then 3)
+    killed = run_ranks(WORKER, 4, ["save", *_args(tmp_path, "--iters", "3", "--persist-interval", "2")],
+                       env={**NODES, "DSM_CRASH_AT": "promote:2"})
+    assert all(r["returncode"] == -9 for r in killed), describe(killed)
     assert committed_iterations(persistent) == [2]
     resumed = _ok(run_ranks(WORKER, 4, ["resume", *_args(tmp_path, "--iters", "1", "--persist-interval", "5")], env=NODES))
     assert all(r["iteration"] == 3 and r["exact"] and "local" in r["root"] for r in resumed), resumed
@@ -77,7 +90,7 @@ def test_crash_during_promotion_keeps_local_copy_and_is_redone(tmp_path):
     assert committed_iterations(str(tmp_path / "local1")) == [1, 2]  # the local copies are intact
     resumed = _ok(run_ranks(WORKER, 4, ["resume", *_args(tmp_path, "--iters", "1", "--persist-interval", "9")], env=NODES))
     assert all(r["iteration"] == 2 and r["exact"] for r in resumed), resumed
-    assert committed_iterations(persistent) == [2]  # redone after the restart
+    assert committed_iterations(persistent) == [2, 3]  # 2 redone after the restart, 3 at its end
 
 
 def test_nodes_holding_the_same_iteration_from_different_saves_are_never_restored_together(tmp_path):

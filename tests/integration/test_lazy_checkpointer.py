@@ -67,7 +67,7 @@ def test_load_in_the_same_run_takes_the_newest_local_tier_checkpoint(tmp_path):
     save = str(tmp_path / "ckpt")
     res = run_ranks(WORKER, 2, ["local_tier", "--save", save, "--local", str(tmp_path / "local{node}")])
     assert all(r["returncode"] == 0 for r in res), describe(res)
-    assert committed_iterations(save) == [3]  # only the 3rd local checkpoint was promoted
+    assert committed_iterations(save) == [3, 4]  # 3 promoted by the interval (before the load), 4 at close
     assert all(r["result"]["loaded"] == 4 and r["result"]["exact"] for r in res), [r["result"] for r in res]
 
 
