@@ -73,6 +73,9 @@ log = logging.getLogger("bench_peers")
 
 ALL_ENGINES = ("baseline", "torch_save", "dcp_async", "ours", "ours_local", "mcore_sync", "mcore_async")
 RISKY = ("mcore_sync", "mcore_async")  # hung once on a small model: run them last
+# run order of a round: the engine nearest the target sits next to the baseline (its ratio is the
+# one a drift of this machine's speed between the two would bend most); megatron-core last
+RUN_ORDER = ("baseline", "ours_local", "ours", "torch_save", "dcp_async", *RISKY)
 ENGINE_KEYS = (
     "status", "error", "interval", "iterations", "checkpoints",
     "iter_times_s", "save_call_s", "gate_wait_s", "tick_s",
@@ -725,8 +728,9 @@ def emit(doc: dict, args: argparse.Namespace, final: bool) -> None:
 def _plan(args: argparse.Namespace) -> list[tuple[str, int, bool, int]]:
     """(engine, interval, main?, round) in run order.  The main comparison runs ``--rounds`` times,
     every other round in reverse order (ABBA), so a slow drift of the machine's speed hits the
-    baseline and the engines alike; the interval sweep runs once, after it."""
-    main = [e for e in ALL_ENGINES if e in args.engines]
+    baseline and the engines alike, and ``ours_local`` runs right next to the baseline in every
+    round (``RUN_ORDER``); the interval sweep runs once, after it."""
+    main = [e for e in RUN_ORDER if e in args.engines]
     sweep_iv = [i for i in dict.fromkeys(args.intervals) if i != args.interval]
     plan = []
     for k in range(args.rounds):
@@ -823,10 +827,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     rounds: dict[str, list[dict]] = {}  # engine -> its per-round results (main comparison)
     for name, interval, is_main, k in plan:
         if is_main:
-            doc["engines"][name] = _blank(name, interval)
             rounds.setdefault(name, []).append(_blank(name, interval))
         else:
             doc["sweep"].setdefault(name, {})[str(interval)] = _blank(name, interval)
+    doc["engines"] = {n: _blank(n, args.interval) for n in ALL_ENGINES if n in rounds}  # report order
 
     current: dict[str, Any] = {}
 
