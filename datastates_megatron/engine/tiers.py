@@ -144,8 +144,10 @@ class Promoter(QueueThread):
         future: cf.Future = cf.Future()
         with self._lock:
             self._in_flight.add(iteration)
-            if self._newest is not None and (self._newest.iteration, self._newest.seq) == (iteration, seq):
-                self._newest = None
+            newest = self._newest
+            this_run = token in (None, self._token)
+            if newest is not None and this_run and (newest.iteration, newest.seq) == (iteration, seq):
+                self._newest = None  # this run's newest, scheduled by its interval turn
         self._persistent.submit(Ticket(iteration, seq, future, dict(metadata), time.perf_counter(), token))
         self.put((iteration, seq, token or self._token, future))
 
