@@ -110,7 +110,7 @@ class Promoter(QueueThread):
         self._count = 0
         self._lock = threading.Lock()
         self._in_flight: set[int] = set()
-        self._newest: Ticket | None = None  # this run's newest local commit, until it is scheduled
+        self._newest: Ticket | None = None  # this run's newest local commit when it is not promoted yet
         super().__init__(f"dsm-promote-r{rank}")
 
     def in_flight(self) -> set[int]:
@@ -121,9 +121,10 @@ class Promoter(QueueThread):
     def on_local_commit(self, ticket: Ticket, _record) -> None:
         """Local committer callback: promote every ``interval``-th committed checkpoint."""
         self._count += 1
+        due = self._count % self._interval == 0
         with self._lock:
-            self._newest = ticket
-        if self._count % self._interval == 0:
+            self._newest = None if due else ticket
+        if due:
             self.schedule(ticket.iteration, ticket.seq, ticket.metadata)
 
     def promote_newest(self) -> bool:
@@ -144,10 +145,6 @@ class Promoter(QueueThread):
         future: cf.Future = cf.Future()
         with self._lock:
             self._in_flight.add(iteration)
-            newest = self._newest
-            this_run = token in (None, self._token)
-            if newest is not None and this_run and (newest.iteration, newest.seq) == (iteration, seq):
-                self._newest = None  # this run's newest, scheduled by its interval turn
         self._persistent.submit(Ticket(iteration, seq, future, dict(metadata), time.perf_counter(), token))
         self.put((iteration, seq, token or self._token, future))
 

@@ -47,3 +47,9 @@ def test_before_that_commit_a_restart_resumes_the_abandoned_timeline(tmp_path, m
         m.setattr(Promoter, "promote_newest", lambda self: False)
         _run(tmp_path, (5, 6), lambda it: 100.0 + it, load=4)  # nothing of run B reached the persistent tier
     assert _restart(tmp_path) == (10, 10.0)  # as Megatron's own tracker file does before its first save
+
+
+def test_a_clean_end_of_the_new_run_makes_the_rollback_stick(tmp_path):
+    _run(tmp_path, range(1, 11), float)
+    _run(tmp_path, (5, 6), lambda it: 100.0 + it, load=4)  # its end promotes 6: its first persistent commit
+    assert _restart(tmp_path) == (6, 106.0)
