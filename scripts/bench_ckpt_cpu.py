@@ -68,6 +68,8 @@ MODES = {  # mode -> LazyCkptConfig overrides
     "ours-buffered": {"direct_io": False},
     "ours-copy": {"source_writes": False},  # every shard through the host cache, even on tmpfs
     "ours-recycle-copy": {"recycle_files": "all", "source_writes": False},
+    # tmpfs rank files written with pwrite after a hash pass, not through kept mappings
+    "ours-recycle-pwrite": {"recycle_files": "all", "mapped_writes": False},
 }
 
 

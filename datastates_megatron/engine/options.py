@@ -34,6 +34,10 @@ class EngineOptions:
                    would be a second copy of the same bytes) and cannot block on a device; True:
                    always (those writes become buffered, and the gate may wait on the disk);
                    False: never.
+    mapped_writes: write memory-backed (tmpfs/ramfs) rank files through shared mappings kept from one
+                   save to the next (a recycled file is overwritten through the same mapping),
+                   hashing and copying each region in one pass instead of hashing, then
+                   ``pwrite``; see :mod:`~datastates_megatron.engine.mapped_files`.  Off: ``pwrite``.
     timeout_s:     longest wait for cache space or an in-flight slot before raising.
     pin_memory:    pin the cache (default: when CUDA is available).
     rank:          used in thread names, log lines and error messages only.
@@ -48,6 +52,7 @@ class EngineOptions:
     streaming: bool = True
     direct_io: bool | str = "auto"
     source_writes: bool | str = "auto"
+    mapped_writes: bool = True
     timeout_s: float = 600.0
     pin_memory: bool | None = None
     rank: int = 0

@@ -17,7 +17,7 @@ import logging
 import os
 import shutil
 
-from .manifest import MANIFEST_NAME, TRACKER_NAME, iter_dir
+from .manifest import MANIFEST_NAME, TRACKER_NAME, iter_dir, parse_rank_file_name
 from .writer import fsync_dir
 
 __all__ = [
@@ -67,12 +67,19 @@ def delete_checkpoint(root: str, iteration: int, recycle: bool = False) -> None:
 
 def take_recycled(root: str, dst: str) -> bool:
     """Move one file of ``root``'s recycle pool to ``dst`` (atomic rename; ranks sharing the pool may
-    race for a file, the loser tries the next).  ``False`` when the pool is empty."""
+    race for a file, the loser tries the next).  ``False`` when the pool is empty.
+
+    A file the same rank retired comes first: that rank's process may still have it mapped
+    (:mod:`.mapped_files`), and its size fits that rank's next save."""
     pool = os.path.join(root, RECYCLE_DIR)
     try:
         names = sorted(os.listdir(pool))
     except FileNotFoundError:
         return False
+    mine = parse_rank_file_name(os.path.basename(dst))
+    if mine is not None:
+        prefix = f"r{mine[0]:05d}-"
+        names.sort(key=lambda n: not n.partition("-")[2].startswith(prefix))  # stable: oldest first within
     for name in names:
         try:
             os.rename(os.path.join(pool, name), dst)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-__all__ = ["xxh64", "plan_layout", "encode_index", "decode_index", "warmup", "INDEX_WORDS", "MAX_NDIM"]
+__all__ = ["xxh64", "xxh64_copy", "plan_layout", "encode_index", "decode_index", "warmup", "INDEX_WORDS", "MAX_NDIM"]
 
 _P1 = np.uint64(0x9E3779B185EBCA87)
 _P2 = np.uint64(0xC2B2AE3D27D4EB4F)
@@ -38,32 +38,20 @@ def _merge(acc, val):
     return acc * _P1 + _P4
 
 
-@numba.njit(nogil=True, cache=True)
-def _xxh64_impl(buf, seed):
+@numba.njit(inline="always")
+def _converge(v1, v2, v3, v4):
+    h = _rotl(v1, 1) + _rotl(v2, 7) + _rotl(v3, 12) + _rotl(v4, 18)
+    h = _merge(h, v1)
+    h = _merge(h, v2)
+    h = _merge(h, v3)
+    return _merge(h, v4)
+
+
+@numba.njit(inline="always")
+def _finish(buf, words, h, i):
+    """XXH64 of ``buf`` after its first ``i`` words went through the stripe loop (accumulated in ``h``)."""
     n = buf.shape[0]
-    n_words = n // 8
-    words = buf[: n_words * 8].view(np.uint64)
-    i = 0
-    if n >= 32:
-        v1 = seed + _P1 + _P2
-        v2 = seed + _P2
-        v3 = seed
-        v4 = seed - _P1
-        stripes = n_words // 4
-        for s in range(stripes):
-            j = s * 4
-            v1 = _round(v1, words[j])
-            v2 = _round(v2, words[j + 1])
-            v3 = _round(v3, words[j + 2])
-            v4 = _round(v4, words[j + 3])
-        i = stripes * 4
-        h = _rotl(v1, 1) + _rotl(v2, 7) + _rotl(v3, 12) + _rotl(v4, 18)
-        h = _merge(h, v1)
-        h = _merge(h, v2)
-        h = _merge(h, v3)
-        h = _merge(h, v4)
-    else:
-        h = seed + _P5
+    n_words = words.shape[0]
     h = h + np.uint64(n)
     while i < n_words:
         h = h ^ _round(_U0, words[i])
@@ -92,12 +80,77 @@ def _xxh64_impl(buf, seed):
     return h
 
 
+@numba.njit(nogil=True, cache=True)
+def _xxh64_impl(buf, seed):
+    n = buf.shape[0]
+    words = buf[: (n // 8) * 8].view(np.uint64)
+    stripes = words.shape[0] // 4
+    if n < 32:
+        return _finish(buf, words, seed + _P5, 0)
+    v1 = seed + _P1 + _P2
+    v2 = seed + _P2
+    v3 = seed
+    v4 = seed - _P1
+    for s in range(stripes):
+        j = s * 4
+        v1 = _round(v1, words[j])
+        v2 = _round(v2, words[j + 1])
+        v3 = _round(v3, words[j + 2])
+        v4 = _round(v4, words[j + 3])
+    return _finish(buf, words, _converge(v1, v2, v3, v4), stripes * 4)
+
+
+@numba.njit(nogil=True, cache=True)
+def _xxh64_copy_impl(src, dst, seed):
+    """XXH64 of ``src`` while copying it to ``dst`` (same length): one pass over the source."""
+    n = src.shape[0]
+    words = src[: (n // 8) * 8].view(np.uint64)
+    out = dst[: (n // 8) * 8].view(np.uint64)
+    stripes = words.shape[0] // 4
+    for p in range(stripes * 32, n):  # the bytes after the last whole stripe
+        dst[p] = src[p]
+    if n < 32:
+        return _finish(src, words, seed + _P5, 0)
+    v1 = seed + _P1 + _P2
+    v2 = seed + _P2
+    v3 = seed
+    v4 = seed - _P1
+    for s in range(stripes):
+        j = s * 4
+        a = words[j]
+        b = words[j + 1]
+        c = words[j + 2]
+        d = words[j + 3]
+        out[j] = a
+        out[j + 1] = b
+        out[j + 2] = c
+        out[j + 3] = d
+        v1 = _round(v1, a)
+        v2 = _round(v2, b)
+        v3 = _round(v3, c)
+        v4 = _round(v4, d)
+    return _finish(src, words, _converge(v1, v2, v3, v4), stripes * 4)
+
+
+def _as_bytes(buf) -> np.ndarray:
+    arr = buf if isinstance(buf, np.ndarray) else np.frombuffer(buf, dtype=np.uint8)
+    return arr.reshape(-1).view(np.uint8) if arr.dtype != np.uint8 else arr
+
+
 def xxh64(buf, seed: int = 0) -> int:
     """XXH64 of a contiguous byte buffer (numpy uint8 array, bytes, memoryview or mmap slice)."""
-    arr = buf if isinstance(buf, np.ndarray) else np.frombuffer(buf, dtype=np.uint8)
-    if arr.dtype != np.uint8:
-        arr = arr.reshape(-1).view(np.uint8)
-    return int(_xxh64_impl(arr, np.uint64(seed)))
+    return int(_xxh64_impl(_as_bytes(buf), np.uint64(seed)))
+
+
+def xxh64_copy(src, dst: np.ndarray, seed: int = 0) -> int:
+    """Copy ``src`` into ``dst`` (a writable uint8 array of the same length) and return its XXH64.
+
+    One pass: each 32-byte stripe is hashed from the registers it was loaded into, so writing a
+    region into a mapped file costs about one memcpy instead of a hash pass plus a copy."""
+    src = _as_bytes(src)
+    if dst.dtype != np.uint8 or dst.shape != src.shape:
+        raise ValueError(f"xxh64_copy: destination is {dst.dtype}{dst.shape}, expected uint8{src.shape}")
+    return int(_xxh64_copy_impl(src, dst, np.uint64(seed)))
 
 
 @numba.njit(nogil=True, cache=True)
@@ -216,6 +269,7 @@ def decode_index(raw: np.ndarray) -> np.ndarray:
 def warmup() -> None:
     """Compile (or load from cache) every kernel with the argument types the engine uses."""
     xxh64(np.zeros(40, np.uint8))
+    xxh64_copy(np.zeros(40, np.uint8), np.zeros(40, np.uint8))
     plan_layout(np.array([1, 1 << 20], np.int64), 1 << 16, 1 << 10, 1 << 16, 4096, 64)
     z = np.zeros(1, np.int64)
     encode_index(z, z, z, z, np.zeros((1, MAX_NDIM), np.int64), z, z, z, z)

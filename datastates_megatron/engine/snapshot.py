@@ -7,8 +7,10 @@ Pipeline of one version (one rank file)::
                                  device->host copy, hand the region to the flush pool
                                  (a CPU tensor under ``source_writes``: no cache, no copy;
                                  the region is handed over as a view of the tensor itself)
-    flush threads (N)            wait for the copy, XXH64 each item, pwrite, release the region;
-                                 the last one writes index + objects + header and fsyncs
+    flush threads (N)            wait for the copy, XXH64 each item, pwrite, release the region
+                                 (a memory-backed file: hash and copy in one pass through its
+                                 kept mapping, see ``mapped_files``); the last one writes
+                                 index + objects + header and fsyncs
     wait_for_snapshot() [gate]   returns once the copies (and writes from sources) are complete:
                                  the caller may mutate
 
@@ -37,6 +39,7 @@ from .faults import crash_point
 from .errors import CacheTimeoutError, CheckpointError, CopyError, EngineClosedError, FlushError
 from .file_format import FORMAT_VERSION, HEADER_BYTES, Header, build_index, dtype_code
 from .host_cache import HostCache
+from .mapped_files import MappedFiles
 from .objects import encode_objects
 from .options import EngineOptions
 from .threads import ClosingContext, close_at_exit, forget
@@ -168,6 +171,8 @@ class SnapshotEngine(ClosingContext):
         serializer.warmup()
         self.cache = HostCache(opts.cache_bytes, pin=opts.pin_memory)
         self._copier = DeviceCopier()
+        # the files in flight, the ones retention keeps and the recycled ones waiting for their turn
+        self._mapped = MappedFiles(max(8, 4 * opts.max_inflight)) if opts.mapped_writes else None
         self._entries: dict[str, _Entry] = {}
         self._layout: _Layout | None = None
         self._jobs: queue.Queue = queue.Queue()
@@ -321,6 +326,8 @@ class SnapshotEngine(ClosingContext):
                 self._thread.join()
                 self._flush_pool.shutdown(wait=True)
                 self.cache.close()
+                if self._mapped is not None:
+                    self._mapped.close()
             else:  # storage is stuck: report instead of hanging on the blocked writes
                 self.cache.close()
                 self._thread.join(self.options.timeout_s)
@@ -368,7 +375,8 @@ class SnapshotEngine(ClosingContext):
                 log.warning("rank %d: version %d: preparing %s failed (%s); writing a new file",
                             self.options.rank, job.version, job.path, e)  # fmt: skip
         try:
-            job.writer = RankFileWriter(job.path, self.options.direct_io)
+            job.writer = RankFileWriter(job.path, self.options.direct_io, self._mapped,
+                                        HEADER_BYTES + layout.data_bytes)
         except OSError as e:
             raise FlushError(f"rank {self.options.rank}: version {job.version}: cannot create {job.path}: {e}") from e
         items = layout.items
@@ -431,16 +439,18 @@ class SnapshotEngine(ClosingContext):
             if job.error is None:
                 completion.synchronize()
                 data = (region.tensor if source is None else source).numpy()
-                for k in range(first, first + count):
-                    off, length = int(layout.items[k, 2]), int(layout.items[k, 3])
-                    job.checksums[k] = serializer._xxh64_impl(data[off : off + length], np.uint64(0))
+                spans = [(int(layout.items[k, 2]), int(layout.items[k, 3])) for k in range(first, first + count)]
                 try:
-                    if source is None:
-                        job.writer.write(data[:padded], HEADER_BYTES + offset)
+                    if job.writer.mapping is not None:  # memory-backed: hash and copy in one pass
+                        job.checksums[first : first + count] = job.writer.copy_hashed(
+                            data, HEADER_BYTES + offset, padded, spans)
                     else:
-                        job.writer.write(data, HEADER_BYTES + offset)
-                        if padded > data.nbytes:
+                        for k, (off, length) in enumerate(spans, first):
+                            job.checksums[k] = serializer._xxh64_impl(data[off : off + length], np.uint64(0))
+                        job.writer.write(data[:padded] if source is None else data, HEADER_BYTES + offset)
+                        if source is not None and padded > data.nbytes:
                             job.writer.write(_ZEROS[: padded - data.nbytes], HEADER_BYTES + offset + data.nbytes)
+                    if source is not None:
                         with job.lock:
                             job.source_bytes += data.nbytes
                     crash_point("flush", self.options.rank)

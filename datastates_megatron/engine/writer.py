@@ -1,6 +1,10 @@
 """Positional writes of one rank file: ``pwrite`` at precomputed offsets, O_DIRECT when possible, fsync.
 
-Thread-safe: several flush threads may ``write`` disjoint ranges of the same file concurrently.
+A memory-backed (tmpfs) file can instead be written through a kept shared mapping
+(:mod:`.mapped_files`), hashing and copying each region in one pass (:meth:`RankFileWriter.copy_hashed`).
+
+Thread-safe: several flush threads may ``write`` / ``copy_hashed`` disjoint ranges of the same file
+concurrently.
 """
 
 from __future__ import annotations
@@ -11,8 +15,10 @@ import os
 
 import numpy as np
 
+from . import serializer
 from .errors import FlushError
 from .file_format import HEADER_BYTES, Header
+from .mapped_files import MappedFiles
 from .page_cache import memory_backed
 
 __all__ = ["RankFileWriter", "fsync_dir"]
@@ -41,13 +47,18 @@ def _pwrite_all(fd: int, data, offset: int) -> None:
 
 
 class RankFileWriter:
-    """Writes one rank file.  ``direct``: True (required), False (never) or "auto" (try, fall back)."""
+    """Writes one rank file.  ``direct``: True (required), False (never) or "auto" (try, fall back).
 
-    def __init__(self, path: str, direct: bool | str = "auto") -> None:
+    ``mapped_files`` / ``data_end``: when the file is memory-backed, its first ``data_end`` bytes
+    are taken from that pool as ``mapping`` (None otherwise, or when the pool cannot map it)."""
+
+    def __init__(self, path: str, direct: bool | str = "auto", mapped_files: MappedFiles | None = None,
+                 data_end: int = 0) -> None:
         self.path = path
         # no O_TRUNC: ``path`` may be a recycled rank file, overwritten in place (its blocks/pages
-        # reused); its old header is zeroed at once and ``finish`` truncates to the new size
-        self._fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
+        # reused); its old header is zeroed at once and ``finish`` truncates to the new size.
+        # Read-write: a shared writable mapping needs it.
+        self._fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
             if os.fstat(self._fd).st_size:
                 _pwrite_all(self._fd, bytes(HEADER_BYTES), 0)
@@ -67,7 +78,16 @@ class RankFileWriter:
             raise FlushError(f"{path}: O_DIRECT is not available on this platform")
         self.direct_bytes = 0
         self.buffered_bytes = 0
+        self.mapped_bytes = 0
         self.memory_backed = memory_backed(self._fd)  # tmpfs/ramfs: see EngineOptions.source_writes
+        self.mapping: np.ndarray | None = None
+        self._pool = None
+        if mapped_files is not None and self.memory_backed and data_end > HEADER_BYTES:
+            try:
+                self.mapping = mapped_files.acquire(self._fd, data_end)
+                self._pool = mapped_files
+            except OSError as e:
+                log.warning("%s: not mapped (%s); writing it with pwrite", path, e)
 
     def write(self, data: np.ndarray, offset: int) -> None:
         """Write ``data`` (uint8) at ``offset``; O_DIRECT when address, offset and length are 4 KiB-aligned."""
@@ -91,6 +111,21 @@ class RankFileWriter:
         _pwrite_all(self._fd, data, offset)
         self.buffered_bytes += data.nbytes
 
+    def copy_hashed(self, data: np.ndarray, offset: int, padded: int, spans) -> list[int]:
+        """Through ``mapping``: copy each ``(off, length)`` span of ``data`` (uint8) to ``offset + off``
+        while hashing it, and zero the rest of ``[offset, offset + padded)``.  Returns the spans' XXH64s."""
+        out = self.mapping[offset : offset + padded]
+        sums, used = [], 0
+        for off, length in spans:
+            if off > used:
+                out[used:off] = 0
+            sums.append(serializer.xxh64_copy(data[off : off + length], out[off : off + length]))
+            used = off + length
+        if used < padded:
+            out[used:padded] = 0
+        self.mapped_bytes += padded
+        return sums
+
     def finish(self, tail: bytes, tail_offset: int, header: Header) -> None:
         """Write index+objects (``tail``), then the header, then fsync: the file is complete and durable."""
         _pwrite_all(self._fd, tail, tail_offset)
@@ -104,8 +139,12 @@ class RankFileWriter:
             self._direct_fd = None
 
     def close(self) -> None:
-        """Close the file descriptors; idempotent."""
+        """Hand the mapping back and close the file descriptors; idempotent."""
         self._close_direct()
+        self.mapping = None
+        if self._pool is not None:
+            pool, self._pool = self._pool, None
+            pool.release(self._fd)
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None

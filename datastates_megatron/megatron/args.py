@@ -126,6 +126,11 @@ def add_lazy_ckpt_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
                         "into the host cache; the pre-step gate then waits for those writes. auto: on "
                         "tmpfs/ramfs (e.g. a --lazy-ckpt-local-dir in /dev/shm); on: always; off: never "
                         "(default: %(default)s).")
+    g.add_argument("--lazy-ckpt-mapped-writes", action=argparse.BooleanOptionalAction,
+                   default=d["mapped_writes"],
+                   help="Write rank files on tmpfs/ramfs (e.g. a --lazy-ckpt-local-dir in /dev/shm) "
+                        "through shared mappings kept between saves, hashing and copying in one pass; "
+                        "off: plain writes (default: on).")
     g.add_argument("--lazy-ckpt-timeout-s", type=float, default=d["timeout_s"], metavar="S",
                    help="Longest wait on cache space, an in-flight slot or a peer rank before erroring "
                         "(default: %(default)s).")
@@ -166,6 +171,7 @@ _FLAG_FIELDS: tuple[tuple[str, str, str], ...] = (
     ("lazy_ckpt_verify_on_load", "--lazy-ckpt-verify-on-load", "verify_on_load"),
     ("lazy_ckpt_on_error", "--lazy-ckpt-on-error", "on_error"),
     ("lazy_ckpt_streaming", "--lazy-ckpt-no-streaming", "streaming"),
+    ("lazy_ckpt_mapped_writes", "--lazy-ckpt-mapped-writes", "mapped_writes"),
     ("lazy_ckpt_timeout_s", "--lazy-ckpt-timeout-s", "timeout_s"),
     ("lazy_ckpt_local_dir", "--lazy-ckpt-local-dir", "local_dir"),
     ("lazy_ckpt_persist_interval", "--lazy-ckpt-persist-interval", "persist_interval"),

@@ -67,6 +67,7 @@ class LazyCheckpointer:
             streaming=config.streaming,
             direct_io=config.direct_io,
             source_writes=config.source_writes,
+            mapped_writes=config.mapped_writes,
             timeout_s=config.timeout_s,
         )
         self._mgr = CheckpointManager(

@@ -450,7 +450,7 @@ def test_parse_args_takes_the_lazy_ckpt_flags(megatron_copy, tmp_path):
         max_inflight=1, keep_last=4, keep_every=1000, verify_on_load=False, on_error="warn",
         streaming=False, direct_io=True, timeout_s=60.0, local_dir=f"{tmp_path}/local",
         persist_interval=5, local_keep_last=3, local_fallback="all", recycle_files="local",
-        source_writes="auto")
+        source_writes="auto", mapped_writes=True)
     errors = out["errors"]
     assert "--lazy-ckpt requires --save" in errors["no_save"]
     assert "--lazy-ckpt cannot be combined with --async-save" in errors["async_save"]

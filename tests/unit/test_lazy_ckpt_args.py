@@ -63,7 +63,7 @@ def test_every_flag_reaches_the_config(tmp_path):
         "--lazy-ckpt-direct-io", "off", "--lazy-ckpt-source-writes", "on", "--lazy-ckpt-timeout-s", "30",
         "--lazy-ckpt-local-dir", str(local), "--lazy-ckpt-persist-interval", "4",
         "--lazy-ckpt-local-keep-last", "3", "--lazy-ckpt-local-fallback", "rank",
-        "--lazy-ckpt-recycle-files", "all",
+        "--lazy-ckpt-recycle-files", "all", "--no-lazy-ckpt-mapped-writes",
     )
     validate_lazy_ckpt_args(args)
     assert args.lazy_ckpt and args.save_interval == 50 and args.train_iters == 200
@@ -71,7 +71,7 @@ def test_every_flag_reaches_the_config(tmp_path):
         save_dir=str(save), load_dir=str(load), host_cache_gb=1.5, flush_threads=4, max_inflight=3,
         keep_last=5, keep_every=100, verify_on_load=False, on_error="warn", streaming=False,
         direct_io=False, source_writes=True, timeout_s=30.0, local_dir=str(local), persist_interval=4, local_keep_last=3,
-        local_fallback="rank", recycle_files="all")
+        local_fallback="rank", recycle_files="all", mapped_writes=False)
 
 
 @pytest.mark.parametrize("flag, expected", [("--lazy-ckpt-verify-on-load", True),
