@@ -1,0 +1,46 @@
+"""Smoke test of ``scripts/bench_paired.py``: a tiny GPT on 2 gloo ranks, one A B B A group per tier,
+and what it prints: one row per group and the median and end-to-end ratios."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+SCRIPT = REPO / "scripts" / "bench_paired.py"
+
+
+def _launch(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(SCRIPT),
+           "--layers", "2", "--hidden", "64", "--heads", "4", "--seq-len", "32", "--vocab", "256",
+           "--block", "2", "--quads", "2", "--warmup", "1", "--persist-interval", "3",
+           "--dir", str(tmp_path / "ckpt"), "--local-dir", str(tmp_path / "local"), *args]
+    return subprocess.run(cmd, env=env, cwd=str(tmp_path), capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.parametrize("tier", ["local", "disk"])
+def test_prints_each_group_and_the_ratios_and_leaves_no_checkpoint_behind(tmp_path, tier):
+    pytest.importorskip("megatron.core")
+    proc = _launch(tmp_path, "--tier", tier)
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    rows = [line.split() for line in proc.stdout.splitlines() if re.match(r"\s+\d+\s+\d", line)]
+    assert [r[0] for r in rows] == ["0", "1"]
+    for row in rows:
+        a, b, ratio, wait, cpu_a, cpu_b = map(float, row[1:])
+        assert a > 0 and b > 0 and ratio == pytest.approx(b / a, rel=0.05) and wait >= 0, row
+        assert 0 < cpu_a and 0 < cpu_b, row
+    med = re.search(r"median iteration: A ([\d.]+) s, B ([\d.]+) s, ratio ([\d.]+)", proc.stdout)
+    e2e = re.search(r"end-of-run promotion ([\d.]+) s = ([\d.]+) s; ratio ([\d.]+)", proc.stdout)
+    assert med and e2e, proc.stdout
+    assert float(med.group(3)) == pytest.approx(float(med.group(2)) / float(med.group(1)), rel=0.05)
+    assert float(e2e.group(3)) > 0
+    if tier == "disk":  # nothing to promote without a local tier
+        assert float(e2e.group(1)) < 0.05
+    assert not (tmp_path / "ckpt").exists() and not (tmp_path / "local").exists()
