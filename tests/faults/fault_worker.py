@@ -156,6 +156,7 @@ def parse(argv):
     p.add_argument("--cache-kb", type=int, default=256)
     p.add_argument("--flush-threads", type=int, default=2)
     p.add_argument("--keep-last", type=int, default=0)
+    p.add_argument("--recycle", default="local", help="CheckpointManager recycle_files")
     p.add_argument("--on-error", default="raise")
     p.add_argument("--timeout", type=float, default=60.0)
     p.add_argument("--progress", default=None, help="prefix of the per-rank progress files")
@@ -186,7 +187,7 @@ def run(argv) -> dict:
 
     ts = make_state(rank, a.big)
     opts = EngineOptions(cache_bytes=a.cache_kb << 10, flush_threads=a.flush_threads, timeout_s=a.timeout)
-    mgr = CheckpointManager(a.root, opts, keep_last=a.keep_last, on_error=a.on_error)
+    mgr = CheckpointManager(a.root, opts, keep_last=a.keep_last, on_error=a.on_error, recycle_files=a.recycle)
     for n, t in ts.items():
         mgr.register(n, t)
     result: dict = {"rank": rank}

@@ -4,14 +4,39 @@ the next save overwrites one in place, and nothing of the old contents can pass 
 from __future__ import annotations
 
 import os
+import shutil
 import threading
+
+import pytest
 
 from datastates_megatron.engine import EngineOptions, manager as manager_mod
 from datastates_megatron.engine.manager import CheckpointManager
 from datastates_megatron.engine.manifest import iter_dir, read_manifest
-from datastates_megatron.engine.retention import RECYCLE_DIR
+from datastates_megatron.engine.page_cache import memory_backed
+from datastates_megatron.engine.retention import RECYCLE_DIR, take_recycled
 
 from .fault_worker import fill, is_state_of, make_state
+
+
+@pytest.fixture(params=["disk", "tmpfs"])
+def base(request, tmp_path):
+    """Where checkpoints go: the test's directory (disk), or one on /dev/shm, where the rank files
+    are written through kept mappings (``mapped_writes``) and recycling reuses them."""
+    if request.param == "disk":
+        yield tmp_path
+        return
+    d = f"/dev/shm/dsm-test-recycle-{os.getpid()}"
+    os.makedirs(d, exist_ok=True)
+    fd = os.open(d, os.O_RDONLY)
+    try:
+        if not memory_backed(fd):
+            pytest.skip("/dev/shm is not tmpfs here")
+    finally:
+        os.close(fd)
+    from pathlib import Path
+
+    yield Path(d)
+    shutil.rmtree(d, ignore_errors=True)
 
 
 def _manager(root, **kw):
@@ -30,8 +55,8 @@ def _save(mgr, ts, it):
     mgr.wait()
 
 
-def test_retired_rank_file_is_overwritten_in_place_and_loads_exactly(tmp_path):
-    root = tmp_path / "ckpt"
+def test_retired_rank_file_is_overwritten_in_place_and_loads_exactly(base):
+    root = base / "ckpt"
     pool = root / RECYCLE_DIR
     ts = make_state(0, 50_000)
     with _manager(root, keep_last=1) as mgr:
@@ -76,8 +101,8 @@ def test_the_pool_is_read_on_the_copier_thread_not_in_save(tmp_path, monkeypatch
     assert all(name.startswith("dsm-copier-r0") for name, _ in taken), taken
 
 
-def test_a_larger_stale_file_in_the_pool_is_truncated_and_its_header_never_survives(tmp_path):
-    root = tmp_path / "ckpt"
+def test_a_larger_stale_file_in_the_pool_is_truncated_and_its_header_never_survives(base):
+    root = base / "ckpt"
     ts = make_state(0, 50_000)
     with _manager(root, keep_last=0) as mgr:
         for n, t in ts.items():
@@ -161,3 +186,16 @@ def test_local_retention_keeps_a_checkpoint_until_its_persistent_commit_is_done(
             hold.set()
         mgr.wait()
         assert committed_iterations(str(persistent)) == [1, 2, 3]
+
+
+def test_a_rank_takes_back_a_file_it_retired_before_an_older_one_of_another_rank(tmp_path):
+    """Ranks of a node share the pool; the one that retired a file may still have it mapped."""
+    pool = tmp_path / RECYCLE_DIR
+    os.makedirs(pool)
+    (pool / "0000001-r00001-aaaa-000001.dsck").write_bytes(b"1")  # older, rank 1's
+    (pool / "0000002-r00000-aaaa-000002.dsck").write_bytes(b"0")  # newer, rank 0's
+    dst = tmp_path / "r00000-bbbb-000003.dsck"
+    assert take_recycled(str(tmp_path), str(dst)) and dst.read_bytes() == b"0"
+    dst2 = tmp_path / "r00000-bbbb-000004.dsck"  # nothing of rank 0's left: any file will do
+    assert take_recycled(str(tmp_path), str(dst2)) and dst2.read_bytes() == b"1"
+    assert not take_recycled(str(tmp_path), str(tmp_path / "r00000-bbbb-000005.dsck"))
