@@ -2,3 +2,30 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+
+@pytest.fixture
+def shm_dir():
+    """A fresh directory on tmpfs (/dev/shm), removed afterwards; skips where there is none.  Rank
+    files there are memory-backed: written through kept mappings (``mapped_writes``)."""
+    from datastates_megatron.engine.page_cache import memory_backed
+
+    if not os.path.isdir("/dev/shm"):
+        pytest.skip("no /dev/shm")
+    d = Path(f"/dev/shm/dsm-test-{os.getpid()}-{os.urandom(4).hex()}")
+    d.mkdir()
+    fd = os.open(d, os.O_RDONLY)
+    try:
+        on_tmpfs = memory_backed(fd)
+    finally:
+        os.close(fd)
+    if not on_tmpfs:
+        d.rmdir()
+        pytest.skip("/dev/shm is not tmpfs here")
+    yield d
+    shutil.rmtree(d, ignore_errors=True)

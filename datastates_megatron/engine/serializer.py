@@ -39,6 +39,11 @@ def _merge(acc, val):
 
 
 @numba.njit(inline="always")
+def _lanes(seed):
+    return seed + _P1 + _P2, seed + _P2, seed, seed - _P1
+
+
+@numba.njit(inline="always")
 def _converge(v1, v2, v3, v4):
     h = _rotl(v1, 1) + _rotl(v2, 7) + _rotl(v3, 12) + _rotl(v4, 18)
     h = _merge(h, v1)
@@ -87,10 +92,7 @@ def _xxh64_impl(buf, seed):
     stripes = words.shape[0] // 4
     if n < 32:
         return _finish(buf, words, seed + _P5, 0)
-    v1 = seed + _P1 + _P2
-    v2 = seed + _P2
-    v3 = seed
-    v4 = seed - _P1
+    v1, v2, v3, v4 = _lanes(seed)
     for s in range(stripes):
         j = s * 4
         v1 = _round(v1, words[j])
@@ -111,10 +113,7 @@ def _xxh64_copy_impl(src, dst, seed):
         dst[p] = src[p]
     if n < 32:
         return _finish(src, words, seed + _P5, 0)
-    v1 = seed + _P1 + _P2
-    v2 = seed + _P2
-    v3 = seed
-    v4 = seed - _P1
+    v1, v2, v3, v4 = _lanes(seed)
     for s in range(stripes):
         j = s * 4
         a = words[j]

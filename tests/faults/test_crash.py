@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 
 import pytest
 
@@ -63,29 +62,16 @@ def test_one_rank_killed_mid_flush_then_all_killed_during_restore(tmp_path):
     _resume(root, progress, 4, "--big", "400000")
 
 
-def test_one_rank_killed_mid_flush_through_a_kept_mapping_on_tmpfs(tmp_path):
+def test_one_rank_killed_mid_flush_through_a_kept_mapping_on_tmpfs(tmp_path, shm_dir):
     """On tmpfs with recycling, iteration 3 overwrites iteration 1's retired rank file through the
     mapping kept since iteration 1 (``mapped_writes``); rank 1 dies in the middle of it.  The restart
     loads iteration 2 bit-exactly and training goes on."""
-    from datastates_megatron.engine.page_cache import memory_backed
-
-    shm = f"/dev/shm/dsm-test-crash-{os.getpid()}"
-    os.makedirs(shm, exist_ok=True)
-    fd = os.open(shm, os.O_RDONLY)
-    on_tmpfs = memory_backed(fd)
-    os.close(fd)
-    if not on_tmpfs:
-        os.rmdir(shm)
-        pytest.skip("/dev/shm is not tmpfs here")
-    try:
-        root, progress = os.path.join(shm, "ckpt"), str(tmp_path / "progress")
-        # ~27 regions per save (64 KiB chunks of a 1.6 MB tensor, and the packs): the 65th is in save 3
-        _crash(root, progress, "--big", "400000", "--recycle", "all",
-               env={"DSM_CRASH_AT": "flush:65", "DSM_CRASH_RANK": "1"})
-        assert committed_iterations(root) == [2] and acknowledged(progress, 2) in (1, 2)
-        _resume(root, progress, 4, "--big", "400000", "--recycle", "all")
-    finally:
-        shutil.rmtree(shm, ignore_errors=True)
+    root, progress = str(shm_dir / "ckpt"), str(tmp_path / "progress")
+    # ~27 regions per save (64 KiB chunks of a 1.6 MB tensor, and the packs): the 65th is in save 3
+    _crash(root, progress, "--big", "400000", "--recycle", "all",
+           env={"DSM_CRASH_AT": "flush:65", "DSM_CRASH_RANK": "1"})
+    assert committed_iterations(root) == [2] and acknowledged(progress, 2) in (1, 2)
+    _resume(root, progress, 4, "--big", "400000", "--recycle", "all")
 
 
 @pytest.mark.parametrize("who", ["all", "rank1"])

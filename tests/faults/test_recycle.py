@@ -4,7 +4,6 @@ the next save overwrites one in place, and nothing of the old contents can pass 
 from __future__ import annotations
 
 import os
-import shutil
 import threading
 
 import pytest
@@ -12,7 +11,6 @@ import pytest
 from datastates_megatron.engine import EngineOptions, manager as manager_mod
 from datastates_megatron.engine.manager import CheckpointManager
 from datastates_megatron.engine.manifest import iter_dir, read_manifest
-from datastates_megatron.engine.page_cache import memory_backed
 from datastates_megatron.engine.retention import RECYCLE_DIR, take_recycled
 
 from .fault_worker import fill, is_state_of, make_state
@@ -22,21 +20,7 @@ from .fault_worker import fill, is_state_of, make_state
 def base(request, tmp_path):
     """Where checkpoints go: the test's directory (disk), or one on /dev/shm, where the rank files
     are written through kept mappings (``mapped_writes``) and recycling reuses them."""
-    if request.param == "disk":
-        yield tmp_path
-        return
-    d = f"/dev/shm/dsm-test-recycle-{os.getpid()}"
-    os.makedirs(d, exist_ok=True)
-    fd = os.open(d, os.O_RDONLY)
-    try:
-        if not memory_backed(fd):
-            pytest.skip("/dev/shm is not tmpfs here")
-    finally:
-        os.close(fd)
-    from pathlib import Path
-
-    yield Path(d)
-    shutil.rmtree(d, ignore_errors=True)
+    return tmp_path if request.param == "disk" else request.getfixturevalue("shm_dir")
 
 
 def _manager(root, **kw):

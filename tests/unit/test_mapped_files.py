@@ -3,7 +3,6 @@ through them (``EngineOptions.mapped_writes``)."""
 
 import errno
 import os
-import shutil
 
 import numpy as np
 import pytest
@@ -12,27 +11,14 @@ import torch
 from datastates_megatron.engine import EngineOptions, SnapshotEngine, load_file
 from datastates_megatron.engine.file_format import HEADER_BYTES
 from datastates_megatron.engine.mapped_files import MappedFiles
-from datastates_megatron.engine.page_cache import memory_backed
 from datastates_megatron.engine.writer import RankFileWriter
 
 MB = 1 << 20
 
 
 @pytest.fixture
-def shm():
-    """A fresh directory on tmpfs (skips where /dev/shm is not one)."""
-    if not os.path.isdir("/dev/shm"):
-        pytest.skip("no /dev/shm")
-    d = f"/dev/shm/dsm-test-mapped-{os.getpid()}"
-    os.makedirs(d)
-    fd = os.open(d, os.O_RDONLY)
-    try:
-        if not memory_backed(fd):
-            pytest.skip("/dev/shm is not tmpfs here")
-    finally:
-        os.close(fd)
-    yield d
-    shutil.rmtree(d, ignore_errors=True)
+def shm(shm_dir):
+    return str(shm_dir)
 
 
 def _open(path):
