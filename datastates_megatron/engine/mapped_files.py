@@ -56,8 +56,7 @@ class _Mapped:
         os.close(self.fd)
 
 
-def _allocated(fd: int, size: int) -> bool:
-    st = os.fstat(fd)
+def _allocated(st: os.stat_result, size: int) -> bool:
     return st.st_size >= size and st.st_blocks * 512 >= st.st_size  # no holes in the first size bytes
 
 
@@ -87,34 +86,36 @@ class MappedFiles:
                 raise OSError("the mapped-file pool is closed")
             self._drop_unlinked()
             kept = self._files.get(key)
-            if kept is not None and (kept.in_use or kept.size < size):
-                if kept.in_use:
-                    raise OSError(f"inode {key} is already being written through its mapping")
-                self._files.pop(key).drop()  # grown: map it again at the new size
+            if kept is not None and kept.in_use:
+                raise OSError(f"inode {key} is already being written through its mapping")
+            if kept is not None and kept.size < size:  # grown: map it again at the new size
+                self._files.pop(key).drop()
                 kept = None
+            if not _allocated(st, size):  # a new file, or shrunk or punched since it was mapped
+                os.posix_fallocate(fd, 0, size)
             if kept is None:
-                if not _allocated(fd, size):
-                    os.posix_fallocate(fd, 0, size)
-                own = os.dup(fd)
-                try:
-                    kept = _Mapped(own, size)
-                except BaseException:
-                    os.close(own)
-                    raise
-                self._files[key] = kept
-                self.mapped += 1
-                while len(self._files) > self.max_files:
-                    oldest = next((k for k, m in self._files.items() if not m.in_use), None)
-                    if oldest is None:
-                        break
-                    self._files.pop(oldest).drop()
+                kept = self._map(fd, key, size)
             else:
-                if not _allocated(fd, size):  # shrunk or punched since it was mapped: re-allocate
-                    os.posix_fallocate(fd, 0, size)
                 self._files.move_to_end(key)
                 self.reused += 1
             kept.in_use = True
             return kept.view[:size]
+
+    def _map(self, fd: int, key: tuple[int, int], size: int) -> _Mapped:
+        own = os.dup(fd)
+        try:
+            kept = _Mapped(own, size)
+        except BaseException:
+            os.close(own)
+            raise
+        self._files[key] = kept
+        self.mapped += 1
+        while len(self._files) > self.max_files:
+            oldest = next((k for k, m in self._files.items() if not m.in_use), None)
+            if oldest is None:
+                break
+            self._files.pop(oldest).drop()
+        return kept
 
     def release(self, fd: int) -> None:
         """The writer of the file open as ``fd`` is done with its view."""

@@ -65,6 +65,12 @@ def delete_checkpoint(root: str, iteration: int, recycle: bool = False) -> None:
     shutil.rmtree(d, ignore_errors=True)
 
 
+def _retired_by(pool_name: str) -> int | None:
+    """Rank whose file a pool entry was (``delete_checkpoint`` names it ``<iteration>-<rank file>``)."""
+    parsed = parse_rank_file_name(pool_name.partition("-")[2])
+    return parsed[0] if parsed is not None else None
+
+
 def take_recycled(root: str, dst: str) -> bool:
     """Move one file of ``root``'s recycle pool to ``dst`` (atomic rename; ranks sharing the pool may
     race for a file, the loser tries the next).  ``False`` when the pool is empty.
@@ -78,8 +84,7 @@ def take_recycled(root: str, dst: str) -> bool:
         return False
     mine = parse_rank_file_name(os.path.basename(dst))
     if mine is not None:
-        prefix = f"r{mine[0]:05d}-"
-        names.sort(key=lambda n: not n.partition("-")[2].startswith(prefix))  # stable: oldest first within
+        names.sort(key=lambda n: _retired_by(n) != mine[0])  # stable: oldest first within each part
     for name in names:
         try:
             os.rename(os.path.join(pool, name), dst)

@@ -78,7 +78,6 @@ class RankFileWriter:
             raise FlushError(f"{path}: O_DIRECT is not available on this platform")
         self.direct_bytes = 0
         self.buffered_bytes = 0
-        self.mapped_bytes = 0
         self.memory_backed = memory_backed(self._fd)  # tmpfs/ramfs: see EngineOptions.source_writes
         self.mapping: np.ndarray | None = None
         self._pool = None
@@ -123,7 +122,6 @@ class RankFileWriter:
             used = off + length
         if used < padded:
             out[used:padded] = 0
-        self.mapped_bytes += padded
         return sums
 
     def finish(self, tail: bytes, tail_offset: int, header: Header) -> None:
