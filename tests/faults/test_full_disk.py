@@ -117,3 +117,41 @@ def test_tracker_that_cannot_be_written_after_the_manifest_is_reported_consisten
     seqs = [read_manifest(iter_dir(root, it)).commit_seq for it in committed_iterations(root)]
     assert len(set(seqs)) == len(seqs), f"commit sequence numbers reused: {seqs}"
     assert latest_committed(root) == 3 and read_tracker(root) == 3
+
+
+def test_a_full_tmpfs_refuses_the_mapping_with_enospc_and_the_write_fails_cleanly(small_fs):
+    """Mapped writes (``mapped_writes``) on a full tmpfs: the pages are allocated before the mapping
+    is used, so the pool reports ENOSPC (no SIGBUS later), the writer falls back to ``pwrite``, and
+    that fails with ENOSPC like any full disk.  With room, the same file is written through a mapping."""
+    import errno
+
+    import numpy as np
+
+    from datastates_megatron.engine.file_format import HEADER_BYTES
+    from datastates_megatron.engine.mapped_files import MappedFiles
+    from datastates_megatron.engine.writer import RankFileWriter
+
+    mb = 1 << 20
+    pool = MappedFiles()
+    filler = os.path.join(small_fs, "filler")
+    with open(filler, "wb") as f:
+        f.write(bytes(60 * mb))  # leaves ~4 MiB of the 64
+    w = RankFileWriter(os.path.join(small_fs, "rank.dsck"), "auto", pool, HEADER_BYTES + 8 * mb)
+    try:
+        assert w.memory_backed and w.mapping is None and len(pool) == 0
+        with pytest.raises(OSError) as e:
+            w.write(np.ones(8 * mb, np.uint8), HEADER_BYTES)
+        assert e.value.errno == errno.ENOSPC
+    finally:
+        w.close()
+    os.unlink(filler)
+    w = RankFileWriter(os.path.join(small_fs, "rank.dsck"), "auto", pool, HEADER_BYTES + 8 * mb)
+    try:
+        assert w.mapping is not None  # room again: mapped, and written without a syscall per page
+        w.copy_hashed(np.ones(8 * mb, np.uint8), HEADER_BYTES, 8 * mb, [(0, 8 * mb)])
+    finally:
+        w.close()
+        pool.close()
+    with open(os.path.join(small_fs, "rank.dsck"), "rb") as f:
+        f.seek(HEADER_BYTES + 8 * mb - 1)
+        assert f.read(1) == b"\x01"
