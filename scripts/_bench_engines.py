@@ -62,6 +62,38 @@ __all__ = [
 # --------------------------------------------------------------------------- #
 # workload and the rank-local state
 # --------------------------------------------------------------------------- #
+def add_workload_args(parser: Any) -> None:
+    """The workload's flags, one definition for every benchmark that trains it (bench_peers,
+    bench_paired, bench_ckpt_cpu): megatron-core GPT + DistributedOptimizer, 19.5 M parameters."""
+    g = parser.add_argument_group("workload")
+    g.add_argument("--layers", type=int, default=6, help="transformer layers")
+    g.add_argument("--hidden", type=int, default=512, help="hidden size (FFN = 4x)")
+    g.add_argument("--heads", type=int, default=8, help="attention heads")
+    g.add_argument("--seq-len", type=int, default=128, help="sequence length")
+    g.add_argument("--vocab", type=int, default=1024, help="vocabulary size")
+    g.add_argument("--micro-batch", type=int, default=4, help="micro-batch size per rank")
+    g.add_argument("--bf16", action="store_true", help="bf16 model with fp32 main params")
+    g.add_argument("--seed", type=int, default=1234, help="seed of weights and batches")
+    g.add_argument("--lr", type=float, default=1e-3, help="peak learning rate")
+
+
+def build_workload(args: Any) -> tuple[list, Any, Any]:
+    """(model chunks, optimizer, LR scheduler) of the workload ``add_workload_args`` describes."""
+    from datastates_megatron.demo import gpt
+
+    chunks, optimizer = gpt.build(args.layers, args.hidden, args.heads, args.seq_len, args.vocab,
+                                  bf16=args.bf16, seed=args.seed, lr=args.lr)
+    return chunks, optimizer, gpt.make_scheduler(optimizer, lr=args.lr, warmup_steps=2, decay_steps=1000)
+
+
+def workload_batch(args: Any, iteration: int) -> dict:
+    """This rank's batch of ``iteration`` (1-based)."""
+    from datastates_megatron.demo import gpt
+
+    return gpt.batch(iteration - 1, gpt.dp_rank(), seed=args.seed, micro_batch_size=args.micro_batch,
+                     seq_len=args.seq_len, vocab=args.vocab)
+
+
 @dataclasses.dataclass(frozen=True)
 class BenchOptions:
     """Engine knobs taken from the command line.

@@ -34,6 +34,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
+import _bench_engines as be  # noqa: E402  (scripts/, this script's directory)
+
 TICK = os.sysconf("SC_CLK_TCK")
 
 
@@ -81,14 +83,14 @@ def run(mode: str, directory: str | None, args) -> dict:
     if directory and rank == 0:
         shutil.rmtree(directory, ignore_errors=True)
     torch.distributed.barrier()
-    chunks, opt = gpt.build(args.layers, args.hidden, args.heads, args.seq_len, args.vocab, seed=1)
+    chunks, opt, _ = be.build_workload(args)
     ckpt = None
     if mode != "baseline":
         config = LazyCkptConfig(save_dir=directory, host_cache_gb=1.0, keep_last=2, **MODES[mode])
         ckpt = LazyCheckpointer(chunks, opt, config)
     times: list[float] = []
     for it in range(1, args.warmup + args.iters + 1):
-        data = gpt.batch(it, gpt.dp_rank(), seed=1, micro_batch_size=4, seq_len=args.seq_len, vocab=args.vocab)
+        data = be.workload_batch(args, it)
         if it == args.warmup + 1:
             if ckpt:
                 ckpt.wait()
@@ -121,11 +123,7 @@ def main() -> int:
                    help=f"comma-separated, from {', '.join(MODES)} (default: %(default)s)")
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--layers", type=int, default=6)
-    p.add_argument("--hidden", type=int, default=512)
-    p.add_argument("--heads", type=int, default=8)
-    p.add_argument("--seq-len", type=int, default=128)
-    p.add_argument("--vocab", type=int, default=1024)
+    be.add_workload_args(p)
     args = p.parse_args()
     warnings.filterwarnings("ignore")
     if "RANK" not in os.environ:
@@ -135,7 +133,7 @@ def main() -> int:
     unknown = [m for m in args.modes.split(",") if m and m not in MODES]
     if unknown:
         sys.exit(f"unknown --modes {unknown}; choose from {list(MODES)}")
-    gpt.init_distributed(seed=1)
+    gpt.init_distributed(seed=args.seed)
     rank = torch.distributed.get_rank()
     rows = [("baseline", None, run("baseline", None, args))]
     for d in [x for x in args.dirs.split(",") if x]:

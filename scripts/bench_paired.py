@@ -29,8 +29,13 @@ import statistics
 import sys
 import time
 import warnings
+from pathlib import Path
 
-import torch
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+
+import _bench_engines as be  # noqa: E402  (scripts/, this script's directory)
 
 
 def parse_args() -> argparse.Namespace:
@@ -44,12 +49,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--block", type=int, default=4, help="iterations per block")
     p.add_argument("--quads", type=int, default=3, help="A B B A groups")
     p.add_argument("--warmup", type=int, default=3, help="iterations with checkpoints before the first block")
-    p.add_argument("--layers", type=int, default=6)
-    p.add_argument("--hidden", type=int, default=512)
-    p.add_argument("--heads", type=int, default=8)
-    p.add_argument("--seq-len", type=int, default=128)
-    p.add_argument("--vocab", type=int, default=1024)
-    p.add_argument("--micro-batch", type=int, default=4)
+    be.add_workload_args(p)
     args = p.parse_args()
     if args.block < 1 or args.quads < 1 or args.warmup < 1:
         p.error("--block, --quads and --warmup must be >= 1")
@@ -64,15 +64,14 @@ def main() -> int:
     from datastates_megatron import LazyCheckpointer, LazyCkptConfig
     from datastates_megatron.demo import gpt
 
-    gpt.init_distributed(seed=1234)
+    gpt.init_distributed(seed=args.seed)
     rank = torch.distributed.get_rank()
     root, local = os.path.abspath(args.dir), os.path.abspath(args.local_dir)
     if rank == 0:
         for d in (root, local):
             shutil.rmtree(d, ignore_errors=True)
     torch.distributed.barrier()
-    chunks, opt = gpt.build(args.layers, args.hidden, args.heads, args.seq_len, args.vocab, seed=1234, lr=1e-3)
-    sched = gpt.make_scheduler(opt, lr=1e-3, warmup_steps=2, decay_steps=1000)
+    chunks, opt, sched = be.build_workload(args)
     tier = {"local_dir": os.path.join(local, "{node}"), "persist_interval": args.persist_interval,
             "local_keep_last": 2} if args.tier == "local" else {}
     ckpt = LazyCheckpointer(chunks, opt, LazyCkptConfig(save_dir=root, host_cache_gb=1.0, keep_last=2, **tier),
@@ -83,8 +82,7 @@ def main() -> int:
         """(wall, training-thread CPU) seconds of one iteration."""
         nonlocal it
         it += 1
-        data = gpt.batch(it - 1, gpt.dp_rank(), seed=1234, micro_batch_size=args.micro_batch,
-                         seq_len=args.seq_len, vocab=args.vocab)
+        data = be.workload_batch(args, it)
         t0, c0 = time.perf_counter(), time.thread_time()
         gpt.train_step(chunks, opt, data, scheduler=sched)
         if save:

@@ -76,6 +76,8 @@ RISKY = ("mcore_sync", "mcore_async")  # hung once on a small model: run them la
 # run order of a round: the engine nearest the target sits next to the baseline (its ratio is the
 # one a drift of this machine's speed between the two would bend most); megatron-core last
 RUN_ORDER = ("baseline", "ours_local", "ours", "torch_save", "dcp_async", *RISKY)
+if sorted(RUN_ORDER) != sorted(ALL_ENGINES):  # an engine missing here would silently never run
+    raise RuntimeError(f"RUN_ORDER {RUN_ORDER} does not list the engines of ALL_ENGINES {ALL_ENGINES}")
 ENGINE_KEYS = (
     "status", "error", "interval", "iterations", "checkpoints",
     "iter_times_s", "save_call_s", "gate_wait_s", "tick_s",
@@ -101,16 +103,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
         pass
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=Formatter)
-    g = p.add_argument_group("workload")
-    g.add_argument("--layers", type=int, default=6, help="transformer layers")
-    g.add_argument("--hidden", type=int, default=512, help="hidden size (FFN = 4x)")
-    g.add_argument("--heads", type=int, default=8, help="attention heads")
-    g.add_argument("--seq-len", type=int, default=128, help="sequence length")
-    g.add_argument("--vocab", type=int, default=1024, help="vocabulary size")
-    g.add_argument("--micro-batch", type=int, default=4, help="micro-batch size per rank")
-    g.add_argument("--bf16", action="store_true", help="bf16 model with fp32 main params")
-    g.add_argument("--seed", type=int, default=1234, help="seed of weights and batches")
-    g.add_argument("--lr", type=float, default=1e-3, help="peak learning rate")
+    be.add_workload_args(p)
     g = p.add_argument_group("schedule")
     g.add_argument("--engines", type=_csv, default=list(ALL_ENGINES),
                    help="comma-separated, from: " + ",".join(ALL_ENGINES) + " (baseline is always run)")
@@ -430,20 +423,16 @@ def run_engine(name: str, interval: int, args: argparse.Namespace, io_group: Any
         _rmtree(root)
         root.mkdir(parents=True, exist_ok=True)
     _barrier()
-    chunks, optimizer = gpt.build(args.layers, args.hidden, args.heads, args.seq_len, args.vocab,
-                                  bf16=args.bf16, seed=args.seed, lr=args.lr)
-    scheduler = gpt.make_scheduler(optimizer, lr=args.lr, warmup_steps=2, decay_steps=1000)
+    chunks, optimizer, scheduler = be.build_workload(args)
     gate = be.GateTimer(optimizer)
     opts = be.BenchOptions(host_cache_gb=args.host_cache_gb, flush_threads=args.flush_threads,
                            keep_last=args.keep_last, dcp_checkpointer=args.dcp_checkpointer,
                            local_dir=args.local_dir, persist_interval=args.persist_interval)
     engine = be.ENGINES[name](be.Workload(chunks, optimizer, scheduler, root, io_group), opts)
-    dp = gpt.dp_rank()
     local: dict[str, Any] = {"iter": [], "save": [], "gate": [], "tick": [], "ckpt": []}
 
     def one(it: int, do_save: bool, record: bool) -> None:
-        data = gpt.batch(it - 1, dp, seed=args.seed, micro_batch_size=args.micro_batch,
-                         seq_len=args.seq_len, vocab=args.vocab)
+        data = be.workload_batch(args, it)
         gate.order()
         t0 = time.perf_counter()
         gpt.train_step(chunks, optimizer, data, scheduler=scheduler)
