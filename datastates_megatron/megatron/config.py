@@ -33,8 +33,9 @@ class LazyCkptConfig:
                      the host cache (the pre-step gate then waits for those writes): ``"auto"`` on
                      tmpfs/ramfs (a node-local tier in ``/dev/shm``); ``True`` always; ``False`` never.
     mapped_writes:   write rank files on tmpfs/ramfs through shared mappings kept from one save to
-                     the next, hashing and copying in one pass (about half the CPU of hash + ``pwrite``);
-                     ``False``: ``pwrite``.
+                     the next, hashing and copying in one pass instead of hashing, then ``pwrite``
+                     (docs/BENCHMARKS.md: 34-43 ms of background CPU per 112 MiB checkpoint instead
+                     of 58-67 ms); ``False``: ``pwrite``.
     timeout_s:       longest wait on cache space, an in-flight slot or a peer rank before erroring.
     local_dir:       optional fast node-local tier (multi-level); ``None`` disables it.
     persist_interval: with ``local_dir``, promote every N-th local checkpoint to ``save_dir`` (and the
