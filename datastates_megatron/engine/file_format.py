@@ -195,6 +195,10 @@ class RankFile:
         """The descriptor of the open file (the mapped inode, even if the path was replaced since)."""
         return self._file.fileno()
 
+    def span(self, start: int, stop: int) -> np.ndarray:
+        """Zero-copy uint8 view of the file's bytes ``[start, stop)`` (page-aligned at offset 0)."""
+        return self._bytes[start:stop]
+
     def raw(self, entry: TensorEntry) -> np.ndarray:
         return self._bytes[entry.offset : entry.offset + entry.nbytes]
 

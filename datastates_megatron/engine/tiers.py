@@ -19,6 +19,8 @@ import os
 import threading
 import time
 
+import numpy as np
+
 from .commit import Committer, Ticket
 from .errors import FlushError
 from .faults import crash_point
@@ -33,20 +35,22 @@ __all__ = ["Promoter", "copy_verified"]
 
 log = logging.getLogger(__name__)
 _COPY_BLOCK = 16 << 20
+_ALIGN = 4096  # O_DIRECT: offsets, lengths and the source address in multiples of this
 
 
-def _copy_bytes(fd_in: int, fd_out: int, size: int) -> None:
-    """Copy ``size`` bytes in the kernel (``sendfile``: one page-cache-to-page-cache copy, no user
-    buffer); where the platform or file system refuses, through one reused buffer."""
-    done = 0
+def _copy_bytes(fd_in: int, fd_out: int, size: int, start: int = 0) -> None:
+    """Copy bytes ``[start, size)`` in the kernel (``sendfile``: one page-cache-to-page-cache copy,
+    no user buffer); where the platform or file system refuses, through one reused buffer."""
+    done = start
     try:
+        os.lseek(fd_out, start, os.SEEK_SET)  # sendfile writes at the output's file position
         while done < size:
             n = os.sendfile(fd_out, fd_in, done, min(_COPY_BLOCK, size - done))
             if n == 0:
                 break
             done += n
     except OSError as e:
-        if e.errno not in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSOCK) or done:
+        if e.errno not in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSOCK) or done > start:
             raise
     except AttributeError:  # pragma: no cover - no os.sendfile on this platform
         pass
@@ -63,6 +67,48 @@ def _copy_bytes(fd_in: int, fd_out: int, size: int) -> None:
         raise FlushError(f"copied {done} of {size} bytes: the source file is shorter than its header says")
 
 
+def _copy_direct(source: np.ndarray, path: str) -> int:
+    """Write the 4 KiB-aligned prefix of ``source`` (a page-aligned mapping of the local file) to
+    ``path`` with O_DIRECT; returns the bytes written, 0 where O_DIRECT is refused.
+
+    Why: a buffered copy (``sendfile``) fills the page cache with a checkpoint nobody reads back,
+    and the kernel's per-page work and dirty-page throttling cost about twice the CPU of the
+    O_DIRECT write (ad hoc, 112 MiB from tmpfs to ext4: 107-111 ms vs 49-57 ms) -- CPU the
+    training threads share on a busy node.  A write the file system refuses (EINVAL) stops here;
+    the caller copies the rest buffered."""
+    aligned = source.nbytes // _ALIGN * _ALIGN
+    if not aligned or not hasattr(os, "O_DIRECT"):
+        return 0
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_DIRECT)
+    except OSError:
+        return 0
+    done = 0
+    try:
+        while done < aligned and done % _ALIGN == 0:
+            try:
+                n = os.pwrite(fd, source[done : min(done + _COPY_BLOCK, aligned)], done)
+            except OSError as e:
+                if e.errno != errno.EINVAL:
+                    raise
+                log.info("%s: O_DIRECT write refused (%s); copying the rest buffered", path, e)
+                break
+            if n <= 0:
+                break
+            done += n
+    finally:
+        os.close(fd)
+    return done
+
+
+def _copy_file(rf: RankFile, fd_out: int, path_out: str, size: int) -> None:
+    """Copy the first ``size`` bytes of ``rf`` to ``fd_out`` (open on ``path_out``): O_DIRECT from
+    its mapping as far as the destination allows, the rest through ``_copy_bytes``."""
+    done = _copy_direct(rf.span(0, size), path_out)
+    if done < size:
+        _copy_bytes(rf.fileno(), fd_out, size, start=done)
+
+
 def copy_verified(src: str, dst: str, version: int) -> FileReceipt:
     """Verify every checksum of ``src`` then copy it to ``dst`` (temp name, fsync, rename)."""
     t0 = time.perf_counter()
@@ -73,8 +119,8 @@ def copy_verified(src: str, dst: str, version: int) -> FileReceipt:
         header = rf.header
         data_bytes = sum(e.nbytes for e in rf.entries.values())
         try:
-            with open(tmp, "wb") as fout:  # copied from the descriptor just verified, not the path again
-                _copy_bytes(rf.fileno(), fout.fileno(), header.file_bytes)
+            with open(tmp, "wb") as fout:  # copied from the file just verified, not the path again
+                _copy_file(rf, fout.fileno(), tmp, header.file_bytes)
                 os.fsync(fout.fileno())
             # a rewrite of the source in place (a recycled file) zeroes its header first: if the
             # header is still the verified one, the bytes copied are the ones verified

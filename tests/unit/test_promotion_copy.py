@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import fcntl
 import os
 
 import pytest
@@ -31,17 +32,59 @@ def _check_copy(tmp_path, state) -> None:
     assert all(torch.equal(tensors[n], state[n]) for n in state)
 
 
+def _refuse_o_direct(monkeypatch) -> list:
+    """Make opening with O_DIRECT fail as on a file system without it; returns the refused paths."""
+    refused, real = [], os.open
+
+    def open_(path, flags, *args, **kwargs):
+        if flags & os.O_DIRECT:
+            refused.append(path)
+            raise OSError(errno.EINVAL, "O_DIRECT not supported")
+        return real(path, flags, *args, **kwargs)
+
+    monkeypatch.setattr(os, "open", open_)
+    return refused
+
+
+def test_the_aligned_bytes_are_copied_with_o_direct_and_only_the_tail_buffered(tmp_path, small_blocks, monkeypatch):
+    state = _rank_file(str(tmp_path / "src"))
+    size = os.path.getsize(tmp_path / "src")
+    starts, real = [], tiers._copy_bytes
+    monkeypatch.setattr(tiers, "_copy_bytes", lambda fi, fo, n, start=0: starts.append(start) or real(fi, fo, n, start))
+    _check_copy(tmp_path, state)
+    aligned = size // 4096 * 4096
+    assert starts == ([aligned] if aligned < size else [])
+
+
+def test_a_direct_write_refused_midway_is_finished_buffered(tmp_path, small_blocks, monkeypatch):
+    state = _rank_file(str(tmp_path / "src"))
+    real, calls = os.pwrite, []
+
+    def pwrite(fd, data, offset):
+        if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT:
+            calls.append(offset)
+            if len(calls) == 2:
+                raise OSError(errno.EINVAL, "Invalid argument")
+        return real(fd, data, offset)
+
+    monkeypatch.setattr(os, "pwrite", pwrite)
+    _check_copy(tmp_path, state)
+    assert calls == [0, 5 << 20]  # the first block went direct, the second was refused
+
+
 def test_the_copy_is_byte_identical_through_sendfile(tmp_path, small_blocks, monkeypatch):
     state = _rank_file(str(tmp_path / "src"))
+    refused = _refuse_o_direct(monkeypatch)
     sent, real = [], os.sendfile
     monkeypatch.setattr(os, "sendfile", lambda *a: sent.append(a[3]) or real(*a))
     monkeypatch.setattr(os, "pwrite", lambda *a: pytest.fail("the fallback copy ran"))
     _check_copy(tmp_path, state)
-    assert sum(sent) >= os.path.getsize(tmp_path / "src") and max(sent) <= 5 << 20
+    assert refused and sum(sent) >= os.path.getsize(tmp_path / "src") and max(sent) <= 5 << 20
 
 
 def test_the_copy_is_byte_identical_where_sendfile_is_refused(tmp_path, small_blocks, monkeypatch):
     state = _rank_file(str(tmp_path / "src"))
+    _refuse_o_direct(monkeypatch)
     calls = []
 
     def refuse(*args):
@@ -71,11 +114,11 @@ def test_a_failed_copy_leaves_no_partial_file_and_the_source_intact(tmp_path, mo
     _rank_file(src)
     before = open(src, "rb").read()
 
-    def disk_full(fd_in, fd_out, size):
+    def disk_full(rf, fd_out, path_out, size):
         os.write(fd_out, b"partial")
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(tiers, "_copy_bytes", disk_full)
+    monkeypatch.setattr(tiers, "_copy_file", disk_full)
     with pytest.raises(OSError, match="No space"):
         tiers.copy_verified(src, dst, 1)
     assert not os.path.exists(dst) and not os.path.exists(dst + ".promoting")
@@ -100,14 +143,14 @@ def test_a_source_rewritten_in_place_during_the_copy_fails_the_promotion(tmp_pat
     while that happened must not commit the mixed bytes."""
     src, dst = str(tmp_path / "src"), str(tmp_path / "dst")
     _rank_file(src)
-    real = tiers._copy_bytes
+    real = tiers._copy_file
 
-    def copy_then_recycled(fd_in, fd_out, size):
-        real(fd_in, fd_out, size)
+    def copy_then_recycled(rf, fd_out, path_out, size):
+        real(rf, fd_out, path_out, size)
         with open(src, "r+b") as f:  # what take_recycled + the writer do first: zero the header
             f.write(b"\0" * 4096)
 
-    monkeypatch.setattr(tiers, "_copy_bytes", copy_then_recycled)
+    monkeypatch.setattr(tiers, "_copy_file", copy_then_recycled)
     with pytest.raises(FlushError, match="rewritten while it was promoted"):
         tiers.copy_verified(src, dst, 1)
     assert not os.path.exists(dst) and not os.path.exists(dst + ".promoting")
