@@ -16,14 +16,18 @@ the next iterations).  The run ends with the end-of-run promotion of the newest 
 (``wait(persist=True, promote_newest=True)``), charged to B as well.
 
 Prints per quad (A B B A) the B/A ratio of iteration time, and over the run: median iteration
-time of A and B and their ratio, and the end-to-end ratio (all B time incl. block-end waits and the
-final promotion / all A time).
+time of A and B and their ratio, the end-to-end ratio (all B time incl. block-end waits and the
+final promotion / all A time), and (Linux) the CPU each kind of thread used per iteration in A and
+in B blocks, mean over ranks: where a checkpoint's cost goes on a machine whose cores training
+already fills.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import os
+import re
 import shutil
 import statistics
 import sys
@@ -33,9 +37,37 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+import threading  # noqa: E402
+
 import torch  # noqa: E402
 
 import _bench_engines as be  # noqa: E402  (scripts/, this script's directory)
+
+
+def thread_cpu() -> collections.Counter:
+    """CPU seconds used so far by each kind of live thread of this process (Linux; empty elsewhere).
+
+    Keyed by the Python thread name without its rank and index (``dsm-flush-r0_1`` ->
+    ``dsm-flush``), else the OS name (gloo's threads); from ``/proc/self/task/*/schedstat``
+    (nanoseconds on CPU).  A thread that exits between two calls loses its time."""
+    names = {t.native_id: t.name for t in threading.enumerate()}
+    out: collections.Counter = collections.Counter()
+    try:
+        tids = os.listdir("/proc/self/task")
+    except OSError:
+        return out
+    for tid in tids:
+        try:
+            with open(f"/proc/self/task/{tid}/schedstat") as f:
+                ns = int(f.read().split()[0])
+            name = names.get(int(tid))
+            if name is None:
+                with open(f"/proc/self/task/{tid}/comm") as f:
+                    name = f.read().strip()
+        except (OSError, ValueError, IndexError):
+            continue
+        out[re.sub(r"_\d+$", "", re.sub(r"-r\d+", "", name))] += ns / 1e9
+    return out
 
 
 def parse_args() -> argparse.Namespace:
@@ -95,21 +127,25 @@ def main() -> int:
             step(True)
         ckpt.wait(persist=True)
         blocks: list[tuple[str, list[tuple[float, float]], float]] = []  # (kind, (wall, cpu) per iteration, block-end wait)
+        threads_cpu = {"A": collections.Counter(), "B": collections.Counter()}  # seconds by thread kind
         for _ in range(args.quads):
             for kind in "ABBA":
                 torch.distributed.barrier()
+                before = thread_cpu()
                 times = [step(kind == "B") for _ in range(args.block)]
                 t0 = time.perf_counter()
                 if kind == "B":
                     ckpt.wait(persist=True)
                 blocks.append((kind, times, time.perf_counter() - t0))
+                after = thread_cpu()
+                threads_cpu[kind].update({k: after[k] - before.get(k, 0.0) for k in after})
         t0 = time.perf_counter()
         ckpt.wait(persist=True, promote_newest=True)
         final = time.perf_counter() - t0
     finally:
         ckpt.close()
     gathered: list = [None] * torch.distributed.get_world_size()
-    torch.distributed.all_gather_object(gathered, (blocks, final))
+    torch.distributed.all_gather_object(gathered, (blocks, final, threads_cpu))
     if rank == 0:
         # a step takes as long as its slowest rank: per-iteration maximum over ranks
         merged = [(kind, [max(g[0][b][1][i][0] for g in gathered) for i in range(len(times))],
@@ -141,6 +177,17 @@ def main() -> int:
               f"ratio {med:.3f}")
         print(f"end to end: A {sum(a_all):.2f} s; B {sum(b_all):.2f} s + block-end waits {b_waits:.2f} s "
               f"+ end-of-run promotion {final:.2f} s = {sum(b_all) + b_waits + final:.2f} s; ratio {e2e:.3f}")
+        n_iter = 2 * args.quads * args.block  # iterations of each kind
+        kinds = sorted({k for g in gathered for c in g[2].values() for k in c},
+                       key=lambda k: -statistics.mean(g[2]["B"][k] for g in gathered))
+        if kinds:
+            print("CPU by thread, ms per iteration (mean over ranks; B includes its block-end waits):")
+            print(f"{'thread':<22}  {'A':>7}  {'B':>7}  {'B - A':>7}")
+            for k in kinds:
+                a, b = (1e3 * statistics.mean(g[2][x][k] for g in gathered) / n_iter for x in "AB")
+                print(f"{k:<22}  {a:>7.1f}  {b:>7.1f}  {b - a:>+7.1f}")
+            a, b = (1e3 * statistics.mean(sum(g[2][x].values()) for g in gathered) / n_iter for x in "AB")
+            print(f"{'all':<22}  {a:>7.1f}  {b:>7.1f}  {b - a:>+7.1f}")
         for d in (root, local):
             shutil.rmtree(d, ignore_errors=True)
     gpt.destroy_distributed()

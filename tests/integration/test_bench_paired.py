@@ -1,5 +1,5 @@
 """Smoke test of ``scripts/bench_paired.py``: a tiny GPT on 2 gloo ranks, one A B B A group per tier,
-and what it prints: one row per group and the median and end-to-end ratios."""
+and what it prints: one row per group, the median and end-to-end ratios, the CPU by thread."""
 
 from __future__ import annotations
 
@@ -43,4 +43,9 @@ def test_prints_each_group_and_the_ratios_and_leaves_no_checkpoint_behind(tmp_pa
     assert float(e2e.group(3)) > 0
     if tier == "disk":  # nothing to promote without a local tier
         assert float(e2e.group(1)) < 0.05
+    cpu = {m.group(1): (float(m.group(2)), float(m.group(3)))
+           for m in re.finditer(r"^(\S+)\s+([\d.]+)\s+([\d.]+)\s+[-+][\d.]+$", proc.stdout, re.M)}
+    assert cpu["MainThread"][0] > 0 and cpu["all"][1] >= cpu["MainThread"][1], proc.stdout
+    assert cpu["dsm-flush"][1] > 0 and cpu["dsm-flush"][0] < cpu["dsm-flush"][1], proc.stdout  # B writes
+    assert ("dsm-promote" in cpu) == (tier == "local"), proc.stdout
     assert not (tmp_path / "ckpt").exists() and not (tmp_path / "local").exists()
