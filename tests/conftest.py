@@ -10,13 +10,15 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 @pytest.fixture
 def shm_dir():
-    """A fresh directory on tmpfs (/dev/shm), removed afterwards; skips where there is none.  Rank
-    files there are memory-backed: written through kept mappings (``mapped_writes``)."""
+    """A fresh directory on tmpfs (/dev/shm, or the memory-backed directory ``DSM_TEST_MEMFS``
+    names, e.g. a ramfs mount), removed afterwards; skips where there is none.  Rank files there
+    are memory-backed: written through kept mappings (``mapped_writes``)."""
     from datastates_megatron.engine.page_cache import memory_backed
 
-    if not os.path.isdir("/dev/shm"):
-        pytest.skip("no /dev/shm")
-    d = Path(f"/dev/shm/dsm-test-{os.getpid()}-{os.urandom(4).hex()}")
+    base = os.environ.get("DSM_TEST_MEMFS", "/dev/shm")
+    if not os.path.isdir(base):
+        pytest.skip(f"no {base}")
+    d = Path(base) / f"dsm-test-{os.getpid()}-{os.urandom(4).hex()}"
     d.mkdir()
     fd = os.open(d, os.O_RDONLY)
     try:
@@ -25,6 +27,6 @@ def shm_dir():
         os.close(fd)
     if not on_tmpfs:
         d.rmdir()
-        pytest.skip("/dev/shm is not tmpfs here")
+        pytest.skip(f"{base} is not memory-backed (tmpfs/ramfs) here")
     yield d
     shutil.rmtree(d, ignore_errors=True)

@@ -76,8 +76,6 @@ class RankFileWriter:
         elif direct is True:
             os.close(self._fd)
             raise FlushError(f"{path}: O_DIRECT is not available on this platform")
-        self.direct_bytes = 0
-        self.buffered_bytes = 0
         self.memory_backed = memory_backed(self._fd)  # tmpfs/ramfs: see EngineOptions.source_writes
         self.mapping: np.ndarray | None = None
         self._pool = None
@@ -100,7 +98,6 @@ class RankFileWriter:
         if aligned:
             try:
                 _pwrite_all(fd, data, offset)
-                self.direct_bytes += data.nbytes
                 return
             except OSError as e:
                 if e.errno != errno.EINVAL:
@@ -108,7 +105,6 @@ class RankFileWriter:
                 log.info("%s: O_DIRECT write refused (%s); using buffered writes", self.path, e)
                 self._close_direct()
         _pwrite_all(self._fd, data, offset)
-        self.buffered_bytes += data.nbytes
 
     def copy_hashed(self, data: np.ndarray, offset: int, padded: int, spans) -> list[int]:
         """Through ``mapping``: copy each ``(off, length)`` span of ``data`` (uint8) to ``offset + off``
