@@ -28,7 +28,8 @@ and the time to restore the last checkpoint into the live model (page cache of i
 first; the restored state is compared bit for bit with the state that was saved).  Then a sweep
 of ``--intervals`` for ``--sweep-engines`` (overhead vs checkpoint interval).  The machine's
 limits are measured first, in the same run: memcpy, sequential write+fsync and (cold) read GB/s
-(GB = 1e9 bytes), every rank at once.
+(GB = 1e9 bytes), every rank at once; from them the report's ``floor`` line: the least e2e ratio
+the machine allows an engine that copies every checkpoint and leaves the last one durable.
 
 Each engine phase runs under a watchdog: past ``--engine-timeout`` seconds the process reports the
 phase as ``timeout`` (the JSON and table are written with what was measured so far), dumps every
@@ -617,6 +618,15 @@ def render(doc: dict) -> str:
             _f(r["foreign_cores"], "{:.2f}"), _f(r.get("steal_cores"), "{:.2f}"),
         ))
     lines += _table(hdr, rows)
+    floor = floor_view(doc)
+    if floor:
+        lines.append(
+            f"floor: per checkpoint one copy of the rank state at the memcpy speed above "
+            f"({floor['copy_s'] * 1e3:.0f} ms, {floor['copies']} in a round: +{floor['copy_ratio']:.3f}) and, "
+            f"for the last one, its {floor['bytes'] / MB:.1f} MiB written at the write+fsync speed "
+            f"({floor['write_s']:.3f} s: +{floor['write_ratio']:.3f}) -> {floor['ratio_e2e']:.3f}x the baseline's "
+            f"e2e for an engine that copies every checkpoint and leaves the last one durable, on a "
+            f"machine whose cores training fills")
     loads = [r["foreign_cores"] for r in doc["engines"].values() if r.get("foreign_cores") is not None]
     if loads and max(loads) > 0.25:
         lines.append(f"WARNING: other processes used up to {max(loads):.2f} of {doc['config']['cpus']} "
@@ -649,6 +659,25 @@ def render(doc: dict) -> str:
                  "steal = cores the hypervisor took from this VM meanwhile (on this kind of VM it grows "
                  "with the bytes written to disk).")
     return "\n".join(lines)
+
+
+def floor_view(doc: dict) -> Optional[dict]:
+    """The least end-to-end ratio this machine allows a checkpoint-every-``interval`` engine that
+    keeps a copy of each checkpoint and makes the last one durable: the copies' time at the
+    measured memcpy speed (counted whole: training keeps every core busy on the CPU workload) plus
+    the last checkpoint at the measured write+fsync speed, over the baseline's e2e of a round.
+    ``None`` without the machine probes, the baseline or a checkpoint size."""
+    m, cfg, engines = doc.get("machine"), doc.get("config") or {}, doc.get("engines") or {}
+    base = engines.get("baseline") or {}
+    sizes = [r["bytes_per_ckpt"] for r in engines.values() if r.get("bytes_per_ckpt")]
+    if not m or not sizes or not base.get("e2e_s") or not cfg.get("rank_state_bytes") or not cfg.get("iters"):
+        return None
+    copies = cfg["iters"] // cfg["interval"]
+    copy_s = cfg["rank_state_bytes"] / (m["memcpy_GBps_per_rank"] * GB)
+    write_s = min(sizes) / (m["write_fsync_GBps"] * GB)
+    copy_ratio, write_ratio = copies * copy_s / base["e2e_s"], write_s / base["e2e_s"]
+    return {"copies": copies, "copy_s": copy_s, "bytes": min(sizes), "write_s": write_s, "copy_ratio": copy_ratio,
+            "write_ratio": write_ratio, "ratio_e2e": 1 + copy_ratio + write_ratio}
 
 
 def _table(hdr: tuple, rows: list[tuple]) -> list[str]:
@@ -700,7 +729,7 @@ def emit(doc: dict, args: argparse.Namespace, final: bool) -> None:
     if args.json_out:
         Path(args.json_out).parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(str(args.json_out) + ".tmp")
-        tmp.write_text(json.dumps(doc, indent=1, default=str))
+        tmp.write_text(json.dumps({**doc, "floor": floor_view(doc)}, indent=1, default=str))
         os.replace(tmp, args.json_out)
     if final:
         if args.plot:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -88,6 +89,12 @@ def test_fast_engines_report_every_key(tmp_path):
     assert doc["config"]["world_size"] == 2 and doc["config"]["params"] > 0
     assert (tmp_path / "bench.png").stat().st_size > 0
     assert "ours" in proc.stdout and "overhead vs checkpoint interval" in proc.stdout
+    floor = re.search(r"^floor: .*\(([\d.]+) s: \+([\d.]+)\) -> ([\d.]+)x", proc.stdout, re.M)
+    assert floor, proc.stdout
+    smallest = min(r["bytes_per_ckpt"] for r in doc["engines"].values() if r["bytes_per_ckpt"])
+    assert float(floor.group(1)) == pytest.approx(smallest / (machine["write_fsync_GBps"] * 1e9), abs=0.0015)
+    assert float(floor.group(3)) >= 1 + float(floor.group(2)) - 0.001  # copies add to the write
+    assert doc["floor"]["ratio_e2e"] == pytest.approx(float(floor.group(3)), abs=0.0015)
     assert not (tmp_path / "ckpt" / "ours-every1").exists(), "engine directories are cleaned"
     assert not any((tmp_path / "local").iterdir()), "the local tier is cleaned"
 
