@@ -5,4 +5,4 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 . .venv/bin/activate
-exec python -m pytest -m "not slow" "$@"
+exec python -m pytest -m "not slow" --durations=15 "$@"
