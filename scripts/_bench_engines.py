@@ -33,9 +33,12 @@ methods except ``tick`` of the synchronous engines are collective (every rank, s
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import os
+import re
 import shutil
+import threading
 import time
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -56,6 +59,7 @@ __all__ = [
     "snapshot_state",
     "scramble_state",
     "compare_state",
+    "thread_cpu_s",
 ]
 
 
@@ -92,6 +96,32 @@ def workload_batch(args: Any, iteration: int) -> dict:
 
     return gpt.batch(iteration - 1, gpt.dp_rank(), seed=args.seed, micro_batch_size=args.micro_batch,
                      seq_len=args.seq_len, vocab=args.vocab)
+
+
+def thread_cpu_s() -> collections.Counter:
+    """CPU seconds used so far by each kind of live thread of this process (Linux; empty elsewhere).
+
+    Keyed by the Python thread name without its rank and index (``dsm-flush-r0_1`` ->
+    ``dsm-flush``), else the OS name (gloo's threads); from ``/proc/self/task/*/schedstat``
+    (nanoseconds on CPU).  A thread that exits between two calls loses its time."""
+    names = {t.native_id: t.name for t in threading.enumerate()}
+    out: collections.Counter = collections.Counter()
+    try:
+        tids = os.listdir("/proc/self/task")
+    except OSError:
+        return out
+    for tid in tids:
+        try:
+            with open(f"/proc/self/task/{tid}/schedstat") as f:
+                ns = int(f.read().split()[0])
+            name = names.get(int(tid))
+            if name is None:
+                with open(f"/proc/self/task/{tid}/comm") as f:
+                    name = f.read().strip()
+        except (OSError, ValueError, IndexError):
+            continue
+        out[re.sub(r"_\d+$", "", re.sub(r"-r\d+", "", name))] += ns / 1e9
+    return out
 
 
 @dataclasses.dataclass(frozen=True)

@@ -13,19 +13,17 @@ recycling -- ``ours`` is the default config, which recycles only on a node-local
 ``ours-buffered``: no O_DIRECT; ``ours-copy``: no writes straight from the shards, every byte
 through the host cache), and prints per rank: median iteration time (and its ratio
 to the baseline), CPU milliseconds per iteration of the training thread and of each of our threads
-(``/proc/<pid>/task/<tid>/stat``, Linux only), and the machine's idle and hypervisor-steal cores
+(``/proc/self/task/<tid>/schedstat``, Linux only), and the machine's idle and hypervisor-steal cores
 over the measured iterations (``psutil.cpu_times``).
 """
 
 from __future__ import annotations
 
 import argparse
-import glob
 import os
 import shutil
 import statistics
 import sys
-import threading
 import time
 import warnings
 from pathlib import Path
@@ -35,25 +33,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 
 import _bench_engines as be  # noqa: E402  (scripts/, this script's directory)
-
-TICK = os.sysconf("SC_CLK_TCK")
-
-
-def thread_cpu_s() -> dict[str, float]:
-    """CPU seconds so far per thread name (our pool threads merged: ``dsm-flush-r0``)."""
-    names = {t.native_id: t.name.split("_")[0] for t in threading.enumerate()}
-    out: dict[str, float] = {}
-    for stat in glob.glob(f"/proc/{os.getpid()}/task/*/stat"):
-        try:
-            text = open(stat).read()
-        except OSError:
-            continue  # the thread ended
-        tid = int(stat.split("/")[-2])
-        name = names.get(tid) or text[text.index("(") + 1 : text.rindex(")")]
-        fields = text[text.rindex(")") + 2 :].split()
-        out[name] = out.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / TICK
-    return out
-
 
 def machine_ticks() -> tuple[float, float, float]:
     """(idle, steal, wall) seconds so far, machine-wide (``psutil.cpu_times``, as bench_peers reads
@@ -95,7 +74,7 @@ def run(mode: str, directory: str | None, args) -> dict:
             if ckpt:
                 ckpt.wait()
             torch.distributed.barrier()
-            cpu0, m0 = thread_cpu_s(), machine_ticks()
+            cpu0, m0 = be.thread_cpu_s(), machine_ticks()
             times.clear()
         t0 = time.perf_counter()
         gpt.train_step(chunks, opt, data)
@@ -105,7 +84,7 @@ def run(mode: str, directory: str | None, args) -> dict:
         times.append(time.perf_counter() - t0)
     if ckpt:
         ckpt.wait()
-    cpu1, m1 = thread_cpu_s(), machine_ticks()
+    cpu1, m1 = be.thread_cpu_s(), machine_ticks()
     if ckpt:
         ckpt.close()
     if directory and rank == 0:
@@ -152,7 +131,7 @@ def main() -> int:
         print("-" * len(hdr))
         for r, g in enumerate(gathered):
             for mode, d, res in g:
-                cpu = {k.rsplit("-r", 1)[0] if k.startswith("dsm-") else k: v for k, v in res["cpu"].items()}
+                cpu = res["cpu"]
                 ours = sum(v for k, v in cpu.items() if k.startswith("dsm-"))
                 print(f"{r:>4}  {mode:<16} {(d or '-')[-28:]:<28} {res['iter_s']:>10.3f} {res['iter_s'] / base[r]:>6.2f}  "
                       + "  ".join(f"{cpu.get(t, 0.0) * 1e3:>14.1f}" for t in threads) + f"  {ours * 1e3:>13.1f}  {res['idle']:>5.2f}  {res['steal']:>5.2f}")

@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import collections
 import os
-import re
 import shutil
 import statistics
 import sys
@@ -37,37 +36,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import threading  # noqa: E402
-
 import torch  # noqa: E402
 
 import _bench_engines as be  # noqa: E402  (scripts/, this script's directory)
-
-
-def thread_cpu() -> collections.Counter:
-    """CPU seconds used so far by each kind of live thread of this process (Linux; empty elsewhere).
-
-    Keyed by the Python thread name without its rank and index (``dsm-flush-r0_1`` ->
-    ``dsm-flush``), else the OS name (gloo's threads); from ``/proc/self/task/*/schedstat``
-    (nanoseconds on CPU).  A thread that exits between two calls loses its time."""
-    names = {t.native_id: t.name for t in threading.enumerate()}
-    out: collections.Counter = collections.Counter()
-    try:
-        tids = os.listdir("/proc/self/task")
-    except OSError:
-        return out
-    for tid in tids:
-        try:
-            with open(f"/proc/self/task/{tid}/schedstat") as f:
-                ns = int(f.read().split()[0])
-            name = names.get(int(tid))
-            if name is None:
-                with open(f"/proc/self/task/{tid}/comm") as f:
-                    name = f.read().strip()
-        except (OSError, ValueError, IndexError):
-            continue
-        out[re.sub(r"_\d+$", "", re.sub(r"-r\d+", "", name))] += ns / 1e9
-    return out
 
 
 def parse_args() -> argparse.Namespace:
@@ -131,13 +102,13 @@ def main() -> int:
         for _ in range(args.quads):
             for kind in "ABBA":
                 torch.distributed.barrier()
-                before = thread_cpu()
+                before = be.thread_cpu_s()
                 times = [step(kind == "B") for _ in range(args.block)]
                 t0 = time.perf_counter()
                 if kind == "B":
                     ckpt.wait(persist=True)
                 blocks.append((kind, times, time.perf_counter() - t0))
-                after = thread_cpu()
+                after = be.thread_cpu_s()
                 threads_cpu[kind].update({k: after[k] - before.get(k, 0.0) for k in after})
         t0 = time.perf_counter()
         ckpt.wait(persist=True, promote_newest=True)
