@@ -64,20 +64,23 @@ def run_ranks(script: str, world: int, args: list[str], *, env: dict | None = No
         else:
             procs.append(_ForkedRank(script, args, e, os.path.join(outputs, str(rank))))
     deadline = time.monotonic() + timeout
+    stopped = False  # killed on purpose (kill_when, or a rank failed), not for running out of time
     while time.monotonic() < deadline and any(p.poll() is None for p in procs):
         if kill_when is not None and kill_when():
             for p in procs:
                 if p.poll() is None:
                     p.kill()
+            stopped = True
             break
         if any(p.poll() not in (None, 0) for p in procs):
             time.sleep(0.5)  # let the others notice; then stop them like a launcher would
             for p in procs:
                 if p.poll() is None:
                     p.kill()
+            stopped = True
             break
         time.sleep(0.05)
-    timed_out = any(p.poll() is None for p in procs)
+    timed_out = not stopped and any(p.poll() is None for p in procs)
     for p in procs:
         if p.poll() is None:
             p.kill()
