@@ -1,7 +1,7 @@
 """Integration: the CPU/gloo demo harness (megatron-core GPTModel + DistributedOptimizer).
 
-Spawns 2 gloo ranks twice (plain subprocesses with torchrun-style env vars; this
-file is also the worker: ``python test_cpu_harness.py --worker fp32,bf16 OUT``;
+Spawns 2 gloo ranks twice (``tests.distributed.ranks.run_ranks``; this file is also the
+worker: ``python test_cpu_harness.py --worker fp32,bf16 OUT_PREFIX``;
 each launch trains fp32 then bf16) and checks, for fp32 and bf16:
 
 1. 5 training steps lower the loss, and two independent launches with the same
@@ -23,10 +23,7 @@ from __future__ import annotations
 import json
 import math
 import os
-import socket
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -157,7 +154,7 @@ def _run_one(gpt, dtype: str) -> dict:
     }
 
 
-def _worker_main(dtypes: str, out_path: str) -> None:
+def _worker_main(dtypes: str, out_prefix: str) -> None:
     """One rank: run every dtype in ``dtypes`` (comma-separated) in this process."""
     import warnings
 
@@ -167,7 +164,7 @@ def _worker_main(dtypes: str, out_path: str) -> None:
     gpt.init_distributed(seed=SEED, timeout_s=60.0)
     try:
         results = {dtype: _run_one(gpt, dtype) for dtype in dtypes.split(",")}
-        Path(out_path).write_text(json.dumps(results))
+        Path(f"{out_prefix}-rank{os.environ['RANK']}.json").write_text(json.dumps(results))
     finally:
         gpt.destroy_distributed()
 
@@ -175,71 +172,16 @@ def _worker_main(dtypes: str, out_path: str) -> None:
 # --------------------------------------------------------------------------- #
 # launcher (pytest side)
 # --------------------------------------------------------------------------- #
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _tail(path: Path, n: int = 4000) -> str:
-    try:
-        return path.read_text(errors="replace")[-n:]
-    except OSError:
-        return "<no log>"
-
-
 def _launch(workdir: Path, dtypes: str, tag: str) -> list[dict]:
+    from tests.distributed.ranks import describe, run_ranks
+
     workdir.mkdir(parents=True, exist_ok=True)
-    port = _free_port()
-    pythonpath = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
-    procs, logs, outs = [], [], []
-    for rank in range(WORLD):
-        env = dict(
-            os.environ,
-            RANK=str(rank),
-            LOCAL_RANK=str(rank),
-            WORLD_SIZE=str(WORLD),
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=str(port),
-            PYTHONPATH=pythonpath,
-            CUDA_VISIBLE_DEVICES="",
-            OMP_NUM_THREADS="1",
-        )
-        out = workdir / f"{tag}-rank{rank}.json"
-        log = workdir / f"{tag}-rank{rank}.log"
-        outs.append(out)
-        logs.append(log)
-        with open(log, "wb") as fh:
-            procs.append(
-                subprocess.Popen(
-                    [sys.executable, str(Path(__file__).resolve()), "--worker", dtypes, str(out)],
-                    env=env,
-                    cwd=str(REPO),
-                    stdout=fh,
-                    stderr=subprocess.STDOUT,
-                )
-            )
-    deadline = time.monotonic() + LAUNCH_TIMEOUT_S
-    try:
-        for p in procs:
-            p.wait(timeout=max(1.0, deadline - time.monotonic()))
-    except subprocess.TimeoutExpired:
-        pass
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-        for p in procs:
-            try:
-                p.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                pass
-    failed = [r for r, p in enumerate(procs) if p.returncode != 0 or not outs[r].exists()]
+    outs = [workdir / f"{tag}-rank{rank}.json" for rank in range(WORLD)]
+    res = run_ranks(str(Path(__file__).resolve()), WORLD, ["--worker", dtypes, str(workdir / tag)],
+                    env={"CUDA_VISIBLE_DEVICES": ""}, timeout=LAUNCH_TIMEOUT_S)
+    failed = [r["rank"] for r in res if r["returncode"] != 0 or not outs[r["rank"]].exists()]
     if failed:
-        details = "\n".join(
-            f"--- rank {r} rc={procs[r].returncode} log {logs[r]}:\n{_tail(logs[r])}" for r in failed
-        )
-        pytest.fail(f"{dtypes} launch {tag!r} failed on ranks {failed}:\n{details}")
+        pytest.fail(f"{dtypes} launch {tag!r} failed on ranks {failed}:\n{describe(res)}")
     return [json.loads(o.read_text()) for o in outs]
 
 
@@ -304,4 +246,4 @@ if __name__ == "__main__":
     if len(sys.argv) == 4 and sys.argv[1] == "--worker":
         _worker_main(sys.argv[2], sys.argv[3])
     else:
-        sys.exit("usage: test_cpu_harness.py --worker fp32[,bf16] OUT.json")
+        sys.exit("usage: test_cpu_harness.py --worker fp32[,bf16] OUT_PREFIX (writes OUT_PREFIX-rank<R>.json)")
