@@ -24,7 +24,7 @@ from .page_cache import memory_backed
 __all__ = ["RankFileWriter", "fsync_dir"]
 
 log = logging.getLogger(__name__)
-_ALIGN = 4096
+ALIGN = 4096  # O_DIRECT: offsets, lengths and the source address in multiples of this
 
 
 def fsync_dir(path: str) -> None:
@@ -44,6 +44,26 @@ def _pwrite_all(fd: int, data, offset: int) -> None:
             raise OSError(errno.EIO, f"pwrite wrote {n} bytes")
         view = view[n:]
         offset += n
+
+
+def pwrite_direct(fd: int, data, offset: int, path: str) -> int:
+    """``pwrite`` ``data`` at ``offset`` through ``fd`` (opened with O_DIRECT; the address, offset
+    and length 4 KiB-aligned).  Returns the bytes written: fewer than ``len(data)`` when the file
+    system refused O_DIRECT (EINVAL), at once or midway -- the caller writes the rest buffered."""
+    view = memoryview(data).cast("B")
+    done = 0
+    while done < len(view):
+        try:
+            n = os.pwrite(fd, view[done:], offset + done)
+        except OSError as e:
+            if e.errno != errno.EINVAL:
+                raise
+            log.info("%s: O_DIRECT write refused (%s); writing the rest buffered", path, e)
+            break
+        if n <= 0:
+            break
+        done += n
+    return done
 
 
 class RankFileWriter:
@@ -91,20 +111,16 @@ class RankFileWriter:
         fd = self._direct_fd
         aligned = (
             fd is not None
-            and offset % _ALIGN == 0
-            and data.nbytes % _ALIGN == 0
-            and data.ctypes.data % _ALIGN == 0
+            and offset % ALIGN == 0
+            and data.nbytes % ALIGN == 0
+            and data.ctypes.data % ALIGN == 0
         )
-        if aligned:
-            try:
-                _pwrite_all(fd, data, offset)
-                return
-            except OSError as e:
-                if e.errno != errno.EINVAL:
-                    raise
-                log.info("%s: O_DIRECT write refused (%s); using buffered writes", self.path, e)
-                self._close_direct()
-        _pwrite_all(self._fd, data, offset)
+        done = pwrite_direct(fd, data, offset, self.path) if aligned else 0
+        if done == data.nbytes:
+            return
+        if aligned:  # refused: this file system takes buffered writes only
+            self._close_direct()
+        _pwrite_all(self._fd, data[done:], offset + done)
 
     def copy_hashed(self, data: np.ndarray, offset: int, padded: int, spans) -> list[int]:
         """Through ``mapping``: copy each ``(off, length)`` span of ``data`` (uint8) to ``offset + off``
