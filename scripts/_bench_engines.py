@@ -587,6 +587,13 @@ class DcpAsyncEngine(Engine):
             stager.close()
 
 
+class ControlEngine(Engine):
+    """No checkpoint, run as an engine: an A/A control whose ratios to the baseline show how far
+    this machine's own drift moves a ratio."""
+
+    name = "control"
+
+
 class LazyEngine(Engine):
     """Ours: :class:`datastates_megatron.LazyCheckpointer` (its own gate pre-hook)."""
 
@@ -654,6 +661,6 @@ class LazyLocalEngine(LazyEngine):
 
 ENGINES: dict[str, Callable[[Workload, BenchOptions], Engine]] = {
     cls.name: cls
-    for cls in (Engine, TorchSaveEngine, McoreEngine, McoreAsyncEngine, DcpAsyncEngine, LazyEngine,
+    for cls in (Engine, ControlEngine, TorchSaveEngine, McoreEngine, McoreAsyncEngine, DcpAsyncEngine, LazyEngine,
                 LazyLocalEngine)
 }

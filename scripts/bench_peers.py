@@ -10,6 +10,8 @@ optimizer rebuilt from the same seed for every engine), checkpointing every ``--
 iterations (default every iteration):
 
   baseline     no checkpoint
+  control      no checkpoint either, measured as an engine (not run unless asked for): an A/A
+               control -- its ratios to the baseline are this machine's noise, in the same run
   torch_save   torch.save of the rank's state (param-buffer shard, main params, Adam state) + fsync
   dcp_async    torch.distributed.checkpoint.async_save + DefaultStager; staging awaited in an
                optimizer step pre-hook (TorchTitan)
@@ -72,11 +74,14 @@ import _bench_engines as be  # noqa: E402
 
 log = logging.getLogger("bench_peers")
 
-ALL_ENGINES = ("baseline", "torch_save", "dcp_async", "ours", "ours_local", "mcore_sync", "mcore_async")
+ALL_ENGINES = ("baseline", "torch_save", "dcp_async", "ours", "ours_local", "mcore_sync", "mcore_async", "control")
+DEFAULT_ENGINES = [e for e in ALL_ENGINES if e != "control"]
 RISKY = ("mcore_sync", "mcore_async")  # hung once on a small model: run them last
 # run order of a round: the engine nearest the target sits next to the baseline (its ratio is the
-# one a drift of this machine's speed between the two would bend most); megatron-core last
-RUN_ORDER = ("baseline", "ours_local", "ours", "torch_save", "dcp_async", *RISKY)
+# one a drift of this machine's speed between the two would bend most); megatron-core last; the
+# A/A control one further from the baseline than ours_local (so its spread is at least that of
+# ours_local's ratio)
+RUN_ORDER = ("baseline", "ours_local", "control", "ours", "torch_save", "dcp_async", *RISKY)
 if sorted(RUN_ORDER) != sorted(ALL_ENGINES):  # an engine missing here would silently never run
     raise RuntimeError(f"RUN_ORDER {RUN_ORDER} does not list the engines of ALL_ENGINES {ALL_ENGINES}")
 ENGINE_KEYS = (
@@ -106,7 +111,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=Formatter)
     be.add_workload_args(p)
     g = p.add_argument_group("schedule")
-    g.add_argument("--engines", type=_csv, default=list(ALL_ENGINES),
+    g.add_argument("--engines", type=_csv, default=DEFAULT_ENGINES,
                    help="comma-separated, from: " + ",".join(ALL_ENGINES) + " (baseline is always run)")
     g.add_argument("--iters", type=int, default=8, help="measured iterations per engine and round")
     g.add_argument("--rounds", type=int, default=2,
