@@ -103,45 +103,49 @@ def describe(results: list[dict]) -> str:
     return "\n".join(f"--- rank {r['rank']} rc={r['returncode']}\n{r['stdout'][-2000:]}\n{r['stderr'][-3000:]}" for r in results)
 
 
-class _FreshRank:
+class _Rank:
+    """One launched rank: ``poll()`` (exit status or None), ``kill()``, ``communicate()``."""
+
+    pid: int
+
+    def poll(self):
+        raise NotImplementedError
+
+    @property
+    def returncode(self):
+        return self.poll()
+
+    def kill(self) -> None:
+        _kill_session(self.pid)
+
+
+class _FreshRank(_Rank):
     """A rank in a fresh interpreter (``python script.py`` / ``python -m module``)."""
 
     def __init__(self, script: str, args: list[str], env: dict) -> None:
         cmd = [sys.executable, script] if script.endswith(".py") else [sys.executable, "-m", script]
         self._proc = subprocess.Popen([*cmd, *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                       text=True, start_new_session=True)
+        self.pid = self._proc.pid
 
     def poll(self):
         return self._proc.poll()
-
-    @property
-    def returncode(self):
-        return self._proc.returncode
-
-    def kill(self) -> None:
-        _kill_session(self._proc.pid)
 
     def communicate(self, timeout: float) -> tuple[str, str]:
         return self._proc.communicate(timeout=timeout)
 
 
-class _ForkedRank:
+class _ForkedRank(_Rank):
     """A rank forked from the warm forkserver; its stdout/stderr go to ``<prefix>.out/.err``."""
 
     def __init__(self, script: str, args: list[str], env: dict, prefix: str) -> None:
         self._out, self._err = prefix + ".out", prefix + ".err"
         self._proc = _forkserver().Process(target=_run_as_main, args=(script, list(args), env, self._out, self._err))
         self._proc.start()
+        self.pid = self._proc.pid
 
     def poll(self):
         return self._proc.exitcode
-
-    @property
-    def returncode(self):
-        return self._proc.exitcode
-
-    def kill(self) -> None:
-        _kill_session(self._proc.pid)
 
     def communicate(self, timeout: float) -> tuple[str, str]:
         self._proc.join(timeout)
