@@ -28,6 +28,7 @@ from .manifest import (
     parse_rank_file_name,
     rank_file_name,
     read_manifest,
+    save_id,
 )
 from .options import LOCAL_FALLBACK_CHOICES, RECYCLE_CHOICES, EngineOptions
 from .restore import RestoreStats, open_checkpoint, open_rank, restore_into, validate_world
@@ -53,11 +54,6 @@ def _dist():
     import torch.distributed as dist
 
     return dist if dist.is_available() and dist.is_initialized() else None
-
-
-def _is_token(text: str) -> bool:
-    """A run token as :meth:`CheckpointManager._agree_token` writes it: 16 hex digits, < 2**63."""
-    return len(text) == 16 and all(c in "0123456789abcdef" for c in text) and int(text, 16) < 1 << 63
 
 
 class CheckpointManager(ClosingContext):
@@ -350,10 +346,9 @@ class CheckpointManager(ClosingContext):
         out = {}
         for it, m in sorted(committed_manifests(self.local_root).items()):
             rec = m.record(self.rank)
-            parsed = parse_rank_file_name(rec.file) if rec is not None else None
-            token = int(parsed[1], 16) if parsed is not None and _is_token(parsed[1]) else None
-            if token is not None:
-                out[it] = (token, parsed[2])
+            save = save_id(rec.file) if rec is not None else None
+            if save is not None:
+                out[it] = save
         return out
 
     def _common_local(self) -> list[int]:

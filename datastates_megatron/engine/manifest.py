@@ -26,6 +26,7 @@ __all__ = [
     "iter_dir",
     "rank_file_name",
     "parse_rank_file_name",
+    "save_id",
     "atomic_write",
     "write_manifest",
     "read_manifest",
@@ -51,6 +52,19 @@ def iter_dir(root: str, iteration: int) -> str:
 
 def rank_file_name(rank: int, token: str, seq: int) -> str:
     return f"r{rank:05d}-{token}-{seq:06d}.dsck"
+
+
+def save_id(name: str) -> tuple[int, int] | None:
+    """``(run token as an integer, save sequence)`` of a rank file name whose token is one
+    ``CheckpointManager`` agrees on (16 hex digits, below 2**63: it fits an int64 collective);
+    None for any other name."""
+    parsed = parse_rank_file_name(name)
+    if parsed is None:
+        return None
+    token = parsed[1]
+    if len(token) != 16 or any(c not in "0123456789abcdef" for c in token) or int(token, 16) >= 1 << 63:
+        return None
+    return int(token, 16), parsed[2]
 
 
 def parse_rank_file_name(name: str) -> tuple[int, str, int] | None:
