@@ -52,7 +52,10 @@ def _encode(value, strict: bool, path: str):
     if isinstance(value, float):
         return value if math.isfinite(value) else {_TAG: "float", "v": repr(value)}
     if isinstance(value, (list, tuple)):
-        items = [_encode(v, strict, f"{path}[{i}]") for i, v in enumerate(value)]
+        if all(type(v) is int for v in value):  # Python's RNG state: 625 ints, on every save
+            items = list(value)
+        else:
+            items = [_encode(v, strict, f"{path}[{i}]") for i, v in enumerate(value)]
         return items if isinstance(value, list) else {_TAG: "tuple", "v": items}
     if isinstance(value, dict):
         if all(isinstance(k, str) for k in value) and _TAG not in value:

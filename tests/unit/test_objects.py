@@ -24,6 +24,8 @@ def test_round_trip_of_training_state():
         "int_keys": {1: "a", (2, 3): "b"},
         "blob": b"\x00\x01",
         "np_scalar": np.float32(2.5),
+        "mixed": [1, True, 2, False, None],  # bools stay bools next to ints
+        "np_ints": (np.int64(3), 4),
     }
     out = decode_objects(encode_objects(value))
     assert out["iteration"] == 7 and out["lr"] == 1.5e-4 and np.isnan(out["nan"]) and out["inf"] == float("-inf")
@@ -36,6 +38,8 @@ def test_round_trip_of_training_state():
     assert out["int_keys"] == {1: "a", (2, 3): "b"}
     assert out["blob"] == b"\x00\x01" and out["np_scalar"] == np.float32(2.5)
     random.Random().setstate(out["python_rng"])  # usable as-is
+    assert out["mixed"] == [1, True, 2, False, None] and [type(v) for v in out["mixed"]] == [int, bool, int, bool, type(None)]
+    assert out["np_ints"] == (np.int64(3), 4) and type(out["np_ints"][0]) is np.int64
 
 
 def test_strict_refuses_arbitrary_objects_and_lax_stores_repr():
