@@ -1,8 +1,10 @@
-"""A fast stand-in for ``tests/distributed/ranks.run_ranks``: each rank is ``os.fork()``-ed from the
-(already warm: torch imported, Numba kernels loaded) calling process instead of a fresh interpreter.
+"""``tests/distributed/ranks.run_ranks`` for a function instead of a script: each rank is
+``os.fork()``-ed from the (already warm: torch imported, Numba kernels loaded) calling process and
+calls ``func`` there.
 
 Used by ``scripts/fault_sweep.py`` to afford hundreds of crash/restart runs on two cores (a fresh
-interpreter costs ~3.5 CPU-seconds, a fork ~0.1).  Same contract and result dicts as ``run_ranks``:
+interpreter costs ~3.5 CPU-seconds, a fork ~0.1; ``run_ranks`` forks script ranks from a warm
+forkserver for the same reason).  Same contract and result dicts as ``run_ranks``:
 every rank is a real process with its own pid and gloo connections, a crash point is a real SIGKILL,
 and when one rank dies the others are killed as a launcher would.  The caller must not have
 initialised ``torch.distributed`` nor be running other threads (fork copies only the calling thread).
