@@ -43,14 +43,13 @@ from .mapped_files import MappedFiles
 from .objects import encode_objects
 from .options import EngineOptions
 from .threads import ClosingContext, close_at_exit, forget
-from .writer import RankFileWriter
+from .writer import ALIGN, RankFileWriter
 
 __all__ = ["SnapshotEngine", "SaveHandle", "FileReceipt"]
 
 log = logging.getLogger(__name__)
-_ALIGN = 4096
 _SMALL_ALIGN = 64
-_ZEROS = np.zeros(_ALIGN, np.uint8)  # padding after a region written from its source
+_ZEROS = np.zeros(ALIGN, np.uint8)  # padding after a region written from its source
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,7 +87,7 @@ class _Layout:
         chunk = opts.effective_chunk_bytes
         if not opts.streaming and len(nbytes):
             biggest = int(nbytes.argmax())
-            need = -(-int(nbytes[biggest]) // _ALIGN) * _ALIGN
+            need = -(-int(nbytes[biggest]) // ALIGN) * ALIGN
             if need > capacity:
                 raise ValueError(
                     f"rank {opts.rank}: tensor {self.names[biggest]!r} has {int(nbytes[biggest])} bytes, more than "
@@ -97,7 +96,7 @@ class _Layout:
             chunk = max(chunk, need)
         self.chunk_bytes = chunk
         offs, self.regions, self.items = serializer.plan_layout(
-            nbytes, chunk, opts.effective_small_bytes, opts.effective_pack_bytes, _ALIGN, _SMALL_ALIGN
+            nbytes, chunk, opts.effective_small_bytes, opts.effective_pack_bytes, ALIGN, _SMALL_ALIGN
         )
         self.nbytes = nbytes
         self.offsets = offs + HEADER_BYTES
@@ -511,7 +510,7 @@ class SnapshotEngine(ClosingContext):
             layout.nbytes,
             per_tensor,
         )
-        index_offset = -(-(HEADER_BYTES + layout.data_bytes) // _ALIGN) * _ALIGN
+        index_offset = -(-(HEADER_BYTES + layout.data_bytes) // ALIGN) * ALIGN
         objects_offset = index_offset + len(index)
         header = Header(
             version=FORMAT_VERSION,
