@@ -84,7 +84,7 @@ def _copy_direct(source: np.ndarray, path: str) -> int:
         return 0
     done = 0
     try:
-        while done < aligned:  # in blocks: a pwrite's size is capped (2 GiB - 4 KiB on Linux)
+        while done < aligned:  # in blocks of _COPY_BLOCK, like the buffered copy
             block = min(_COPY_BLOCK, aligned - done)
             n = pwrite_direct(fd, source[done : done + block], done, path)
             done += n

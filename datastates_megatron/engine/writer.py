@@ -21,7 +21,7 @@ from .file_format import HEADER_BYTES, Header
 from .mapped_files import MappedFiles
 from .page_cache import memory_backed
 
-__all__ = ["RankFileWriter", "fsync_dir"]
+__all__ = ["ALIGN", "RankFileWriter", "fsync_dir", "pwrite_direct"]
 
 log = logging.getLogger(__name__)
 ALIGN = 4096  # O_DIRECT: offsets, lengths and the source address in multiples of this
@@ -49,7 +49,8 @@ def _pwrite_all(fd: int, data, offset: int) -> None:
 def pwrite_direct(fd: int, data, offset: int, path: str) -> int:
     """``pwrite`` ``data`` at ``offset`` through ``fd`` (opened with O_DIRECT; the address, offset
     and length 4 KiB-aligned).  Returns the bytes written: fewer than ``len(data)`` when the file
-    system refused O_DIRECT (EINVAL), at once or midway -- the caller writes the rest buffered."""
+    system refused O_DIRECT (EINVAL), at once or midway -- the caller writes the rest buffered.
+    Partial writes (a single ``pwrite`` moves at most 2 GiB - 4 KiB on Linux) are continued."""
     view = memoryview(data).cast("B")
     done = 0
     while done < len(view):
