@@ -160,6 +160,16 @@ class _ForkedRank(_Rank):
         return texts[0], texts[1]
 
 
+def detach_with_outputs(out_path: str, err_path: str) -> None:
+    """In a freshly forked rank: its own session (a kill of the rank's group reaches its children),
+    stdout and stderr sent to these files."""
+    os.setsid()
+    for fd, path in ((1, out_path), (2, err_path)):
+        f = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.dup2(f, fd)
+        os.close(f)
+
+
 def _kill_session(pid: int) -> None:
     """SIGKILL the rank's session (its own children too); the rank itself if it has no session yet."""
     try:
@@ -194,11 +204,7 @@ def _forkserver():
 def _run_as_main(script: str, args: list[str], env: dict, out_path: str, err_path: str) -> None:
     """In the forked rank: become ``python script *args`` in ``env``, then end as the interpreter
     would (join non-daemon threads, run ``atexit`` hooks, flush) with the script's exit status."""
-    os.setsid()
-    for fd, path in ((1, out_path), (2, err_path)):
-        f = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        os.dup2(f, fd)
-        os.close(f)
+    detach_with_outputs(out_path, err_path)
     os.environ.clear()
     os.environ.update(env)
     import torch

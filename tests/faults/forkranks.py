@@ -20,7 +20,7 @@ import tempfile
 import time
 import traceback
 
-from tests.distributed.ranks import free_port
+from tests.distributed.ranks import detach_with_outputs, free_port
 
 
 def fork_ranks(func, world: int, args: list[str], *, env: dict | None = None, timeout: float = 120.0,
@@ -35,11 +35,7 @@ def fork_ranks(func, world: int, args: list[str], *, env: dict | None = None, ti
         if pid == 0:  # ------------------------------------------------------------- child
             code = 1
             try:
-                os.setsid()
-                for fd, path in ((1, out_path), (2, err_path)):
-                    f = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-                    os.dup2(f, fd)
-                    os.close(f)
+                detach_with_outputs(out_path, err_path)
                 os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
                                    "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
                 os.environ.update(env or {})
