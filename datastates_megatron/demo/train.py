@@ -53,18 +53,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def state_digest(model, optimizer) -> dict[str, int]:
-    """XXH64 of every tensor a resume needs on this rank (param shards, main params, Adam state)."""
-    from ..engine.device_copy import as_bytes
-    from ..engine.serializer import xxh64
-    from ..megatron.shards import collect_shards
-
-    return {r.name: xxh64(as_bytes(r.tensor).cpu().numpy()) for r in collect_shards(model, optimizer)}
-
-
 def main(argv=None) -> int:
     args = parse_args(argv)
     from ..engine.errors import NoCheckpointError
+    from ..megatron import shards
     from ..megatron.args import config_from_args, validate_lazy_ckpt_args
     from . import gpt
 
@@ -137,7 +129,7 @@ def main(argv=None) -> int:
         ckpt.wait()
     records["drain_s"] = time.perf_counter() - t_drain
     records["last_iteration"] = last
-    records["digest"] = state_digest(chunks, optimizer)
+    records["digest"] = shards.state_digest(chunks, optimizer)
     if ckpt is not None:
         records["stats"] = {k: v for k, v in ckpt.stats.items() if k != "last_commit"}
         ckpt.close()

@@ -16,6 +16,9 @@ Before the script runs, in this process only and without editing Megatron-LM:
 * ``python3`` and ``python3-config`` on ``PATH`` are this interpreter's, so that Megatron's
   ``compile_helpers`` (``make`` in ``megatron/core/datasets``) builds the dataset helpers for it.
 
+With ``DSM_TRAINING_RECORD=PREFIX`` each rank also writes an exact per-iteration record
+(:mod:`.training_record`), which the end-to-end tests compare across runs.
+
 With a real GPU present nothing is patched and the script runs as under plain ``python``, so the
 same command line (and the tests built on it) runs on CUDA too.
 """
@@ -33,6 +36,8 @@ import sys
 import sysconfig
 import tempfile
 import types
+
+from . import training_record
 
 __all__ = ["main", "prepare"]
 
@@ -129,6 +134,8 @@ def main(argv: list[str] | None = None) -> None:
     tools = None
     if prepare(os.path.dirname(script)):
         tools = _python_on_path()
+    if os.environ.get(training_record.ENV):
+        training_record.install(os.environ[training_record.ENV])
     sys.argv = [script, *argv[1:]]
     try:
         runpy.run_path(script, run_name="__main__")

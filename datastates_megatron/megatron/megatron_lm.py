@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import enum
 import itertools
 import logging
 import math
@@ -202,21 +203,32 @@ def _session_for(args: Any, model: Any, optimizer: Any, scheduler: Any) -> _Sess
 # --------------------------------------------------------------------------- #
 # extra state: Megatron's per-run fields, JSON only
 # --------------------------------------------------------------------------- #
-def _json_scalar(v: Any) -> bool:
+def _json_scalar(v: Any) -> Any:
+    """``v`` as a JSON scalar, or :data:`_SKIP`. An enum is stored by name (``args.exit_signal`` is
+    a ``signal.Signals``, an ``IntEnum``: an ``int`` to ``isinstance`` that the encoder refuses)."""
+    if isinstance(v, enum.Enum):
+        return v.name
     if isinstance(v, float):
-        return math.isfinite(v)
-    return v is None or isinstance(v, (bool, int, str))
+        return v if math.isfinite(v) else _SKIP
+    return v if v is None or isinstance(v, (bool, int, str)) else _SKIP
+
+
+_SKIP = object()
 
 
 def _json_args(args: Any) -> dict[str, Any]:
+    """The arguments JSON can hold (scalars, enums by name, flat lists of those); the rest is
+    skipped: they are kept for the resume-time checks, never applied back to ``args``."""
     out: dict[str, Any] = {}
     for k, v in sorted(vars(args).items()):
         if k.startswith("_"):
             continue
-        if _json_scalar(v):
+        if isinstance(v, (list, tuple)):
+            v = [_json_scalar(x) for x in v]
+            if _SKIP not in v:
+                out[k] = v
+        elif (v := _json_scalar(v)) is not _SKIP:
             out[k] = v
-        elif isinstance(v, (list, tuple)) and all(_json_scalar(x) for x in v):
-            out[k] = list(v)
     return out
 
 

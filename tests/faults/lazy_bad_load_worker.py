@@ -81,7 +81,7 @@ LAST = "data_flip_rank1"
 def main() -> int:
     from datastates_megatron import LazyCheckpointer, LazyCkptConfig
     from datastates_megatron.demo import gpt
-    from datastates_megatron.demo.train import state_digest
+    from datastates_megatron.megatron.shards import state_digest
 
     root = sys.argv[1]
     scenarios = sys.argv[2].split(",") if len(sys.argv) > 2 else SCENARIOS

@@ -4,7 +4,7 @@ foreign checkpoint gives an error naming what is wrong, and no registered tensor
 Already covered elsewhere and not repeated here: a data bit flip / truncation / missing or foreign-run
 rank file / ``../`` in the manifest / world-size mismatch with 2 ranks (tests/distributed), and the
 rank-file parser on its own (tests/unit/test_engine.py).  The LazyCheckpointer level (live
-model/optimizer unchanged, compared by ``demo.train.state_digest``) is test_lazy_bad_load.py."""
+model/optimizer unchanged, compared by ``megatron.shards.state_digest``) is test_lazy_bad_load.py."""
 
 from __future__ import annotations
 

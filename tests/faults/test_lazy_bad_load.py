@@ -1,6 +1,6 @@
 """Bad input on load at the LazyCheckpointer level (megatron-core GPT, DistributedOptimizer, 2 gloo
 ranks): every damaged checkpoint is refused with an error naming the file/rank/tensor, and the live
-model and optimizer are bit-for-bit unchanged (``demo.train.state_digest`` before and after)."""
+model and optimizer are bit-for-bit unchanged (``megatron.shards.state_digest`` before and after)."""
 
 from __future__ import annotations
 

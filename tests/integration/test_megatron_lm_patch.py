@@ -15,10 +15,12 @@ directory, applies/re-applies/reverts ``scripts/apply_patches.sh`` and, in subpr
 from __future__ import annotations
 
 import argparse
+import enum
 import filecmp
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import textwrap
@@ -29,6 +31,7 @@ import pytest
 import torch
 
 from datastates_megatron.engine.errors import FormatVersionError, LayoutMismatchError, NoCheckpointError
+from datastates_megatron.engine.objects import encode_objects
 from datastates_megatron.megatron import megatron_lm
 from datastates_megatron.megatron.args import LazyCkptArgsError, add_lazy_ckpt_args
 
@@ -57,7 +60,7 @@ class RecordingCheckpointer:
         RecordingCheckpointer.instances.append(self)
 
     def save(self, iteration, extra_state=None):
-        json.dumps(extra_state)  # plain JSON, no pickle
+        encode_objects({"extra_state": extra_state})  # what LazyCheckpointer.save stores: no pickle
         self.calls.append(("save", iteration))
         self.pending.append(iteration)
         RecordingCheckpointer.store[iteration] = extra_state
@@ -109,6 +112,10 @@ def _args(tmp_path, *argv, **megatron):
     for k, v in fields.items():
         setattr(args, k, v)
     return args
+
+
+class _Backend(enum.Enum):  # like megatron.core.transformer.enums.AttnBackend
+    auto = 5
 
 
 def _objects():
@@ -231,6 +238,17 @@ def test_extra_state_without_megatron_fields(tmp_path, caplog):
     assert args.consumed_train_samples == 5 and "carries no Megatron-LM state" in caplog.text
 
 
+def test_enum_args_are_stored_by_name(tmp_path, recording):
+    """Megatron's args.exit_signal is a signal.Signals (an IntEnum): the first save crashed on it."""
+    model, opt, sched = _objects()
+    args = _args(tmp_path, exit_signal=signal.SIGTERM, attention_backend=_Backend.auto,
+                 enum_list=[signal.SIGUSR1, 3])
+    megatron_lm.save_checkpoint(2, model, opt, sched, 0, args=args)
+    saved_args = recording.store[2][megatron_lm.EXTRA_STATE_KEY]["args"]
+    assert saved_args["exit_signal"] == "SIGTERM" and saved_args["attention_backend"] == "auto"
+    assert saved_args["enum_list"] == ["SIGUSR1", 3]
+
+
 def test_extra_state_keeps_only_json_args(tmp_path):
     args = _args(tmp_path, params_dtype=torch.bfloat16, iterations_to_skip=[3, 4], lr=float("nan"),
                  _private=1, init_method=lambda x: x)
@@ -342,6 +360,7 @@ elif mode in ("route", "glue"):
     else:  # the real glue behind the patch, with a recording checkpointer and Megatron's globals
         from megatron.core.num_microbatches_calculator import (
             get_num_microbatches, init_num_microbatches_calculator)
+        from datastates_megatron.engine.objects import encode_objects
         from datastates_megatron.engine.errors import NoCheckpointError
         store = {}
         class Recording:
@@ -351,7 +370,7 @@ elif mode in ("route", "glue"):
                 self.pending = []
                 self.on_commit = []  # the glue hangs Megatron's commit logging here
             def save(self, iteration, extra_state=None):
-                json.dumps(extra_state)
+                encode_objects({"extra_state": extra_state})
                 store[iteration] = extra_state
                 self.pending.append(iteration)
                 calls.append(["save", iteration])

@@ -1,0 +1,105 @@
+"""An exact record of a Megatron-LM run, for comparing a resumed run with an uninterrupted one.
+
+Megatron's log prints the grad norm and params norm with three decimals; this records them (and
+the lm loss) as Python floats, one JSON line per iteration per rank, plus, when ``train`` returns,
+a digest of every tensor a resume needs (:func:`~datastates_megatron.megatron.shards.state_digest`).
+Lines are flushed one by one, so a run killed with ``kill -9`` keeps every iteration it logged.
+
+:func:`install` wraps ``megatron.training.training.training_log`` (called once per iteration, on
+every rank) and ``train`` in this process; arguments are taken by name, so core_v0.16 and core_v0.19
+(whose signatures differ in trailing parameters) are both served. Used by
+:mod:`~datastates_megatron.megatron.cpu_launch` when ``DSM_TRAINING_RECORD`` names a path prefix.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import json
+import os
+from typing import Any, Callable
+
+__all__ = ["ENV", "install", "read"]
+
+ENV = "DSM_TRAINING_RECORD"
+
+
+def _float(x: Any) -> float | None:
+    if x is None:
+        return None
+    return float(x.item() if hasattr(x, "item") else x)
+
+
+class _Record:
+    """Appends JSON lines to ``PREFIX.rank<R>.jsonl`` (opened on first use: the rank is known only
+    after Megatron has initialised torch.distributed)."""
+
+    def __init__(self, prefix: str) -> None:
+        self.prefix = prefix
+        self._file = None
+
+    def write(self, entry: dict) -> None:
+        if self._file is None:
+            import torch.distributed as dist
+
+            rank = dist.get_rank() if dist.is_initialized() else 0
+            self._file = open(f"{self.prefix}.rank{rank}.jsonl", "a", encoding="utf-8")
+        self._file.write(json.dumps(entry) + "\n")
+        self._file.flush()
+
+
+def _wrap(fn: Callable, after: Callable[[inspect.BoundArguments, Any], None]) -> Callable:
+    sig = inspect.signature(fn)
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        result = fn(*args, **kwargs)
+        after(sig.bind(*args, **kwargs), result)
+        return result
+
+    return wrapper
+
+
+def install(prefix: str) -> None:
+    """Record this process's training to ``PREFIX.rank<R>.jsonl`` (see the module docstring)."""
+    from megatron.training import training
+
+    from .shards import state_digest
+
+    record = _Record(prefix)
+
+    def iteration_logged(bound: inspect.BoundArguments, _result: Any) -> None:
+        a = bound.arguments
+        loss = (a.get("loss_dict") or {}).get("lm loss")
+        record.write({"iteration": int(a["iteration"]), "grad_norm": _float(a.get("grad_norm")),
+                      "params_norm": _float(a.get("params_norm")), "lm_loss": _float(loss),
+                      "skipped": int(a.get("skipped_iter") or 0)})
+
+    def trained(bound: inspect.BoundArguments, result: Any) -> None:
+        a = bound.arguments
+        iteration = result[0] if isinstance(result, tuple) else None
+        record.write({"final_iteration": iteration,
+                      "digest": state_digest(a["model"], a["optimizer"])})
+
+    training.training_log = _wrap(training.training_log, iteration_logged)
+    training.train = _wrap(training.train, trained)
+
+
+def read(prefix: str, rank: int) -> tuple[dict[int, dict], dict | None]:
+    """``({iteration: entry}, final entry or None)`` of one rank's record; a later line for the same
+    iteration (a resumed run appends to the file of the run it resumes) replaces the earlier one."""
+    path = f"{prefix}.rank{rank}.jsonl"
+    iterations: dict[int, dict] = {}
+    final = None
+    if not os.path.exists(path):
+        return iterations, final
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            if not line.endswith("\n"):
+                break  # the last line of a killed run may be cut
+            entry = json.loads(line)
+            if "digest" in entry:
+                final = entry
+            else:
+                iterations[entry["iteration"]] = entry
+    return iterations, final
