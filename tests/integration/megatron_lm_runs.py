@@ -1,0 +1,142 @@
+"""Run Megatron-LM's own ``pretrain_gpt.py`` (a tiny GPT) under torchrun through
+``datastates_megatron.megatron.cpu_launch``, and compare runs exactly.
+
+The tree comes from ``MEGATRON_LM_DIR`` (patched with scripts/apply_patches.sh; scripts/test.sh
+unpacks and patches a fresh one from ../shared/megatron-lm). Without a GPU the ranks use gloo and
+the CPU-only flags; with one, NCCL and the same model, so the same test bodies run on both.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+import torch
+
+from datastates_megatron.engine.manifest import committed_iterations, latest_committed
+from datastates_megatron.megatron import training_record
+
+MEGATRON_LM_DIR = os.environ.get("MEGATRON_LM_DIR")
+CUDA = torch.cuda.is_available()
+
+CPU_ONLY = ["--distributed-backend", "gloo", "--transformer-impl", "local", "--no-gradient-accumulation-fusion",
+            "--no-persist-layer-norm", "--no-masked-softmax-fusion"]
+TINY = [
+    "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
+    "--max-position-embeddings", "64", "--micro-batch-size", "2", "--global-batch-size", "8", "--lr", "1e-3",
+    "--min-lr", "1e-4", "--lr-decay-style", "cosine", "--mock-data", "--tokenizer-type", "NullTokenizer",
+    "--vocab-size", "512", "--use-distributed-optimizer", "--log-interval", "1", "--eval-iters", "0",
+    "--eval-interval", "1000", "--hidden-dropout", "0", "--attention-dropout", "0", "--log-params-norm",
+    "--seed", "1234",
+]
+LAZY = ["--lazy-ckpt", "--lazy-ckpt-host-cache-gb", "0.05"]
+
+
+@dataclass
+class Run:
+    returncode: int | None
+    log: str
+    record: str  # training_record prefix
+
+    def iterations(self, rank: int = 0) -> dict[int, dict]:
+        return training_record.read(self.record, rank)[0]
+
+    def final(self, rank: int = 0) -> dict | None:
+        return training_record.read(self.record, rank)[1]
+
+    def describe(self) -> str:
+        return f"rc={self.returncode}\n{self.log[-6000:]}"
+
+
+def command(nproc: int, args: list[str], port: int) -> list[str]:
+    script = os.path.join(MEGATRON_LM_DIR, "pretrain_gpt.py")
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port", str(port),
+            "-m", "datastates_megatron.megatron.cpu_launch", script, *([] if CUDA else CPU_ONLY), *TINY, *args]
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _ranks(proc: subprocess.Popen) -> list[psutil.Process]:
+    try:
+        return psutil.Process(proc.pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        return []
+
+
+def launch(tmp: Path, name: str, args: list[str], *, nproc: int = 2, timeout: float = 300.0,
+           kill_when=None, term_when=None) -> Run:
+    """Run ``pretrain_gpt.py`` with ``args`` to the end, or until ``kill_when()`` (then every rank and
+    torchrun get SIGKILL) or ``term_when()`` (then every rank gets SIGTERM, as ``srun`` delivers a
+    pre-emption, and the run is left to finish). Both are polled every 50 ms."""
+    record = str(tmp / f"{name}-record")  # see logged()
+    log_path = tmp / f"{name}.log"
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", **{training_record.ENV: record})
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(command(nproc, args, _free_port()), stdout=log, stderr=subprocess.STDOUT,
+                                env=env, start_new_session=True)
+        deadline = time.monotonic() + timeout
+        try:
+            while proc.poll() is None and time.monotonic() < deadline:
+                if kill_when is not None and kill_when():
+                    for p in [*_ranks(proc), psutil.Process(proc.pid)]:
+                        p.send_signal(signal.SIGKILL)
+                    kill_when = None
+                if term_when is not None and term_when():
+                    for p in _ranks(proc):
+                        p.send_signal(signal.SIGTERM)
+                    term_when = None
+                time.sleep(0.05)
+        finally:
+            if proc.poll() is None:
+                for p in [*_ranks(proc), psutil.Process(proc.pid)]:
+                    p.send_signal(signal.SIGKILL)
+            proc.wait(timeout=30)
+    return Run(proc.returncode, log_path.read_text(errors="replace"), record)
+
+
+def committed_at_least(save: Path, iteration: int):
+    """A ``kill_when``: true once a checkpoint of ``iteration`` or later is committed under ``save``."""
+    def check() -> bool:
+        return save.is_dir() and any(it >= iteration for it in committed_iterations(str(save)))
+    return check
+
+
+def logged(tmp: Path, name: str, iteration: int):
+    """A ``term_when`` for ``launch(tmp, name, ...)``: true once rank 0 has logged ``iteration``."""
+    def check() -> bool:
+        return iteration in training_record.read(str(tmp / f"{name}-record"), 0)[0]
+    return check
+
+
+def latest(save: Path) -> int | None:
+    return latest_committed(str(save)) if committed_iterations(str(save)) else None
+
+
+def assert_same_training(got: Run, want: Run, iterations, *, ranks: int = 2, exact: bool = True) -> None:
+    """``got`` logged ``iterations`` with the grad norm and params norm of ``want`` (to the bit, or to
+    1e-5 relative when ``exact`` is False), and ended with the same state digest when both ended."""
+    import pytest
+
+    for rank in range(ranks):
+        g, w = got.iterations(rank), want.iterations(rank)
+        assert sorted(g) == list(iterations), (rank, sorted(g), got.describe())
+        for it in iterations:
+            for key in ("grad_norm", "params_norm"):
+                if exact:
+                    assert g[it][key] == w[it][key], (rank, it, key, g[it][key], w[it][key])
+                else:
+                    assert g[it][key] == pytest.approx(w[it][key], rel=1e-5), (rank, it, key)
+        if exact and got.final(rank) is not None:
+            assert got.final(rank)["digest"] == want.final(rank)["digest"], rank

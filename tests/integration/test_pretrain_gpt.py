@@ -1,0 +1,114 @@
+"""Megatron-LM's own ``pretrain_gpt.py --lazy-ckpt`` end to end: trains, saves, is killed with
+``kill -9``, resumes, and trains on exactly as a run that was never interrupted.
+
+Each comparison is against a run without any checkpointing, to the bit: every iteration's grad
+norm and params norm (the lm loss Megatron logs averages over the iterations since the last log,
+so after a resume it is not comparable) and a digest of every model and optimizer tensor at the
+end (:mod:`datastates_megatron.megatron.training_record`). Dropout is 0; on CPU the shim maps the
+CUDA generator onto the CPU one. 2 ranks, gloo on CPU (NCCL on a GPU).
+"""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+
+from tests.integration.megatron_lm_runs import (LAZY, MEGATRON_LM_DIR, assert_same_training, committed_at_least, latest,
+                               launch, logged)
+
+pytestmark = pytest.mark.skipif(
+    not MEGATRON_LM_DIR, reason="MEGATRON_LM_DIR is not set (scripts/test.sh unpacks and patches one from "
+                                "../shared/megatron-lm)")
+
+ITERS = 8
+PRECISIONS = {"fp32": [], "bf16": ["--bf16"]}
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """Uninterrupted runs without checkpointing, per precision (built on first use)."""
+    tmp = tmp_path_factory.mktemp("reference")
+    runs = {}
+
+    def get(precision: str):
+        if precision not in runs:
+            run = launch(tmp, precision, ["--train-iters", str(ITERS), *PRECISIONS[precision]])
+            assert run.returncode == 0, run.describe()
+            runs[precision] = run
+        return runs[precision]
+
+    return get
+
+
+@pytest.mark.parametrize("precision", sorted(PRECISIONS))
+def test_kill_9_after_a_commit_then_resume_is_bit_exact(tmp_path, reference, precision):
+    save = tmp_path / "ckpt"
+    args = ["--train-iters", str(ITERS), *PRECISIONS[precision], "--save", str(save), "--load", str(save),
+            "--save-interval", "2", *LAZY]
+    killed = launch(tmp_path, "killed", args, kill_when=committed_at_least(save, 4))
+    assert killed.returncode != 0, "the run ended before it was killed:\n" + killed.describe()
+    resume_from = latest(save)
+    assert resume_from is not None and 4 <= resume_from < ITERS, resume_from
+    resumed = launch(tmp_path, "resumed", args)
+    assert resumed.returncode == 0, resumed.describe()
+    assert f"loaded lazy checkpoint of iteration {resume_from}" in resumed.log
+    want = reference(precision)
+    assert_same_training(killed, want, range(1, max(killed.iterations()) + 1))
+    assert_same_training(resumed, want, range(resume_from + 1, ITERS + 1))
+
+
+def test_sigterm_with_exit_signal_handler_commits_the_final_save_before_exit(tmp_path, reference):
+    save = tmp_path / "ckpt"
+    args = ["--train-iters", str(ITERS), "--save", str(save), "--load", str(save), "--save-interval", "100",
+            "--exit-signal-handler", *LAZY]
+    first = launch(tmp_path, "first", args, term_when=logged(tmp_path, "first", 2))
+    assert first.returncode == 0, first.describe()
+    last = max(first.iterations())
+    assert 2 <= last < ITERS, last  # stopped by the signal, not at the end
+    assert "exiting program after receiving SIGTERM" in first.log
+    assert latest(save) == last  # committed before the process exited
+    resumed = launch(tmp_path, "resumed", args)
+    assert resumed.returncode == 0, resumed.describe()
+    assert_same_training(resumed, reference("fp32"), range(last + 1, ITERS + 1))
+
+
+def test_exit_interval_then_resume_from_an_older_ckpt_step(tmp_path, reference):
+    save = tmp_path / "ckpt"
+    args = ["--train-iters", str(ITERS), "--save", str(save), "--load", str(save), "--save-interval", "2", *LAZY]
+    first = launch(tmp_path, "first", [*args, "--exit-interval", "4"])
+    assert first.returncode == 0, first.describe()
+    assert sorted(first.iterations()) == [1, 2, 3, 4] and latest(save) == 4
+    older = launch(tmp_path, "older", [*args, "--ckpt-step", "2"])
+    assert older.returncode == 0, older.describe()
+    assert "loaded lazy checkpoint of iteration 2" in older.log
+    assert_same_training(older, reference("fp32"), range(3, ITERS + 1))
+
+
+def test_resume_on_one_rank_from_a_two_rank_run(tmp_path, reference):
+    """DP 2 -> DP 1: the optimizer shards are resharded on load; the same global batch is then
+    accumulated in 4 micro-batches instead of 2 per rank, so the sums are ordered differently and
+    the comparison is to 1e-5, not to the bit."""
+    save = tmp_path / "ckpt"
+    args = ["--train-iters", str(ITERS), "--save", str(save), "--load", str(save), "--save-interval", "2", *LAZY]
+    first = launch(tmp_path, "first", [*args, "--exit-interval", "4"])
+    assert first.returncode == 0 and latest(save) == 4, first.describe()
+    one = launch(tmp_path, "one", args, nproc=1)
+    assert one.returncode == 0, one.describe()
+    assert "loaded lazy checkpoint of iteration 4" in one.log
+    assert_same_training(one, reference("fp32"), range(5, ITERS + 1), ranks=1, exact=False)
+
+
+def test_node_local_tier_promotes_and_a_lost_node_resumes_from_save(tmp_path, reference):
+    save, local = tmp_path / "ckpt", tmp_path / "node-local"
+    args = ["--train-iters", str(ITERS), "--save", str(save), "--load", str(save), "--save-interval", "1", *LAZY,
+            "--lazy-ckpt-local-dir", str(local), "--lazy-ckpt-persist-interval", "3"]
+    killed = launch(tmp_path, "killed", args, kill_when=committed_at_least(save, 3))
+    assert killed.returncode != 0, "the run ended before it was killed:\n" + killed.describe()
+    promoted = latest(save)
+    assert promoted is not None and promoted % 3 == 0, promoted
+    shutil.rmtree(local)  # the node is gone: only --save is left
+    resumed = launch(tmp_path, "resumed", args)
+    assert resumed.returncode == 0, resumed.describe()
+    assert f"loaded lazy checkpoint of iteration {promoted}" in resumed.log
+    assert_same_training(resumed, reference("fp32"), range(promoted + 1, ITERS + 1))
