@@ -1,17 +1,26 @@
 #!/usr/bin/env bash
 # Create (or reuse) .venv and install the package with everything the tests, demo and benchmarks need.
-# Pinned: torch 2.13.0 (a CPU build is on disk here; a bare `torch` would pull a multi-GB CUDA build).
+# Pinned: torch 2.13.0 (a CPU build is on disk here; a bare `torch` would pull a multi-GB CUDA build),
+# and what Megatron-LM's own training code needs (scripts/requirements-megatron-lm.txt).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
+if ! command -v make >/dev/null || ! command -v g++ >/dev/null; then
+  # Megatron-LM builds its dataset helpers with make and g++ at start-up
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    apt-get update -qq && apt-get install -y -qq make g++ >/dev/null
+  else
+    echo "warning: make and g++ are needed for the Megatron-LM tests (they will fail without them)" >&2
+  fi
+fi
 if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi
 . .venv/bin/activate
 stamp=.venv/.dsm-installed
-if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
+if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ scripts/requirements-megatron-lm.txt -nt "$stamp" ]; then
   python -m pip install -q --upgrade pip
   python -m pip install -q "torch==2.13.0"
-  python -m pip install -q -e ".[megatron,test,bench]"
+  python -m pip install -q -e ".[megatron,test,bench]" -r scripts/requirements-megatron-lm.txt
   touch "$stamp"
 fi

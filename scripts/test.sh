@@ -1,8 +1,17 @@
 #!/usr/bin/env bash
-# The test command: sets itself up, then runs every test that this machine can run
-# (GPU tests skip without CUDA; Megatron-LM patch tests skip without MEGATRON_LM_DIR).
+# The test command: sets itself up, then runs every test that this machine can run (GPU tests skip
+# without CUDA). Megatron-LM tests use MEGATRON_LM_DIR (a patched checkout) when it is set; otherwise
+# a fresh copy of core_v0.16.1 from ../shared/megatron-lm is unpacked and patched for this run, and
+# core_v0.19.0 is added to the patch/argument tests (MEGATRON_LM_DIRS).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 . .venv/bin/activate
-exec python -m pytest -m "not slow" --durations=15 "$@"
+if [ -z "${MEGATRON_LM_DIR:-}" ] && [ -d ../shared/megatron-lm ]; then
+  trees=$(mktemp -d /tmp/dsm-megatron-lm.XXXXXX)
+  trap 'rm -rf "$trees"' EXIT
+  MEGATRON_LM_DIR=$(bash scripts/megatron_lm_tree.sh 0.16.1 "$trees")
+  MEGATRON_LM_DIRS="$MEGATRON_LM_DIR:$(bash scripts/megatron_lm_tree.sh 0.19.0 "$trees")"
+  export MEGATRON_LM_DIR MEGATRON_LM_DIRS
+fi
+python -m pytest -m "not slow" --durations=15 "$@"

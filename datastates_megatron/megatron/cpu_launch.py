@@ -39,14 +39,18 @@ import types
 
 from . import training_record
 
-__all__ = ["main", "prepare"]
+__all__ = ["main", "prepare", "stub_triton_modules"]
 
 _USAGE = "usage: python -m datastates_megatron.megatron.cpu_launch PRETRAIN_SCRIPT [ARGS...]"
 
 
-# Imported by megatron.training.initialize, and the only module on pretrain_gpt's path that needs
-# triton at import time; its kernels run only with --batch-invariant-mode.
-_TRITON_MODULES = ("megatron.core.transformer.custom_layers.batch_invariant_kernels",)
+# The modules on pretrain_gpt's import path that import triton unguarded (core_v0.16: the first;
+# core_v0.19: both); their kernels run only with options that need a GPU (--batch-invariant-mode,
+# MoE paged stashing).
+_TRITON_MODULES = (
+    "megatron.core.transformer.custom_layers.batch_invariant_kernels",
+    "megatron.core.transformer.moe.ops.paged_stash",
+)
 
 
 class _TritonFreeStub(importlib.abc.MetaPathFinder, importlib.abc.Loader):
@@ -77,7 +81,7 @@ def _needs_triton(module: str, name: str):
     return unavailable
 
 
-def _stub_triton_modules() -> None:
+def stub_triton_modules() -> None:
     import importlib.util
 
     if importlib.util.find_spec("triton") is None:
@@ -111,7 +115,7 @@ def prepare(script_dir: str) -> bool:
 
     if torch.cuda.is_available():
         return False
-    _stub_triton_modules()
+    stub_triton_modules()
     from ..demo import cuda_on_cpu
 
     cuda_on_cpu.install()

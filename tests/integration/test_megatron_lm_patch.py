@@ -4,7 +4,7 @@ Part 1 (always runs) drives :mod:`datastates_megatron.megatron.megatron_lm` the 
 Megatron-LM does, with a recording stand-in for LazyCheckpointer (injected as the
 ``datastates_megatron.megatron.checkpointer`` module) so the glue's decisions are visible.
 
-Part 2 needs ``MEGATRON_LM_DIR`` = a checkout of a supported tag (core_v0.16.1 or core_v0.19.0, e.g.
+Part 2 needs ``MEGATRON_LM_DIRS`` or ``MEGATRON_LM_DIR`` = checkouts of supported tags (core_v0.16.1 or core_v0.19.0, e.g.
 ``git archive core_v0.16.1 | tar -x -C /tmp/mlm-0.16.1``) and Megatron's CPU import dependencies
 (``pip install six regex triton pyyaml pydantic``). It copies ``megatron/`` to a temporary
 directory, applies/re-applies/reverts ``scripts/apply_patches.sh`` and, in subprocesses, parses
@@ -262,9 +262,12 @@ def test_extra_state_keeps_only_json_args(tmp_path):
 # --------------------------------------------------------------------------- #
 # part 2: the patch on a real Megatron-LM checkout
 # --------------------------------------------------------------------------- #
-MEGATRON_LM_DIR = os.environ.get("MEGATRON_LM_DIR")
+# Every tree to test: MEGATRON_LM_DIRS (os.pathsep-separated; scripts/test.sh sets both shipped
+# tags), else MEGATRON_LM_DIR.
+MEGATRON_LM_DIRS = [d for d in (os.environ.get("MEGATRON_LM_DIRS") or os.environ.get("MEGATRON_LM_DIR") or "")
+                    .split(os.pathsep) if d]
 needs_checkout = pytest.mark.skipif(
-    not MEGATRON_LM_DIR,
+    not MEGATRON_LM_DIRS,
     reason="MEGATRON_LM_DIR is not set: point it at a Megatron-LM checkout of core_v0.16.1 or "
            "core_v0.19.0 (e.g. `git archive core_v0.16.1 | tar -x -C /tmp/mlm-0.16.1`)")
 
@@ -278,6 +281,8 @@ if not hasattr(typing, "override"):
 
 mode, out_path, tmp = sys.argv[1], sys.argv[2], sys.argv[3]
 out = {}
+from datastates_megatron.megatron.cpu_launch import stub_triton_modules
+stub_triton_modules()  # megatron.training imports a triton module; triton is not needed here
 
 if mode == "without-package":
     class _Hide:  # as if datastates_megatron were not installed
@@ -329,6 +334,19 @@ elif mode == "parse":
         except LazyCkptArgsError as e:
             errors[name] = str(e)
     out["errors"] = errors
+
+elif mode == "validate":  # the namespace a real run saves: parse_args + validate_args, lib.sh's flags
+    from megatron.training.arguments import parse_args, validate_args
+    from datastates_megatron.engine.objects import decode_objects, encode_objects
+    from datastates_megatron.megatron import megatron_lm
+    sys.argv = ["pretrain", *json.loads(sys.argv[4])]
+    args = parse_args()
+    validate_args(args, {})
+    stored = decode_objects(encode_objects({"extra_state": megatron_lm.build_extra_state(args, 4, 1.5)}))
+    saved = stored["extra_state"][megatron_lm.EXTRA_STATE_KEY]["args"]
+    out["exit_signal"] = saved.get("exit_signal")
+    out["saved"] = {k: saved.get(k) for k in ("lazy_ckpt", "bf16", "num_layers", "exit_signal_handler")}
+    out["enums"] = sorted(k for k, v in vars(args).items() if isinstance(v, __import__("enum").Enum))
 
 elif mode in ("route", "glue"):
     from megatron.training.arguments import parse_args
@@ -417,17 +435,23 @@ with open(out_path, "w") as f:
 '''
 
 
-@pytest.fixture(scope="module")
-def megatron_copy(tmp_path_factory):
-    """``megatron/`` of MEGATRON_LM_DIR copied to a temporary directory, the patch applied."""
-    src = Path(MEGATRON_LM_DIR)
-    dst = tmp_path_factory.mktemp("megatron-lm")
-    shutil.copytree(src / "megatron", dst / "megatron",
-                    ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+@pytest.fixture(scope="module", params=MEGATRON_LM_DIRS or [None],
+                ids=lambda d: os.path.basename(d.rstrip("/")) if d else "none")
+def megatron_copy(request, tmp_path_factory):
+    """``(pristine, patched)``: ``megatron/`` of one Megatron-LM tree (patched or not) copied twice to
+    a temporary directory, one copy reverted to the original, the other then patched."""
+    src = Path(request.param)
+    base = tmp_path_factory.mktemp("megatron-lm")
+    pristine, dst = base / "pristine", base / "patched"
+    for copy in (pristine, dst):
+        shutil.copytree(src / "megatron", copy / "megatron",
+                        ignore=shutil.ignore_patterns("__pycache__", "*.pyc", "*.so"))
+        if _apply(copy, "--check").stdout.startswith("already applied:"):
+            assert _apply(copy, "--revert").returncode == 0
     first = _apply(dst)
     assert first.returncode == 0, first.stderr
     assert first.stdout.startswith("applied:"), first.stdout
-    return src, dst
+    return pristine, dst
 
 
 def _apply(where: Path, *extra: str) -> subprocess.CompletedProcess:
@@ -435,13 +459,13 @@ def _apply(where: Path, *extra: str) -> subprocess.CompletedProcess:
                           timeout=120)
 
 
-def _drive(dst: Path, mode: str, tmp_path: Path) -> dict:
+def _drive(dst: Path, mode: str, tmp_path: Path, *extra: str) -> dict:
     driver = tmp_path / "driver.py"
     driver.write_text(textwrap.dedent(DRIVER))
     out = tmp_path / f"{mode}.json"
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(dst), str(REPO)]),
                CUDA_VISIBLE_DEVICES="", PYTHONWARNINGS="ignore")
-    proc = subprocess.run([sys.executable, str(driver), mode, str(out), str(tmp_path)], cwd=dst,
+    proc = subprocess.run([sys.executable, str(driver), mode, str(out), str(tmp_path), *extra], cwd=dst,
                           env=env, capture_output=True, text=True, timeout=SUBPROCESS_TIMEOUT_S)
     assert proc.returncode == 0, f"driver {mode} failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
     return json.loads(out.read_text())
@@ -476,6 +500,33 @@ def test_parse_args_takes_the_lazy_ckpt_flags(megatron_copy, tmp_path):
     assert "--lazy-ckpt cannot be combined with --finetune" in errors["finetune"]
     assert "--non-persistent-save-interval" in errors["non_persistent"]
     assert "--lazy-ckpt-flush-threads must be >= 1" in errors["bad_threads"]
+
+
+def _launch_args(tmp_path: Path) -> list[str]:
+    """MEGATRON_ARGS as launch/lib.sh builds them for a GPU job (dsm_megatron_args), tiny sizes."""
+    env = dict(os.environ, NUM_LAYERS="2", HIDDEN_SIZE="64", FFN_HIDDEN_SIZE="256", NUM_ATTENTION_HEADS="4",
+               NUM_QUERY_GROUPS="2", SEQ_LENGTH="64", VOCAB_SIZE="512", TP="1", PP="1", MICRO_BATCH_SIZE="1",
+               GLOBAL_BATCH_SIZE="8", TRAIN_ITERS="10", SAVE_INTERVAL="2", LAZY_CKPT_HOST_CACHE_GB="1",
+               LAZY_CKPT_FLUSH_THREADS="2", SAVE_DIR=str(tmp_path / "save"), MEGATRON_LM_DIR=str(tmp_path),
+               LAZY_CKPT_LOCAL_DIR=str(tmp_path / "local"), DSM_REPO_DIR=str(REPO), SLURM_JOB_NUM_NODES="1")
+    (tmp_path / "pretrain_gpt.py").touch()  # lib.sh checks that it exists
+    script = f'source {REPO}/launch/lib.sh >/dev/null; dsm_megatron_args 1 >/dev/null; printf "%s\\0" "${{MEGATRON_ARGS[@]}}"'
+    res = subprocess.run(["bash", "-c", script], env=env, capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, res.stderr
+    return res.stdout.rstrip("\0").split("\0")
+
+
+@needs_checkout
+def test_megatrons_validated_args_never_fail_a_save(megatron_copy, tmp_path):
+    """args.exit_signal (signal.Signals, an IntEnum) crashed the first save on an H200: the whole
+    namespace that parse_args + validate_args produce for launch/lib.sh's flags must be storable."""
+    _, dst = megatron_copy
+    argv = _launch_args(tmp_path)
+    assert "--exit-signal-handler" in argv and "--lazy-ckpt" in argv
+    out = _drive(dst, "validate", tmp_path, json.dumps(argv))
+    assert "exit_signal" in out["enums"]
+    assert out["exit_signal"] == "SIGTERM"
+    assert out["saved"] == {"lazy_ckpt": True, "bf16": True, "num_layers": 2, "exit_signal_handler": True}
 
 
 @needs_checkout
