@@ -105,6 +105,18 @@ dsm_run_step() {
     return "$rc"
 }
 
+# dsm_pretrain_entry: fill the array PRETRAIN_ENTRY with what follows the interpreter (or torchrun's
+# options) to start pretrain_gpt.py. DSM_CPU=1 (a dry run of a GPU script on a laptop, login node or
+# CI, no GPU) starts it through datastates_megatron.megatron.cpu_launch; dsm_megatron_args then adds
+# the CPU-only flags. Everything else is what a GPU job runs.
+dsm_pretrain_entry() {
+    if [ "${DSM_CPU:-0}" = 1 ]; then
+        PRETRAIN_ENTRY=(-m datastates_megatron.megatron.cpu_launch "$MEGATRON_LM_DIR/pretrain_gpt.py")
+    else
+        PRETRAIN_ENTRY=("$MEGATRON_LM_DIR/pretrain_gpt.py")
+    fi
+}
+
 # dsm_megatron_args WORLD_SIZE: validate the preset against the allocation and fill the array
 # MEGATRON_ARGS for Megatron-LM's pretrain_gpt.py. Reads the preset variables (NUM_LAYERS, TP, ...),
 # SAVE_DIR, optional DATA_PATH / TOKENIZER_TYPE / TOKENIZER_MODEL (default: --mock-data with the
@@ -159,6 +171,11 @@ dsm_megatron_args() {
         --lazy-ckpt-host-cache-gb "$LAZY_CKPT_HOST_CACHE_GB"
         --lazy-ckpt-flush-threads "$LAZY_CKPT_FLUSH_THREADS"
     )
+    if [ "${DSM_CPU:-0}" = 1 ]; then
+        dsm_log "DSM_CPU=1: CPU ranks (gloo, local transformer), for a dry run without GPUs"
+        MEGATRON_ARGS+=(--distributed-backend gloo --transformer-impl local --no-gradient-accumulation-fusion
+                        --no-persist-layer-norm --no-masked-softmax-fusion --no-rope-fusion)
+    fi
     if [ -n "${LAZY_CKPT_LOCAL_DIR:-}" ]; then
         MEGATRON_ARGS+=(--lazy-ckpt-local-dir "$LAZY_CKPT_LOCAL_DIR"
                         --lazy-ckpt-persist-interval "${LAZY_CKPT_PERSIST_INTERVAL:-10}"
