@@ -19,7 +19,7 @@ import json
 import os
 from typing import Any, Callable
 
-__all__ = ["ENV", "install", "read"]
+__all__ = ["ENV", "install", "read", "read_runs"]
 
 ENV = "DSM_TRAINING_RECORD"
 
@@ -44,6 +44,7 @@ class _Record:
 
             rank = dist.get_rank() if dist.is_initialized() else 0
             self._file = open(f"{self.prefix}.rank{rank}.jsonl", "a", encoding="utf-8")
+            self._file.write(json.dumps({"start": os.getpid()}) + "\n")  # where a resumed run begins
         self._file.write(json.dumps(entry) + "\n")
         self._file.flush()
 
@@ -85,21 +86,33 @@ def install(prefix: str) -> None:
     training.train = _wrap(training.train, trained)
 
 
-def read(prefix: str, rank: int) -> tuple[dict[int, dict], dict | None]:
-    """``({iteration: entry}, final entry or None)`` of one rank's record; a later line for the same
-    iteration (a resumed run appends to the file of the run it resumes) replaces the earlier one."""
+def read_runs(prefix: str, rank: int) -> list[tuple[dict[int, dict], dict | None]]:
+    """One rank's record split by process (a requeued or resumed run appends to the file of the
+    run before it): per run, ``({iteration: entry}, final entry or None)``."""
     path = f"{prefix}.rank{rank}.jsonl"
-    iterations: dict[int, dict] = {}
-    final = None
+    runs: list[tuple[dict[int, dict], dict | None]] = []
     if not os.path.exists(path):
-        return iterations, final
+        return runs
     with open(path, encoding="utf-8") as f:
         for line in f:
             if not line.endswith("\n"):
                 break  # the last line of a killed run may be cut
             entry = json.loads(line)
+            if "start" in entry or not runs:
+                runs.append(({}, None))
             if "digest" in entry:
-                final = entry
-            else:
-                iterations[entry["iteration"]] = entry
+                runs[-1] = (runs[-1][0], entry)
+            elif "iteration" in entry:
+                runs[-1][0][entry["iteration"]] = entry
+    return runs
+
+
+def read(prefix: str, rank: int) -> tuple[dict[int, dict], dict | None]:
+    """``({iteration: entry}, final entry or None)`` of one rank's whole record; an iteration logged
+    by several runs keeps the last run's entry."""
+    iterations: dict[int, dict] = {}
+    final = None
+    for its, fin in read_runs(prefix, rank):
+        iterations.update(its)
+        final = fin if fin is not None else final
     return iterations, final

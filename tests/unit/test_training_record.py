@@ -1,0 +1,24 @@
+"""training_record's reader: runs split at each process's start line, a cut last line ignored."""
+
+from __future__ import annotations
+
+import json
+
+from datastates_megatron.megatron import training_record
+
+
+def test_runs_are_split_and_a_cut_last_line_is_ignored(tmp_path):
+    prefix = str(tmp_path / "rec")
+    lines = [{"start": 11}, {"iteration": 1, "grad_norm": 0.5}, {"iteration": 2, "grad_norm": 0.25},
+             {"start": 12}, {"iteration": 2, "grad_norm": 0.75}, {"iteration": 3, "grad_norm": 1.0},
+             {"final_iteration": 3, "digest": {"model0": 7}}]
+    with open(f"{prefix}.rank1.jsonl", "w") as f:
+        f.writelines(json.dumps(x) + "\n" for x in lines)
+        f.write('{"iteration": 4, "grad')  # a run killed mid-write
+    runs = training_record.read_runs(prefix, 1)
+    assert [sorted(its) for its, _ in runs] == [[1, 2], [2, 3]]
+    assert runs[0][1] is None and runs[1][1]["digest"] == {"model0": 7}
+    iterations, final = training_record.read(prefix, 1)
+    assert sorted(iterations) == [1, 2, 3] and iterations[2]["grad_norm"] == 0.75  # the later run's
+    assert final["final_iteration"] == 3
+    assert training_record.read_runs(str(tmp_path / "none"), 0) == []
