@@ -14,6 +14,7 @@ __all__ = [
     "LayoutMismatchError",
     "CommitError",
     "EncodingError",
+    "ForeignCheckpointError",
 ]
 
 
@@ -59,3 +60,9 @@ class CommitError(CheckpointError):
 
 class EncodingError(CheckpointError, TypeError):
     """A non-tensor value cannot be stored without pickle."""
+
+
+class ForeignCheckpointError(CheckpointError, FileExistsError):
+    """The directory holds a checkpoint this package did not write (Megatron-LM's own) that a run
+    starting here would silently skip."""
+

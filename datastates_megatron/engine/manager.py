@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import logging
 import os
 import secrets
@@ -17,8 +18,10 @@ import time
 
 import torch
 
+from . import errors
 from .commit import CommitRecord, Committer, Ticket
 from .errors import CheckpointError, NoCheckpointError
+from .foreign import refuse_newer_foreign
 from .manifest import (
     committed_iterations,
     committed_manifests,
@@ -109,8 +112,7 @@ class CheckpointManager(ClosingContext):
         self.node = self.rank // per_node
         self.node_ranks = [r for r in range(self.world_size) if r // per_node == self.node]
         self.local_root = os.path.abspath(local_root.format(node=self.node)) if local_root else None
-        next_seq = self._clean(self.root, self.rank == 0)
-        local_seq = self._clean(self.local_root, self.rank == min(self.node_ranks)) if self.local_root else 0
+        next_seq, local_seq = self._start_tiers()
         self._group = dist.new_group(backend="gloo") if dist and self.world_size > 1 else None
         self._persist_group = (
             dist.new_group(backend="gloo") if dist and self.world_size > 1 and self.local_root else self._group
@@ -139,6 +141,18 @@ class CheckpointManager(ClosingContext):
             self._repromote()
         close_at_exit(self)
 
+    def _start_tiers(self) -> tuple[int, int]:
+        """Start-up of the tiers' writers (agreed: a failure on any rank raises on every rank).
+        Returns the next commit sequence numbers of the persistent and local tiers."""
+        try:
+            next_seq = self._start_writer() if self.rank == 0 else 0
+            local_seq = self._clean(self.local_root, self.rank == min(self.node_ranks)) if self.local_root else 0
+        except Exception as e:  # noqa: BLE001 - every rank must hear it, not only this one
+            self._agree_start(e)
+            raise
+        self._agree_start(None)
+        return next_seq, local_seq
+
     def _promotions_pending(self) -> set[int]:
         """Local iterations the local tier's retention must keep: those this rank is copying and those
         whose persistent commit is still open -- the latter covers the other ranks of the node, still
@@ -150,8 +164,46 @@ class CheckpointManager(ClosingContext):
         """Where a save is committed first: the local tier when there is one."""
         return self.local_committer or self.committer
 
+    def _start_writer(self) -> int:
+        """Start-up of the save directory's writer (rank 0): refuse a checkpoint we did not write
+        that a resume would skip, then clean our own leftovers.
+        Returns the next commit sequence number."""
+        os.makedirs(self.root, exist_ok=True)
+        found = committed_manifests(self.root)
+        latest = max(found, key=lambda it: (found[it].commit_seq, it), default=None)
+        refuse_newer_foreign(self.root, latest, option="--save")
+        return self._clean(self.root, True)
+
+    def _agree_start(self, err: BaseException | None) -> None:
+        """Make one rank's start-up error every rank's (a rank failing alone would leave the others
+        waiting in the next collective): one agreement, then the first failed rank's error class
+        and message, broadcast as a JSON line (named fields, no pickle)."""
+        failed = self._agree(err is None)
+        if not failed:
+            return
+        src = failed[0]
+        doc = {"error": type(err).__name__, "message": str(err)} if self.rank == src else {}
+        if self._dist and self.world_size > 1:
+            raw = json.dumps(doc).encode("utf-8")
+            while len(raw) > 4096:  # keep the JSON whole: shorten the message
+                doc["message"] = doc["message"][: len(doc["message"]) // 2] + " ..."
+                raw = json.dumps(doc).encode("utf-8")
+            buf = torch.zeros(4096, dtype=torch.uint8)
+            buf[: len(raw)] = torch.tensor(list(raw), dtype=torch.uint8)
+            if self._dist.get_backend() == "nccl":
+                buf = buf.cuda()
+            self._dist.broadcast(buf, src=src)
+            doc = json.loads(bytes(buf.cpu().tolist()).rstrip(b"\0").decode("utf-8"))
+        if err is not None:
+            return  # the caller re-raises its own error
+        cls = getattr(errors, str(doc.get("error")), None)
+        if not (isinstance(cls, type) and issubclass(cls, CheckpointError)):
+            cls = CheckpointError
+        raise cls(f"rank {self.rank}: start-up failed on rank {src} (ranks {failed} failed): {doc.get('message')}")
+
     def _clean(self, root: str, writer: bool) -> int:
-        """Start-up cleanup of one tier (by its writer rank); returns the next commit sequence number."""
+        """Start-up cleanup of one tier (by its writer rank); returns the next commit sequence number.
+        Only what we wrote is removed (:mod:`.retention`)."""
         if not writer:
             return 0
         os.makedirs(root, exist_ok=True)
@@ -277,7 +329,18 @@ class CheckpointManager(ClosingContext):
             root, iteration = self._choose_tier(None)
             if iteration is not None:
                 return iteration
-        return latest_committed(root)
+        return self._latest_in(root)
+
+    def _latest_in(self, root: str) -> int:
+        """The latest committed iteration under ``root`` -- refusing (``ForeignCheckpointError``)
+        when a checkpoint we did not write there is newer: resuming would silently skip it."""
+        try:
+            latest = latest_committed(root)
+        except NoCheckpointError:
+            refuse_newer_foreign(root, None, option="--load", warn=False)
+            raise
+        refuse_newer_foreign(root, latest, option="--load", warn=self.rank == 0 and root != self.root)
+        return latest
 
     def load(self, iteration: int | None = None, *, root: str | None = None, verify: bool | None = None) -> LoadResult:
         """Restore checkpoint ``iteration`` (default: the latest committed) into the registered tensors."""
@@ -306,7 +369,7 @@ class CheckpointManager(ClosingContext):
         """Restore ``iteration`` of the tier at ``root`` (collective; raises on every rank or none)."""
         try:  # a rank failing here still joins the agreement the others reach in restore_into
             if iteration is None:
-                iteration = latest_committed(root)
+                iteration = self._latest_in(root)
             ckpt, manifest = open_checkpoint(root, iteration)
             validate_world(manifest, ckpt, self.world_size, self.layout)
             rf = open_rank(ckpt, manifest, self.rank)
