@@ -13,6 +13,7 @@ from .errors import (
     FormatVersionError,
     LayoutMismatchError,
     NoCheckpointError,
+    SaveDirBusyError,
 )
 from .file_format import RankFile, load_file
 from .options import EngineOptions
@@ -37,4 +38,5 @@ __all__ = [
     "FormatVersionError",
     "LayoutMismatchError",
     "NoCheckpointError",
+    "SaveDirBusyError",
 ]

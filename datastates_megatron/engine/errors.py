@@ -15,6 +15,7 @@ __all__ = [
     "CommitError",
     "EncodingError",
     "ForeignCheckpointError",
+    "SaveDirBusyError",
 ]
 
 
@@ -66,3 +67,6 @@ class ForeignCheckpointError(CheckpointError, FileExistsError):
     """The directory holds a checkpoint this package did not write (Megatron-LM's own) that a run
     starting here would silently skip."""
 
+
+class SaveDirBusyError(CheckpointError, RuntimeError):
+    """Another job (or another manager in this process) is writing to the same save directory."""

@@ -20,6 +20,7 @@ import torch
 
 from . import errors
 from .commit import CommitRecord, Committer, Ticket
+from .dirlock import SaveDirLock
 from .errors import CheckpointError, NoCheckpointError
 from .foreign import refuse_newer_foreign
 from .manifest import (
@@ -65,6 +66,11 @@ class CheckpointManager(ClosingContext):
     ``on_error="warn"`` logs a failed save instead of raising; nothing is committed for it and the
     previous checkpoint stays the latest.  ``layout`` (e.g. ``{"tp": 1, "pp": 1, "dp": 2}``) is
     recorded in the manifest and must match on load.
+
+    Start-up (collective; an error on any rank raises on every rank): rank 0 refuses a save
+    directory holding a newer checkpoint we did not write (``ForeignCheckpointError``), takes the
+    directory's one-writer lock (``SaveDirBusyError`` when another job holds it; held until
+    ``close()``), then removes our own leftovers only.
     """
 
     def __init__(
@@ -112,33 +118,38 @@ class CheckpointManager(ClosingContext):
         self.node = self.rank // per_node
         self.node_ranks = [r for r in range(self.world_size) if r // per_node == self.node]
         self.local_root = os.path.abspath(local_root.format(node=self.node)) if local_root else None
+        self._lock: SaveDirLock | None = None
         next_seq, local_seq = self._start_tiers()
-        self._group = dist.new_group(backend="gloo") if dist and self.world_size > 1 else None
-        self._persist_group = (
-            dist.new_group(backend="gloo") if dist and self.world_size > 1 and self.local_root else self._group
-        )
-        if dist:
-            dist.barrier(group=self._group)
-        self.engine = SnapshotEngine(opts)
-        self.committer = Committer(
-            self.root, rank=self.rank, world_size=self.world_size, group=self._persist_group, token=token,
-            layout=self.layout, next_commit_seq=next_seq, keep_last=keep_last, keep_every=keep_every,
-            timeout_s=opts.timeout_s, recycle=recycle_files == "all" and not self.local_root,
-        )  # fmt: skip
-        self.local_committer = self.promoter = None
-        if self.local_root:
-            from .tiers import Promoter
-
-            self.promoter = Promoter(self.local_root, self.root, rank=self.rank, token=token,
-                                     interval=persist_interval, persistent=self.committer)  # fmt: skip
-            self.local_committer = Committer(
-                self.local_root, rank=self.rank, world_size=self.world_size, group=self._group, token=token,
-                layout=self.layout, next_commit_seq=local_seq, keep_last=local_keep_last, keep_every=0,
-                timeout_s=opts.timeout_s, tier="local", node_ranks=self.node_ranks,
-                on_commit=self.promoter.on_local_commit, protect=self._promotions_pending,
-                recycle=recycle_files != "off",
+        try:
+            self._group = dist.new_group(backend="gloo") if dist and self.world_size > 1 else None
+            self._persist_group = (
+                dist.new_group(backend="gloo") if dist and self.world_size > 1 and self.local_root else self._group
+            )
+            if dist:
+                dist.barrier(group=self._group)
+            self.engine = SnapshotEngine(opts)
+            self.committer = Committer(
+                self.root, rank=self.rank, world_size=self.world_size, group=self._persist_group, token=token,
+                layout=self.layout, next_commit_seq=next_seq, keep_last=keep_last, keep_every=keep_every,
+                timeout_s=opts.timeout_s, recycle=recycle_files == "all" and not self.local_root,
             )  # fmt: skip
-            self._repromote()
+            self.local_committer = self.promoter = None
+            if self.local_root:
+                from .tiers import Promoter
+
+                self.promoter = Promoter(self.local_root, self.root, rank=self.rank, token=token,
+                                         interval=persist_interval, persistent=self.committer)  # fmt: skip
+                self.local_committer = Committer(
+                    self.local_root, rank=self.rank, world_size=self.world_size, group=self._group, token=token,
+                    layout=self.layout, next_commit_seq=local_seq, keep_last=local_keep_last, keep_every=0,
+                    timeout_s=opts.timeout_s, tier="local", node_ranks=self.node_ranks,
+                    on_commit=self.promoter.on_local_commit, protect=self._promotions_pending,
+                    recycle=recycle_files != "off",
+                )  # fmt: skip
+                self._repromote()
+        except BaseException:
+            self._release_lock()
+            raise
         close_at_exit(self)
 
     def _start_tiers(self) -> tuple[int, int]:
@@ -166,12 +177,13 @@ class CheckpointManager(ClosingContext):
 
     def _start_writer(self) -> int:
         """Start-up of the save directory's writer (rank 0): refuse a checkpoint we did not write
-        that a resume would skip, then clean our own leftovers.
+        that a resume would skip, take the directory's one-writer lock, then clean our own leftovers.
         Returns the next commit sequence number."""
         os.makedirs(self.root, exist_ok=True)
         found = committed_manifests(self.root)
         latest = max(found, key=lambda it: (found[it].commit_seq, it), default=None)
-        refuse_newer_foreign(self.root, latest, option="--save")
+        refuse_newer_foreign(self.root, latest, option="--save")  # read-only: refused before the lock file exists
+        self._lock = SaveDirLock(self.root).acquire()
         return self._clean(self.root, True)
 
     def _agree_start(self, err: BaseException | None) -> None:
@@ -181,6 +193,7 @@ class CheckpointManager(ClosingContext):
         failed = self._agree(err is None)
         if not failed:
             return
+        self._release_lock()
         src = failed[0]
         doc = {"error": type(err).__name__, "message": str(err)} if self.rank == src else {}
         if self._dist and self.world_size > 1:
@@ -200,6 +213,11 @@ class CheckpointManager(ClosingContext):
         if not (isinstance(cls, type) and issubclass(cls, CheckpointError)):
             cls = CheckpointError
         raise cls(f"rank {self.rank}: start-up failed on rank {src} (ranks {failed} failed): {doc.get('message')}")
+
+    def _release_lock(self) -> None:
+        lock, self._lock = getattr(self, "_lock", None), None
+        if lock is not None:
+            lock.release()
 
     def _clean(self, root: str, writer: bool) -> int:
         """Start-up cleanup of one tier (by its writer rank); returns the next commit sequence number.
@@ -492,10 +510,13 @@ class CheckpointManager(ClosingContext):
             try:
                 self.engine.close(timeout)
             finally:
-                for part in (self.local_committer, self.promoter, self.committer):
-                    if part is not None:
-                        part.close()
-                self._empty_recycle_pool()
+                try:
+                    for part in (self.local_committer, self.promoter, self.committer):
+                        if part is not None:
+                            part.close()
+                    self._empty_recycle_pool()
+                finally:
+                    self._release_lock()
 
     def _empty_recycle_pool(self) -> None:
         """Training is over: the pool's retired files only hold space (the tier's writer rank)."""
