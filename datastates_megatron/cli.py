@@ -21,6 +21,7 @@ import torch
 
 from .engine.errors import CheckpointError, CorruptCheckpointError, NoCheckpointError
 from .engine.file_format import RankFile
+from .engine.foreign import find_foreign
 from .engine.manifest import (
     MANIFEST_NAME,
     TRACKER_NAME,
@@ -164,14 +165,19 @@ def list_checkpoints(save_dir: str) -> dict:
     save_dir = os.path.abspath(save_dir)
     now = time.time()
     rows = []
-    for it in list_iterations(save_dir):
-        d = iter_dir(save_dir, it)
+    foreign = {f.path: f.format for f in find_foreign(save_dir)}
+    release = [p for p in foreign if os.path.basename(p) == "release"]
+    for it, d in [(None, p) for p in release] + [(it, iter_dir(save_dir, it)) for it in list_iterations(save_dir)]:
         size, files, newest = _dir_usage(d)
         row = {
-            "iteration": it, "path": d, "state": "uncommitted", "tier": None, "world_size": None,
+            "iteration": it, "path": d, "state": "uncommitted", "format": None, "tier": None, "world_size": None,
             "bytes": size, "data_bytes": None, "files": files, "commit_seq": None, "created": newest,
             "age_s": None if newest is None else now - newest, "latest": False, "error": None,
         }  # fmt: skip
+        if d in foreign:
+            row.update(state="foreign", format=foreign[d])
+            rows.append(row)
+            continue
         try:
             m = read_manifest(d)
         except NoCheckpointError:
@@ -192,7 +198,7 @@ def list_checkpoints(save_dir: str) -> dict:
     except CorruptCheckpointError as e:
         latest_error = str(e)
     for row in rows:
-        row["latest"] = row["iteration"] == latest
+        row["latest"] = latest is not None and row["iteration"] == latest and row["state"] == "committed"
     try:
         with open(os.path.join(save_dir, TRACKER_NAME)) as f:
             tracker_text = f.read().strip()
@@ -222,8 +228,9 @@ def _render_ls(doc: dict) -> None:
     else:
         table = [("ITERATION", "STATE", "TIER", "WORLD", "SIZE", "AGE", "")]
         for r in rows:
+            state = {"damaged": "DAMAGED", "foreign": f"foreign ({r['format']})"}.get(r["state"], r["state"])
             table.append((
-                str(r["iteration"]), r["state"].upper() if r["state"] == "damaged" else r["state"],
+                "release" if r["iteration"] is None else str(r["iteration"]), state,
                 r["tier"] or "-", "-" if r["world_size"] is None else str(r["world_size"]),
                 _human(r["bytes"]), _age(r["age_s"]), "<- latest" if r["latest"] else "",
             ))  # fmt: skip
@@ -508,7 +515,9 @@ def _build_parser() -> argparse.ArgumentParser:
             "STATE: committed (its manifest.json parses: loadable), uncommitted (no manifest: an interrupted\n"
             "or in-progress save; never loaded, removed at the next start), DAMAGED (a manifest exists but\n"
             "does not parse; the reason is printed under the row, and the loader refuses to pick a latest\n"
-            "checkpoint until it is repaired or removed).\n"
+            "checkpoint until it is repaired or removed), foreign (FORMAT) (not written by datastates-megatron:\n"
+            "Megatron-LM's own checkpoint, FORMAT torch_dist or torch, or other files, FORMAT unknown; never\n"
+            "loaded, never removed; a run refuses to start over one newer than its latest checkpoint).\n"
             "TIER: the manifest's storage tier ('persistent' unless the checkpoint says otherwise).\n"
             "WORLD: ranks that wrote it.  SIZE: bytes of every file in the directory (including leftovers).\n"
             "AGE: since the manifest was written (uncommitted: since its newest file changed).\n"
@@ -520,7 +529,9 @@ def _build_parser() -> argparse.ArgumentParser:
     ls.add_argument("save_dir", metavar="SAVE_DIR", help="the directory holding iter_* checkpoint directories")
     ls.add_argument("--json", action="store_true",
                     help="print one JSON document (keys: schema, command, save_dir, checkpoints[], latest, latest_error, "
-                         "tracker, tracker_text, tracker_agrees)")  # fmt: skip
+                         "tracker, tracker_text, tracker_agrees); a checkpoint's state is committed, uncommitted, "
+                         "damaged or foreign, its format (foreign only; else null) torch_dist, torch or unknown, "
+                         "its iteration null for Megatron's release directory")  # fmt: skip
 
     ins = sub.add_parser(
         "inspect", formatter_class=fmt, epilog=_EPILOG, help="show what one checkpoint holds",

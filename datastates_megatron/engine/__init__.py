@@ -9,9 +9,11 @@ from .errors import (
     EncodingError,
     EngineClosedError,
     FlushError,
+    ForeignCheckpointError,
     FormatVersionError,
     LayoutMismatchError,
     NoCheckpointError,
+    SaveDirBusyError,
 )
 from .file_format import RankFile, load_file
 from .options import EngineOptions
@@ -32,7 +34,9 @@ __all__ = [
     "EncodingError",
     "EngineClosedError",
     "FlushError",
+    "ForeignCheckpointError",
     "FormatVersionError",
     "LayoutMismatchError",
     "NoCheckpointError",
+    "SaveDirBusyError",
 ]

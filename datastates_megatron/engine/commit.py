@@ -26,7 +26,7 @@ import torch
 from .errors import CacheTimeoutError, CommitError
 from .faults import crash_point
 from .manifest import Manifest, RankRecord, iter_dir, parse_rank_file_name, rank_file_name, write_manifest, write_tracker
-from .retention import delete_checkpoint, select_deletions, trim_recycled
+from .retention import delete_checkpoint, select_deletions, trim_recycled, unlink_ours
 from .threads import QueueThread
 
 __all__ = ["Committer", "Ticket", "CommitRecord"]
@@ -295,9 +295,9 @@ class Committer(QueueThread):
         pending_names = {rank_file_name(r, t.token or self._token, t.seq) for t in self._snapshot_outstanding() for r in self._writes}
         current = {rank_file_name(r, just_committed.token or self._token, just_committed.seq) for r in self._writes}
         for name in os.listdir(d):
-            if name.endswith(".dsck") and name not in current and name not in pending_names \
+            if parse_rank_file_name(name) is not None and name not in current and name not in pending_names \
                     and not self._newer_save_of_this_run(name, just_committed.seq):
-                os.unlink(os.path.join(d, name))
+                unlink_ours(os.path.join(d, name))
 
     def _newer_save_of_this_run(self, name: str, seq: int) -> bool:
         """A file of a later save of the same iteration that another rank may have started before
@@ -309,10 +309,7 @@ class Committer(QueueThread):
         """Remove the files of a save that was not committed (and its directory if nothing else is there)."""
         d = iter_dir(self.root, ticket.iteration)
         for r in self._writes:
-            try:
-                os.unlink(os.path.join(d, rank_file_name(r, ticket.token or self._token, ticket.seq)))
-            except FileNotFoundError:
-                pass
+            unlink_ours(os.path.join(d, rank_file_name(r, ticket.token or self._token, ticket.seq)))
         others = [t for t in self._snapshot_outstanding() if t.iteration == ticket.iteration and t.seq != ticket.seq]
         if not others:
             try:

@@ -14,6 +14,8 @@ __all__ = [
     "LayoutMismatchError",
     "CommitError",
     "EncodingError",
+    "ForeignCheckpointError",
+    "SaveDirBusyError",
 ]
 
 
@@ -59,3 +61,12 @@ class CommitError(CheckpointError):
 
 class EncodingError(CheckpointError, TypeError):
     """A non-tensor value cannot be stored without pickle."""
+
+
+class ForeignCheckpointError(CheckpointError, FileExistsError):
+    """The directory holds a checkpoint this package did not write (Megatron-LM's own) that a run
+    starting here would silently skip."""
+
+
+class SaveDirBusyError(CheckpointError, RuntimeError):
+    """Another job (or another manager in this process) is writing to the same save directory."""

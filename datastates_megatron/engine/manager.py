@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import logging
 import os
 import secrets
@@ -17,8 +18,11 @@ import time
 
 import torch
 
+from . import errors
 from .commit import CommitRecord, Committer, Ticket
+from .dirlock import SaveDirLock
 from .errors import CheckpointError, NoCheckpointError
+from .foreign import refuse_newer_foreign
 from .manifest import (
     committed_iterations,
     committed_manifests,
@@ -62,6 +66,11 @@ class CheckpointManager(ClosingContext):
     ``on_error="warn"`` logs a failed save instead of raising; nothing is committed for it and the
     previous checkpoint stays the latest.  ``layout`` (e.g. ``{"tp": 1, "pp": 1, "dp": 2}``) is
     recorded in the manifest and must match on load.
+
+    Start-up (collective; an error on any rank raises on every rank): rank 0 refuses a save
+    directory holding a newer checkpoint we did not write (``ForeignCheckpointError``), takes the
+    directory's one-writer lock (``SaveDirBusyError`` when another job holds it; held until
+    ``close()``), then removes our own leftovers only.
     """
 
     def __init__(
@@ -109,35 +118,51 @@ class CheckpointManager(ClosingContext):
         self.node = self.rank // per_node
         self.node_ranks = [r for r in range(self.world_size) if r // per_node == self.node]
         self.local_root = os.path.abspath(local_root.format(node=self.node)) if local_root else None
-        next_seq = self._clean(self.root, self.rank == 0)
-        local_seq = self._clean(self.local_root, self.rank == min(self.node_ranks)) if self.local_root else 0
-        self._group = dist.new_group(backend="gloo") if dist and self.world_size > 1 else None
-        self._persist_group = (
-            dist.new_group(backend="gloo") if dist and self.world_size > 1 and self.local_root else self._group
-        )
-        if dist:
-            dist.barrier(group=self._group)
-        self.engine = SnapshotEngine(opts)
-        self.committer = Committer(
-            self.root, rank=self.rank, world_size=self.world_size, group=self._persist_group, token=token,
-            layout=self.layout, next_commit_seq=next_seq, keep_last=keep_last, keep_every=keep_every,
-            timeout_s=opts.timeout_s, recycle=recycle_files == "all" and not self.local_root,
-        )  # fmt: skip
-        self.local_committer = self.promoter = None
-        if self.local_root:
-            from .tiers import Promoter
-
-            self.promoter = Promoter(self.local_root, self.root, rank=self.rank, token=token,
-                                     interval=persist_interval, persistent=self.committer)  # fmt: skip
-            self.local_committer = Committer(
-                self.local_root, rank=self.rank, world_size=self.world_size, group=self._group, token=token,
-                layout=self.layout, next_commit_seq=local_seq, keep_last=local_keep_last, keep_every=0,
-                timeout_s=opts.timeout_s, tier="local", node_ranks=self.node_ranks,
-                on_commit=self.promoter.on_local_commit, protect=self._promotions_pending,
-                recycle=recycle_files != "off",
+        self._lock: SaveDirLock | None = None
+        next_seq, local_seq = self._start_tiers()
+        try:
+            self._group = dist.new_group(backend="gloo") if dist and self.world_size > 1 else None
+            self._persist_group = (
+                dist.new_group(backend="gloo") if dist and self.world_size > 1 and self.local_root else self._group
+            )
+            if dist:
+                dist.barrier(group=self._group)
+            self.engine = SnapshotEngine(opts)
+            self.committer = Committer(
+                self.root, rank=self.rank, world_size=self.world_size, group=self._persist_group, token=token,
+                layout=self.layout, next_commit_seq=next_seq, keep_last=keep_last, keep_every=keep_every,
+                timeout_s=opts.timeout_s, recycle=recycle_files == "all" and not self.local_root,
             )  # fmt: skip
-            self._repromote()
+            self.local_committer = self.promoter = None
+            if self.local_root:
+                from .tiers import Promoter
+
+                self.promoter = Promoter(self.local_root, self.root, rank=self.rank, token=token,
+                                         interval=persist_interval, persistent=self.committer)  # fmt: skip
+                self.local_committer = Committer(
+                    self.local_root, rank=self.rank, world_size=self.world_size, group=self._group, token=token,
+                    layout=self.layout, next_commit_seq=local_seq, keep_last=local_keep_last, keep_every=0,
+                    timeout_s=opts.timeout_s, tier="local", node_ranks=self.node_ranks,
+                    on_commit=self.promoter.on_local_commit, protect=self._promotions_pending,
+                    recycle=recycle_files != "off",
+                )  # fmt: skip
+                self._repromote()
+        except BaseException:
+            self._release_lock()
+            raise
         close_at_exit(self)
+
+    def _start_tiers(self) -> tuple[int, int]:
+        """Start-up of the tiers' writers (agreed: a failure on any rank raises on every rank).
+        Returns the next commit sequence numbers of the persistent and local tiers."""
+        try:
+            next_seq = self._start_writer() if self.rank == 0 else 0
+            local_seq = self._clean(self.local_root, self.rank == min(self.node_ranks)) if self.local_root else 0
+        except Exception as e:  # noqa: BLE001 - every rank must hear it, not only this one
+            self._agree_start(e)
+            raise
+        self._agree_start(None)
+        return next_seq, local_seq
 
     def _promotions_pending(self) -> set[int]:
         """Local iterations the local tier's retention must keep: those this rank is copying and those
@@ -150,8 +175,53 @@ class CheckpointManager(ClosingContext):
         """Where a save is committed first: the local tier when there is one."""
         return self.local_committer or self.committer
 
+    def _start_writer(self) -> int:
+        """Start-up of the save directory's writer (rank 0): refuse a checkpoint we did not write
+        that a resume would skip, take the directory's one-writer lock, then clean our own leftovers.
+        Returns the next commit sequence number."""
+        os.makedirs(self.root, exist_ok=True)
+        found = committed_manifests(self.root)
+        latest = max(found, key=lambda it: (found[it].commit_seq, it), default=None)
+        refuse_newer_foreign(self.root, latest, option="--save")  # read-only: refused before the lock file exists
+        self._lock = SaveDirLock(self.root).acquire()
+        return self._clean(self.root, True)
+
+    def _agree_start(self, err: BaseException | None) -> None:
+        """Make one rank's start-up error every rank's (a rank failing alone would leave the others
+        waiting in the next collective): one agreement, then the first failed rank's error class
+        and message, broadcast as a JSON line (named fields, no pickle)."""
+        failed = self._agree(err is None)
+        if not failed:
+            return
+        self._release_lock()
+        src = failed[0]
+        doc = {"error": type(err).__name__, "message": str(err)} if self.rank == src else {}
+        if self._dist and self.world_size > 1:
+            raw = json.dumps(doc).encode("utf-8")
+            while len(raw) > 4096:  # keep the JSON whole: shorten the message
+                doc["message"] = doc["message"][: len(doc["message"]) // 2] + " ..."
+                raw = json.dumps(doc).encode("utf-8")
+            buf = torch.zeros(4096, dtype=torch.uint8)
+            buf[: len(raw)] = torch.tensor(list(raw), dtype=torch.uint8)
+            if self._dist.get_backend() == "nccl":
+                buf = buf.cuda()
+            self._dist.broadcast(buf, src=src)
+            doc = json.loads(bytes(buf.cpu().tolist()).rstrip(b"\0").decode("utf-8"))
+        if err is not None:
+            return  # the caller re-raises its own error
+        cls = getattr(errors, str(doc.get("error")), None)
+        if not (isinstance(cls, type) and issubclass(cls, CheckpointError)):
+            cls = CheckpointError
+        raise cls(f"rank {self.rank}: start-up failed on rank {src} (ranks {failed} failed): {doc.get('message')}")
+
+    def _release_lock(self) -> None:
+        lock, self._lock = getattr(self, "_lock", None), None
+        if lock is not None:
+            lock.release()
+
     def _clean(self, root: str, writer: bool) -> int:
-        """Start-up cleanup of one tier (by its writer rank); returns the next commit sequence number."""
+        """Start-up cleanup of one tier (by its writer rank); returns the next commit sequence number.
+        Only what we wrote is removed (:mod:`.retention`)."""
         if not writer:
             return 0
         os.makedirs(root, exist_ok=True)
@@ -277,7 +347,18 @@ class CheckpointManager(ClosingContext):
             root, iteration = self._choose_tier(None)
             if iteration is not None:
                 return iteration
-        return latest_committed(root)
+        return self._latest_in(root)
+
+    def _latest_in(self, root: str) -> int:
+        """The latest committed iteration under ``root`` -- refusing (``ForeignCheckpointError``)
+        when a checkpoint we did not write there is newer: resuming would silently skip it."""
+        try:
+            latest = latest_committed(root)
+        except NoCheckpointError:
+            refuse_newer_foreign(root, None, option="--load", warn=False)
+            raise
+        refuse_newer_foreign(root, latest, option="--load", warn=self.rank == 0 and root != self.root)
+        return latest
 
     def load(self, iteration: int | None = None, *, root: str | None = None, verify: bool | None = None) -> LoadResult:
         """Restore checkpoint ``iteration`` (default: the latest committed) into the registered tensors."""
@@ -306,7 +387,7 @@ class CheckpointManager(ClosingContext):
         """Restore ``iteration`` of the tier at ``root`` (collective; raises on every rank or none)."""
         try:  # a rank failing here still joins the agreement the others reach in restore_into
             if iteration is None:
-                iteration = latest_committed(root)
+                iteration = self._latest_in(root)
             ckpt, manifest = open_checkpoint(root, iteration)
             validate_world(manifest, ckpt, self.world_size, self.layout)
             rf = open_rank(ckpt, manifest, self.rank)
@@ -429,10 +510,13 @@ class CheckpointManager(ClosingContext):
             try:
                 self.engine.close(timeout)
             finally:
-                for part in (self.local_committer, self.promoter, self.committer):
-                    if part is not None:
-                        part.close()
-                self._empty_recycle_pool()
+                try:
+                    for part in (self.local_committer, self.promoter, self.committer):
+                        if part is not None:
+                            part.close()
+                    self._empty_recycle_pool()
+                finally:
+                    self._release_lock()
 
     def _empty_recycle_pool(self) -> None:
         """Training is over: the pool's retired files only hold space (the tier's writer rank)."""

@@ -9,25 +9,86 @@ checkpoint every iteration this avoids freeing and re-allocating (and, on tmpfs,
 checkpoint's worth of pages or blocks per iteration -- measured as the largest CPU cost of the
 local tier.  Recycled files are never referenced by a manifest; the pool is bounded, emptied at
 start-up and on close.
+
+Only what we wrote is ever deleted (:mod:`.names`): a directory holding anything else keeps it,
+and a symlink is never followed nor removed (``lstat`` first; skipped with a log line).
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import shutil
+import stat
 
-from .manifest import MANIFEST_NAME, TRACKER_NAME, iter_dir, parse_rank_file_name
+from .manifest import MANIFEST_NAME, iter_dir, parse_rank_file_name
+from .names import RECYCLE_DIR, is_ours_in_iteration, is_recycled_name, is_tracker_temp
 from .writer import fsync_dir
 
 __all__ = [
     "select_deletions", "delete_checkpoint", "remove_uncommitted", "remove_stale_tracker_temps",
-    "RECYCLE_DIR", "take_recycled", "trim_recycled",
+    "RECYCLE_DIR", "take_recycled", "trim_recycled", "unlink_ours",
 ]
 
-RECYCLE_DIR = ".recycle"
-
 log = logging.getLogger(__name__)
+
+
+def _is_link(path: str) -> bool:
+    try:
+        return stat.S_ISLNK(os.lstat(path).st_mode)
+    except FileNotFoundError:
+        return False
+
+
+def _real_dir(path: str) -> bool:
+    """A directory that is not a symlink (logged when it is one: we never follow it)."""
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        return False
+    if stat.S_ISLNK(mode):
+        log.warning("%s: is a symlink (not made by us); not following it, leaving it alone", path)
+        return False
+    return stat.S_ISDIR(mode)
+
+
+def unlink_ours(path: str) -> bool:
+    """Unlink ``path`` if it is a regular file (the caller has checked that its name is ours);
+    a symlink or anything else is left alone and logged.  Returns whether it was removed."""
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        return False
+    if not stat.S_ISREG(mode):
+        kind = "a symlink" if stat.S_ISLNK(mode) else "not a regular file"
+        log.warning("%s: is %s (not made by us); leaving it alone", path, kind)
+        return False
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        return False
+    return True
+
+
+def _remove_our_files(d: str) -> list[str]:
+    """Unlink the entries of ``d`` we wrote; returns those left (not ours, or not plain files)."""
+    left = []
+    for name in os.listdir(d):
+        if not (is_ours_in_iteration(name) and unlink_ours(os.path.join(d, name))):
+            left.append(name)
+    return left
+
+
+def _rmdir(d: str, left: list[str]) -> bool:
+    if left:
+        log.warning("%s: keeps %d entr%s not written by us (%s); the directory stays", d, len(left),
+                    "y" if len(left) == 1 else "ies", ", ".join(sorted(left)[:5]))  # fmt: skip
+        return False
+    try:
+        os.rmdir(d)
+        return True
+    except OSError as e:
+        log.warning("%s: could not remove the directory: %s", d, e)
+        return False
 
 
 def select_deletions(commit_order: list[int], keep_last: int, keep_every: int, protected: set[int]) -> list[int]:
@@ -43,26 +104,27 @@ def select_deletions(commit_order: list[int], keep_last: int, keep_every: int, p
 
 
 def delete_checkpoint(root: str, iteration: int, recycle: bool = False) -> None:
-    """Uncommit (manifest first), then remove the files -- or, with ``recycle``, move the rank files
-    into the recycle pool -- then the directory."""
+    """Uncommit (manifest first), then remove our files -- or, with ``recycle``, move the rank files
+    into the recycle pool -- then the directory if nothing else is in it."""
     d = iter_dir(root, iteration)
-    manifest = os.path.join(d, MANIFEST_NAME)
-    if os.path.exists(manifest):
-        os.unlink(manifest)
+    if not _real_dir(d):
+        return
+    if unlink_ours(os.path.join(d, MANIFEST_NAME)):
         fsync_dir(d)
     from .faults import crash_point
 
     crash_point("retention_files")
-    if recycle:
-        pool = os.path.join(root, RECYCLE_DIR)
+    pool = os.path.join(root, RECYCLE_DIR)
+    if recycle and not _is_link(pool):
         try:
             os.makedirs(pool, exist_ok=True)
             for name in os.listdir(d):
-                if name.endswith(".dsck"):
-                    os.rename(os.path.join(d, name), os.path.join(pool, f"{iteration:07d}-{name}"))
+                src = os.path.join(d, name)
+                if parse_rank_file_name(name) is not None and stat.S_ISREG(os.lstat(src).st_mode):
+                    os.rename(src, os.path.join(pool, f"{iteration:07d}-{name}"))
         except OSError as e:  # recycling is an optimisation: fall back to deleting
             log.warning("%s: could not recycle rank files (%s); deleting them", d, e)
-    shutil.rmtree(d, ignore_errors=True)
+    _rmdir(d, _remove_our_files(d))
 
 
 def _retired_by(pool_name: str) -> int | None:
@@ -78,8 +140,10 @@ def take_recycled(root: str, dst: str) -> bool:
     A file the same rank retired comes first: that rank's process may still have it mapped
     (:mod:`.mapped_files`), and its size fits that rank's next save."""
     pool = os.path.join(root, RECYCLE_DIR)
+    if _is_link(pool):
+        return False
     try:
-        names = sorted(os.listdir(pool))
+        names = sorted(n for n in os.listdir(pool) if is_recycled_name(n))
     except FileNotFoundError:
         return False
     mine = parse_rank_file_name(os.path.basename(dst))
@@ -87,6 +151,8 @@ def take_recycled(root: str, dst: str) -> bool:
         names.sort(key=lambda n: _retired_by(n) != mine[0])  # stable: oldest first within each part
     for name in names:
         try:
+            if not stat.S_ISREG(os.lstat(os.path.join(pool, name)).st_mode):
+                continue  # not ours: a save must never write through a link into another file
             os.rename(os.path.join(pool, name), dst)
             return True
         except FileNotFoundError:
@@ -97,37 +163,39 @@ def take_recycled(root: str, dst: str) -> bool:
 def trim_recycled(root: str, keep: int) -> None:
     """Unlink pool files beyond the ``keep`` newest (``keep=0``: empty the pool)."""
     pool = os.path.join(root, RECYCLE_DIR)
-    try:
-        names = sorted(os.listdir(pool))
-    except FileNotFoundError:
+    if not _real_dir(pool):
         return
+    names = sorted(n for n in os.listdir(pool) if is_recycled_name(n))
     for name in names[: max(0, len(names) - keep)]:
-        try:
-            os.unlink(os.path.join(pool, name))
-        except FileNotFoundError:
-            pass
+        unlink_ours(os.path.join(pool, name))
 
 
 def remove_uncommitted(root: str, iterations: list[int], referenced: dict[int, set[str]], keep_names: set[str]) -> list[str]:
     """Start-up cleanup: remove directories that never got a manifest, and files in committed
-    directories that their manifest does not name (a crashed re-save).  A directory whose manifest
-    exists but is unreadable is kept (and logged): it may be repairable, and it is never loaded."""
+    directories that their manifest does not name (a crashed re-save).  Only our names go: a
+    manifest-less directory holding anything else (a Megatron checkpoint, a user's file) is left
+    whole.  A directory whose manifest exists but is unreadable is kept (and logged): it may be
+    repairable, and it is never loaded."""
     removed = []
     for it in iterations:
         d = iter_dir(root, it)
+        if not _real_dir(d):
+            continue
         if it not in referenced:
-            if os.path.exists(os.path.join(d, MANIFEST_NAME)):
+            if os.path.lexists(os.path.join(d, MANIFEST_NAME)):
                 log.warning("%s: manifest is unreadable; leaving the directory alone (it is not loadable)", d)
                 continue
-            shutil.rmtree(d, ignore_errors=True)
-            removed.append(d)
+            names = os.listdir(d)
+            if any(not is_ours_in_iteration(n) for n in names):
+                continue  # not (only) ours: :mod:`.foreign` reports it
+            if _rmdir(d, _remove_our_files(d)):
+                removed.append(d)
             continue
         for name in os.listdir(d):
-            if name == MANIFEST_NAME or name in referenced[it] or name in keep_names:
+            if name == MANIFEST_NAME or name in referenced[it] or name in keep_names or not is_ours_in_iteration(name):
                 continue
             path = os.path.join(d, name)
-            if os.path.isfile(path):
-                os.unlink(path)
+            if unlink_ours(path):
                 removed.append(path)
     return removed
 
@@ -135,17 +203,16 @@ def remove_uncommitted(root: str, iterations: list[int], referenced: dict[int, s
 def remove_stale_tracker_temps(root: str) -> list[str]:
     """Start-up cleanup: temp files of a tracker update that a crash interrupted (``atomic_write``
     names them ``<tracker>.tmp-<pid>``); the tracker itself is untouched."""
-    prefix = TRACKER_NAME + ".tmp-"
     try:
-        names = [n for n in os.listdir(root) if n.startswith(prefix)]
+        names = [n for n in os.listdir(root) if is_tracker_temp(n)]
     except FileNotFoundError:
         return []
     removed = []
     for name in names:
         path = os.path.join(root, name)
         try:
-            os.unlink(path)
-            removed.append(path)
+            if unlink_ours(path):
+                removed.append(path)
         except OSError as e:
             log.warning("%s: could not remove a stale tracker temp file: %s", path, e)
     return removed

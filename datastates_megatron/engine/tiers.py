@@ -26,6 +26,7 @@ from .errors import FlushError
 from .faults import crash_point
 from .file_format import HEADER_BYTES, RankFile
 from .manifest import iter_dir, rank_file_name
+from .names import PROMOTING_SUFFIX
 from .serializer import xxh64
 from .snapshot import FileReceipt
 from .threads import QueueThread
@@ -106,7 +107,7 @@ def _copy_file(rf: RankFile, fd_out: int, path_out: str, size: int) -> None:
 def copy_verified(src: str, dst: str, version: int) -> FileReceipt:
     """Verify every checksum of ``src`` then copy it to ``dst`` (temp name, fsync, rename)."""
     t0 = time.perf_counter()
-    tmp = dst + ".promoting"
+    tmp = dst + PROMOTING_SUFFIX
     with RankFile(src) as rf:
         for entry in rf.entries.values():
             rf.verify_entry(entry)

@@ -74,12 +74,35 @@ def test_ls_json_has_stable_keys_and_values(save_dir, capsys):
     assert doc["command"] == "ls" and doc["latest"] == 200 and doc["tracker"] == 200 and doc["tracker_agrees"] is True
     by_it = {c["iteration"]: c for c in doc["checkpoints"]}
     assert [c["iteration"] for c in doc["checkpoints"]] == [100, 200, 300]
-    keys = {"iteration", "path", "state", "tier", "world_size", "bytes", "data_bytes", "files", "commit_seq",
+    keys = {"iteration", "path", "state", "format", "tier", "world_size", "bytes", "data_bytes", "files", "commit_seq",
             "created", "age_s", "latest", "error"}  # fmt: skip
     assert all(set(c) == keys for c in doc["checkpoints"])
     assert by_it[200]["state"] == "committed" and by_it[200]["latest"] and by_it[200]["world_size"] == 1
     assert by_it[200]["tier"] == "persistent" and by_it[200]["bytes"] > by_it[200]["data_bytes"] > 2_400_000
     assert by_it[300]["state"] == "uncommitted" and by_it[300]["tier"] is None and by_it[300]["files"] == 1
+
+
+def test_ls_labels_megatron_native_checkpoints_foreign_not_uncommitted(save_dir, capsys):
+    native = save_dir / "iter_0000500"
+    native.mkdir()
+    for name in ("common.pt", ".metadata", "__0_0.distcp", "metadata.json"):
+        (native / name).write_bytes(os.urandom(64))
+    (save_dir / "iter_0000050" / "mp_rank_00").mkdir(parents=True)
+    (save_dir / "iter_0000050" / "mp_rank_00" / "model_optim_rng.pt").write_bytes(b"x")
+    (save_dir / ".datastates.lock").write_text("{}\n")  # our lock file is not a checkpoint
+    code, out, _ = _run(capsys, "ls", save_dir)
+    assert code == EXIT_OK
+    row = {int(l.split()[0]): l for l in out.splitlines() if l.strip() and l.split()[0].isdigit()}
+    assert set(row) == {50, 100, 200, 300, 500}
+    assert "foreign (torch_dist)" in row[500] and "uncommitted" not in row[500]
+    assert "foreign (torch)" in row[50]
+    assert "uncommitted" in row[300] and "<- latest" in row[200]
+    code, out, _ = _run(capsys, "ls", save_dir, "--json")
+    by_it = {c["iteration"]: c for c in json.loads(out)["checkpoints"]}
+    assert (by_it[500]["state"], by_it[500]["format"]) == ("foreign", "torch_dist")
+    assert (by_it[50]["state"], by_it[50]["format"]) == ("foreign", "torch")
+    assert (by_it[300]["state"], by_it[300]["format"]) == ("uncommitted", None)
+    assert by_it[200]["format"] is None and not by_it[500]["latest"]
 
 
 def test_ls_shows_damaged_manifest_and_that_the_loader_refuses(save_dir, capsys):
