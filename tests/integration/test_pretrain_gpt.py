@@ -112,3 +112,31 @@ def test_node_local_tier_promotes_and_a_lost_node_resumes_from_save(tmp_path, re
     assert resumed.returncode == 0, resumed.describe()
     assert f"loaded lazy checkpoint of iteration {promoted}" in resumed.log
     assert_same_training(resumed, reference("fp32"), range(promoted + 1, ITERS + 1))
+
+
+def _tree_digest(root):
+    import hashlib
+
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(root.rglob("*"))
+            if p.is_file()}
+
+
+def test_a_save_dir_holding_a_native_megatron_checkpoint_is_refused_and_left_byte_for_byte(tmp_path):
+    """Switching an existing run to --lazy-ckpt on its --save: nothing of Megatron's is deleted, and
+    the run does not silently start from iteration 0 beside it."""
+    import os
+
+    save = tmp_path / "ckpt"
+    native = save / "iter_0000500"
+    native.mkdir(parents=True)
+    for name in ("common.pt", ".metadata", "__0_0.distcp", "__1_0.distcp", "metadata.json"):
+        (native / name).write_bytes(os.urandom(4096))
+    (save / "latest_checkpointed_iteration.txt").write_text("500")
+    before = _tree_digest(save)
+    args = ["--train-iters", str(ITERS), "--save", str(save), "--load", str(save), "--save-interval", "2", *LAZY]
+    run = launch(tmp_path, "refused", args)
+    assert run.returncode != 0, run.describe()
+    assert "iteration 500" in run.log and "torch_dist" in run.log and "another --save" in run.log, run.describe()
+    assert run.iterations() == {}, "trained although it was refused"
+    after = {k: v for k, v in _tree_digest(save).items() if k != ".datastates.lock"}
+    assert after == before
