@@ -211,6 +211,10 @@ def _patch_torch_cuda() -> None:
     c.memory_stats = lambda device=None: {}
     c.reset_peak_memory_stats = _noop_fn("reset_peak_memory_stats")
     c.get_device_capability = lambda device=None: (0, 0)
+    # A CUDA build of torch on a machine without a GPU still names CUDA as its accelerator; with
+    # is_available patched, torch itself (DataLoader's pin-memory thread) would then initialise it.
+    torch.accelerator.current_accelerator = lambda check_available=False: None
+    torch.accelerator.is_available = lambda: False
     c.get_device_name = lambda device=None: "cpu (datastates cuda_on_cpu shim)"
 
 

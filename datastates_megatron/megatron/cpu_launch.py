@@ -10,7 +10,7 @@ Before the script runs, in this process only and without editing Megatron-LM:
 
 * the CUDA->CPU shim of :mod:`datastates_megatron.demo.cuda_on_cpu` is installed and
   ``torch.cuda.is_available()`` answers True (Megatron asserts it);
-* ``megatron.legacy.fused_kernels.load`` is a no-op (it builds CUDA extensions);
+* ``megatron.legacy.fused_kernels.load`` (core_v0.16) is a no-op (it builds CUDA extensions);
 * without ``triton``, the one module on the training path that imports it at import time is
   replaced by a stand-in whose functions raise;
 * ``python3`` and ``python3-config`` on ``PATH`` are this interpreter's, so that Megatron's
@@ -120,9 +120,12 @@ def prepare(script_dir: str) -> bool:
 
     cuda_on_cpu.install()
     torch.cuda.is_available = lambda: True  # Megatron's initialize asserts it
-    from megatron.legacy import fused_kernels
-
-    fused_kernels.load = lambda args: None
+    try:  # core_v0.16 builds CUDA kernels at start-up; core_v0.19 has no megatron.legacy
+        from megatron.legacy import fused_kernels
+    except ModuleNotFoundError:
+        pass
+    else:
+        fused_kernels.load = lambda args: None
     return True
 
 
