@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# CI step: one-node Slurm on localhost, then tests/integration/test_slurm.py against it, then teardown.
+# CI step: one-node Slurm on localhost, then tests/integration/test_slurm*.py against it (the Megatron-LM
+# ones need MEGATRON_LM_DIR, which .ci/run sets), then teardown.
 #
 # Prints "SKIPPED slurm: <reason>" and exits 0 when this machine cannot host the cluster
 # (.ci/slurm_setup.sh exits 77: not root, no apt, a daemon that will not start, ...), unless
@@ -36,7 +37,8 @@ if [ "${DSM_SLURM_KEEP:-0}" != 1 ]; then
     trap 'rm -f "$errlog"; .ci/slurm_teardown.sh' EXIT
 fi
 
-DSM_SLURM=1 timeout --signal=INT 600 "$PYTHON" -m pytest -p no:cacheprovider tests/integration/test_slurm.py "$@"
+DSM_SLURM=1 timeout --signal=INT 1200 "$PYTHON" -m pytest -p no:cacheprovider tests/integration/test_slurm.py \
+    tests/integration/test_slurm_megatron_lm.py "$@"
 rc=$?
 echo "slurm: pytest exited $rc after $((SECONDS - start)) s (setup included)"
 exit "$rc"

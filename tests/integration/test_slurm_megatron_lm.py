@@ -1,0 +1,155 @@
+"""Slurm end to end with the real Megatron-LM: the GPU launch scripts users submit
+(``launch/gpu_per_task.sbatch``, ``launch/gpu_multinode.sbatch``), their own command line
+(``launch/lib.sh``: preset, ``dsm_megatron_args``, rendezvous, pre-emption protocol) run in CPU
+mode (``DSM_CPU=1``, preset ``cpu-tiny``) on Megatron-LM's ``pretrain_gpt.py``.
+
+A pre-empted job -- ``SIGUSR1`` to the batch shell (``#SBATCH --signal=B:USR1@...``; the script
+sends ``SIGTERM`` to the ranks and requeues) or ``scontrol requeue`` (``SIGTERM`` to everything) --
+must commit a final checkpoint through Megatron's ``--exit-signal-handler`` before its ranks exit,
+run again, resume from exactly that iteration, finish, and log after the resume the grad norms and
+params norms of a job that was never pre-empted, to the bit (``DSM_TRAINING_RECORD``).
+
+Slurm set-up and environment: :mod:`tests.integration.slurm_jobs`; ``MEGATRON_LM_DIR`` is a patched
+tree (``.ci/run`` and ``scripts/test.sh`` unpack one).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from datastates_megatron.engine.manifest import iter_dir, read_tracker
+from datastates_megatron.megatron import training_record
+from tests.integration.slurm_jobs import (REPO, Submitter, preempt, require, slurm_unavailable,
+                                          wait_for_commit_after, wait_for_end, wait_requeued_and_running)
+
+MEGATRON_LM_DIR = os.environ.get("MEGATRON_LM_DIR")
+ITERS = 24
+RANKS = 2
+SCRIPTS = {  # script, sbatch options that fit one CPU node with 2 ranks
+    "per-task": (REPO / "launch" / "gpu_per_task.sbatch", ["--nodes=1", "--ntasks-per-node=2", "--gpus-per-node=0"]),
+    "multinode": (REPO / "launch" / "gpu_multinode.sbatch", ["--nodes=1", "--ntasks-per-node=1", "--gpus-per-node=0"]),
+}
+
+# Makes every rank file write sleep DSM_TEST_SLOW_WRITE_MS, so that a pre-emption lands while a
+# background flush is still running; put first on the job's PYTHONPATH.
+SLOW_WRITES = '''
+import os, time
+_ms = float(os.environ.get("DSM_TEST_SLOW_WRITE_MS", "0"))
+if _ms:
+    from datastates_megatron.engine import writer as _writer
+    _real = _writer.RankFileWriter.write
+    def _slow(self, data, offset):
+        time.sleep(_ms / 1000.0)
+        return _real(self, data, offset)
+    _writer.RankFileWriter.write = _slow
+'''
+
+
+class MegatronJobs:
+    """Submits a GPU launch script in CPU mode on one save directory and training record."""
+
+    def __init__(self, tmp: Path) -> None:
+        self.tmp = tmp
+        self.submit = Submitter(tmp)
+
+    def __call__(self, script: str, name: str, **env: str):
+        path, options = SCRIPTS[script]
+        save = self.tmp / f"{name}-save"
+        env = dict(PYTHON=sys.executable, DSM_REPO_DIR=str(REPO), DSM_CPU="1", DSM_PRESET="cpu-tiny",
+                   MEGATRON_LM_DIR=MEGATRON_LM_DIR, SAVE_DIR=str(save), TRAIN_ITERS=str(ITERS),
+                   OMP_NUM_THREADS="1", TORCH_ELASTIC_SHUTDOWN_TIMEOUT="25",
+                   **{training_record.ENV: str(self.tmp / f"{name}-record")}, **env)
+        return self.submit(path, save, env, *options)
+
+    def runs(self, name: str, rank: int):
+        return training_record.read_runs(str(self.tmp / f"{name}-record"), rank)
+
+
+@pytest.fixture(scope="module")
+def jobs(tmp_path_factory):
+    if not MEGATRON_LM_DIR:
+        pytest.skip("MEGATRON_LM_DIR is not set (a patched Megatron-LM tree; .ci/run unpacks one)")
+    require(slurm_unavailable())
+    jobs = MegatronJobs(tmp_path_factory.mktemp("slurm-megatron-lm"))
+    yield jobs
+    jobs.submit.cancel_all()
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(jobs):
+    """Per rank, {iteration: record entry} of a job that was never pre-empted."""
+    job = jobs("per-task", "uninterrupted")
+    assert wait_for_end(job) == "COMPLETED", job.describe()
+    out = []
+    for rank in range(RANKS):
+        (its, final), = jobs.runs("uninterrupted", rank)
+        assert sorted(its) == list(range(1, ITERS + 1)) and final is not None, job.describe()
+        out.append(its)
+    return out
+
+
+def _tracker_names_only_complete(save: Path):
+    """A probe: the tracker, whenever it exists, names a checkpoint whose manifest is there."""
+    def probe() -> None:
+        it = read_tracker(str(save)) if save.is_dir() else None
+        assert it is None or os.path.isfile(os.path.join(iter_dir(str(save), it), "manifest.json")), it
+    return probe
+
+
+def _check_preempted_and_resumed(jobs, name: str, job, uninterrupted) -> None:
+    assert wait_for_end(job) == "COMPLETED", job.describe()
+    text = job.text()
+    assert "exiting program after receiving SIGTERM" in text, job.describe()
+    for rank in range(RANKS):
+        runs = jobs.runs(name, rank)
+        assert len(runs) == 2, (rank, [sorted(r[0]) for r in runs], job.describe())
+        (first, _), (second, final) = runs
+        last = max(first)
+        assert last < ITERS, "the pre-emption came after the last iteration"
+        # the final save of the SIGTERM path was committed before the ranks exited: the requeued
+        # run resumed from exactly the last iteration the pre-empted one trained
+        assert f"loaded lazy checkpoint of iteration {last}" in text, job.describe()
+        assert sorted(second) == list(range(last + 1, ITERS + 1)) and final is not None, job.describe()
+        for it in second:
+            for key in ("grad_norm", "params_norm"):
+                assert second[it][key] == uninterrupted[rank][it][key], (rank, it, key)
+    newest = iter_dir(str(job.save_dir), read_tracker(str(job.save_dir)))
+    verify = subprocess.run([sys.executable, "-m", "datastates_megatron.cli", "verify", newest],
+                            capture_output=True, text=True, timeout=120)
+    assert verify.returncode == 0, verify.stdout + verify.stderr
+
+
+@pytest.mark.parametrize("how", ["signal-B-USR1", "scontrol-requeue"])
+def test_gpu_per_task_job_preempted_commits_requeues_and_resumes_exactly(jobs, uninterrupted, how):
+    name = f"per-task-{how}"
+    job = jobs("per-task", name)
+    wait_for_commit_after(job, 1)
+    preempt(job, how)
+    wait_requeued_and_running(job, probe=_tracker_names_only_complete(job.save_dir))
+    if how == "signal-B-USR1":
+        assert "SIGUSR1: pre-emption" in job.text() and "requeueing job" in job.text(), job.describe()
+    _check_preempted_and_resumed(jobs, name, job, uninterrupted)
+
+
+def test_gpu_multinode_job_preempted_during_a_flush(jobs, uninterrupted, tmp_path):
+    """Slow storage: saves every iteration, each flush slower than an iteration, so the pre-emption
+    lands while a flush runs; the tracker never names a half-written checkpoint."""
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(SLOW_WRITES)
+    name = "multinode-slow-flush"
+    job = jobs("multinode", name, SAVE_INTERVAL="1", DSM_TEST_SLOW_WRITE_MS="400",
+               PYTHONPATH=f"{site}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    probe = _tracker_names_only_complete(job.save_dir)
+    committed = wait_for_commit_after(job, 1)
+    in_flight = [p.name for p in job.save_dir.glob("iter_*") if not (p / "manifest.json").exists()]
+    probe()
+    preempt(job, "signal-B-USR1")
+    assert in_flight, f"no flush was running when the job was pre-empted (committed {committed})"
+    wait_requeued_and_running(job, probe=probe)
+    _check_preempted_and_resumed(jobs, name, job, uninterrupted)
