@@ -13,14 +13,14 @@ Before the script runs, in this process only and without editing Megatron-LM:
 * ``megatron.legacy.fused_kernels.load`` (core_v0.16) is a no-op (it builds CUDA extensions);
 * without ``triton``, the one module on the training path that imports it at import time is
   replaced by a stand-in whose functions raise;
-* ``python3`` and ``python3-config`` on ``PATH`` are this interpreter's, so that Megatron's
-  ``compile_helpers`` (``make`` in ``megatron/core/datasets``) builds the dataset helpers for it.
 
 With ``DSM_TRAINING_RECORD=PREFIX`` each rank also writes an exact per-iteration record
 (:mod:`.training_record`), which the end-to-end tests compare across runs.
 
-With a real GPU present nothing is patched and the script runs as under plain ``python``, so the
-same command line (and the tests built on it) runs on CUDA too.
+With a real GPU present none of that is patched, so the same command line (and the tests built on
+it) runs on CUDA too. In both cases ``python3`` and ``python3-config`` on ``PATH`` are this
+interpreter's, so that Megatron's ``compile_helpers`` (``make`` in ``megatron/core/datasets``) builds
+the dataset helpers for it (some GPU images have no ``python3-config``).
 """
 
 from __future__ import annotations
@@ -138,17 +138,15 @@ def main(argv: list[str] | None = None) -> None:
     if not os.path.isfile(script):
         print(f"{_USAGE}\nerror: {argv[0]} is not a file", file=sys.stderr)
         raise SystemExit(2)
-    tools = None
-    if prepare(os.path.dirname(script)):
-        tools = _python_on_path()
+    prepare(os.path.dirname(script))
+    tools = _python_on_path()  # with a GPU too: some images have no python3-config
     if os.environ.get(training_record.ENV):
         training_record.install(os.environ[training_record.ENV])
     sys.argv = [script, *argv[1:]]
     try:
         runpy.run_path(script, run_name="__main__")
     finally:
-        if tools is not None:
-            shutil.rmtree(tools, ignore_errors=True)
+        shutil.rmtree(tools, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@ from datastates_megatron.megatron import training_record
 
 MEGATRON_LM_DIR = os.environ.get("MEGATRON_LM_DIR")
 CUDA = torch.cuda.is_available()
+RANKS = min(2, torch.cuda.device_count()) if CUDA else 2  # NCCL needs a GPU per rank
 
 CPU_ONLY = ["--distributed-backend", "gloo", "--transformer-impl", "local", "--no-gradient-accumulation-fusion",
             "--no-persist-layer-norm", "--no-masked-softmax-fusion"]
@@ -75,7 +76,7 @@ def _ranks(proc: subprocess.Popen) -> list[psutil.Process]:
         return []
 
 
-def launch(tmp: Path, name: str, args: list[str], *, nproc: int = 2, timeout: float = 300.0,
+def launch(tmp: Path, name: str, args: list[str], *, nproc: int = RANKS, timeout: float = 300.0,
            kill_when=None, term_when=None) -> Run:
     """Run ``pretrain_gpt.py`` with ``args`` to the end, or until ``kill_when()`` (then every rank and
     torchrun get SIGKILL) or ``term_when()`` (then every rank gets SIGTERM, as ``srun`` delivers a
@@ -124,7 +125,7 @@ def latest(save: Path) -> int | None:
     return latest_committed(str(save)) if committed_iterations(str(save)) else None
 
 
-def assert_same_training(got: Run, want: Run, iterations, *, ranks: int = 2, exact: bool = True) -> None:
+def assert_same_training(got: Run, want: Run, iterations, *, ranks: int = RANKS, exact: bool = True) -> None:
     """``got`` logged ``iterations`` with the grad norm and params norm of ``want`` (to the bit, or to
     1e-5 relative when ``exact`` is False), and ended with the same state digest when both ended."""
     import pytest

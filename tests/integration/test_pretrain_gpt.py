@@ -5,7 +5,7 @@ Each comparison is against a run without any checkpointing, to the bit: every it
 norm and params norm (the lm loss Megatron logs averages over the iterations since the last log,
 so after a resume it is not comparable) and a digest of every model and optimizer tensor at the
 end (:mod:`datastates_megatron.megatron.training_record`). Dropout is 0; on CPU the shim maps the
-CUDA generator onto the CPU one. 2 ranks, gloo on CPU (NCCL on a GPU).
+CUDA generator onto the CPU one. 2 ranks, gloo on CPU (NCCL on a GPU: as many ranks as GPUs, up to 2).
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ import shutil
 
 import pytest
 
-from tests.integration.megatron_lm_runs import (LAZY, MEGATRON_LM_DIR, assert_same_training, committed_at_least, latest,
-                               launch, logged)
+from tests.integration.megatron_lm_runs import (LAZY, MEGATRON_LM_DIR, RANKS, assert_same_training, committed_at_least,
+                                                latest, launch, logged)
 
 pytestmark = pytest.mark.skipif(
     not MEGATRON_LM_DIR, reason="MEGATRON_LM_DIR is not set (scripts/test.sh unpacks and patches one from "
@@ -85,6 +85,7 @@ def test_exit_interval_then_resume_from_an_older_ckpt_step(tmp_path, reference):
     assert_same_training(older, reference("fp32"), range(3, ITERS + 1))
 
 
+@pytest.mark.skipif(RANKS < 2, reason="needs 2 ranks (one GPU per rank under NCCL)")
 def test_resume_on_one_rank_from_a_two_rank_run(tmp_path, reference):
     """DP 2 -> DP 1: the optimizer shards are resharded on load; the same global batch is then
     accumulated in 4 micro-batches instead of 2 per rank, so the sums are ordered differently and
