@@ -1,0 +1,52 @@
+"""cpu_launch's pieces that need no Megatron-LM: the triton stand-in and the python3 tools on PATH
+(the launcher itself runs in tests/integration/test_pretrain_gpt.py)."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+import sysconfig
+
+import pytest
+
+from datastates_megatron.megatron import cpu_launch
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is not None, reason="triton is installed")
+def test_the_triton_modules_import_and_raise_when_used(monkeypatch):
+    monkeypatch.setattr(sys, "meta_path", list(sys.meta_path))
+    name = cpu_launch._TRITON_MODULES[0]
+    monkeypatch.delitem(sys.modules, name, raising=False)
+    cpu_launch.stub_triton_modules()
+    mod = importlib.import_module(name)
+    with pytest.raises(RuntimeError, match="needs triton"):
+        mod.enable_batch_invariant_mode()
+    assert importlib.util.find_spec("triton") is None  # torch's own probe still sees no triton
+    sys.modules.pop(name, None)
+
+
+def test_python_tools_on_path_are_this_interpreter(monkeypatch):
+    monkeypatch.setenv("PATH", os.environ.get("PATH", ""))
+    tools = cpu_launch._python_on_path()
+    try:
+        assert os.environ["PATH"].split(os.pathsep)[0] == tools
+        config = subprocess.run(["python3-config", "--extension-suffix"], capture_output=True, text=True, check=True)
+        assert config.stdout.strip() == sysconfig.get_config_var("EXT_SUFFIX")
+        exe = subprocess.run(["python3", "-c", "import sys; print(sys.prefix)"], capture_output=True, text=True,
+                             check=True)
+        assert exe.stdout.strip() == sys.prefix  # a venv's python keeps its site-packages
+    finally:
+        for name in os.listdir(tools):
+            os.unlink(os.path.join(tools, name))
+        os.rmdir(tools)
+
+
+def test_usage_errors_exit_2(tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        cpu_launch.main([])
+    assert e.value.code == 2
+    with pytest.raises(SystemExit) as e:
+        cpu_launch.main([str(tmp_path / "missing.py")])
+    assert e.value.code == 2 and "is not a file" in capsys.readouterr().err
