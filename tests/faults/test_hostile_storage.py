@@ -150,3 +150,13 @@ def test_a_manifest_that_is_a_symlink_is_refused_on_load_and_by_verify(saving, t
         mgr.load(1)
     assert main(["verify", iter_dir(str(root), 1)]) == EXIT_DAMAGED
     assert "symlink" in capsys.readouterr().err
+
+
+def test_an_iteration_directory_that_is_a_symlink_is_not_saved_into(saving, victim, tmp_path):
+    root, mgr, ts = saving
+    outside = tmp_path / "outside-dir"
+    outside.mkdir()
+    os.symlink(outside, iter_dir(str(root), 2))
+    with pytest.raises(CheckpointError, match="symlink"):
+        _save(mgr, ts, 2)
+    assert os.listdir(outside) == [] and os.path.islink(iter_dir(str(root), 2))
