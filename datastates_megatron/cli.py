@@ -13,6 +13,7 @@ import argparse
 import concurrent.futures as cf
 import json
 import os
+import stat
 import sys
 import time
 
@@ -29,10 +30,12 @@ from .engine.manifest import (
     iter_dir,
     latest_committed,
     list_iterations,
+    parse_tracker,
     read_manifest,
-    read_tracker,
+    read_tracker_text,
 )
 from .engine.restore import open_rank
+from .engine.safe_io import describe
 from .engine.serializer import xxh64
 
 __all__ = [
@@ -182,7 +185,7 @@ def list_checkpoints(save_dir: str) -> dict:
             m = read_manifest(d)
         except NoCheckpointError:
             pass
-        except (CorruptCheckpointError, OSError) as e:
+        except (CheckpointError, OSError) as e:
             row.update(state="damaged", error=str(e))
         else:
             row.update(
@@ -195,18 +198,15 @@ def list_checkpoints(save_dir: str) -> dict:
         latest = latest_committed(save_dir)
     except NoCheckpointError:
         pass
-    except CorruptCheckpointError as e:
+    except (CheckpointError, OSError) as e:
         latest_error = str(e)
     for row in rows:
         row["latest"] = latest is not None and row["iteration"] == latest and row["state"] == "committed"
     try:
-        with open(os.path.join(save_dir, TRACKER_NAME)) as f:
-            tracker_text = f.read().strip()
-    except FileNotFoundError:
-        tracker_text = None
-    except (OSError, UnicodeDecodeError) as e:
-        tracker_text = f"<unreadable: {e}>"
-    tracker = read_tracker(save_dir) if tracker_text is not None and tracker_text.isdigit() else None
+        tracker_text = read_tracker_text(save_dir)  # not through a link, size-capped
+    except CorruptCheckpointError as e:
+        tracker_text = f"<unreadable: {_strip_path(str(e), os.path.join(save_dir, TRACKER_NAME))}>"
+    tracker = parse_tracker(tracker_text)  # ASCII digits only
     return {
         "schema": JSON_SCHEMA,
         "command": "ls",
@@ -411,10 +411,18 @@ def verify_checkpoint(ckpt: str, *, threads: int | None = None, rank: int | None
     for rec in selected:
         path = os.path.join(ckpt, rec.file)
         lost = f"its {rec.n_tensors} tensor(s) cannot be checked"
-        if not os.path.isfile(path):
+        try:
+            st = os.lstat(path)
+        except FileNotFoundError:
             fail(rec, "missing", f"file is missing; {lost}")
             continue
-        size = os.path.getsize(path)
+        except OSError as e:
+            fail(rec, "file", f"cannot stat the file: {e}; {lost}")
+            continue
+        if not stat.S_ISREG(st.st_mode):  # a symlink may point outside the checkpoint: never followed
+            fail(rec, "file", f"is {describe(st.st_mode)} (not a regular file inside the checkpoint); {lost}")
+            continue
+        size = st.st_size
         if size != rec.file_bytes:
             what = "truncated" if size < rec.file_bytes else "longer than committed"
             fail(rec, "size", f"file is {what}: {size} bytes, manifest says {rec.file_bytes}; {lost}")

@@ -22,6 +22,7 @@ import torch
 
 from .errors import CorruptCheckpointError, FormatVersionError
 from .objects import decode_objects
+from .safe_io import open_regular
 from .serializer import INDEX_WORDS, MAX_NDIM, decode_index, encode_index, xxh64
 
 __all__ = [
@@ -135,7 +136,7 @@ def build_index(names, dtypes, shapes, offsets, nbytes, checksums_per_tensor) ->
     return records.astype("<u8").tobytes() + all_cks.astype("<u8").tobytes() + b"".join(encoded)
 
 
-def _parse_index(raw: memoryview, n: int, path: str) -> list[TensorEntry]:
+def _parse_index(raw: memoryview, n: int, path: str, file_bytes: int | None = None) -> list[TensorEntry]:
     rec_bytes = n * INDEX_WORDS * 8
     buf = np.frombuffer(raw, dtype=np.uint8)
     if buf.size < rec_bytes:
@@ -146,6 +147,9 @@ def _parse_index(raw: memoryview, n: int, path: str) -> list[TensorEntry]:
     names = bytes(buf[rec_bytes + 8 * total_cks :])
     out = []
     for r in rec:
+        if not 0 <= r[3] <= MAX_NDIM or r[12] < 0 or r[13] < 0 or (file_bytes is not None and r[12] + r[13] > file_bytes):
+            raise CorruptCheckpointError(f"{path}: index record {len(out)} is out of range (ndim {r[3]}, bytes "
+                                         f"{r[12]}..+{r[13]} of a {file_bytes}-byte file)")  # fmt: skip
         name = names[r[0] : r[0] + r[1]].decode("utf-8")
         shape = tuple(int(x) for x in r[4 : 4 + r[3]])
         out.append(TensorEntry(name, code_dtype(int(r[2])), shape, int(r[12]), int(r[13]), cks[r[14] : r[14] + r[15]]))
@@ -153,7 +157,7 @@ def _parse_index(raw: memoryview, n: int, path: str) -> list[TensorEntry]:
 
 
 def read_header(path: str) -> Header:
-    with open(path, "rb") as f:
+    with os.fdopen(open_regular(path), "rb") as f:
         return Header.unpack(f.read(HEADER_BYTES), path)
 
 
@@ -163,7 +167,8 @@ class RankFile:
 
     def __init__(self, path: str) -> None:
         self.path = os.fspath(path)
-        self._file = open(self.path, "rb")
+        # never through a symlink, only a regular file (a FIFO does not block): CorruptCheckpointError
+        self._file = os.fdopen(open_regular(self.path), "rb")
         size = os.fstat(self._file.fileno()).st_size
         if size < HEADER_BYTES:
             self._file.close()
@@ -187,8 +192,15 @@ class RankFile:
         if xxh64(objects_raw) != h.objects_xxh64:
             self.close()
             raise CorruptCheckpointError(f"{self.path}: objects checksum mismatch")
-        self.entries = {e.name: e for e in _parse_index(index_raw, h.n_tensors, self.path)}
-        self.objects = decode_objects(objects_raw)
+        try:  # checksummed, but a hand-made file can still hold anything: only our error escapes
+            self.entries = {e.name: e for e in _parse_index(index_raw, h.n_tensors, self.path, size)}
+            self.objects = decode_objects(objects_raw)
+        except CorruptCheckpointError:
+            self.close()
+            raise
+        except (ValueError, TypeError, KeyError, IndexError, OverflowError, RecursionError) as e:
+            self.close()
+            raise CorruptCheckpointError(f"{self.path}: index or objects section does not parse: {type(e).__name__}: {e}") from e
         self._bytes = np.frombuffer(self._mm, dtype=np.uint8)
 
     def fileno(self) -> int:

@@ -19,8 +19,8 @@ import os
 import re
 from typing import NamedTuple
 
-from .errors import ForeignCheckpointError
-from .manifest import MANIFEST_NAME, TRACKER_NAME
+from .errors import CheckpointError, ForeignCheckpointError
+from .manifest import MANIFEST_NAME, read_tracker_text
 from .names import is_ours_in_iteration
 
 __all__ = ["FORMATS", "ForeignCheckpoint", "find_foreign", "foreign_format", "refuse_newer_foreign"]
@@ -58,9 +58,8 @@ def foreign_format(d: str) -> str | None:
 
 def _tracker_text(root: str) -> str | None:
     try:
-        with open(os.path.join(root, TRACKER_NAME)) as f:
-            return f.read().strip()
-    except (OSError, UnicodeDecodeError):
+        return read_tracker_text(root)  # O_NOFOLLOW, regular file, size-capped (:mod:`.safe_io`)
+    except CheckpointError:
         return None
 
 

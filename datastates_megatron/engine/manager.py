@@ -36,6 +36,7 @@ from .manifest import (
 )
 from .options import LOCAL_FALLBACK_CHOICES, RECYCLE_CHOICES, EngineOptions
 from .restore import RestoreStats, open_checkpoint, open_rank, restore_into, validate_world
+from .safe_io import make_dir
 from .retention import remove_stale_tracker_temps, remove_uncommitted, take_recycled, trim_recycled
 from .snapshot import SnapshotEngine
 from .threads import ClosingContext, close_at_exit, forget
@@ -259,7 +260,7 @@ class CheckpointManager(ClosingContext):
         tier_root = self.local_root or self.root
         d = iter_dir(tier_root, iteration)
         try:
-            os.makedirs(d, exist_ok=True)
+            make_dir(d)  # an iter_* symlink is refused (FlushError): we never write through a link
             name = rank_file_name(self.rank, self.token, self._seq)
             path = os.path.join(d, name)
             # overwrite a retired rank file in place when there is one (a listdir and a rename: done on

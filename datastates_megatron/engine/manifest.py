@@ -10,10 +10,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
+import math
 import os
 import re
 import time
 
+from . import safe_io
 from .errors import CorruptCheckpointError, FormatVersionError, NoCheckpointError
 from .writer import fsync_dir
 
@@ -31,6 +34,8 @@ __all__ = [
     "write_manifest",
     "read_manifest",
     "read_tracker",
+    "read_tracker_text",
+    "parse_tracker",
     "write_tracker",
     "list_iterations",
     "committed_manifests",
@@ -42,8 +47,14 @@ MANIFEST_NAME = "manifest.json"
 TRACKER_NAME = "latest_checkpointed_iteration.txt"
 MANIFEST_FORMAT = "datastates-megatron-manifest"
 MANIFEST_VERSION = 1
-_ITER_RE = re.compile(r"^iter_(\d{7,})$")
+_ITER_RE = re.compile(r"^iter_([0-9]{7,})$")
 _SAFE_NAME = re.compile(r"^[A-Za-z0-9._-]+$")
+_TOKEN = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+_DIGITS = re.compile(rb"^[0-9]{1,18}$")  # ASCII only: ``str.isdigit`` accepts '\u00b2' and other scripts' digits
+_U64 = 1 << 64
+_MAX_WORLD = 1 << 31
+_TIERS = ("persistent", "local")
+log = logging.getLogger(__name__)
 
 
 def iter_dir(root: str, iteration: int) -> str:
@@ -71,9 +82,13 @@ def parse_rank_file_name(name: str) -> tuple[int, str, int] | None:
     """``(rank, run token, save sequence)`` of a :func:`rank_file_name`, or None for another name.
     Token and sequence identify the save: every rank's file of one save shares them."""
     parts = name.removesuffix(".dsck").split("-") if name.endswith(".dsck") else []
-    if len(parts) != 3 or not parts[0].startswith("r") or not parts[0][1:].isdigit() or not parts[2].isdigit():
+    if len(parts) != 3 or not parts[0].startswith("r") or not _ascii_digits(parts[0][1:]) or not _ascii_digits(parts[2]):
         return None
     return int(parts[0][1:]), parts[1], int(parts[2])
+
+
+def _ascii_digits(text: str) -> bool:
+    return text.isascii() and text.isdigit()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,45 +144,108 @@ class Manifest:
 
     @classmethod
     def from_json(cls, data: bytes, path: str) -> "Manifest":
+        """Parse and validate; every failure is a :class:`CorruptCheckpointError` naming ``path``.
+        The checksum is verified before any field is used, and every field is type- and
+        range-checked (so nothing read from the file sizes an allocation)."""
         try:
             body = json.loads(data.decode("utf-8"))
-        except (UnicodeDecodeError, ValueError) as e:
-            raise CorruptCheckpointError(f"{path}: manifest is not valid JSON: {e}") from e
+        except (UnicodeDecodeError, ValueError, RecursionError) as e:
+            raise CorruptCheckpointError(f"{path}: manifest is not valid JSON: {type(e).__name__}: {e}") from e
         if not isinstance(body, dict) or body.get("format") != MANIFEST_FORMAT:
             raise CorruptCheckpointError(f"{path}: not a datastates-megatron manifest")
         if body.get("format_version") != MANIFEST_VERSION:
             raise FormatVersionError(
                 f"{path}: unknown manifest format version {body.get('format_version')!r} (this reader knows {MANIFEST_VERSION})"
             )
+        stored = body.pop("checksum", None)
         try:
-            ranks = tuple(RankRecord(**r) for r in body["ranks"])
-            m = cls(
-                iteration=int(body["iteration"]),
-                world_size=int(body["world_size"]),
-                run_token=str(body["run_token"]),
-                ranks=ranks,
-                layout=dict(body["layout"]),
-                metadata=dict(body["metadata"]),
-                commit_seq=int(body["commit_seq"]),
-                created=float(body["created"]),
-                tier=str(body.get("tier", "persistent")),
-            )
-        except (KeyError, TypeError, ValueError) as e:
-            raise CorruptCheckpointError(f"{path}: manifest is missing or has a malformed field: {e}") from e
+            actual = _body_xxh64(body)
+        except (TypeError, ValueError, RecursionError) as e:
+            raise CorruptCheckpointError(f"{path}: manifest cannot be checksummed: {type(e).__name__}: {e}") from e
+        if type(stored) is not int or stored != actual:
+            raise CorruptCheckpointError(f"{path}: manifest checksum mismatch (stored {stored!r:.40}): the manifest was altered")
+        try:
+            return cls._validated(body)
+        except _FieldError as e:
+            raise CorruptCheckpointError(f"{path}: {e}") from None
+
+    @classmethod
+    def _validated(cls, body: dict) -> "Manifest":
+        ranks_raw = _field(body, "ranks", list)
+        world_size = _int(body, "world_size", 1, _MAX_WORLD)
+        if len(ranks_raw) > world_size:
+            raise _FieldError(f"manifest field 'ranks' lists {len(ranks_raw)} ranks for world size {world_size}")
+        ranks = tuple(_rank_record(r, i) for i, r in enumerate(ranks_raw))
+        created = _field(body, "created", (int, float))
+        if not math.isfinite(created) or created < 0:
+            raise _FieldError(f"manifest field 'created' is {created!r}, not a time")
+        tier = body.get("tier", "persistent")
+        if tier not in _TIERS:
+            raise _FieldError(f"manifest field 'tier' is {tier!r:.40}, not one of {list(_TIERS)}")
+        token = _field(body, "run_token", str)
+        if not _TOKEN.match(token):
+            raise _FieldError(f"manifest field 'run_token' {token!r:.80} is not a run token")
+        m = cls(
+            iteration=_int(body, "iteration", 0, _U64 >> 1),
+            world_size=world_size,
+            run_token=token,
+            ranks=ranks,
+            layout=_field(body, "layout", dict),
+            metadata=_field(body, "metadata", dict),
+            commit_seq=_int(body, "commit_seq", 0, _U64 >> 1),
+            created=float(created),
+            tier=tier,
+        )
         listed = [r.rank for r in m.ranks]
         if m.tier == "local":  # one node's manifest: a sorted subset of the ranks
-            valid = listed == sorted(set(listed)) and all(0 <= r < m.world_size for r in listed) and listed
-        else:
-            valid = listed == list(range(m.world_size))
+            valid = bool(listed) and listed == sorted(set(listed))
+        else:  # every rank, in order (compared without building range(world_size))
+            valid = len(listed) == m.world_size and all(r == i for i, r in enumerate(listed))
         if not valid:
-            raise CorruptCheckpointError(f"{path}: {m.tier} manifest lists ranks {listed} for world size {m.world_size}")
-        for r in m.ranks:
-            if not _SAFE_NAME.match(r.file) or r.file in (".", ".."):
-                raise CorruptCheckpointError(f"{path}: rank {r.rank} file {r.file!r} is not a plain file name inside the checkpoint directory")
-        stored = body.pop("checksum", None)
-        if stored != _body_xxh64(body):
-            raise CorruptCheckpointError(f"{path}: manifest checksum mismatch (stored {stored!r}): the manifest was altered")
+            shown = listed if len(listed) <= 8 else f"{listed[:8]} ..."
+            raise _FieldError(f"{m.tier} manifest lists ranks {shown} for world size {m.world_size}")
         return m
+
+
+class _FieldError(Exception):
+    """A manifest field of the wrong type or out of range (turned into CorruptCheckpointError)."""
+
+
+def _field(body, key: str, types, where: str = ""):
+    if not isinstance(body, dict) or key not in body:
+        raise _FieldError(f"manifest is missing field {where}{key!r}")
+    value = body[key]
+    if isinstance(value, bool) or not isinstance(value, types):
+        names = "/".join(t.__name__ for t in (types if isinstance(types, tuple) else (types,)))
+        raise _FieldError(f"manifest field {where}{key!r} is {type(value).__name__} {value!r:.40}, expected {names}")
+    return value
+
+
+def _int(body, key: str, lo: int, hi: int, where: str = "") -> int:
+    """An int (not a bool, not a float) in ``[lo, hi)``."""
+    value = _field(body, key, int, where)
+    if not lo <= value < hi:
+        raise _FieldError(f"manifest field {where}{key!r} is {value}, outside [{lo}, {hi})")
+    return value
+
+
+def _rank_record(raw, i: int) -> RankRecord:
+    where = f"ranks[{i}]."
+    if not isinstance(raw, dict):
+        raise _FieldError(f"field {where[:-1]} is {type(raw).__name__}, expected an object")
+    rank = _int(raw, "rank", 0, _MAX_WORLD, where)
+    name = _field(raw, "file", str, where)
+    if not _SAFE_NAME.match(name) or name in (".", ".."):
+        raise _FieldError(f"rank {rank} file {name!r:.80} is not a plain file name inside the checkpoint directory")
+    return RankRecord(
+        rank=rank,
+        file=name,
+        file_bytes=_int(raw, "file_bytes", 0, _U64 >> 1, where),
+        data_bytes=_int(raw, "data_bytes", 0, _U64 >> 1, where),
+        n_tensors=_int(raw, "n_tensors", 0, _U64 >> 1, where),
+        index_xxh64=_int(raw, "index_xxh64", 0, _U64, where),
+        header_xxh64=_int(raw, "header_xxh64", 0, _U64, where),
+    )
 
 
 def _body_xxh64(body: dict) -> int:
@@ -178,10 +256,12 @@ def _body_xxh64(body: dict) -> int:
 
 
 def atomic_write(path: str, data: bytes) -> None:
-    """Write ``data`` to ``path`` atomically and durably: temp file, fsync, rename, directory fsync."""
+    """Write ``data`` to ``path`` atomically and durably: temp file, fsync, rename, directory fsync.
+    The temp name is created ``O_EXCL | O_NOFOLLOW`` (:func:`.safe_io.create_temp`): a symlink
+    planted there is refused (:class:`FlushError`), never written through or removed."""
     directory = os.path.dirname(path) or "."
     tmp = f"{path}.tmp-{os.getpid()}"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    fd = safe_io.create_temp(tmp)
     try:
         try:
             view = memoryview(data)
@@ -190,10 +270,10 @@ def atomic_write(path: str, data: bytes) -> None:
             os.fsync(fd)
         finally:
             os.close(fd)
-        os.replace(tmp, path)
+        os.replace(tmp, path)  # replaces a link at ``path`` itself, never its target
     except BaseException:
         try:
-            os.unlink(tmp)  # a full disk must not leave temp files behind
+            os.unlink(tmp)  # ours: created above (a full disk must not leave temp files behind)
         except OSError:
             pass
         raise
@@ -207,12 +287,16 @@ def write_manifest(root: str, manifest: Manifest) -> str:
 
 
 def read_manifest(ckpt_dir: str) -> Manifest:
+    """The manifest of ``ckpt_dir``.  :class:`NoCheckpointError` when there is none; anything else
+    wrong (not a regular file, a symlink, larger than :data:`.safe_io.MANIFEST_MAX_BYTES`,
+    unreadable, unparsable, invalid) is a :class:`CorruptCheckpointError` naming it."""
     path = os.path.join(ckpt_dir, MANIFEST_NAME)
     try:
-        with open(path, "rb") as f:
-            data = f.read()
+        data = safe_io.read_capped(path, safe_io.MANIFEST_MAX_BYTES, "manifest")
     except FileNotFoundError as e:
         raise NoCheckpointError(f"{ckpt_dir}: no {MANIFEST_NAME}: not a committed checkpoint") from e
+    except NotADirectoryError as e:
+        raise NoCheckpointError(f"{ckpt_dir}: not a directory: not a checkpoint") from e
     m = Manifest.from_json(data, path)
     match = _ITER_RE.match(os.path.basename(os.path.normpath(ckpt_dir)))
     if match and int(match.group(1)) != m.iteration:
@@ -220,14 +304,35 @@ def read_manifest(ckpt_dir: str) -> Manifest:
     return m
 
 
-def read_tracker(root: str) -> int | None:
-    """The iteration named by Megatron's tracker file, or ``None`` (absent, or 'release')."""
+def read_tracker_text(root: str) -> str | None:
+    """The tracker's text (stripped), ``None`` when absent; :class:`CorruptCheckpointError` when it
+    is a symlink, not a regular file, longer than :data:`.safe_io.TRACKER_MAX_BYTES`, or not text."""
+    path = os.path.join(root, TRACKER_NAME)
     try:
-        with open(os.path.join(root, TRACKER_NAME)) as f:
-            text = f.read().strip()
+        raw = safe_io.read_capped(path, safe_io.TRACKER_MAX_BYTES, "tracker")
     except FileNotFoundError:
         return None
-    return int(text) if text.isdigit() else None
+    try:
+        return raw.decode("utf-8").strip()
+    except UnicodeDecodeError as e:
+        raise CorruptCheckpointError(f"{path}: tracker is not text: {e}") from e
+
+
+def parse_tracker(text: str | None) -> int | None:
+    """The iteration a tracker text names: ASCII digits only, else ``None`` ('release', damage)."""
+    if text is None or not _DIGITS.match(text.encode("utf-8", "replace")):
+        return None
+    return int(text)
+
+
+def read_tracker(root: str) -> int | None:
+    """The iteration named by Megatron's tracker file, or ``None`` (absent, 'release', or not a
+    plain iteration number; a tracker that cannot be read safely is logged).  Informative only."""
+    try:
+        return parse_tracker(read_tracker_text(root))
+    except CorruptCheckpointError as e:
+        log.warning("%s", e)
+        return None
 
 
 def write_tracker(root: str, iteration: int) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import dataclasses
 import os
+import stat
 
 import numpy as np
 import torch
@@ -18,6 +19,7 @@ from .errors import CorruptCheckpointError, LayoutMismatchError, NoCheckpointErr
 from .file_format import RankFile, TensorEntry
 from .manifest import Manifest, iter_dir, read_manifest
 from .page_cache import warm_file
+from .safe_io import describe
 from .faults import crash_point
 from .serializer import _xxh64_impl
 
@@ -57,12 +59,23 @@ def open_rank(ckpt: str, manifest: Manifest, rank: int) -> RankFile:
     if rec is None:
         raise CorruptCheckpointError(f"{ckpt}: the {manifest.tier} manifest has no file for rank {rank}")
     path = os.path.join(ckpt, rec.file)
-    if not os.path.isfile(path):
-        raise CorruptCheckpointError(f"{ckpt}: rank {rank} file {rec.file} is missing")
-    size = os.path.getsize(path)
-    if size != rec.file_bytes:
-        raise CorruptCheckpointError(f"{path}: rank {rank} file has {size} bytes, manifest says {rec.file_bytes}")
-    rf = RankFile(path)
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError as e:
+        raise CorruptCheckpointError(f"{ckpt}: rank {rank} file {rec.file} is missing") from e
+    except OSError as e:
+        raise CorruptCheckpointError(f"{path}: rank {rank} file cannot be read: {e}") from e
+    if not stat.S_ISREG(st.st_mode):  # a link may point outside the checkpoint: never followed
+        raise CorruptCheckpointError(f"{ckpt}: rank {rank} file {rec.file} is missing: {path} is "
+                                     f"{describe(st.st_mode)}, not a regular file; refusing to follow or use it")  # fmt: skip
+    if st.st_size != rec.file_bytes:
+        raise CorruptCheckpointError(f"{path}: rank {rank} file has {st.st_size} bytes, manifest says {rec.file_bytes}")
+    try:
+        rf = RankFile(path)  # O_NOFOLLOW + fstat again (:mod:`.safe_io`): a swap since lstat is refused too
+    except FileNotFoundError as e:
+        raise CorruptCheckpointError(f"{ckpt}: rank {rank} file {rec.file} is missing") from e
+    except OSError as e:
+        raise CorruptCheckpointError(f"{path}: rank {rank} file cannot be read: {e}") from e
     from .serializer import xxh64
 
     if (

@@ -22,6 +22,7 @@ import stat
 
 from .manifest import MANIFEST_NAME, iter_dir, parse_rank_file_name
 from .names import RECYCLE_DIR, is_ours_in_iteration, is_recycled_name, is_tracker_temp
+from .safe_io import make_dir
 from .writer import fsync_dir
 
 __all__ = [
@@ -117,7 +118,7 @@ def delete_checkpoint(root: str, iteration: int, recycle: bool = False) -> None:
     pool = os.path.join(root, RECYCLE_DIR)
     if recycle and not _is_link(pool):
         try:
-            os.makedirs(pool, exist_ok=True)
+            make_dir(pool)
             for name in os.listdir(d):
                 src = os.path.join(d, name)
                 if parse_rank_file_name(name) is not None and stat.S_ISREG(os.lstat(src).st_mode):
@@ -146,6 +147,8 @@ def take_recycled(root: str, dst: str) -> bool:
         names = sorted(n for n in os.listdir(pool) if is_recycled_name(n))
     except FileNotFoundError:
         return False
+    if os.path.lexists(dst):
+        return False  # something (not ours: a planted link) holds the name; a rename would replace it
     mine = parse_rank_file_name(os.path.basename(dst))
     if mine is not None:
         names.sort(key=lambda n: _retired_by(n) != mine[0])  # stable: oldest first within each part

@@ -29,6 +29,7 @@ from .manifest import iter_dir, rank_file_name
 from .names import PROMOTING_SUFFIX
 from .serializer import xxh64
 from .snapshot import FileReceipt
+from .safe_io import create_temp, make_dir, reopen_same
 from .threads import QueueThread
 from .writer import ALIGN, fsync_dir, pwrite_direct
 
@@ -67,9 +68,10 @@ def _copy_bytes(fd_in: int, fd_out: int, size: int, start: int = 0) -> None:
         raise FlushError(f"copied {done} of {size} bytes: the source file is shorter than its header says")
 
 
-def _copy_direct(source: np.ndarray, path: str) -> int:
+def _copy_direct(source: np.ndarray, path: str, fd_out: int) -> int:
     """Write the 4 KiB-aligned prefix of ``source`` (a page-aligned mapping of the local file) to
-    ``path`` with O_DIRECT; returns the bytes written, 0 where O_DIRECT is refused.
+    ``path`` (the inode ``fd_out`` has open) with O_DIRECT; returns the bytes written, 0 where
+    O_DIRECT is refused.
 
     Why: a buffered copy (``sendfile``) fills the page cache with a checkpoint nobody reads back,
     and the kernel's per-page work and dirty-page throttling cost about twice the CPU of the
@@ -80,7 +82,7 @@ def _copy_direct(source: np.ndarray, path: str) -> int:
     if not aligned or not hasattr(os, "O_DIRECT"):
         return 0
     try:
-        fd = os.open(path, os.O_WRONLY | os.O_DIRECT)
+        fd = reopen_same(path, fd_out, os.O_WRONLY | os.O_DIRECT)
     except OSError:
         return 0
     done = 0
@@ -99,7 +101,7 @@ def _copy_direct(source: np.ndarray, path: str) -> int:
 def _copy_file(rf: RankFile, fd_out: int, path_out: str, size: int) -> None:
     """Copy the first ``size`` bytes of ``rf`` to ``fd_out`` (open on ``path_out``): O_DIRECT from
     its mapping as far as the destination allows, the rest through ``_copy_bytes``."""
-    done = _copy_direct(rf.span(0, size), path_out)
+    done = _copy_direct(rf.span(0, size), path_out, fd_out)
     if done < size:
         _copy_bytes(rf.fileno(), fd_out, size, start=done)
 
@@ -113,8 +115,9 @@ def copy_verified(src: str, dst: str, version: int) -> FileReceipt:
             rf.verify_entry(entry)
         header = rf.header
         data_bytes = sum(e.nbytes for e in rf.entries.values())
+        fd_tmp = create_temp(tmp)  # O_EXCL | O_NOFOLLOW: a link planted at the temp name is refused
         try:
-            with open(tmp, "wb") as fout:  # copied from the file just verified, not the path again
+            with os.fdopen(fd_tmp, "wb") as fout:  # copied from the file just verified, not the path again
                 _copy_file(rf, fout.fileno(), tmp, header.file_bytes)
                 os.fsync(fout.fileno())
             # a rewrite of the source in place (a recycled file) zeroes its header first: if the
@@ -195,7 +198,7 @@ class Promoter(QueueThread):
         src = os.path.join(iter_dir(self.local_root, iteration), name)
         dst_dir = iter_dir(self.persist_root, iteration)
         try:
-            os.makedirs(dst_dir, exist_ok=True)
+            make_dir(dst_dir)  # never into a directory reached through a symlink
             future.set_result(copy_verified(src, os.path.join(dst_dir, name), iteration))
         except BaseException as e:  # noqa: BLE001 - the persistent committer reports it on every rank
             err = e if isinstance(e, FlushError) else FlushError(

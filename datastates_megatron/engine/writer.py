@@ -20,6 +20,7 @@ from .errors import FlushError
 from .file_format import HEADER_BYTES, Header
 from .mapped_files import MappedFiles
 from .page_cache import memory_backed
+from .safe_io import open_dir, open_for_write, reopen_same
 
 __all__ = ["ALIGN", "RankFileWriter", "fsync_dir", "pwrite_direct"]
 
@@ -28,8 +29,8 @@ ALIGN = 4096  # O_DIRECT: offsets, lengths and the source address in multiples o
 
 
 def fsync_dir(path: str) -> None:
-    """fsync a directory so a create/rename inside it is durable."""
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    """fsync a directory so a create/rename inside it is durable (never through a symlink)."""
+    fd = open_dir(path)
     try:
         os.fsync(fd)
     finally:
@@ -78,8 +79,9 @@ class RankFileWriter:
         self.path = path
         # no O_TRUNC: ``path`` may be a recycled rank file, overwritten in place (its blocks/pages
         # reused); its old header is zeroed at once and ``finish`` truncates to the new size.
-        # Read-write: a shared writable mapping needs it.
-        self._fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        # Read-write: a shared writable mapping needs it.  Never through a symlink, only a regular
+        # file (:mod:`.safe_io`): a link planted at this name must not redirect the write.
+        self._fd = open_for_write(path)
         try:
             if os.fstat(self._fd).st_size:
                 _pwrite_all(self._fd, bytes(HEADER_BYTES), 0)
@@ -89,7 +91,7 @@ class RankFileWriter:
         self._direct_fd = None
         if direct and hasattr(os, "O_DIRECT"):
             try:
-                self._direct_fd = os.open(path, os.O_WRONLY | os.O_DIRECT)
+                self._direct_fd = reopen_same(path, self._fd, os.O_WRONLY | os.O_DIRECT)
             except OSError as e:
                 if direct is True:
                     os.close(self._fd)

@@ -5,6 +5,7 @@ import os
 
 import pytest
 
+from datastates_megatron.engine.manifest import _body_xxh64  # noqa: PLC2701 - to reseal a hand edit
 from datastates_megatron.engine.manifest import TRACKER_NAME, committed_iterations, iter_dir, read_manifest, read_tracker
 
 from .ranks import describe, run_ranks
@@ -122,6 +123,8 @@ def test_truncated_missing_and_foreign_files_are_detected(tmp_path):
         path = os.path.join(iter_dir(root, 1), "manifest.json")
         body = json.load(open(path))
         body["ranks"][0]["file"] = "../../etc/passwd"
+        body.pop("checksum")
+        body["checksum"] = _body_xxh64(body)  # resealed: the checksum is checked first, the name check must refuse
         json.dump(body, open(path, "w"))
 
     assert "not a plain file name" in _corrupt_and_load(tmp_path / "d", traversal)[0]["error"]
