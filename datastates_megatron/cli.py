@@ -17,26 +17,16 @@ import stat
 import sys
 import time
 
-import numpy as np
-import torch
+from typing import TYPE_CHECKING
 
 from .engine.errors import CheckpointError, CorruptCheckpointError, NoCheckpointError
-from .engine.file_format import RankFile
-from .engine.foreign import find_foreign
-from .engine.manifest import (
-    MANIFEST_NAME,
-    TRACKER_NAME,
-    Manifest,
-    iter_dir,
-    latest_committed,
-    list_iterations,
-    parse_tracker,
-    read_manifest,
-    read_tracker_text,
-)
-from .engine.restore import open_rank
-from .engine.safe_io import describe
-from .engine.serializer import xxh64
+
+if TYPE_CHECKING:
+    from .engine.file_format import RankFile
+    from .engine.manifest import Manifest
+
+# ``--help`` and argument errors import nothing heavy (no torch, numpy or numba): the engine modules that
+# read checkpoints are imported by the subcommand functions that use them.
 
 __all__ = [
     "main", "list_checkpoints", "inspect_checkpoint", "verify_checkpoint", "CliUsageError",
@@ -48,6 +38,7 @@ JSON_SCHEMA = 1
 EXIT_OK = 0  # success; for verify: every check passed
 EXIT_DAMAGED = 1  # a checkpoint is damaged (verify found a problem, a manifest or rank file is unreadable)
 EXIT_USAGE = 2  # bad arguments, or the path is not there / not a checkpoint
+_TRACKER_NAME = "latest_checkpointed_iteration.txt"  # engine.manifest.TRACKER_NAME (Megatron's), for the help text
 
 
 class CliUsageError(CheckpointError, ValueError):
@@ -113,6 +104,9 @@ def _describe(value) -> str:
         return f"str = {value!r}" if len(value) <= 40 else f"str ({len(value)} chars)"
     if isinstance(value, bytes):
         return f"bytes ({len(value)})"
+    import numpy as np
+    import torch
+
     if isinstance(value, torch.Tensor):
         return f"tensor {str(value.dtype).removeprefix('torch.')} {list(value.shape)}"
     if isinstance(value, np.ndarray):
@@ -132,6 +126,8 @@ def _objects_summary(objects) -> dict[str, str]:
 
 
 def _load_manifest(ckpt: str) -> Manifest:
+    from .engine.manifest import MANIFEST_NAME, list_iterations, read_manifest
+
     if not os.path.isdir(ckpt):
         raise NoCheckpointError(f"{ckpt}: no such checkpoint directory")
     try:
@@ -163,6 +159,10 @@ def _select_ranks(ckpt: str, m: Manifest, rank: int | None) -> list:
 # ---------------------------------------------------------------------------------------------- ls
 def list_checkpoints(save_dir: str) -> dict:
     """Every ``iter_*`` directory of ``save_dir`` with its state; the ``ls --json`` document."""
+    from .engine.foreign import find_foreign
+    from .engine.manifest import (TRACKER_NAME, iter_dir, latest_committed, list_iterations, parse_tracker,
+                                  read_manifest, read_tracker_text)
+
     if not os.path.isdir(save_dir):
         raise NoCheckpointError(f"{save_dir}: no such directory")
     save_dir = os.path.abspath(save_dir)
@@ -249,7 +249,7 @@ def _render_ls(doc: dict) -> None:
         print("latest: none (no committed checkpoint)")
     text = doc["tracker_text"]
     if text is None:
-        print(f"tracker: absent ({TRACKER_NAME})")
+        print(f"tracker: absent ({_TRACKER_NAME})")
     else:
         verdict = {True: "agrees", False: "DIFFERS from latest", None: "latest undetermined"}[doc["tracker_agrees"]]
         print(f"tracker: {text} ({verdict})")
@@ -283,6 +283,8 @@ _SUMMARY_KEYS = ("tensor_count", "tensor_bytes", "chunk_bytes", "dtypes", "objec
 
 def inspect_checkpoint(ckpt: str, rank: int | None = None, list_tensors: bool = False) -> dict:
     """Manifest and per-rank contents of one checkpoint directory; the ``inspect --json`` document."""
+    from .engine.restore import open_rank
+
     ckpt = os.path.abspath(ckpt)
     m = _load_manifest(ckpt)
     ranks = []
@@ -351,6 +353,8 @@ def _render_inspect(doc: dict) -> None:
 
 # ---------------------------------------------------------------------------------------------- verify
 def _check_chunk(rf: RankFile, entry, c: int) -> tuple[bool, int]:
+    from .engine.serializer import xxh64
+
     cb = rf.header.chunk_bytes
     raw = rf.raw(entry)[c * cb : (c + 1) * cb]
     return xxh64(raw) == int(entry.checksums[c]), raw.nbytes
@@ -396,6 +400,12 @@ def _check_all(opened: list[tuple], fail, workers: int, progress: bool) -> tuple
 
 def verify_checkpoint(ckpt: str, *, threads: int | None = None, rank: int | None = None, progress: bool = False) -> dict:
     """Re-check every checksum and the manifest<->file agreement; the ``verify --json`` document."""
+    import numpy as np
+
+    from .engine.restore import open_rank
+    from .engine.safe_io import describe
+    from .engine.serializer import xxh64
+
     ckpt = os.path.abspath(ckpt)
     m = _load_manifest(ckpt)
     selected = _select_ranks(ckpt, m, rank)
@@ -503,7 +513,7 @@ exit status: {EXIT_OK} success (verify: every check passed); {EXIT_DAMAGED} a ch
 there / not a checkpoint.  Errors are one line on stderr.
 
 layout: SAVE_DIR/iter_0000100/manifest.json (the commit point) + one rNNNNN-<token>-<seq>.dsck per
-rank; SAVE_DIR/{TRACKER_NAME} names the latest iteration for Megatron.
+rank; SAVE_DIR/{_TRACKER_NAME} names the latest iteration for Megatron.
 """
 
 
@@ -530,7 +540,7 @@ def _build_parser() -> argparse.ArgumentParser:
             "WORLD: ranks that wrote it.  SIZE: bytes of every file in the directory (including leftovers).\n"
             "AGE: since the manifest was written (uncommitted: since its newest file changed).\n"
             "'<- latest' marks the checkpoint CheckpointManager.load() picks by default (the newest commit,\n"
-            f"not the highest iteration); the last lines show it and what {TRACKER_NAME} says.\n"
+            f"not the highest iteration); the last lines show it and what {_TRACKER_NAME} says.\n"
             "Cheap: reads manifests and stats files, never rank-file contents."
         ),
     )  # fmt: skip
@@ -589,7 +599,7 @@ def _build_parser() -> argparse.ArgumentParser:
             "Every byte read is checksum-verified unless --no-verify.  Prints the path written."
         ),
     )  # fmt: skip
-    from .megatron.export import add_export_arguments
+    from .megatron.export_args import add_export_arguments
 
     add_export_arguments(exp)
     return p

@@ -121,8 +121,10 @@ dsm_pretrain_entry() {
 # MEGATRON_ARGS for Megatron-LM's pretrain_gpt.py. Reads the preset variables (NUM_LAYERS, TP, ...),
 # SAVE_DIR, optional DATA_PATH / TOKENIZER_TYPE / TOKENIZER_MODEL (default: --mock-data with the
 # NullTokenizer), optional LAZY_CKPT_LOCAL_DIR (a node-local tier, e.g. /dev/shm/ckpt or local NVMe;
-# with LAZY_CKPT_PERSIST_INTERVAL, default 10, and LAZY_CKPT_LOCAL_FALLBACK, default all) and
-# MEGATRON_EXTRA_ARGS (appended verbatim, word-split).
+# with LAZY_CKPT_PERSIST_INTERVAL, default 10, and LAZY_CKPT_LOCAL_FALLBACK, default all),
+# TENSORBOARD_DIR (default $SAVE_DIR/tensorboard; empty or "none": no TensorBoard), WANDB_PROJECT (set:
+# log to Weights & Biases, run name WANDB_EXP_NAME or the job name, files in WANDB_SAVE_DIR, default
+# $SAVE_DIR/wandb) and MEGATRON_EXTRA_ARGS (appended verbatim, word-split).
 dsm_megatron_args() {
     local world="$1" v
     for v in NUM_LAYERS HIDDEN_SIZE FFN_HIDDEN_SIZE NUM_ATTENTION_HEADS NUM_QUERY_GROUPS SEQ_LENGTH \
@@ -180,6 +182,15 @@ dsm_megatron_args() {
         MEGATRON_ARGS+=(--lazy-ckpt-local-dir "$LAZY_CKPT_LOCAL_DIR"
                         --lazy-ckpt-persist-interval "${LAZY_CKPT_PERSIST_INTERVAL:-10}"
                         --lazy-ckpt-local-fallback "${LAZY_CKPT_LOCAL_FALLBACK:-all}")
+    fi
+    local tb="${TENSORBOARD_DIR-$SAVE_DIR/tensorboard}"
+    if [ -n "$tb" ] && [ "$tb" != none ]; then
+        MEGATRON_ARGS+=(--tensorboard-dir "$tb")
+    fi
+    if [ -n "${WANDB_PROJECT:-}" ]; then
+        MEGATRON_ARGS+=(--wandb-project "$WANDB_PROJECT"
+                        --wandb-exp-name "${WANDB_EXP_NAME:-${SLURM_JOB_NAME:-dsm-megatron}}"
+                        --wandb-save-dir "${WANDB_SAVE_DIR:-$SAVE_DIR/wandb}")
     fi
     if [ "$NUM_QUERY_GROUPS" != "$NUM_ATTENTION_HEADS" ]; then
         MEGATRON_ARGS+=(--group-query-attention --num-query-groups "$NUM_QUERY_GROUPS")

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Create (or reuse) .venv and install the package with everything the tests, demo and benchmarks need.
-# Pinned: torch 2.13.0 (a CPU build is on disk here; a bare `torch` would pull a multi-GB CUDA build),
+# Pinned here, not in pyproject.toml (which only bounds them, so that a cluster keeps its own torch):
+# torch 2.13.0 (a CPU build is on disk here; a bare `torch` would pull a multi-GB CUDA build), megatron-core 0.16.1,
 # and what Megatron-LM's own training code needs (scripts/requirements-megatron-lm.txt).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -21,6 +22,6 @@ stamp=.venv/.dsm-installed
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ scripts/requirements-megatron-lm.txt -nt "$stamp" ]; then
   python -m pip install -q --upgrade pip
   python -m pip install -q "torch==2.13.0"
-  python -m pip install -q -e ".[megatron,test,bench]" -r scripts/requirements-megatron-lm.txt
+  python -m pip install -q -e ".[megatron,test,bench]" "megatron-core==0.16.1" -r scripts/requirements-megatron-lm.txt
   touch "$stamp"
 fi

@@ -1,4 +1,11 @@
-"""Framework-agnostic lazy snapshot engine (torch, numpy, numba and the stdlib only; never megatron)."""
+"""Framework-agnostic lazy snapshot engine (torch, numpy, numba and the stdlib only; never megatron).
+
+Importing the package imports only the stdlib (errors, options); the names that need torch, numpy or
+numba (``SnapshotEngine``, ``RankFile``, ...) are resolved on first use, so that ``datastates-ckpt --help``
+and ``import datastates_megatron`` stay light.
+"""
+
+from typing import TYPE_CHECKING
 
 from .errors import (
     CacheTimeoutError,
@@ -15,9 +22,11 @@ from .errors import (
     NoCheckpointError,
     SaveDirBusyError,
 )
-from .file_format import RankFile, load_file
 from .options import EngineOptions
-from .snapshot import FileReceipt, SaveHandle, SnapshotEngine
+
+if TYPE_CHECKING:
+    from .file_format import RankFile, load_file
+    from .snapshot import FileReceipt, SaveHandle, SnapshotEngine
 
 __all__ = [
     "SnapshotEngine",
@@ -40,3 +49,21 @@ __all__ = [
     "NoCheckpointError",
     "SaveDirBusyError",
 ]
+
+_LAZY = {
+    "RankFile": "file_format",
+    "load_file": "file_format",
+    "FileReceipt": "snapshot",
+    "SaveHandle": "snapshot",
+    "SnapshotEngine": "snapshot",
+}
+
+
+def __getattr__(name):
+    if name in _LAZY:
+        import importlib
+
+        value = getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

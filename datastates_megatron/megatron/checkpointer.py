@@ -18,7 +18,7 @@ import time
 import torch
 
 from ..engine.commit import CommitRecord
-from ..engine.errors import EngineClosedError, LayoutMismatchError, NoCheckpointError
+from ..engine.errors import CheckpointError, EngineClosedError, LayoutMismatchError, NoCheckpointError
 from ..engine.manager import CheckpointManager
 from ..engine.options import EngineOptions
 from ..engine.restore import open_checkpoint
@@ -27,7 +27,7 @@ from .export import model_description
 from .config import LazyCkptConfig
 from .shards import bucket_shards, collect_shards, inner_optimizers, model_chunks_of
 
-__all__ = ["LazyCheckpointer"]
+__all__ = ["LazyCheckpointer", "UnsupportedModelError"]
 
 log = logging.getLogger(__name__)
 
@@ -51,11 +51,55 @@ def parallel_layout(model_chunks) -> dict:
     return layout
 
 
+class UnsupportedModelError(CheckpointError, TypeError):
+    """``LazyCheckpointer`` was given a model or optimizer that is not megatron-core's (it reads
+    DDP param buffers and the shards of a Megatron optimizer)."""
+
+
+def _qualname(obj) -> str:
+    t = type(obj)
+    return f"{t.__module__}.{t.__qualname__}"
+
+
+def _check_model_and_optimizer(model_chunks: list, optimizer) -> None:
+    """Raise :class:`UnsupportedModelError` unless every chunk is a megatron-core
+    ``DistributedDataParallel`` and ``optimizer`` a ``MegatronOptimizer``."""
+    try:
+        from megatron.core.distributed import DistributedDataParallel
+        from megatron.core.optimizer import MegatronOptimizer
+    except ImportError as e:
+        raise UnsupportedModelError(
+            f"LazyCheckpointer checkpoints megatron-core models and optimizers, and megatron-core cannot be "
+            f"imported here ({e}); install it (pip install 'datastates-megatron[megatron]')"
+        ) from e
+    if not model_chunks:
+        raise UnsupportedModelError("LazyCheckpointer: the model is an empty list; pass the model chunk(s)")
+    for c, chunk in enumerate(model_chunks):
+        if not isinstance(chunk, DistributedDataParallel):
+            where = f"model chunk {c} is" if len(model_chunks) > 1 else "the model is"
+            raise UnsupportedModelError(
+                f"LazyCheckpointer needs megatron-core DistributedDataParallel model chunk(s) (one, or the list "
+                f"Megatron-LM's get_model returns), but {where} a {_qualname(chunk)}: wrap the module in "
+                "megatron.core.distributed.DistributedDataParallel(config, DistributedDataParallelConfig("
+                "use_distributed_optimizer=True), module)"
+            )
+    if not isinstance(optimizer, MegatronOptimizer):
+        raise UnsupportedModelError(
+            f"LazyCheckpointer needs a megatron-core optimizer (megatron.core.optimizer.MegatronOptimizer: "
+            f"DistributedOptimizer, ChainedOptimizer, ... as get_megatron_optimizer returns), but the optimizer "
+            f"is a {_qualname(optimizer)}: build it with megatron.core.optimizer.get_megatron_optimizer("
+            "OptimizerConfig(...), model_chunks)"
+        )
+
+
 class LazyCheckpointer:
-    """Checkpoints ``model`` (a DDP chunk or a list of them) and ``optimizer`` (what
-    ``get_megatron_optimizer`` returns) under ``config.save_dir``.  A context manager."""
+    """Checkpoints ``model`` (a megatron-core ``DistributedDataParallel`` chunk or a list of them)
+    and ``optimizer`` (a ``MegatronOptimizer``: what ``get_megatron_optimizer`` returns) under
+    ``config.save_dir``; anything else raises :class:`UnsupportedModelError` (a ``TypeError``)
+    before any file or thread is created.  A context manager."""
 
     def __init__(self, model, optimizer, config: LazyCkptConfig, opt_param_scheduler=None) -> None:
+        _check_model_and_optimizer(model_chunks_of(model), optimizer)
         self.model = model_chunks_of(model)
         self.optimizer = optimizer
         self.scheduler = opt_param_scheduler

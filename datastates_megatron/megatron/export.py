@@ -56,6 +56,7 @@ import torch
 from ..engine.errors import CheckpointError, LayoutMismatchError, NoCheckpointError
 from ..engine.manifest import MANIFEST_NAME, iter_dir, latest_committed, read_manifest, write_tracker
 from ..engine.partial_read import PartialReader
+from .export_args import FORMATS, MODEL_KEYS as _MODEL_KEYS, add_export_arguments
 
 __all__ = [
     "FORMATS", "CONTENT_METADATA", "ExportError", "OutputExistsError", "model_description", "consolidate", "export",
@@ -64,12 +65,10 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-FORMATS = ("torch", "torch_dist")
 # as Megatron-LM's _build_sharded_state_dict_metadata, with the optimizer format that megatron-core can
 # load at any TP/PP/DP ("fully_sharded_model_space" raises on flattened ranges in 0.16.1)
 CONTENT_METADATA = {"distrib_optim_sharding_type": "fully_reshardable", "singleton_local_shards": False,
                     "chained_optim_avoid_prefix": True}  # fmt: skip
-_MODEL_KEYS = ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "vocab_size", "bf16")
 
 
 class ExportError(CheckpointError, RuntimeError):
@@ -306,25 +305,6 @@ def export(ckpt_dir: str, out_dir: str, fmt: str = "torch_dist", *, iteration: i
     target = _export_torch_dist(path, it, os.path.abspath(out_dir), model, timeout_s, verify)
     log.info("exported iteration %d of %s to %s (torch_dist)", it, path, target)
     return target
-
-
-def add_export_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """The ``datastates-ckpt export`` arguments."""
-    parser.add_argument("ckpt_dir", help="checkpoint root (its latest committed iteration) or an iter_* directory")
-    parser.add_argument("out_dir", help="output directory (torch: OUT_DIR/iter_N.pt; torch_dist: OUT_DIR/iter_N/ + tracker)")
-    parser.add_argument("--format", dest="format", choices=FORMATS, default="torch_dist",
-                        help="torch: one consolidated torch.save file; torch_dist: megatron-core dist_checkpointing (default)")
-    parser.add_argument("--iteration", type=int, default=None, help="export this iteration instead of the latest committed")
-    parser.add_argument("--timeout-s", type=float, default=600.0, help="kill the torch_dist rebuild/save subprocess after this")
-    parser.add_argument("--no-verify", action="store_true", help="skip checksum verification of the data read")
-    g = parser.add_argument_group("model (torch_dist; default: the description stored in the checkpoint)")
-    g.add_argument("--num-layers", type=int, default=None)
-    g.add_argument("--hidden-size", type=int, default=None)
-    g.add_argument("--num-attention-heads", type=int, default=None)
-    g.add_argument("--seq-length", type=int, default=None, help="max sequence length (position embeddings)")
-    g.add_argument("--vocab-size", type=int, default=None)
-    g.add_argument("--bf16", action="store_true", default=None, help="the model was trained in bf16")
-    return parser
 
 
 def run_export(args: argparse.Namespace) -> int:

@@ -301,3 +301,33 @@ def test_export_of_a_non_megatron_checkpoint_is_a_one_line_error(tmp_path, capsy
     err = capsys.readouterr().err
     assert rc != 0 and "no Megatron parameter maps" in err and "Traceback" not in err
     assert not (tmp_path / "out" / "iter_1.pt").exists()
+
+
+_LIGHT_PROBE = """
+import sys
+import datastates_megatron.cli as cli
+for argv in (["--help"], ["export", "--help"], ["verify"], ["frobnicate"]):
+    try:
+        cli.main(argv)
+    except SystemExit as e:
+        print("exit", argv[0], e.code)
+print("heavy", sorted(m for m in ("torch", "numpy", "numba", "megatron") if m in sys.modules))
+"""
+
+
+def test_help_and_usage_errors_import_no_torch():
+    """``datastates-ckpt --help`` (and a bad command line) on a login node: no torch, numpy, numba or megatron."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
+    r = subprocess.run([sys.executable, "-c", _LIGHT_PROBE], capture_output=True, text=True, timeout=60, env=env)
+    assert r.returncode == 0, r.stderr
+    assert "exit --help 0" in r.stdout and "exit export 0" in r.stdout
+    assert "exit verify 2" in r.stdout and "exit frobnicate 2" in r.stdout
+    assert "heavy []" in r.stdout, r.stdout
+
+
+def test_help_names_the_engine_tracker_file():
+    from datastates_megatron import cli
+    from datastates_megatron.engine.manifest import TRACKER_NAME
+
+    assert cli._TRACKER_NAME == TRACKER_NAME

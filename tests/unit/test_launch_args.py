@@ -19,8 +19,9 @@ def _megatron_args(tmp_path, **env) -> list[str]:
     mlm = tmp_path / "Megatron-LM"  # lib.sh only checks that pretrain_gpt.py exists
     mlm.mkdir(exist_ok=True)
     (mlm / "pretrain_gpt.py").write_text("")
+    inherited = {k: v for k, v in os.environ.items() if not k.startswith(("TENSORBOARD_", "WANDB_", "SLURM_"))}
     out = subprocess.run(["bash", "-c", script], cwd=REPO, capture_output=True, text=True, timeout=60,
-                         env={**os.environ, "SAVE_DIR": str(tmp_path / "save"), "MEGATRON_LM_DIR": str(mlm), **env})
+                         env={**inherited, "SAVE_DIR": str(tmp_path / "save"), "MEGATRON_LM_DIR": str(mlm), **env})
     assert out.returncode == 0, out.stderr
     return out.stdout.splitlines()
 
@@ -53,3 +54,20 @@ def test_local_tier_variables_become_flags(tmp_path):
 def test_no_local_tier_without_the_variable(tmp_path):
     argv = _megatron_args(tmp_path)
     assert "--lazy-ckpt" in argv and not any(a.startswith("--lazy-ckpt-local") for a in argv)
+
+
+def test_tensorboard_by_default_under_the_save_dir_and_can_be_turned_off(tmp_path):
+    argv = _megatron_args(tmp_path)
+    assert _value(argv, "--tensorboard-dir") == str(tmp_path / "save" / "tensorboard")
+    assert _value(_megatron_args(tmp_path, TENSORBOARD_DIR="/scratch/tb"), "--tensorboard-dir") == "/scratch/tb"
+    for off in ("none", ""):
+        assert "--tensorboard-dir" not in _megatron_args(tmp_path, TENSORBOARD_DIR=off)
+
+
+def test_wandb_only_when_a_project_is_named(tmp_path):
+    assert not any(a.startswith("--wandb") for a in _megatron_args(tmp_path))
+    argv = _megatron_args(tmp_path, WANDB_PROJECT="lazy", SLURM_JOB_NAME="gpt7b")
+    assert _value(argv, "--wandb-project") == "lazy" and _value(argv, "--wandb-exp-name") == "gpt7b"
+    assert _value(argv, "--wandb-save-dir") == str(tmp_path / "save" / "wandb")
+    argv = _megatron_args(tmp_path, WANDB_PROJECT="lazy", WANDB_EXP_NAME="run-3", WANDB_SAVE_DIR="/scratch/wb")
+    assert _value(argv, "--wandb-exp-name") == "run-3" and _value(argv, "--wandb-save-dir") == "/scratch/wb"

@@ -1,0 +1,103 @@
+"""The package as a cluster user installs it: a wheel built without warnings, installed into an
+environment that already has its own torch, which it keeps; ``datastates-ckpt --help`` runs there
+without importing torch.  Offline: the wheel is built without build isolation, the venv gets a tiny
+stand-in ``torch`` 2.8.0 distribution (whose import raises) and our wheel with ``--no-deps``."""
+
+import base64
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+FAKE_TORCH = "2.8.0"
+
+
+def _run(*argv, **kw):
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
+    r = subprocess.run([str(a) for a in argv], capture_output=True, text=True, timeout=180, env=env, **kw)
+    assert r.returncode == 0, f"{argv}: exit {r.returncode}\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
+    return r
+
+
+def _warnings(text: str) -> list[str]:
+    # "byte-compiling is disabled" follows PYTHONDONTWRITEBYTECODE in the environment, not the package
+    return [line for line in text.splitlines()
+            if ("warn" in line.lower() or "deprecat" in line.lower()) and "byte-compiling is disabled" not in line]  # fmt: skip
+
+
+def _fake_torch_wheel(out: Path) -> Path:
+    """A minimal ``torch`` wheel: importing it raises, so a test sees any import of torch."""
+    dist = f"torch-{FAKE_TORCH}.dist-info"
+    files = {
+        "torch/__init__.py": 'raise ImportError("stand-in torch from test_packaging: must not be imported")\n',
+        f"{dist}/METADATA": f"Metadata-Version: 2.1\nName: torch\nVersion: {FAKE_TORCH}\n",
+        f"{dist}/WHEEL": "Wheel-Version: 1.0\nGenerator: test_packaging\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
+    }
+    record = []
+    for name, text in files.items():
+        digest = base64.urlsafe_b64encode(hashlib.sha256(text.encode()).digest()).rstrip(b"=").decode()
+        record.append(f"{name},sha256={digest},{len(text.encode())}")
+    files[f"{dist}/RECORD"] = "\n".join(record + [f"{dist}/RECORD,,"]) + "\n"
+    path = out / f"torch-{FAKE_TORCH}-py3-none-any.whl"
+    with zipfile.ZipFile(path, "w") as z:
+        for name, text in files.items():
+            z.writestr(name, text)
+    return path
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory):
+    """Our wheel, built from a copy of the sources (the checkout gets no build/ or egg-info)."""
+    tmp = tmp_path_factory.mktemp("pkg")
+    src = tmp / "src"
+    src.mkdir()
+    for name in ("pyproject.toml", "README.md", "LICENSE"):
+        shutil.copy(ROOT / name, src / name)
+    shutil.copytree(ROOT / "datastates_megatron", src / "datastates_megatron", ignore=shutil.ignore_patterns("__pycache__"))
+    r = _run(sys.executable, "-m", "pip", "wheel", "-v", "--no-deps", "--no-build-isolation", "--no-index",
+             "-w", tmp / "dist", src)  # fmt: skip
+    assert not _warnings(r.stdout + r.stderr), _warnings(r.stdout + r.stderr)
+    (whl,) = (tmp / "dist").glob("datastates_megatron-*.whl")
+    return whl
+
+
+def test_wheel_metadata_license_and_unpinned_torch(wheel):
+    with zipfile.ZipFile(wheel) as z:
+        names = z.namelist()
+        meta = z.read(next(n for n in names if n.endswith(".dist-info/METADATA"))).decode()
+        license_text = z.read(next(n for n in names if n.endswith(".dist-info/licenses/LICENSE"))).decode()
+    assert "License-Expression: Apache-2.0" in meta
+    assert "Author: datastates-megatron developers" in meta
+    requires = [line.split(":", 1)[1].strip() for line in meta.splitlines() if line.startswith("Requires-Dist:")]
+    assert "torch>=2.6" in requires and not any(r.startswith("torch==") for r in requires)
+    assert not any(r.split(";")[0].strip().startswith("apex") for r in requires), requires
+    assert any(r.startswith("megatron-core") and "<0.20" in r and ">=0.16" in r for r in requires), requires
+    assert "Apache License" in license_text and "END OF TERMS AND CONDITIONS" in license_text
+
+
+def test_install_keeps_the_environments_torch_and_cli_help_needs_no_torch(wheel, tmp_path):
+    venv = tmp_path / "venv"
+    _run(sys.executable, "-m", "venv", "--without-pip", venv)
+    py = venv / "bin" / "python"
+    pip = [sys.executable, "-m", "pip", "--python", py]
+    _run(*pip, "install", "--no-index", "--no-deps", _fake_torch_wheel(tmp_path))
+    r = _run(*pip, "install", "--no-index", "--no-deps", wheel)
+    assert not _warnings(r.stdout + r.stderr), r.stdout + r.stderr
+
+    version = _run(py, "-c", "import importlib.metadata as m; print(m.version('torch'))").stdout.strip()
+    assert version == FAKE_TORCH  # pip did not touch the environment's torch
+    # the only unmet requirements are the ones --no-deps skipped: torch 2.8.0 satisfies ours
+    check = subprocess.run([*map(str, pip), "check"], capture_output=True, text=True, timeout=120)
+    assert "torch" not in check.stdout, check.stdout
+
+    help_ = _run(venv / "bin" / "datastates-ckpt", "--help", cwd=tmp_path)
+    assert "usage: datastates-ckpt" in help_.stdout and "Traceback" not in help_.stderr
+    usage = subprocess.run([str(venv / "bin" / "datastates-ckpt"), "verify"], capture_output=True, text=True,
+                           timeout=60, cwd=tmp_path)  # fmt: skip
+    assert usage.returncode == 2 and "required" in usage.stderr and "Traceback" not in usage.stderr
