@@ -37,7 +37,7 @@ if [ "${DSM_SLURM_KEEP:-0}" != 1 ]; then
     trap 'rm -f "$errlog"; .ci/slurm_teardown.sh' EXIT
 fi
 
-DSM_SLURM=1 timeout --signal=INT 1200 "$PYTHON" -m pytest -p no:cacheprovider tests/integration/test_slurm.py \
+DSM_SLURM=1 timeout --signal=INT 1200 "$PYTHON" -m pytest -m "not slow" -p no:cacheprovider tests/integration/test_slurm.py \
     tests/integration/test_slurm_megatron_lm.py "$@"
 rc=$?
 echo "slurm: pytest exited $rc after $((SECONDS - start)) s (setup included)"

@@ -38,7 +38,7 @@ with the DistributedOptimizer over gloo:
    default generator. (So the "CUDA" RNG stream *is* the CPU stream; megatron's
    tracker ``fork()`` warns that "CPU RNG state changed within GPU RNG context" —
    expected here, and that one message is filtered.)
-4. ``torch.compile`` off (``torch._dynamo.config.disable = True``; megatron's
+4. ``torch.compile`` off (``TORCH_COMPILE_DISABLE=1``; megatron's
    ``jit_fuser`` decorates some fusions with ``torch.compile`` at import time):
    everything runs eagerly, which is faster for tiny models and avoids needing
    a C++ toolchain for inductor.
@@ -49,7 +49,10 @@ Nothing is done at import time.
 from __future__ import annotations
 
 import contextlib
+import importlib.abc
 import logging
+import os
+import sys
 import threading
 from typing import Any
 
@@ -328,15 +331,41 @@ def _push_mode() -> None:
     _MODE.__enter__()  # never exited: stays on this thread's torch-function mode stack
 
 
-def _disable_compile() -> None:
-    import torch._dynamo
+class _JitFuserOff(importlib.abc.MetaPathFinder):
+    """Switches megatron's ``jit_fuser`` (``torch.compile``) off the moment ``megatron.core.jit`` is
+    executed, before the modules that decorate with it at import time: otherwise each process
+    imports torch._dynamo and inductor for seconds, to compile nothing (compile is disabled)."""
 
-    torch._dynamo.config.disable = True
-    try:
-        from megatron.core import jit as mjit
-    except ImportError:
-        return
-    mjit.disable_jit_fuser()  # for modules imported from now on
+    def find_spec(self, name, path=None, target=None):
+        if name != "megatron.core.jit":
+            return None
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(name, path, target)
+            if spec is not None and spec.loader is not None:
+                run = spec.loader.exec_module
+
+                def exec_module(module, run=run):
+                    run(module)
+                    module.disable_jit_fuser()
+
+                spec.loader.exec_module = exec_module
+                return spec
+        return None
+
+
+def _disable_compile() -> None:
+    """Before megatron is imported: torch.compile off (read by torch._dynamo's config when it is
+    first imported) and megatron's jit_fuser off as soon as it exists."""
+    os.environ["TORCH_COMPILE_DISABLE"] = "1"
+    if "torch._dynamo" in sys.modules:
+        sys.modules["torch._dynamo"].config.disable = True
+    mjit = sys.modules.get("megatron.core.jit")
+    if mjit is not None:
+        mjit.disable_jit_fuser()  # for modules imported from now on
+    else:
+        sys.meta_path.insert(0, _JitFuserOff())
 
 
 # --------------------------------------------------------------------------- #
@@ -358,9 +387,9 @@ def install() -> bool:
             return True
         if torch.cuda.is_available():
             return False
+        _disable_compile()
         _patch_torch_cuda()
         _patch_rng()
-        _disable_compile()
         _push_mode()
         _INSTALLED = True
         return True

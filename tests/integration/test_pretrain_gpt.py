@@ -59,6 +59,7 @@ def test_kill_9_after_a_commit_then_resume_is_bit_exact(tmp_path, reference, pre
 
 
 def test_sigterm_with_exit_signal_handler_commits_the_final_save_before_exit(tmp_path, reference):
+    """(A requeued job resuming from this checkpoint: tests/integration/test_slurm_megatron_lm.py.)"""
     save = tmp_path / "ckpt"
     args = ["--train-iters", str(ITERS), "--save", str(save), "--load", str(save), "--save-interval", "100",
             "--exit-signal-handler", *LAZY]
@@ -68,33 +69,45 @@ def test_sigterm_with_exit_signal_handler_commits_the_final_save_before_exit(tmp
     assert 2 <= last < ITERS, last  # stopped by the signal, not at the end
     assert "exiting program after receiving SIGTERM" in first.log
     assert latest(save) == last  # committed before the process exited
-    resumed = launch(tmp_path, "resumed", args)
-    assert resumed.returncode == 0, resumed.describe()
-    assert_same_training(resumed, reference("fp32"), range(last + 1, ITERS + 1))
+    assert_same_training(first, reference("fp32"), range(1, last + 1))
 
 
-def test_exit_interval_then_resume_from_an_older_ckpt_step(tmp_path, reference):
-    save = tmp_path / "ckpt"
-    args = ["--train-iters", str(ITERS), "--save", str(save), "--load", str(save), "--save-interval", "2", *LAZY]
-    first = launch(tmp_path, "first", [*args, "--exit-interval", "4"])
+@pytest.fixture(scope="module")
+def exited_at_4(tmp_path_factory):
+    """A run that saved every 2 iterations and left at 4 (--exit-interval); tests resume copies."""
+    tmp = tmp_path_factory.mktemp("exited")
+    save = tmp / "ckpt"
+    first = launch(tmp, "first", [*_saving(save), "--exit-interval", "4"])
     assert first.returncode == 0, first.describe()
     assert sorted(first.iterations()) == [1, 2, 3, 4] and latest(save) == 4
-    older = launch(tmp_path, "older", [*args, "--ckpt-step", "2"])
+    return save
+
+
+def _saving(save) -> list[str]:
+    return ["--train-iters", str(ITERS), "--save", str(save), "--load", str(save), "--save-interval", "2", *LAZY]
+
+
+def _copy(save, tmp_path):
+    dst = tmp_path / "ckpt"
+    shutil.copytree(save, dst, ignore=shutil.ignore_patterns(".datastates.lock"))
+    return dst
+
+
+def test_exit_interval_then_resume_from_an_older_ckpt_step(tmp_path, reference, exited_at_4):
+    save = _copy(exited_at_4, tmp_path)
+    older = launch(tmp_path, "older", [*_saving(save), "--ckpt-step", "2"])
     assert older.returncode == 0, older.describe()
     assert "loaded lazy checkpoint of iteration 2" in older.log
     assert_same_training(older, reference("fp32"), range(3, ITERS + 1))
 
 
 @pytest.mark.skipif(RANKS < 2, reason="needs 2 ranks (one GPU per rank under NCCL)")
-def test_resume_on_one_rank_from_a_two_rank_run(tmp_path, reference):
+def test_resume_on_one_rank_from_a_two_rank_run(tmp_path, reference, exited_at_4):
     """DP 2 -> DP 1: the optimizer shards are resharded on load; the same global batch is then
     accumulated in 4 micro-batches instead of 2 per rank, so the sums are ordered differently and
     the comparison is to 1e-5, not to the bit."""
-    save = tmp_path / "ckpt"
-    args = ["--train-iters", str(ITERS), "--save", str(save), "--load", str(save), "--save-interval", "2", *LAZY]
-    first = launch(tmp_path, "first", [*args, "--exit-interval", "4"])
-    assert first.returncode == 0 and latest(save) == 4, first.describe()
-    one = launch(tmp_path, "one", args, nproc=1)
+    save = _copy(exited_at_4, tmp_path)
+    one = launch(tmp_path, "one", _saving(save), nproc=1)
     assert one.returncode == 0, one.describe()
     assert "loaded lazy checkpoint of iteration 4" in one.log
     assert_same_training(one, reference("fp32"), range(5, ITERS + 1), ranks=1, exact=False)

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.slurm_jobs import (PREEMPTIONS, REPO, TIMEOUT_S, Submitter, committed_iteration, poll,
+from tests.integration.slurm_jobs import (REPO, TIMEOUT_S, Submitter, committed_iteration, poll,
                                           preempt, require, slurm_unavailable, wait_for_commit_after,
                                           wait_for_end, wait_requeued_and_running)
 
@@ -69,7 +69,9 @@ def test_completed_job_commits_and_next_job_resumes(submit, tmp_path):
     assert committed_iteration(save) == 5, second.describe()
 
 
-@pytest.mark.parametrize("how", sorted(PREEMPTIONS))
+# The batch script's own signal protocol is lib.sh's dsm_run_step, which the GPU scripts share: CI
+# runs it with Megatron-LM (test_slurm_megatron_lm.py), so here it is in the slow set.
+@pytest.mark.parametrize("how", [pytest.param("signal-B-USR1", marks=pytest.mark.slow), "scontrol-requeue"])
 def test_preempted_job_is_requeued_and_resumes(submit, tmp_path, how):
     save = tmp_path / "save"
     job = submit(save, train_iters=LONG_RUN_ITERS)

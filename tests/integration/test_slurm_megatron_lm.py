@@ -3,7 +3,7 @@
 (``launch/lib.sh``: preset, ``dsm_megatron_args``, rendezvous, pre-emption protocol) run in CPU
 mode (``DSM_CPU=1``, preset ``cpu-tiny``) on Megatron-LM's ``pretrain_gpt.py``.
 
-A pre-empted job -- ``SIGUSR1`` to the batch shell (``#SBATCH --signal=B:USR1@...``; the script
+A pre-empted job -- ``SIGUSR1`` to the batch shell (here while a slowed flush runs) (``#SBATCH --signal=B:USR1@...``; the script
 sends ``SIGTERM`` to the ranks and requeues) or ``scontrol requeue`` (``SIGTERM`` to everything) --
 must commit a final checkpoint through Megatron's ``--exit-signal-handler`` before its ranks exit,
 run again, resume from exactly that iteration, finish, and log after the resume the grad norms and
@@ -124,32 +124,41 @@ def _check_preempted_and_resumed(jobs, name: str, job, uninterrupted) -> None:
     assert verify.returncode == 0, verify.stdout + verify.stderr
 
 
-@pytest.mark.parametrize("how", ["signal-B-USR1", "scontrol-requeue"])
-def test_gpu_per_task_job_preempted_commits_requeues_and_resumes_exactly(jobs, uninterrupted, how):
-    name = f"per-task-{how}"
-    job = jobs("per-task", name)
-    wait_for_commit_after(job, 1)
+def _slow_writes(tmp_path: Path) -> dict[str, str]:
+    """Job environment that makes every rank-file write sleep, so a flush outlasts an iteration."""
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(SLOW_WRITES)
+    return dict(SAVE_INTERVAL="1", DSM_TEST_SLOW_WRITE_MS="400",
+                PYTHONPATH=f"{site}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+
+
+def _preempt_and_check(jobs, uninterrupted, script: str, how: str, env: dict[str, str]) -> None:
+    """Pre-empt a job once it has committed a checkpoint; with slow writes (SAVE_INTERVAL=1) a
+    flush is still running then. The tracker never names a half-written checkpoint meanwhile."""
+    name = f"{script}-{how}"
+    job = jobs(script, name, **env)
+    probe = _tracker_names_only_complete(job.save_dir)
+    committed = wait_for_commit_after(job, 1)
+    in_flight = [p.name for p in job.save_dir.glob("iter_*") if not (p / "manifest.json").exists()]
+    probe()
     preempt(job, how)
-    wait_requeued_and_running(job, probe=_tracker_names_only_complete(job.save_dir))
+    if "DSM_TEST_SLOW_WRITE_MS" in env:
+        assert in_flight, f"no flush was running when the job was pre-empted (committed {committed})"
+    wait_requeued_and_running(job, probe=probe)
     if how == "signal-B-USR1":
         assert "SIGUSR1: pre-emption" in job.text() and "requeueing job" in job.text(), job.describe()
     _check_preempted_and_resumed(jobs, name, job, uninterrupted)
 
 
-def test_gpu_multinode_job_preempted_during_a_flush(jobs, uninterrupted, tmp_path):
-    """Slow storage: saves every iteration, each flush slower than an iteration, so the pre-emption
-    lands while a flush runs; the tracker never names a half-written checkpoint."""
-    site = tmp_path / "site"
-    site.mkdir()
-    (site / "sitecustomize.py").write_text(SLOW_WRITES)
-    name = "multinode-slow-flush"
-    job = jobs("multinode", name, SAVE_INTERVAL="1", DSM_TEST_SLOW_WRITE_MS="400",
-               PYTHONPATH=f"{site}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
-    probe = _tracker_names_only_complete(job.save_dir)
-    committed = wait_for_commit_after(job, 1)
-    in_flight = [p.name for p in job.save_dir.glob("iter_*") if not (p / "manifest.json").exists()]
-    probe()
-    preempt(job, "signal-B-USR1")
-    assert in_flight, f"no flush was running when the job was pre-empted (committed {committed})"
-    wait_requeued_and_running(job, probe=probe)
-    _check_preempted_and_resumed(jobs, name, job, uninterrupted)
+def test_gpu_per_task_job_preempted_by_its_signal_during_a_flush(jobs, uninterrupted, tmp_path):
+    _preempt_and_check(jobs, uninterrupted, "per-task", "signal-B-USR1", _slow_writes(tmp_path))
+
+
+def test_gpu_per_task_job_requeued_by_scontrol(jobs, uninterrupted):
+    _preempt_and_check(jobs, uninterrupted, "per-task", "scontrol-requeue", {})
+
+
+@pytest.mark.slow  # the same protocol through torchrun; ~2 minutes more of CI
+def test_gpu_multinode_job_preempted_by_its_signal_during_a_flush(jobs, uninterrupted, tmp_path):
+    _preempt_and_check(jobs, uninterrupted, "multinode", "signal-B-USR1", _slow_writes(tmp_path))
