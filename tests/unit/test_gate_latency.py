@@ -1,0 +1,58 @@
+"""The gate (``wait_for_snapshot``) waits for the copies into the host cache, never for the rank
+file to be created, allocated or mapped (on tmpfs a ``posix_fallocate`` and a populated mapping of
+the whole file: about 0.6 s per GiB).  Opening the file is made artificially slow here."""
+
+import time
+
+import pytest
+import torch
+
+from datastates_megatron.engine import EngineOptions, SnapshotEngine, load_file
+from datastates_megatron.engine import snapshot as snapshot_mod
+
+DELAY_S = 1.0  # injected into opening each rank file
+GATE_LIMIT_S = 0.4  # far below DELAY_S; leaves room for the cache copy itself on a loaded machine
+
+
+@pytest.fixture
+def slow_open(monkeypatch):
+    class SlowWriter(snapshot_mod.RankFileWriter):
+        def __init__(self, *args, **kw):
+            time.sleep(DELAY_S)  # stands in for fallocate + a populated mapping of a big file
+            super().__init__(*args, **kw)
+
+    monkeypatch.setattr(snapshot_mod, "RankFileWriter", SlowWriter)
+
+
+def _gate_after_save(path, nbytes: int, **kw):
+    tensor = torch.arange(nbytes // 4, dtype=torch.int32)  # distinct words: a misplaced byte shows
+    ref = tensor.clone()
+    opts = EngineOptions(cache_bytes=nbytes + (8 << 20), timeout_s=30, **kw)
+    with SnapshotEngine(opts) as eng:
+        eng.register("w", tensor)
+        eng.save(0, str(path) + ".warm")  # touches the cache's pages, as every save after a run's first
+        eng.wait()
+        eng.save(1, str(path), {"iteration": 1})  # a fresh rank file
+        t0 = time.perf_counter()
+        eng.wait_for_snapshot()
+        gate_s = time.perf_counter() - t0
+        tensor.add_(1)  # the next optimizer step: must not reach the file
+        (receipt,) = eng.wait()
+    assert receipt.version == 1 and receipt.path == str(path)
+    tensors, objects = load_file(str(path))
+    assert torch.equal(tensors["w"], ref) and objects["objects"]["iteration"] == 1 and objects["version"] == 1
+    return gate_s
+
+
+@pytest.mark.parametrize("nbytes", [8 << 20, 256 << 20], ids=["8MiB", "256MiB"])
+@pytest.mark.parametrize("where", ["shm", "disk"])
+def test_gate_does_not_wait_for_the_rank_file(where, nbytes, slow_open, tmp_path, request):
+    directory = request.getfixturevalue("shm_dir") if where == "shm" else tmp_path
+    gate_s = _gate_after_save(directory / "f", nbytes, source_writes=False)
+    assert gate_s < GATE_LIMIT_S, f"gate waited {gate_s:.3f}s with opening the file delayed {DELAY_S}s"
+
+
+def test_gate_still_waits_for_writes_straight_from_the_source(slow_open, tmp_path):
+    # with source_writes the tensor itself is what gets written: the gate must cover the file
+    gate_s = _gate_after_save(tmp_path / "f", 8 << 20, source_writes=True)
+    assert gate_s >= DELAY_S * 0.9
