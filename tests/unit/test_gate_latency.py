@@ -7,7 +7,7 @@ import time
 import pytest
 import torch
 
-from datastates_megatron.engine import EngineOptions, SnapshotEngine, load_file
+from datastates_megatron.engine import EngineOptions, FlushError, SnapshotEngine, load_file
 from datastates_megatron.engine import snapshot as snapshot_mod
 
 DELAY_S = 1.0  # injected into opening each rank file
@@ -56,3 +56,25 @@ def test_gate_still_waits_for_writes_straight_from_the_source(slow_open, tmp_pat
     # with source_writes the tensor itself is what gets written: the gate must cover the file
     gate_s = _gate_after_save(tmp_path / "f", 8 << 20, source_writes=True)
     assert gate_s >= DELAY_S * 0.9
+
+
+def test_a_file_that_cannot_be_opened_fails_its_version_not_the_gate(monkeypatch, tmp_path):
+    real = snapshot_mod.RankFileWriter
+
+    def refuse(path, *args, **kw):
+        if path.endswith("v1"):
+            raise OSError(28, "No space left on device")
+        return real(path, *args, **kw)
+
+    monkeypatch.setattr(snapshot_mod, "RankFileWriter", refuse)
+    with SnapshotEngine(EngineOptions(cache_bytes=4 << 20, chunk_bytes=1 << 20, timeout_s=30)) as eng:
+        eng.register("w", torch.ones(1 << 20))  # 4 MiB: several regions
+        handle = eng.save(1, str(tmp_path / "v1"))
+        eng.wait_for_snapshot(timeout=10)
+        with pytest.raises(FlushError, match=r"rank 0: version 1: cannot create .*v1: .*No space left"):
+            eng.wait()
+        assert isinstance(handle.durable.exception(10), FlushError)
+        eng.save(2, str(tmp_path / "v2"))  # the engine stays usable
+        eng.wait()
+    assert not (tmp_path / "v1").exists()
+    assert load_file(str(tmp_path / "v2"))[0]["w"].sum() == 1 << 20
