@@ -264,7 +264,7 @@ class CheckpointManager(ClosingContext):
             name = rank_file_name(self.rank, self.token, self._seq)
             path = os.path.join(d, name)
             # overwrite a retired rank file in place when there is one (a listdir and a rename: done on
-            # the copier thread, not here on the training thread)
+            # a flush thread just before the file is opened, not here on the training thread)
             recycle = functools.partial(take_recycled, tier_root, path) if self._first_tier.recycles else None
             handle = self.engine.save(iteration, path, objects, tag=name, before_open=recycle)
         except CheckpointError as e:

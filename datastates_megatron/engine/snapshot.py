@@ -3,16 +3,21 @@
 Pipeline of one version (one rank file)::
 
     save() [training thread]     encode objects, enqueue job                       (~tens of µs)
-    copier thread                for each region: acquire cache space (backpressure),
-                                 device->host copy, hand the region to the flush pool
-                                 (a CPU tensor under ``source_writes``: no cache, no copy;
-                                 the region is handed over as a view of the tensor itself)
-    flush threads (N)            wait for the copy, XXH64 each item, pwrite, release the region
+    copier thread                hand "open the rank file" to the flush pool, then for each
+                                 region: acquire cache space (backpressure), device->host
+                                 copy, hand the region to the flush pool (a CPU tensor under
+                                 ``source_writes``: no cache, no copy; the region is handed
+                                 over as a view of the tensor itself)
+    flush threads (N)            one opens the rank file (recycled file moved into place,
+                                 created; on tmpfs allocated and mapped: ~0.6 s per GiB), the
+                                 others wait for it; wait for the copy, XXH64 each item,
+                                 pwrite, release the region
                                  (a memory-backed file: hash and copy in one pass through its
                                  kept mapping, see ``mapped_files``); the last one writes
                                  index + objects + header and fsyncs
     wait_for_snapshot() [gate]   returns once the copies (and writes from sources) are complete:
-                                 the caller may mutate
+                                 the caller may mutate.  It never waits for the rank file to be
+                                 opened, except through writes from sources, which need it
 
 Thread-safety: ``register`` and ``save`` are for one (training) thread; ``wait_for_snapshot``,
 ``wait``, ``poll`` and ``close`` may be called from any thread.  A background failure is stored and
@@ -42,6 +47,8 @@ from .host_cache import HostCache
 from .mapped_files import MappedFiles
 from .objects import encode_objects
 from .options import EngineOptions
+from .page_cache import memory_backed
+from .safe_io import open_dir
 from .threads import ClosingContext, close_at_exit, forget
 from .writer import ALIGN, RankFileWriter
 
@@ -137,6 +144,7 @@ class _Job:
         self.error: BaseException | None = None
         self.finishing = False
         self.writer: RankFileWriter | None = None
+        self.opened: cf.Future = cf.Future()  # settles (result None) once opening was tried; see job.error
         self.source_bytes = 0  # written straight from the registered tensors
         self.copied = threading.Event()
         self.durable: cf.Future = cf.Future()
@@ -182,6 +190,7 @@ class SnapshotEngine(ClosingContext):
         self._errors: collections.deque[BaseException] = collections.deque()
         self._done: collections.deque[FileReceipt] = collections.deque()
         self._seq = 0
+        self._last_opened: cf.Future | None = None  # copier thread only: files are opened in save order
         self._closed = False
         self.gate_wait_s = 0.0
         self.slot_wait_s = 0.0
@@ -218,10 +227,11 @@ class SnapshotEngine(ClosingContext):
         """Snapshot every registered tensor (and ``objects``) into ``path`` as ``version``; returns at once.
 
         ``tag`` is stored with the file (the commit layer uses run token, rank and sequence) so a file
-        from another run or rank never passes for this one.  ``before_open()`` runs on the copier thread
+        from another run or rank never passes for this one.  ``before_open()`` runs on a flush thread
         just before ``path`` is opened (the manager moves a recycled rank file into place there, off the
-        training thread); an ``OSError`` from it is logged and the file is written anew.  Blocks only
-        while ``max_inflight`` versions are pending (bounded by ``timeout_s``)."""
+        training thread and off the gate's path; files are opened one at a time, in save order); an
+        ``OSError`` from it is logged and the file is written anew.  Blocks only while ``max_inflight``
+        versions are pending (bounded by ``timeout_s``)."""
         t0 = time.perf_counter()
         self._check_open()
         self._raise_pending()
@@ -367,19 +377,16 @@ class SnapshotEngine(ClosingContext):
 
     def _copy_job(self, job: _Job) -> None:
         layout = job.layout
-        if job.before_open is not None:
-            try:
-                job.before_open()
-            except OSError as e:
-                log.warning("rank %d: version %d: preparing %s failed (%s); writing a new file",
-                            self.options.rank, job.version, job.path, e)  # fmt: skip
+        # opening the file (on tmpfs: allocating and mapping all of it) runs on the flush side, queued
+        # ahead of this job's regions, so the copies the gate waits for never wait for it
+        previous, self._last_opened = self._last_opened, job.opened
         try:
-            job.writer = RankFileWriter(job.path, self.options.direct_io, self._mapped,
-                                        HEADER_BYTES + layout.data_bytes)
-        except OSError as e:
-            raise FlushError(f"rank {self.options.rank}: version {job.version}: cannot create {job.path}: {e}") from e
+            self._flush_pool.submit(self._open_file, job, previous)
+        except BaseException:
+            job.opened.set_result(None)
+            raise
         items = layout.items
-        from_source = self._writes_from_source(job.writer)
+        from_source = self._writes_from_source(job.path)
         for r, (_, padded, first, count) in enumerate(layout.regions):
             if job.error is not None:
                 return
@@ -414,12 +421,48 @@ class SnapshotEngine(ClosingContext):
                 ) from e
             self._issue(job, r, region, completion, None)
 
-    def _writes_from_source(self, writer: RankFileWriter) -> bool:
-        """Whether CPU tensors skip the cache: see ``EngineOptions.source_writes``."""
+    def _writes_from_source(self, path: str) -> bool:
+        """Whether CPU tensors skip the cache: see ``EngineOptions.source_writes``.  "auto" asks the
+        file system of ``path``'s directory (the file may not exist yet; a recycled one is renamed
+        into place from the same file system)."""
         mode = self.options.source_writes
-        if mode == "auto":
-            return writer.memory_backed
-        return bool(mode)
+        if mode != "auto":
+            return bool(mode)
+        try:
+            fd = open_dir(os.path.dirname(path) or ".")
+        except OSError:
+            return False  # opening the file will fail too, and report it
+        try:
+            return memory_backed(fd)
+        finally:
+            os.close(fd)
+
+    def _open_file(self, job: _Job, previous: cf.Future | None) -> None:
+        """Flush thread: move a recycled file into place (``before_open``) and open ``job.path``;
+        after the previous version's file (``previous``, queued before this one: never waits on a
+        task still in the queue).  Failures go to ``job.error``; ``job.opened`` settles either way."""
+        try:
+            if previous is not None:
+                previous.result()
+            if job.error is None:  # else the copy failed already: no file to make
+                if job.before_open is not None:
+                    try:
+                        job.before_open()
+                    except OSError as e:
+                        log.warning("rank %d: version %d: preparing %s failed (%s); writing a new file",
+                                    self.options.rank, job.version, job.path, e)  # fmt: skip
+                try:
+                    job.writer = RankFileWriter(job.path, self.options.direct_io, self._mapped,
+                                                HEADER_BYTES + job.layout.data_bytes)
+                except OSError as e:
+                    raise FlushError(
+                        f"rank {self.options.rank}: version {job.version}: cannot create {job.path}: {e}"
+                    ) from e
+        except BaseException as e:  # noqa: BLE001 - stored and re-raised on the caller's thread
+            self._fail(job, e, "open")
+        finally:
+            job.opened.set_result(None)
+        self._maybe_finish(job)
 
     def _issue(self, job: _Job, r: int, region, completion: Completion, source) -> None:
         with self._progress:
@@ -435,6 +478,7 @@ class SnapshotEngine(ClosingContext):
         layout = job.layout
         offset, padded, first, count = (int(x) for x in layout.regions[r])
         try:
+            job.opened.result()  # settles: opening never waits on a region
             if job.error is None:
                 completion.synchronize()
                 data = (region.tensor if source is None else source).numpy()
@@ -472,7 +516,7 @@ class SnapshotEngine(ClosingContext):
 
     def _maybe_finish(self, job: _Job) -> None:
         with job.lock:
-            if not job.issuing_done or job.flushed < job.issued or job.finishing:
+            if not job.issuing_done or not job.opened.done() or job.flushed < job.issued or job.finishing:
                 return
             job.finishing = True
         try:

@@ -64,7 +64,7 @@ def test_retired_rank_file_is_overwritten_in_place_and_loads_exactly(base):
     assert result.iteration == 3 and is_state_of(ts, 0, 3)
 
 
-def test_the_pool_is_read_on_the_copier_thread_not_in_save(tmp_path, monkeypatch):
+def test_the_pool_is_read_on_a_flush_thread_not_in_save(tmp_path, monkeypatch):
     taken = []
     real = manager_mod.take_recycled
 
@@ -82,7 +82,7 @@ def test_the_pool_is_read_on_the_copier_thread_not_in_save(tmp_path, monkeypatch
         for it in (1, 2, 3):
             _save(mgr, ts, it)
     assert [ok for _, ok in taken] == [False, False, True]  # the third save reused the first one's file
-    assert all(name.startswith("dsm-copier-r0") for name, _ in taken), taken
+    assert all(name.startswith("dsm-flush-r0") for name, _ in taken), taken  # off the gate's path too
 
 
 def test_a_larger_stale_file_in_the_pool_is_truncated_and_its_header_never_survives(base):
