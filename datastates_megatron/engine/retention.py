@@ -22,7 +22,7 @@ import stat
 
 from .manifest import MANIFEST_NAME, iter_dir, parse_rank_file_name
 from .names import RECYCLE_DIR, is_ours_in_iteration, is_recycled_name, is_tracker_temp
-from .safe_io import make_dir
+from .safe_io import make_dir, real_dir
 from .writer import fsync_dir
 
 __all__ = [
@@ -42,14 +42,11 @@ def _is_link(path: str) -> bool:
 
 def _real_dir(path: str) -> bool:
     """A directory that is not a symlink (logged when it is one: we never follow it)."""
-    try:
-        mode = os.lstat(path).st_mode
-    except FileNotFoundError:
-        return False
-    if stat.S_ISLNK(mode):
+    if real_dir(path):
+        return True
+    if _is_link(path):
         log.warning("%s: is a symlink (not made by us); not following it, leaving it alone", path)
-        return False
-    return stat.S_ISDIR(mode)
+    return False
 
 
 def unlink_ours(path: str) -> bool:
