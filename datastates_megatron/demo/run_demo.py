@@ -22,23 +22,33 @@ import subprocess
 import sys
 import time
 
-__all__ = ["main"]
+__all__ = ["main", "kill_tree", "signal_ranks"]
 
 
-def _kill_tree(proc: subprocess.Popen) -> None:
-    """SIGKILL torchrun and every worker (torchrun starts its workers in sessions of their own)."""
+def signal_ranks(proc: subprocess.Popen, sig: int) -> list:
+    """Send ``sig`` to every process under the launcher ``proc`` (torchrun starts its workers in
+    sessions of their own); returns them as ``psutil`` processes."""
     import psutil
 
     try:
         procs = psutil.Process(proc.pid).children(recursive=True)
     except psutil.NoSuchProcess:
-        procs = []
+        return []
     for p in procs:
         try:
-            p.send_signal(signal.SIGKILL)
+            p.send_signal(sig)
         except psutil.NoSuchProcess:
             pass
-    proc.send_signal(signal.SIGKILL)
+    return procs
+
+
+def kill_tree(proc: subprocess.Popen) -> None:
+    """SIGKILL torchrun and every worker: a real ``kill -9`` of the whole run."""
+    import psutil
+
+    procs = signal_ranks(proc, signal.SIGKILL)
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGKILL)
     psutil.wait_procs(procs, timeout=30)
 
 
@@ -57,13 +67,13 @@ def _launch(workdir: str, name: str, nproc: int, train_args: list[str], kill_aft
                 with open(tracker) as f:
                     text = f.read().strip()
                 if text.isdigit() and int(text) >= kill_after:
-                    _kill_tree(proc)  # kill -9 of torchrun and every rank
+                    kill_tree(proc)  # kill -9 of torchrun and every rank
                     proc.wait()
                     print(f"  killed every rank with SIGKILL after checkpoint {text} was committed")
                     return -9
             time.sleep(0.05)
         if proc.poll() is None:
-            _kill_tree(proc)
+            kill_tree(proc)
             raise SystemExit(f"{name} run timed out after {timeout:.0f}s; log: {log_path}")
     if proc.returncode != 0:
         raise SystemExit(f"{name} run failed (exit {proc.returncode}); log: {log_path}")

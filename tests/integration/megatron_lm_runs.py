@@ -16,11 +16,12 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import psutil
 import torch
 
+from datastates_megatron.demo.run_demo import kill_tree, signal_ranks
 from datastates_megatron.engine.manifest import committed_iterations, latest_committed
 from datastates_megatron.megatron import training_record
+from tests.distributed.ranks import free_port
 
 MEGATRON_LM_DIR = os.environ.get("MEGATRON_LM_DIR")
 CUDA = torch.cuda.is_available()
@@ -61,21 +62,6 @@ def command(nproc: int, args: list[str], port: int) -> list[str]:
             "-m", "datastates_megatron.megatron.cpu_launch", script, *([] if CUDA else CPU_ONLY), *TINY, *args]
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _ranks(proc: subprocess.Popen) -> list[psutil.Process]:
-    try:
-        return psutil.Process(proc.pid).children(recursive=True)
-    except psutil.NoSuchProcess:
-        return []
-
-
 def launch(tmp: Path, name: str, args: list[str], *, nproc: int = RANKS, timeout: float = 300.0,
            kill_when=None, term_when=None) -> Run:
     """Run ``pretrain_gpt.py`` with ``args`` to the end, or until ``kill_when()`` (then every rank and
@@ -85,24 +71,21 @@ def launch(tmp: Path, name: str, args: list[str], *, nproc: int = RANKS, timeout
     log_path = tmp / f"{name}.log"
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", **{training_record.ENV: record})
     with open(log_path, "w") as log:
-        proc = subprocess.Popen(command(nproc, args, _free_port()), stdout=log, stderr=subprocess.STDOUT,
+        proc = subprocess.Popen(command(nproc, args, free_port()), stdout=log, stderr=subprocess.STDOUT,
                                 env=env, start_new_session=True)
         deadline = time.monotonic() + timeout
         try:
             while proc.poll() is None and time.monotonic() < deadline:
                 if kill_when is not None and kill_when():
-                    for p in [*_ranks(proc), psutil.Process(proc.pid)]:
-                        p.send_signal(signal.SIGKILL)
+                    kill_tree(proc)
                     kill_when = None
                 if term_when is not None and term_when():
-                    for p in _ranks(proc):
-                        p.send_signal(signal.SIGTERM)
+                    signal_ranks(proc, signal.SIGTERM)
                     term_when = None
                 time.sleep(0.05)
         finally:
             if proc.poll() is None:
-                for p in [*_ranks(proc), psutil.Process(proc.pid)]:
-                    p.send_signal(signal.SIGKILL)
+                kill_tree(proc)
             proc.wait(timeout=30)
     return Run(proc.returncode, log_path.read_text(errors="replace"), record)
 
