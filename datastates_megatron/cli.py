@@ -29,9 +29,15 @@ if TYPE_CHECKING:
 # read checkpoints are imported by the subcommand functions that use them.
 
 __all__ = [
-    "main", "list_checkpoints", "inspect_checkpoint", "verify_checkpoint", "CliUsageError",
-    "EXIT_OK", "EXIT_DAMAGED", "EXIT_USAGE",
-]  # fmt: skip
+    "main",
+    "list_checkpoints",
+    "inspect_checkpoint",
+    "verify_checkpoint",
+    "CliUsageError",
+    "EXIT_OK",
+    "EXIT_DAMAGED",
+    "EXIT_USAGE",
+]
 
 PROG = "datastates-ckpt"
 JSON_SCHEMA = 1
@@ -151,8 +157,10 @@ def _select_ranks(ckpt: str, m: Manifest, rank: int | None) -> list:
     if not found:
         listed = [r.rank for r in m.ranks]
         shown = listed if len(listed) <= 8 else f"{listed[:8]} ..."
-        raise CliUsageError(f"{ckpt}: --rank {rank} is not in this checkpoint (world size {m.world_size}, {m.tier} "
-                            f"manifest lists ranks {shown})")  # fmt: skip
+        raise CliUsageError(
+            f"{ckpt}: --rank {rank} is not in this checkpoint (world size {m.world_size}, {m.tier} "
+            f"manifest lists ranks {shown})"
+        )
     return found
 
 
@@ -160,8 +168,15 @@ def _select_ranks(ckpt: str, m: Manifest, rank: int | None) -> list:
 def list_checkpoints(save_dir: str) -> dict:
     """Every ``iter_*`` directory of ``save_dir`` with its state; the ``ls --json`` document."""
     from .engine.foreign import find_foreign
-    from .engine.manifest import (TRACKER_NAME, iter_dir, latest_committed, list_iterations, parse_tracker,
-                                  read_manifest, read_tracker_text)
+    from .engine.manifest import (
+        TRACKER_NAME,
+        iter_dir,
+        latest_committed,
+        list_iterations,
+        parse_tracker,
+        read_manifest,
+        read_tracker_text,
+    )
 
     if not os.path.isdir(save_dir):
         raise NoCheckpointError(f"{save_dir}: no such directory")
@@ -173,10 +188,21 @@ def list_checkpoints(save_dir: str) -> dict:
     for it, d in [(None, p) for p in release] + [(it, iter_dir(save_dir, it)) for it in list_iterations(save_dir)]:
         size, files, newest = _dir_usage(d)
         row = {
-            "iteration": it, "path": d, "state": "uncommitted", "format": None, "tier": None, "world_size": None,
-            "bytes": size, "data_bytes": None, "files": files, "commit_seq": None, "created": newest,
-            "age_s": None if newest is None else now - newest, "latest": False, "error": None,
-        }  # fmt: skip
+            "iteration": it,
+            "path": d,
+            "state": "uncommitted",
+            "format": None,
+            "tier": None,
+            "world_size": None,
+            "bytes": size,
+            "data_bytes": None,
+            "files": files,
+            "commit_seq": None,
+            "created": newest,
+            "age_s": None if newest is None else now - newest,
+            "latest": False,
+            "error": None,
+        }
         if d in foreign:
             row.update(state="foreign", format=foreign[d])
             rows.append(row)
@@ -189,9 +215,14 @@ def list_checkpoints(save_dir: str) -> dict:
             row.update(state="damaged", error=str(e))
         else:
             row.update(
-                state="committed", tier=m.tier, world_size=m.world_size, data_bytes=m.total_bytes,
-                commit_seq=m.commit_seq, created=m.created, age_s=now - m.created,
-            )  # fmt: skip
+                state="committed",
+                tier=m.tier,
+                world_size=m.world_size,
+                data_bytes=m.total_bytes,
+                commit_seq=m.commit_seq,
+                created=m.created,
+                age_s=now - m.created,
+            )
         rows.append(row)
     latest, latest_error = None, None
     try:
@@ -229,11 +260,17 @@ def _render_ls(doc: dict) -> None:
         table = [("ITERATION", "STATE", "TIER", "WORLD", "SIZE", "AGE", "")]
         for r in rows:
             state = {"damaged": "DAMAGED", "foreign": f"foreign ({r['format']})"}.get(r["state"], r["state"])
-            table.append((
-                "release" if r["iteration"] is None else str(r["iteration"]), state,
-                r["tier"] or "-", "-" if r["world_size"] is None else str(r["world_size"]),
-                _human(r["bytes"]), _age(r["age_s"]), "<- latest" if r["latest"] else "",
-            ))  # fmt: skip
+            table.append(
+                (
+                    "release" if r["iteration"] is None else str(r["iteration"]),
+                    state,
+                    r["tier"] or "-",
+                    "-" if r["world_size"] is None else str(r["world_size"]),
+                    _human(r["bytes"]),
+                    _age(r["age_s"]),
+                    "<- latest" if r["latest"] else "",
+                )
+            )
         widths = [max(len(row[i]) for row in table) for i in range(len(table[0]))]
         right = {0, 3, 4, 5}
         for i, row in enumerate(table):
@@ -265,7 +302,9 @@ def _rank_summary(rf: RankFile, list_tensors: bool) -> dict:
         d["count"] += 1
         d["bytes"] += e.nbytes
         if list_tensors:
-            tensors.append({"name": e.name, "dtype": name, "shape": list(e.shape), "bytes": e.nbytes, "chunks": len(e.checksums)})
+            tensors.append(
+                {"name": e.name, "dtype": name, "shape": list(e.shape), "bytes": e.nbytes, "chunks": len(e.checksums)}
+            )
     meta = rf.objects.get("tensor_meta") if isinstance(rf.objects, dict) else None
     return {
         "tensor_count": len(rf.entries),
@@ -290,9 +329,13 @@ def inspect_checkpoint(ckpt: str, rank: int | None = None, list_tensors: bool = 
     ranks = []
     for rec in _select_ranks(ckpt, m, rank):
         row = {
-            "rank": rec.rank, "file": rec.file, "file_bytes": rec.file_bytes, "data_bytes": rec.data_bytes,
-            "n_tensors": rec.n_tensors, "error": None,
-        }  # fmt: skip
+            "rank": rec.rank,
+            "file": rec.file,
+            "file_bytes": rec.file_bytes,
+            "data_bytes": rec.data_bytes,
+            "n_tensors": rec.n_tensors,
+            "error": None,
+        }
         try:
             rf = open_rank(ckpt, m, rec.rank)
         except (CheckpointError, OSError) as e:
@@ -309,10 +352,16 @@ def inspect_checkpoint(ckpt: str, rank: int | None = None, list_tensors: bool = 
         "command": "inspect",
         "checkpoint": ckpt,
         "manifest": {
-            "iteration": m.iteration, "world_size": m.world_size, "run_token": m.run_token,
-            "commit_seq": m.commit_seq, "created": m.created, "tier": m.tier, "total_bytes": m.total_bytes,
-            "layout": m.layout, "metadata": m.metadata,
-        },  # fmt: skip
+            "iteration": m.iteration,
+            "world_size": m.world_size,
+            "run_token": m.run_token,
+            "commit_seq": m.commit_seq,
+            "created": m.created,
+            "tier": m.tier,
+            "total_bytes": m.total_bytes,
+            "layout": m.layout,
+            "metadata": m.metadata,
+        },
         "ranks": ranks,
     }
 
@@ -320,9 +369,13 @@ def inspect_checkpoint(ckpt: str, rank: int | None = None, list_tensors: bool = 
 def _render_inspect(doc: dict) -> None:
     m = doc["manifest"]
     print(f"checkpoint: {doc['checkpoint']}")
-    print(f"iteration {m['iteration']}  world size {m['world_size']}  tier {m['tier']}  commit_seq {m['commit_seq']}  "
-          f"run token {m['run_token']}")  # fmt: skip
-    print(f"created {_when(m['created'])} ({_age(time.time() - m['created'])} ago)  tensor bytes {_human(m['total_bytes'])}")
+    print(
+        f"iteration {m['iteration']}  world size {m['world_size']}  tier {m['tier']}  commit_seq {m['commit_seq']}  "
+        f"run token {m['run_token']}"
+    )
+    print(
+        f"created {_when(m['created'])} ({_age(time.time() - m['created'])} ago)  tensor bytes {_human(m['total_bytes'])}"
+    )
     print(f"layout:   {json.dumps(m['layout'], sort_keys=True)}")
     print(f"metadata: {json.dumps(m['metadata'], sort_keys=True, default=str)}")
     for r in doc["ranks"]:
@@ -330,8 +383,10 @@ def _render_inspect(doc: dict) -> None:
         if r["error"]:
             print(f"  DAMAGED: {r['error']}")
             continue
-        print(f"  tensors: {r['tensor_count']}, {_human(r['tensor_bytes'])} ({r['tensor_bytes']} B), "
-              f"checksum chunk {_human(r['chunk_bytes'])}")  # fmt: skip
+        print(
+            f"  tensors: {r['tensor_count']}, {_human(r['tensor_bytes'])} ({r['tensor_bytes']} B), "
+            f"checksum chunk {_human(r['chunk_bytes'])}"
+        )
         for name, d in sorted(r["dtypes"].items(), key=lambda kv: -kv[1]["bytes"]):
             print(f"    {name:<14} {d['count']:>7}  {_human(d['bytes']):>10}")
         if r["objects"]:
@@ -368,7 +423,9 @@ def _check_all(opened: list[tuple], fail, workers: int, progress: bool) -> tuple
     if progress:
         from tqdm import tqdm
 
-        bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="verify", file=sys.stderr, leave=False)
+        bar = tqdm(
+            total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="verify", file=sys.stderr, leave=False
+        )
     bad: dict[tuple, list[int]] = {}
     try:
         with cf.ThreadPoolExecutor(workers, thread_name_prefix="dsm-verify") as pool:
@@ -392,13 +449,23 @@ def _check_all(opened: list[tuple], fail, workers: int, progress: bool) -> tuple
         rec, rf = opened[i]
         e, cb = rf.entries[name], rf.header.chunk_bytes
         chunks.sort()
-        spans = ", ".join(f"{c} (file bytes {e.offset + c * cb}..{e.offset + min((c + 1) * cb, e.nbytes) - 1})" for c in chunks[:4])
+        spans = ", ".join(
+            f"{c} (file bytes {e.offset + c * cb}..{e.offset + min((c + 1) * cb, e.nbytes) - 1})" for c in chunks[:4]
+        )
         more = f" and {len(chunks) - 4} more" if len(chunks) > 4 else ""
-        fail(rec, "checksum", f"checksum mismatch in chunk(s) {spans}{more} of {len(e.checksums)}", tensor=name, chunks=chunks)
+        fail(
+            rec,
+            "checksum",
+            f"checksum mismatch in chunk(s) {spans}{more} of {len(e.checksums)}",
+            tensor=name,
+            chunks=chunks,
+        )
     return sum(len(rf.entries) for _, rf in opened), total
 
 
-def verify_checkpoint(ckpt: str, *, threads: int | None = None, rank: int | None = None, progress: bool = False) -> dict:
+def verify_checkpoint(
+    ckpt: str, *, threads: int | None = None, rank: int | None = None, progress: bool = False
+) -> dict:
     """Re-check every checksum and the manifest<->file agreement; the ``verify --json`` document."""
     import numpy as np
 
@@ -415,7 +482,9 @@ def verify_checkpoint(ckpt: str, *, threads: int | None = None, rank: int | None
     errors: list[dict] = []
 
     def fail(rec, kind, message, tensor=None, chunks=None):
-        errors.append({"rank": rec.rank, "file": rec.file, "tensor": tensor, "chunks": chunks, "kind": kind, "message": message})
+        errors.append(
+            {"rank": rec.rank, "file": rec.file, "tensor": tensor, "chunks": chunks, "kind": kind, "message": message}
+        )
 
     opened: list[tuple] = []
     for rec in selected:
@@ -444,8 +513,12 @@ def verify_checkpoint(ckpt: str, *, threads: int | None = None, rank: int | None
             continue
         tensor_bytes = sum(e.nbytes for e in rf.entries.values())
         if rf.header.n_tensors != rec.n_tensors or tensor_bytes != rec.data_bytes:
-            fail(rec, "manifest", f"file holds {rf.header.n_tensors} tensors / {tensor_bytes} bytes, manifest says "
-                                  f"{rec.n_tensors} / {rec.data_bytes}")  # fmt: skip
+            fail(
+                rec,
+                "manifest",
+                f"file holds {rf.header.n_tensors} tensors / {tensor_bytes} bytes, manifest says "
+                f"{rec.n_tensors} / {rec.data_bytes}",
+            )
         opened.append((rec, rf))
 
     try:
@@ -486,11 +559,15 @@ def _render_verify(doc: dict) -> None:
         print(f"ERROR {_error_line(err)}")
     name = os.path.basename(doc["checkpoint"])
     rate = int(doc["bytes_checked"] / doc["seconds"]) if doc["seconds"] > 0 else 0
-    checked = (f"{len(doc['ranks_checked'])} rank(s), {doc['tensors_checked']} tensors, {_human(doc['bytes_checked'])} "
-               f"in {doc['seconds']:.2f} s ({_human(rate)}/s, {doc['threads']} threads)")  # fmt: skip
+    checked = (
+        f"{len(doc['ranks_checked'])} rank(s), {doc['tensors_checked']} tensors, {_human(doc['bytes_checked'])} "
+        f"in {doc['seconds']:.2f} s ({_human(rate)}/s, {doc['threads']} threads)"
+    )
     if doc["unreferenced_files"]:
-        print(f"note: {len(doc['unreferenced_files'])} .dsck file(s) not named by the manifest (leftovers): "
-              + ", ".join(doc["unreferenced_files"][:5]))  # fmt: skip
+        print(
+            f"note: {len(doc['unreferenced_files'])} .dsck file(s) not named by the manifest (leftovers): "
+            + ", ".join(doc["unreferenced_files"][:5])
+        )
     if doc["ok"]:
         print(f"OK {name}: {checked}")
     else:
@@ -520,14 +597,21 @@ rank; SAVE_DIR/{_TRACKER_NAME} names the latest iteration for Megatron.
 def _build_parser() -> argparse.ArgumentParser:
     fmt = argparse.RawDescriptionHelpFormatter
     p = argparse.ArgumentParser(
-        prog=PROG, formatter_class=fmt, epilog=_EXAMPLES + _EPILOG,
-        description=("List, inspect and verify datastates-megatron checkpoints (read-only), and export one to\n"
-                     "another format (writes only under OUT_DIR)."),
-    )  # fmt: skip
+        prog=PROG,
+        formatter_class=fmt,
+        epilog=_EXAMPLES + _EPILOG,
+        description=(
+            "List, inspect and verify datastates-megatron checkpoints (read-only), and export one to\n"
+            "another format (writes only under OUT_DIR)."
+        ),
+    )
     sub = p.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
     ls = sub.add_parser(
-        "ls", formatter_class=fmt, epilog=_EPILOG, help="list the checkpoints of a save directory",
+        "ls",
+        formatter_class=fmt,
+        epilog=_EPILOG,
+        help="list the checkpoints of a save directory",
         description=(
             "List every iter_* directory of SAVE_DIR, committed or not.\n\n"
             "STATE: committed (its manifest.json parses: loadable), uncommitted (no manifest: an interrupted\n"
@@ -543,16 +627,22 @@ def _build_parser() -> argparse.ArgumentParser:
             f"not the highest iteration); the last lines show it and what {_TRACKER_NAME} says.\n"
             "Cheap: reads manifests and stats files, never rank-file contents."
         ),
-    )  # fmt: skip
+    )
     ls.add_argument("save_dir", metavar="SAVE_DIR", help="the directory holding iter_* checkpoint directories")
-    ls.add_argument("--json", action="store_true",
-                    help="print one JSON document (keys: schema, command, save_dir, checkpoints[], latest, latest_error, "
-                         "tracker, tracker_text, tracker_agrees); a checkpoint's state is committed, uncommitted, "
-                         "damaged or foreign, its format (foreign only; else null) torch_dist, torch or unknown, "
-                         "its iteration null for Megatron's release directory")  # fmt: skip
+    ls.add_argument(
+        "--json",
+        action="store_true",
+        help="print one JSON document (keys: schema, command, save_dir, checkpoints[], latest, latest_error, "
+        "tracker, tracker_text, tracker_agrees); a checkpoint's state is committed, uncommitted, "
+        "damaged or foreign, its format (foreign only; else null) torch_dist, torch or unknown, "
+        "its iteration null for Megatron's release directory",
+    )
 
     ins = sub.add_parser(
-        "inspect", formatter_class=fmt, epilog=_EPILOG, help="show what one checkpoint holds",
+        "inspect",
+        formatter_class=fmt,
+        epilog=_EPILOG,
+        help="show what one checkpoint holds",
         description=(
             "Show one checkpoint: manifest (iteration, world size, tier, run token, commit sequence, creation\n"
             "time, layout, metadata) and per rank: file and bytes, tensor count and bytes by dtype, and the\n"
@@ -560,16 +650,24 @@ def _build_parser() -> argparse.ArgumentParser:
             "be opened, or is not the one the manifest committed, is shown as DAMAGED (exit 1).\n"
             "Reads indexes only; use `verify` to check the tensor bytes."
         ),
-    )  # fmt: skip
+    )
     ins.add_argument("ckpt_dir", metavar="CKPT_DIR", help="one checkpoint directory, e.g. SAVE_DIR/iter_0000100")
     ins.add_argument("--rank", type=int, metavar="N", help="only rank N (default: every rank)")
-    ins.add_argument("--tensors", action="store_true", help="list every tensor (name, dtype, shape, bytes, checksum chunks)")
-    ins.add_argument("--json", action="store_true",
-                     help="print one JSON document (keys: schema, command, checkpoint, manifest{}, ranks[]; a rank's "
-                          "'tensors' is null without --tensors, its 'error' is null unless it is damaged)")  # fmt: skip
+    ins.add_argument(
+        "--tensors", action="store_true", help="list every tensor (name, dtype, shape, bytes, checksum chunks)"
+    )
+    ins.add_argument(
+        "--json",
+        action="store_true",
+        help="print one JSON document (keys: schema, command, checkpoint, manifest{}, ranks[]; a rank's "
+        "'tensors' is null without --tensors, its 'error' is null unless it is damaged)",
+    )
 
     ver = sub.add_parser(
-        "verify", formatter_class=fmt, epilog=_EPILOG, help="re-check every checksum of a checkpoint",
+        "verify",
+        formatter_class=fmt,
+        epilog=_EPILOG,
+        help="re-check every checksum of a checkpoint",
         description=(
             "Re-check a checkpoint end to end: for each rank, that its file exists with the size, header\n"
             "checksum, index checksum, tag and iteration the manifest committed, that tensor count and bytes\n"
@@ -578,19 +676,25 @@ def _build_parser() -> argparse.ArgumentParser:
             "summary; exit 0 when clean, 1 otherwise.  A progress bar (bytes) goes to stderr when it is a\n"
             "terminal.  Alignment padding between tensors is not covered by checksums (it holds no data)."
         ),
-    )  # fmt: skip
+    )
     ver.add_argument("ckpt_dir", metavar="CKPT_DIR", help="one checkpoint directory, e.g. SAVE_DIR/iter_0000100")
     ver.add_argument("--rank", type=int, metavar="N", help="only rank N (default: every rank)")
     ver.add_argument("--threads", type=int, metavar="N", help="hashing threads (default: min(8, CPUs))")
     ver.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
-    ver.add_argument("--json", action="store_true",
-                     help="print one JSON document (keys: schema, command, checkpoint, iteration, world_size, ok, "
-                          "ranks_checked, tensors_checked, bytes_checked, seconds, threads, errors[{rank, file, "
-                          "tensor, chunks, kind, message}], unreferenced_files); kind is one of missing, size, file, "
-                          "manifest, checksum")  # fmt: skip
+    ver.add_argument(
+        "--json",
+        action="store_true",
+        help="print one JSON document (keys: schema, command, checkpoint, iteration, world_size, ok, "
+        "ranks_checked, tensors_checked, bytes_checked, seconds, threads, errors[{rank, file, "
+        "tensor, chunks, kind, message}], unreferenced_files); kind is one of missing, size, file, "
+        "manifest, checksum",
+    )
 
     exp = sub.add_parser(
-        "export", formatter_class=fmt, epilog=_EPILOG, help="write a checkpoint in another format",
+        "export",
+        formatter_class=fmt,
+        epilog=_EPILOG,
+        help="write a checkpoint in another format",
         description=(
             "Convert a committed checkpoint: --format torch writes one consolidated torch.save file (full\n"
             "parameters, per-parameter optimizer state, non-tensor state) for inspection or conversion;\n"
@@ -598,7 +702,7 @@ def _build_parser() -> argparse.ArgumentParser:
             "loads with its own resharding across TP/PP/DP (the path for a changed TP or PP size).\n"
             "Every byte read is checksum-verified unless --no-verify.  Prints the path written."
         ),
-    )  # fmt: skip
+    )
     from .megatron.export_args import add_export_arguments
 
     add_export_arguments(exp)

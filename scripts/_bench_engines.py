@@ -41,7 +41,8 @@ import shutil
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any
+from collections.abc import Callable
 
 import torch
 
@@ -85,8 +86,9 @@ def build_workload(args: Any) -> tuple[list, Any, Any]:
     """(model chunks, optimizer, LR scheduler) of the workload ``add_workload_args`` describes."""
     from datastates_megatron.demo import gpt
 
-    chunks, optimizer = gpt.build(args.layers, args.hidden, args.heads, args.seq_len, args.vocab,
-                                  bf16=args.bf16, seed=args.seed, lr=args.lr)
+    chunks, optimizer = gpt.build(
+        args.layers, args.hidden, args.heads, args.seq_len, args.vocab, bf16=args.bf16, seed=args.seed, lr=args.lr
+    )
     return chunks, optimizer, gpt.make_scheduler(optimizer, lr=args.lr, warmup_steps=2, decay_steps=1000)
 
 
@@ -94,8 +96,14 @@ def workload_batch(args: Any, iteration: int) -> dict:
     """This rank's batch of ``iteration`` (1-based)."""
     from datastates_megatron.demo import gpt
 
-    return gpt.batch(iteration - 1, gpt.dp_rank(), seed=args.seed, micro_batch_size=args.micro_batch,
-                     seq_len=args.seq_len, vocab=args.vocab)
+    return gpt.batch(
+        iteration - 1,
+        gpt.dp_rank(),
+        seed=args.seed,
+        micro_batch_size=args.micro_batch,
+        seq_len=args.seq_len,
+        vocab=args.vocab,
+    )
 
 
 def thread_cpu_s() -> collections.Counter:
@@ -152,8 +160,7 @@ class Workload:
     finish-phase gather on it from a worker thread, so it must not share the training groups).
     """
 
-    def __init__(self, chunks: list, optimizer: Any, scheduler: Any, root: Path,
-                 io_group: Any) -> None:
+    def __init__(self, chunks: list, optimizer: Any, scheduler: Any, root: Path, io_group: Any) -> None:
         self.chunks = chunks
         self.optimizer = optimizer
         self.scheduler = scheduler
@@ -197,7 +204,7 @@ def rank_state(chunks: list, optimizer: Any) -> dict[str, torch.Tensor]:
             r = buf.data_parallel_group.rank()
             for k, bucket in enumerate(buf.buckets):
                 size = bucket.param_data.numel() // dp
-                out[f"param/c{ci}.b{bi}.k{k}"] = bucket.param_data[r * size:(r + 1) * size]
+                out[f"param/c{ci}.b{bi}.k{k}"] = bucket.param_data[r * size : (r + 1) * size]
     for oi, inner in enumerate(inner_optimizers(optimizer)):
         for gi, group in enumerate(inner.param_groups):
             for pi, p in enumerate(group["params"]):
@@ -267,8 +274,11 @@ def _param_all_gather(chunks: list) -> None:
 def snapshot_state(chunks: list, optimizer: Any) -> dict[str, torch.Tensor]:
     """Clones of everything a restore must bring back: every full ``param_data`` buffer plus the
     optimizer's main params and state (by position)."""
-    snap = {f"buffer/{ci}.{bi}": buf.param_data.detach().clone()
-            for ci, chunk in enumerate(chunks) for bi, buf in enumerate(_buffers(chunk))}
+    snap = {
+        f"buffer/{ci}.{bi}": buf.param_data.detach().clone()
+        for ci, chunk in enumerate(chunks)
+        for bi, buf in enumerate(_buffers(chunk))
+    }
     for oi, inner in enumerate(inner_optimizers(optimizer)):
         for gi, group in enumerate(inner.param_groups):
             for pi, p in enumerate(group["params"]):
@@ -362,7 +372,7 @@ class Engine:
     def __init__(self, w: Workload, opts: BenchOptions) -> None:
         self.w = w
         self.opts = opts
-        self.last_iteration: Optional[int] = None
+        self.last_iteration: int | None = None
 
     def save(self, iteration: int) -> None:
         """Start (or do) a checkpoint of ``iteration``; the time this takes is a training stall."""
@@ -373,11 +383,11 @@ class Engine:
     def drain(self) -> None:
         """Block until every started checkpoint is durable."""
 
-    def restore(self) -> Optional[int]:
+    def restore(self) -> int | None:
         """Load the newest checkpoint into the live model/optimizer in place; its iteration."""
         return None
 
-    def last_dir(self) -> Optional[Path]:
+    def last_dir(self) -> Path | None:
         return None if self.last_iteration is None else iter_dir(self.w.root, self.last_iteration)
 
     def close(self) -> None:
@@ -395,10 +405,15 @@ class TorchSaveEngine(Engine):
         return iter_dir(self.w.root, iteration) / f"rank{self.w.rank}.pt"
 
     def save(self, iteration: int) -> None:
-        state = {k: (v.clone() if v.numel() != v.untyped_storage().nbytes() // v.element_size() else v)
-                 for k, v in rank_state(self.w.chunks, self.w.optimizer).items()}
-        payload = {"iteration": iteration, "tensors": state,
-                   "scheduler": None if self.w.scheduler is None else self.w.scheduler.state_dict()}
+        state = {
+            k: (v.clone() if v.numel() != v.untyped_storage().nbytes() // v.element_size() else v)
+            for k, v in rank_state(self.w.chunks, self.w.optimizer).items()
+        }
+        payload = {
+            "iteration": iteration,
+            "tensors": state,
+            "scheduler": None if self.w.scheduler is None else self.w.scheduler.state_dict(),
+        }
         path = self._file(iteration)
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".pt.tmp")
@@ -410,7 +425,7 @@ class TorchSaveEngine(Engine):
         _fsync_dir(path.parent)
         self.last_iteration = iteration
 
-    def restore(self) -> Optional[int]:
+    def restore(self) -> int | None:
         if self.last_iteration is None:
             return None
         payload = torch.load(self._file(self.last_iteration), map_location="cpu", weights_only=True)
@@ -442,12 +457,15 @@ class McoreEngine(Engine):
             raise ValueError("the megatron-core engines here support one model chunk")
         dp_group = parallel_state.get_data_parallel_group(with_context_parallel=True)
         # Megatron-LM 0.16.1 _build_sharded_state_dict_metadata with default args.
-        self._content_metadata = {"distrib_optim_sharding_type": "dp_reshardable",
-                                  "singleton_local_shards": False,
-                                  "chained_optim_avoid_prefix": True}
+        self._content_metadata = {
+            "distrib_optim_sharding_type": "dp_reshardable",
+            "singleton_local_shards": False,
+            "chained_optim_avoid_prefix": True,
+        }
         self._metadata = dict(self._content_metadata, dp_cp_group=dp_group)
         self._strategy = FullyParallelSaveStrategyWrapper(
-            get_default_save_sharded_strategy("torch_dist"), dp_group, False)
+            get_default_save_sharded_strategy("torch_dist"), dp_group, False
+        )
         self._queue = None
         if self.async_save:
             from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
@@ -456,8 +474,7 @@ class McoreEngine(Engine):
 
     def _sharded_state_dict(self, is_loading: bool) -> dict:
         model_sd = self.w.chunks[0].module.sharded_state_dict(metadata=self._metadata)
-        optim_sd = self.w.optimizer.sharded_state_dict(model_sd, is_loading=is_loading,
-                                                       metadata=self._metadata)
+        optim_sd = self.w.optimizer.sharded_state_dict(model_sd, is_loading=is_loading, metadata=self._metadata)
         return {"model": model_sd, "optimizer": optim_sd}
 
     def save(self, iteration: int) -> None:
@@ -471,10 +488,14 @@ class McoreEngine(Engine):
         state["checkpoint_version"] = 3.0
         if self.w.scheduler is not None:
             state["opt_param_scheduler"] = self.w.scheduler.state_dict()
-        request = dist_checkpointing.save(state, str(d), self._strategy,
-                                          async_sharded_save=self.async_save,
-                                          validate_access_integrity=True,
-                                          content_metadata=self._content_metadata)
+        request = dist_checkpointing.save(
+            state,
+            str(d),
+            self._strategy,
+            async_sharded_save=self.async_save,
+            validate_access_integrity=True,
+            content_metadata=self._content_metadata,
+        )
         if self._queue is not None:
             self._queue.schedule_async_request(request)
         torch.distributed.barrier()  # Megatron-LM's save_checkpoint ends with one
@@ -488,7 +509,7 @@ class McoreEngine(Engine):
         if self._queue is not None:
             self._queue.maybe_finalize_async_calls(blocking=True)
 
-    def restore(self) -> Optional[int]:
+    def restore(self) -> int | None:
         from megatron.core import dist_checkpointing
 
         if self.last_iteration is None:
@@ -522,23 +543,22 @@ class DcpAsyncEngine(Engine):
         from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
         from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
-        cuda = torch.cuda.is_available() and any(
-            _on_real_gpu(t) for t in rank_state(w.chunks, w.optimizer).values())
+        cuda = torch.cuda.is_available() and any(_on_real_gpu(t) for t in rank_state(w.chunks, w.optimizer).values())
         process = opts.dcp_checkpointer == "process"
         self._kind = AsyncCheckpointerType.PROCESS if process else AsyncCheckpointerType.THREAD
         # TorchTitan: StagingOptions(True, True, True, True); pinning and non-blocking copies
         # need a GPU, shared memory is what hands the staged tensors to the writer process.
-        self._stager = DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=process,
-                                                    use_async_staging=True,
-                                                    use_non_blocking_copy=cuda))
+        self._stager = DefaultStager(
+            StagingOptions(
+                use_pinned_memory=cuda, use_shared_memory=process, use_async_staging=True, use_non_blocking_copy=cuda
+            )
+        )
         self._staging = None
         self._upload = None
-        self._hooks = [inner.register_step_pre_hook(self._wait_for_staging)
-                       for inner in inner_optimizers(w.optimizer)]
+        self._hooks = [inner.register_step_pre_hook(self._wait_for_staging) for inner in inner_optimizers(w.optimizer)]
 
     def _state(self, iteration: int) -> dict:
-        return {f"rank{self.w.rank}": rank_state(self.w.chunks, self.w.optimizer),
-                "iteration": iteration}
+        return {f"rank{self.w.rank}": rank_state(self.w.chunks, self.w.optimizer), "iteration": iteration}
 
     def _wait_for_staging(self, *_: Any) -> None:
         if self._staging is not None:
@@ -552,11 +572,13 @@ class DcpAsyncEngine(Engine):
         if self._upload is not None:  # TorchTitan's _async_wait: one upload in flight
             upload, self._upload = self._upload, None
             upload.result()
-        response = dcp.async_save(self._state(iteration),
-                                  checkpoint_id=str(iter_dir(self.w.root, iteration)),
-                                  process_group=self.w.io_group,
-                                  async_checkpointer_type=self._kind,
-                                  async_stager=self._stager)
+        response = dcp.async_save(
+            self._state(iteration),
+            checkpoint_id=str(iter_dir(self.w.root, iteration)),
+            process_group=self.w.io_group,
+            async_checkpointer_type=self._kind,
+            async_stager=self._stager,
+        )
         self._staging = response.staging_completion
         self._upload = response.upload_completion
         self.last_iteration = iteration
@@ -567,14 +589,13 @@ class DcpAsyncEngine(Engine):
             upload, self._upload = self._upload, None
             upload.result()
 
-    def restore(self) -> Optional[int]:
+    def restore(self) -> int | None:
         import torch.distributed.checkpoint as dcp
 
         if self.last_iteration is None:
             return None
         state = self._state(-1)
-        dcp.load(state, checkpoint_id=str(iter_dir(self.w.root, self.last_iteration)),
-                 process_group=self.w.io_group)
+        dcp.load(state, checkpoint_id=str(iter_dir(self.w.root, self.last_iteration)), process_group=self.w.io_group)
         _param_all_gather(self.w.chunks)
         return int(state["iteration"])
 
@@ -604,9 +625,13 @@ class LazyEngine(Engine):
         super().__init__(w, opts)
         from datastates_megatron import LazyCheckpointer, LazyCkptConfig
 
-        config = LazyCkptConfig(save_dir=str(w.root), host_cache_gb=opts.host_cache_gb,
-                                flush_threads=opts.flush_threads, keep_last=opts.keep_last,
-                                **self._tier_options(w, opts))
+        config = LazyCkptConfig(
+            save_dir=str(w.root),
+            host_cache_gb=opts.host_cache_gb,
+            flush_threads=opts.flush_threads,
+            keep_last=opts.keep_last,
+            **self._tier_options(w, opts),
+        )
         self._ckpt = LazyCheckpointer(w.chunks, w.optimizer, config, opt_param_scheduler=w.scheduler)
 
     def _tier_options(self, w: Workload, opts: BenchOptions) -> dict:
@@ -622,7 +647,7 @@ class LazyEngine(Engine):
     def drain(self) -> None:  # as at the end of a run: the newest checkpoint promoted too
         self._ckpt.wait(persist=True, promote_newest=True)
 
-    def restore(self) -> Optional[int]:
+    def restore(self) -> int | None:
         iteration, _extra = self._ckpt.load()
         return iteration
 
@@ -644,10 +669,13 @@ class LazyLocalEngine(LazyEngine):
         if w.rank == 0:
             shutil.rmtree(self._local, ignore_errors=True)
         torch.distributed.barrier()
-        return {"local_dir": str(self._local / "{node}"), "persist_interval": opts.persist_interval,
-                "local_keep_last": opts.keep_last}
+        return {
+            "local_dir": str(self._local / "{node}"),
+            "persist_interval": opts.persist_interval,
+            "local_keep_last": opts.keep_last,
+        }
 
-    def last_dir(self) -> Optional[Path]:
+    def last_dir(self) -> Path | None:
         if self.last_iteration is None:
             return None
         nodes = sorted(p for p in self._local.iterdir() if p.is_dir()) if self._local.is_dir() else []
@@ -661,6 +689,14 @@ class LazyLocalEngine(LazyEngine):
 
 ENGINES: dict[str, Callable[[Workload, BenchOptions], Engine]] = {
     cls.name: cls
-    for cls in (Engine, ControlEngine, TorchSaveEngine, McoreEngine, McoreAsyncEngine, DcpAsyncEngine, LazyEngine,
-                LazyLocalEngine)
+    for cls in (
+        Engine,
+        ControlEngine,
+        TorchSaveEngine,
+        McoreEngine,
+        McoreAsyncEngine,
+        DcpAsyncEngine,
+        LazyEngine,
+        LazyLocalEngine,
+    )
 }

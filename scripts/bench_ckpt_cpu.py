@@ -34,6 +34,7 @@ import torch  # noqa: E402
 
 import _bench_engines as be  # noqa: E402  (scripts/, this script's directory)
 
+
 def machine_ticks() -> tuple[float, float, float]:
     """(idle, steal, wall) seconds so far, machine-wide (``psutil.cpu_times``, as bench_peers reads
     them; steal: time the hypervisor ran something else on this VM's cores)."""
@@ -91,15 +92,24 @@ def run(mode: str, directory: str | None, args) -> dict:
         shutil.rmtree(directory, ignore_errors=True)
     cpu = {k: (cpu1.get(k, 0.0) - cpu0.get(k, 0.0)) / args.iters for k in cpu1}
     wall = m1[2] - m0[2]
-    return {"iter_s": statistics.median(times), "cpu": cpu, "idle": (m1[0] - m0[0]) / wall, "steal": (m1[1] - m0[1]) / wall}
+    return {
+        "iter_s": statistics.median(times),
+        "cpu": cpu,
+        "idle": (m1[0] - m0[0]) / wall,
+        "steal": (m1[1] - m0[1]) / wall,
+    }
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--dirs", default="/dev/shm/dsm-bench-cpu,./runs/bench-cpu",
-                   help="comma-separated checkpoint directories to compare (default: %(default)s)")
-    p.add_argument("--modes", default="ours-recycle,ours",
-                   help=f"comma-separated, from {', '.join(MODES)} (default: %(default)s)")
+    p.add_argument(
+        "--dirs",
+        default="/dev/shm/dsm-bench-cpu,./runs/bench-cpu",
+        help="comma-separated checkpoint directories to compare (default: %(default)s)",
+    )
+    p.add_argument(
+        "--modes", default="ours-recycle,ours", help=f"comma-separated, from {', '.join(MODES)} (default: %(default)s)"
+    )
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
     be.add_workload_args(p)
@@ -124,8 +134,11 @@ def main() -> int:
     if rank == 0:
         base = {r: g[0][2]["iter_s"] for r, g in enumerate(gathered)}
         threads = ["MainThread", "dsm-copier", "dsm-flush", "dsm-commit"]
-        hdr = f"{'rank':>4}  {'engine':<16} {'directory':<28} {'iter med s':>10} {'x base':>6}  " + "  ".join(
-            f"{t + ' ms':>14}" for t in threads) + f"  {'ours total ms':>13}  {'idle':>5}  {'steal':>5}"
+        hdr = (
+            f"{'rank':>4}  {'engine':<16} {'directory':<28} {'iter med s':>10} {'x base':>6}  "
+            + "  ".join(f"{t + ' ms':>14}" for t in threads)
+            + f"  {'ours total ms':>13}  {'idle':>5}  {'steal':>5}"
+        )
         print(f"CPU per iteration, checkpoint every iteration ({args.iters} iterations after {args.warmup} warm-up)")
         print(hdr)
         print("-" * len(hdr))
@@ -133,8 +146,11 @@ def main() -> int:
             for mode, d, res in g:
                 cpu = res["cpu"]
                 ours = sum(v for k, v in cpu.items() if k.startswith("dsm-"))
-                print(f"{r:>4}  {mode:<16} {(d or '-')[-28:]:<28} {res['iter_s']:>10.3f} {res['iter_s'] / base[r]:>6.2f}  "
-                      + "  ".join(f"{cpu.get(t, 0.0) * 1e3:>14.1f}" for t in threads) + f"  {ours * 1e3:>13.1f}  {res['idle']:>5.2f}  {res['steal']:>5.2f}")
+                print(
+                    f"{r:>4}  {mode:<16} {(d or '-')[-28:]:<28} {res['iter_s']:>10.3f} {res['iter_s'] / base[r]:>6.2f}  "
+                    + "  ".join(f"{cpu.get(t, 0.0) * 1e3:>14.1f}" for t in threads)
+                    + f"  {ours * 1e3:>13.1f}  {res['idle']:>5.2f}  {res['steal']:>5.2f}"
+                )
     gpt.destroy_distributed()
     return 0
 

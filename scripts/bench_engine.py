@@ -101,7 +101,10 @@ def percentile(values: list[float], q: float) -> float:
 def render_table(title: str, header: tuple, rows: list[tuple], notes: list[str]) -> str:
     cells = [tuple(str(c) for c in header)] + [tuple(str(c) for c in r) for r in rows]
     widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
-    line = lambda r: "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))).rstrip()
+
+    def line(r):
+        return "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))).rstrip()
+
     out = [title, line(cells[0]), "  ".join("-" * w for w in widths)]
     out += [line(r) for r in cells[1:]]
     out += notes
@@ -210,8 +213,12 @@ def bench_flush(tensors: list[torch.Tensor], out_dir: str, repeats: int) -> dict
         res[f"engine_{mode}_s"] = secs
         res[f"engine_{mode}_gbps"] = gbps(nbytes, secs)
         res[f"engine_{mode}_copy_s"] = statistics.median(r.copy_s for r in timed_receipts)
-        res[f"engine_{mode}_options"] = {"cache_bytes": opts.cache_bytes, "flush_threads": opts.flush_threads,
-                                         "chunk_bytes": opts.effective_chunk_bytes, "direct_io": opts.direct_io}  # fmt: skip
+        res[f"engine_{mode}_options"] = {
+            "cache_bytes": opts.cache_bytes,
+            "flush_threads": opts.flush_threads,
+            "chunk_bytes": opts.effective_chunk_bytes,
+            "direct_io": opts.direct_io,
+        }
     return res
 
 
@@ -246,7 +253,7 @@ def bench_save_call(out_dir: str, repeats: int, saves: int, n_tensors: int = 100
         one_round(5, record=False)  # warm-up (builds the layout once, as training would)
         for _ in range(repeats):
             one_round(saves, record=True)
-    med = lambda per: statistics.median(per)
+    med = statistics.median
     return {
         "tensors": n_tensors,
         "bytes_per_save": n_tensors * tensor_bytes,
@@ -266,31 +273,74 @@ def report(doc: dict) -> str:
     rows = [
         ("host memcpy, numpy copyto", f"{m['memcpy_numpy_gbps']:.2f} GB/s", "", "", "", runs(n, m["memcpy_numpy_s"])),
         ("host memcpy, torch copy_", f"{m['memcpy_torch_gbps']:.2f} GB/s", "", "", "", runs(n, m["memcpy_torch_s"])),
-        ("XXH64 numba, 1 core", f"{m['xxh64_gbps']:.2f} GB/s", f"zlib.crc32 {m['crc32_gbps']:.2f} GB/s",
-         f"{m['xxh64_gbps'] / m['crc32_gbps']:.2f}x", "", runs(n, m["xxh64_s"])),
+        (
+            "XXH64 numba, 1 core",
+            f"{m['xxh64_gbps']:.2f} GB/s",
+            f"zlib.crc32 {m['crc32_gbps']:.2f} GB/s",
+            f"{m['xxh64_gbps'] / m['crc32_gbps']:.2f}x",
+            "",
+            runs(n, m["xxh64_s"]),
+        ),
         ("zlib.crc32, 1 core", f"{m['crc32_gbps']:.2f} GB/s", "", "", "", runs(n, m["crc32_s"])),
-        ("XXH64 vs memcpy (numpy)", f"{m['xxh64_gbps']:.2f} GB/s", f"memcpy {m['memcpy_numpy_gbps']:.2f} GB/s",
-         f"{m['xxh64_gbps'] / m['memcpy_numpy_gbps']:.2f}",
-         f">= 0.50 {verdict(m['xxh64_gbps'] / m['memcpy_numpy_gbps'], 0.5)}", ""),
-        ("plain write+fsync", f"{f['plain_write_fsync_gbps']:.3f} GB/s", "", "", "", runs(f["bytes"], f["plain_write_fsync_s"])),
-    ]  # fmt: skip
+        (
+            "XXH64 vs memcpy (numpy)",
+            f"{m['xxh64_gbps']:.2f} GB/s",
+            f"memcpy {m['memcpy_numpy_gbps']:.2f} GB/s",
+            f"{m['xxh64_gbps'] / m['memcpy_numpy_gbps']:.2f}",
+            f">= 0.50 {verdict(m['xxh64_gbps'] / m['memcpy_numpy_gbps'], 0.5)}",
+            "",
+        ),
+        (
+            "plain write+fsync",
+            f"{f['plain_write_fsync_gbps']:.3f} GB/s",
+            "",
+            "",
+            "",
+            runs(f["bytes"], f["plain_write_fsync_s"]),
+        ),
+    ]
     for mode in ("auto", "off"):
         ratio = f[f"engine_{mode}_gbps"] / f["plain_write_fsync_gbps"]
-        rows.append((
-            f"engine save->durable, direct_io={mode}", f"{f[f'engine_{mode}_gbps']:.3f} GB/s",
-            f"write+fsync {f['plain_write_fsync_gbps']:.3f} GB/s", f"{ratio:.2f}", f">= 0.80 {verdict(ratio, 0.8)}",
-            runs(f["bytes"], f[f"engine_{mode}_s"]),
-        ))  # fmt: skip
-    rows.append((
-        f"save() call, {s['tensors']} tensors (median)", f"{s['save_call_median_ms']:.3f} ms", "", "",
-        f"<= 1 ms {verdict(s['save_call_median_ms'], 1.0, False)}", "",
-    ))  # fmt: skip
-    rows.append((
-        f"save() call, {s['tensors']} tensors (p99)", f"{s['save_call_p99_ms']:.3f} ms", f"max {s['save_call_max_ms']:.3f} ms", "",
-        f"<= 1 ms {verdict(s['save_call_p99_ms'], 1.0, False)}", "",
-    ))  # fmt: skip
-    rows.append(("gate wait_for_snapshot (median)", f"{s['gate_median_ms']:.3f} ms",
-                 f"p99 {s['gate_p99_ms']:.3f} ms", "", "", ""))  # fmt: skip
+        rows.append(
+            (
+                f"engine save->durable, direct_io={mode}",
+                f"{f[f'engine_{mode}_gbps']:.3f} GB/s",
+                f"write+fsync {f['plain_write_fsync_gbps']:.3f} GB/s",
+                f"{ratio:.2f}",
+                f">= 0.80 {verdict(ratio, 0.8)}",
+                runs(f["bytes"], f[f"engine_{mode}_s"]),
+            )
+        )
+    rows.append(
+        (
+            f"save() call, {s['tensors']} tensors (median)",
+            f"{s['save_call_median_ms']:.3f} ms",
+            "",
+            "",
+            f"<= 1 ms {verdict(s['save_call_median_ms'], 1.0, False)}",
+            "",
+        )
+    )
+    rows.append(
+        (
+            f"save() call, {s['tensors']} tensors (p99)",
+            f"{s['save_call_p99_ms']:.3f} ms",
+            f"max {s['save_call_max_ms']:.3f} ms",
+            "",
+            f"<= 1 ms {verdict(s['save_call_p99_ms'], 1.0, False)}",
+            "",
+        )
+    )
+    rows.append(
+        (
+            "gate wait_for_snapshot (median)",
+            f"{s['gate_median_ms']:.3f} ms",
+            f"p99 {s['gate_p99_ms']:.3f} ms",
+            "",
+            "",
+            "",
+        )
+    )
     title = (
         f"bench_engine: {m['bytes'] / MB:.0f} MiB, {f['tensors']} tensors for the flush, median of {doc['repeats']} "
         f"runs after a warm-up; {info['cpus']} CPUs, torch threads {info['torch_threads']}, "
@@ -305,15 +355,19 @@ def report(doc: dict) -> str:
         f"save() rows: {s['saves_per_repeat']} saves x {doc['repeats']} runs of {s['tensors']} tensors "
         f"({s['bytes_per_save'] / MB:.1f} MiB), each started with a free in-flight slot; the gate waits for the host copy",
         f"wall time {doc['wall_s']:.0f} s",
-    ]  # fmt: skip
+    ]
     return render_table(title, ("measure", "value", "reference", "ratio", "target", "runs (GB/s)"), rows, notes)
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--size-mb", type=int, default=512, help="bytes moved per measure, MiB (default 512)")
-    p.add_argument("--tensors", type=int, default=64, help="large tensors in the flush measure (plus 32 x 16 KiB); default 64")
-    p.add_argument("--saves", type=int, default=100, help="save() calls per run in the save-latency measure (default 100)")
+    p.add_argument(
+        "--tensors", type=int, default=64, help="large tensors in the flush measure (plus 32 x 16 KiB); default 64"
+    )
+    p.add_argument(
+        "--saves", type=int, default=100, help="save() calls per run in the save-latency measure (default 100)"
+    )
     p.add_argument("--repeats", type=int, default=3, help="timed runs per measure; the median is reported (default 3)")
     p.add_argument("--out", help="parent of the temporary output directory (default: current directory)")
     p.add_argument("--json", action="store_true", help="print one JSON document instead of the table")
@@ -325,7 +379,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         info = machine_info(out_dir)
         if info["fs_type"] in ("tmpfs", "ramfs"):
-            print(f"warning: {out_dir} is on {info['fs_type']}: write numbers measure memory, not storage", file=sys.stderr)
+            print(
+                f"warning: {out_dir} is on {info['fs_type']}: write numbers measure memory, not storage",
+                file=sys.stderr,
+            )
         nbytes = args.size_mb * MB
         doc = {"repeats": args.repeats, "machine": info, "o_direct": o_direct_supported(out_dir)}
         doc["memcpy_hash"] = bench_memcpy_and_hash(nbytes, args.repeats)

@@ -43,9 +43,13 @@ import _bench_engines as be  # noqa: E402  (scripts/, this script's directory)
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--tier", choices=("local", "disk"), default="local",
-                   help="local: every checkpoint to --local-dir, every --persist-interval-th promoted to "
-                        "--dir (bench_peers' ours_local); disk: every checkpoint to --dir (its ours)")
+    p.add_argument(
+        "--tier",
+        choices=("local", "disk"),
+        default="local",
+        help="local: every checkpoint to --local-dir, every --persist-interval-th promoted to "
+        "--dir (bench_peers' ours_local); disk: every checkpoint to --dir (its ours)",
+    )
     p.add_argument("--dir", default="./runs/bench-paired", help="persistent checkpoint root")
     p.add_argument("--local-dir", default="/dev/shm/dsm-bench-paired", help="node-local tier (--tier local)")
     p.add_argument("--persist-interval", type=int, default=10)
@@ -75,10 +79,14 @@ def main() -> int:
             shutil.rmtree(d, ignore_errors=True)
     torch.distributed.barrier()
     chunks, opt, sched = be.build_workload(args)
-    tier = {"local_dir": os.path.join(local, "{node}"), "persist_interval": args.persist_interval,
-            "local_keep_last": 2} if args.tier == "local" else {}
-    ckpt = LazyCheckpointer(chunks, opt, LazyCkptConfig(save_dir=root, host_cache_gb=1.0, keep_last=2, **tier),
-                            opt_param_scheduler=sched)
+    tier = (
+        {"local_dir": os.path.join(local, "{node}"), "persist_interval": args.persist_interval, "local_keep_last": 2}
+        if args.tier == "local"
+        else {}
+    )
+    ckpt = LazyCheckpointer(
+        chunks, opt, LazyCkptConfig(save_dir=root, host_cache_gb=1.0, keep_last=2, **tier), opt_param_scheduler=sched
+    )
     it = 0
 
     def step(save: bool) -> tuple[float, float]:
@@ -97,7 +105,9 @@ def main() -> int:
         for _ in range(args.warmup):
             step(True)
         ckpt.wait(persist=True)
-        blocks: list[tuple[str, list[tuple[float, float]], float]] = []  # (kind, (wall, cpu) per iteration, block-end wait)
+        blocks: list[
+            tuple[str, list[tuple[float, float]], float]
+        ] = []  # (kind, (wall, cpu) per iteration, block-end wait)
         threads_cpu = {"A": collections.Counter(), "B": collections.Counter()}  # seconds by thread kind
         for _ in range(args.quads):
             for kind in "ABBA":
@@ -119,17 +129,29 @@ def main() -> int:
     torch.distributed.all_gather_object(gathered, (blocks, final, threads_cpu))
     if rank == 0:
         # a step takes as long as its slowest rank: per-iteration maximum over ranks
-        merged = [(kind, [max(g[0][b][1][i][0] for g in gathered) for i in range(len(times))],
-                   max(g[0][b][2] for g in gathered)) for b, (kind, times, _) in enumerate(gathered[0][0])]
+        merged = [
+            (
+                kind,
+                [max(g[0][b][1][i][0] for g in gathered) for i in range(len(times))],
+                max(g[0][b][2] for g in gathered),
+            )
+            for b, (kind, times, _) in enumerate(gathered[0][0])
+        ]
         # the training thread's CPU per iteration, mean over ranks: inflated in B when our threads
         # slow it through shared caches and memory bandwidth rather than by taking its core
-        cpu = [(kind, statistics.mean(c for g in gathered for _, c in g[0][b][1]))
-               for b, (kind, _, _) in enumerate(gathered[0][0])]
+        cpu = [
+            (kind, statistics.mean(c for g in gathered for _, c in g[0][b][1]))
+            for b, (kind, _, _) in enumerate(gathered[0][0])
+        ]
         final = max(g[1] for g in gathered)
-        print(f"paired blocks: tier {args.tier}, {args.quads} x (A B B A) blocks of {args.block} iterations, "
-              f"A = no checkpoint, B = checkpoint every iteration (block-end waits charged to B)")
-        print(f"{'quad':>4}  {'A s/it':>7}  {'B s/it':>7}  {'B/A':>5}  {'B block-end wait s':>18}  "
-              f"{'A train cpu s/it':>16}  {'B train cpu s/it':>16}")
+        print(
+            f"paired blocks: tier {args.tier}, {args.quads} x (A B B A) blocks of {args.block} iterations, "
+            f"A = no checkpoint, B = checkpoint every iteration (block-end waits charged to B)"
+        )
+        print(
+            f"{'quad':>4}  {'A s/it':>7}  {'B s/it':>7}  {'B/A':>5}  {'B block-end wait s':>18}  "
+            f"{'A train cpu s/it':>16}  {'B train cpu s/it':>16}"
+        )
         for q in range(args.quads):
             quad = merged[4 * q : 4 * q + 4]
             a = [t for kind, ts, _ in quad if kind == "A" for t in ts]
@@ -137,20 +159,27 @@ def main() -> int:
             waits = sum(w for kind, _, w in quad if kind == "B")
             ca = statistics.mean(c for kind, c in cpu[4 * q : 4 * q + 4] if kind == "A")
             cb = statistics.mean(c for kind, c in cpu[4 * q : 4 * q + 4] if kind == "B")
-            print(f"{q:>4}  {statistics.mean(a):>7.3f}  {statistics.mean(b):>7.3f}  "
-                  f"{statistics.mean(b) / statistics.mean(a):>5.3f}  {waits:>18.3f}  {ca:>16.3f}  {cb:>16.3f}")
+            print(
+                f"{q:>4}  {statistics.mean(a):>7.3f}  {statistics.mean(b):>7.3f}  "
+                f"{statistics.mean(b) / statistics.mean(a):>5.3f}  {waits:>18.3f}  {ca:>16.3f}  {cb:>16.3f}"
+            )
         a_all = [t for kind, ts, _ in merged if kind == "A" for t in ts]
         b_all = [t for kind, ts, _ in merged if kind == "B" for t in ts]
         b_waits = sum(w for kind, _, w in merged if kind == "B")
         med = statistics.median(b_all) / statistics.median(a_all)
         e2e = (sum(b_all) + b_waits + final) / sum(a_all)
-        print(f"median iteration: A {statistics.median(a_all):.3f} s, B {statistics.median(b_all):.3f} s, "
-              f"ratio {med:.3f}")
-        print(f"end to end: A {sum(a_all):.2f} s; B {sum(b_all):.2f} s + block-end waits {b_waits:.2f} s "
-              f"+ end-of-run promotion {final:.2f} s = {sum(b_all) + b_waits + final:.2f} s; ratio {e2e:.3f}")
+        print(
+            f"median iteration: A {statistics.median(a_all):.3f} s, B {statistics.median(b_all):.3f} s, ratio {med:.3f}"
+        )
+        print(
+            f"end to end: A {sum(a_all):.2f} s; B {sum(b_all):.2f} s + block-end waits {b_waits:.2f} s "
+            f"+ end-of-run promotion {final:.2f} s = {sum(b_all) + b_waits + final:.2f} s; ratio {e2e:.3f}"
+        )
         n_iter = 2 * args.quads * args.block  # iterations of each kind
-        kinds = sorted({k for g in gathered for c in g[2].values() for k in c},
-                       key=lambda k: -statistics.mean(g[2]["B"][k] for g in gathered))
+        kinds = sorted(
+            {k for g in gathered for c in g[2].values() for k in c},
+            key=lambda k: -statistics.mean(g[2]["B"][k] for g in gathered),
+        )
         if kinds:
             print("CPU by thread, ms per iteration (mean over ranks; B includes its block-end waits):")
             print(f"{'thread':<22}  {'A':>7}  {'B':>7}  {'B - A':>7}")

@@ -61,7 +61,8 @@ import threading
 import time
 import warnings
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any
+from collections.abc import Callable
 
 _HERE = Path(__file__).resolve().parent
 # The repository's package first (an editable install made before the package had an
@@ -85,13 +86,35 @@ RUN_ORDER = ("baseline", "ours_local", "control", "ours", "torch_save", "dcp_asy
 if sorted(RUN_ORDER) != sorted(ALL_ENGINES):  # an engine missing here would silently never run
     raise RuntimeError(f"RUN_ORDER {RUN_ORDER} does not list the engines of ALL_ENGINES {ALL_ENGINES}")
 ENGINE_KEYS = (
-    "status", "error", "interval", "iterations", "checkpoints",
-    "iter_times_s", "save_call_s", "gate_wait_s", "tick_s",
-    "iter_median_s", "iter_p90_s", "stall_per_ckpt_s", "first_save_s", "drain_s", "e2e_s",
-    "ratio_median", "ratio_p90", "ratio_stall", "ratio_e2e",
-    "bytes_per_ckpt", "restore_s", "restore_runs_s", "restore_ok", "restore_iteration",
+    "status",
+    "error",
+    "interval",
+    "iterations",
+    "checkpoints",
+    "iter_times_s",
+    "save_call_s",
+    "gate_wait_s",
+    "tick_s",
+    "iter_median_s",
+    "iter_p90_s",
+    "stall_per_ckpt_s",
+    "first_save_s",
+    "drain_s",
+    "e2e_s",
+    "ratio_median",
+    "ratio_p90",
+    "ratio_stall",
+    "ratio_e2e",
+    "bytes_per_ckpt",
+    "restore_s",
+    "restore_runs_s",
+    "restore_ok",
+    "restore_iteration",
     "restore_mismatches",
-    "foreign_cores", "steal_cores", "ratio_e2e_rounds", "rounds",
+    "foreign_cores",
+    "steal_cores",
+    "ratio_e2e_rounds",
+    "rounds",
 )
 GB = 1e9
 MB = 1 << 20
@@ -104,47 +127,80 @@ def _csv(text: str) -> list[str]:
     return [x.strip() for x in text.split(",") if x.strip()]
 
 
-def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     class Formatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
         pass
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=Formatter)
     be.add_workload_args(p)
     g = p.add_argument_group("schedule")
-    g.add_argument("--engines", type=_csv, default=DEFAULT_ENGINES,
-                   help="comma-separated, from: " + ",".join(ALL_ENGINES) + " (baseline is always run)")
+    g.add_argument(
+        "--engines",
+        type=_csv,
+        default=DEFAULT_ENGINES,
+        help="comma-separated, from: " + ",".join(ALL_ENGINES) + " (baseline is always run)",
+    )
     g.add_argument("--iters", type=int, default=8, help="measured iterations per engine and round")
-    g.add_argument("--rounds", type=int, default=2,
-                   help="rounds of the main comparison, in alternating order (ABBA: drift of the "
-                        "machine's speed cancels); ratios are taken against the baseline of the same "
-                        "round, then averaged")
-    g.add_argument("--warmup", type=int, default=2,
-                   help="unmeasured iterations per engine (they checkpoint too; drained before measuring)")
+    g.add_argument(
+        "--rounds",
+        type=int,
+        default=2,
+        help="rounds of the main comparison, in alternating order (ABBA: drift of the "
+        "machine's speed cancels); ratios are taken against the baseline of the same "
+        "round, then averaged",
+    )
+    g.add_argument(
+        "--warmup",
+        type=int,
+        default=2,
+        help="unmeasured iterations per engine (they checkpoint too; drained before measuring)",
+    )
     g.add_argument("--interval", type=int, default=1, help="checkpoint interval of the main comparison")
-    g.add_argument("--intervals", type=lambda s: [int(x) for x in _csv(s)], default=[1, 2, 5],
-                   help="checkpoint intervals of the sweep")
-    g.add_argument("--sweep-engines", type=_csv, default=["dcp_async", "ours"],
-                   help="engines of the interval sweep ('' for none)")
+    g.add_argument(
+        "--intervals",
+        type=lambda s: [int(x) for x in _csv(s)],
+        default=[1, 2, 5],
+        help="checkpoint intervals of the sweep",
+    )
+    g.add_argument(
+        "--sweep-engines", type=_csv, default=["dcp_async", "ours"], help="engines of the interval sweep ('' for none)"
+    )
     g.add_argument("--no-restore", action="store_true", help="skip the restore measurements")
-    g.add_argument("--restore-repeats", type=int, default=3,
-                   help="restores of the last checkpoint per engine (page cache evicted each time); "
-                        "the median is reported")
-    g.add_argument("--engine-timeout", type=float, default=240.0,
-                   help="seconds one engine phase may take before it is reported as timeout")
+    g.add_argument(
+        "--restore-repeats",
+        type=int,
+        default=3,
+        help="restores of the last checkpoint per engine (page cache evicted each time); the median is reported",
+    )
+    g.add_argument(
+        "--engine-timeout",
+        type=float,
+        default=240.0,
+        help="seconds one engine phase may take before it is reported as timeout",
+    )
     g = p.add_argument_group("engines")
     g.add_argument("--host-cache-gb", type=float, default=1.0, help="ours: host cache per rank")
     g.add_argument("--flush-threads", type=int, default=2, help="ours: flush threads per rank")
     g.add_argument("--keep-last", type=int, default=2, help="ours: retention")
-    g.add_argument("--local-dir", default="/dev/shm/dsm-bench-local",
-                   help="ours_local: node-local tier (the engine adds {node}/ per host)")
-    g.add_argument("--persist-interval", type=int, default=10,
-                   help="ours_local: promote every N-th local checkpoint to --dir")
-    g.add_argument("--dcp-checkpointer", choices=("process", "thread"), default="process",
-                   help="DCP async_checkpointer_type (TorchTitan's async_with_pinned_mem: process)")
+    g.add_argument(
+        "--local-dir",
+        default="/dev/shm/dsm-bench-local",
+        help="ours_local: node-local tier (the engine adds {node}/ per host)",
+    )
+    g.add_argument(
+        "--persist-interval", type=int, default=10, help="ours_local: promote every N-th local checkpoint to --dir"
+    )
+    g.add_argument(
+        "--dcp-checkpointer",
+        choices=("process", "thread"),
+        default="process",
+        help="DCP async_checkpointer_type (TorchTitan's async_with_pinned_mem: process)",
+    )
     g = p.add_argument_group("output")
     g.add_argument("--dir", default="./runs/bench", help="checkpoint root (on the disk under test)")
-    g.add_argument("--probe-mb", type=int, default=256,
-                   help="bytes per rank of the machine-limit probes (0 skips them)")
+    g.add_argument(
+        "--probe-mb", type=int, default=256, help="bytes per rank of the machine-limit probes (0 skips them)"
+    )
     g.add_argument("--json", dest="json_out", default=None, help="write the results here")
     g.add_argument("--plot", default=None, help="write a PNG plot here")
     g.add_argument("--no-progress", action="store_true", help="no tqdm bar")
@@ -178,7 +234,7 @@ class Watchdog:
         self._on_timeout = on_timeout
         self._grace_s = grace_s
         self._cond = threading.Condition()
-        self._deadline: Optional[float] = None
+        self._deadline: float | None = None
         self._label = ""
         self._closed = False
         self._thread = threading.Thread(target=self._run, name=f"bench-watchdog-r{rank}", daemon=True)
@@ -211,8 +267,12 @@ class Watchdog:
                 break
             else:
                 return
-        log.error("rank %d: %r exceeded its time limit; reporting it as 'timeout' and aborting "
-                  "the run (a hung collective cannot be cancelled)", self._rank, label)
+        log.error(
+            "rank %d: %r exceeded its time limit; reporting it as 'timeout' and aborting "
+            "the run (a hung collective cannot be cancelled)",
+            self._rank,
+            label,
+        )
         try:
             self._on_timeout(label)
         except Exception:  # the abort must happen regardless
@@ -264,7 +324,7 @@ def _rmtree(path: Path) -> None:
     shutil.rmtree(path, ignore_errors=True)
 
 
-def _ratio(a: Optional[float], b: Optional[float]) -> Optional[float]:
+def _ratio(a: float | None, b: float | None) -> float | None:
     if a is None or b is None or not b or (isinstance(a, float) and math.isnan(a)):
         return None
     return a / b
@@ -305,8 +365,14 @@ class ForeignLoad:
     def _busy_steal(self) -> tuple[float, float]:
         t = self._psutil.cpu_times()
         steal = getattr(t, "steal", 0.0)
-        busy = sum(t) - t.idle - getattr(t, "iowait", 0.0) - getattr(t, "guest", 0.0) - getattr(
-            t, "guest_nice", 0.0) - steal
+        busy = (
+            sum(t)
+            - t.idle
+            - getattr(t, "iowait", 0.0)
+            - getattr(t, "guest", 0.0)
+            - getattr(t, "guest_nice", 0.0)
+            - steal
+        )
         return busy, steal
 
     def start(self) -> tuple[float, float, float, float]:
@@ -355,7 +421,7 @@ def probe_machine(directory: Path, nbytes: int) -> dict:
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
         for off in range(0, nbytes, chunk):
-            os.write(fd, view[off:off + chunk])
+            os.write(fd, view[off : off + chunk])
         os.fsync(fd)
     finally:
         os.close(fd)
@@ -369,7 +435,7 @@ def probe_machine(directory: Path, nbytes: int) -> dict:
     with open(path, "rb", buffering=0) as fh:
         off = 0
         while off < nbytes:
-            n = fh.readinto(out[off:off + chunk])
+            n = fh.readinto(out[off : off + chunk])
             if not n:
                 break
             off += n
@@ -417,9 +483,16 @@ def _blank(name: str, interval: int) -> dict:
     return res
 
 
-def run_engine(name: str, interval: int, args: argparse.Namespace, io_group: Any, root: Path,
-               restore: bool, progress: Callable[[int], None],
-               meter: Optional[ForeignLoad] = None) -> dict:
+def run_engine(
+    name: str,
+    interval: int,
+    args: argparse.Namespace,
+    io_group: Any,
+    root: Path,
+    restore: bool,
+    progress: Callable[[int], None],
+    meter: ForeignLoad | None = None,
+) -> dict:
     """Train ``--warmup`` + ``--iters`` iterations with engine ``name``; collective.  Returns the
     rank-0 view (per-iteration values are the maximum over ranks)."""
     from datastates_megatron.demo import gpt
@@ -431,9 +504,14 @@ def run_engine(name: str, interval: int, args: argparse.Namespace, io_group: Any
     _barrier()
     chunks, optimizer, scheduler = be.build_workload(args)
     gate = be.GateTimer(optimizer)
-    opts = be.BenchOptions(host_cache_gb=args.host_cache_gb, flush_threads=args.flush_threads,
-                           keep_last=args.keep_last, dcp_checkpointer=args.dcp_checkpointer,
-                           local_dir=args.local_dir, persist_interval=args.persist_interval)
+    opts = be.BenchOptions(
+        host_cache_gb=args.host_cache_gb,
+        flush_threads=args.flush_threads,
+        keep_last=args.keep_last,
+        dcp_checkpointer=args.dcp_checkpointer,
+        local_dir=args.local_dir,
+        persist_interval=args.persist_interval,
+    )
     engine = be.ENGINES[name](be.Workload(chunks, optimizer, scheduler, root, io_group), opts)
     local: dict[str, Any] = {"iter": [], "save": [], "gate": [], "tick": [], "ckpt": []}
 
@@ -441,16 +519,16 @@ def run_engine(name: str, interval: int, args: argparse.Namespace, io_group: Any
         data = be.workload_batch(args, it)
         gate.order()
         t0 = time.perf_counter()
-        gpt.train_step(chunks, optimizer, data, scheduler=scheduler)
+        gpt.train_step(chunks, optimizer, data, scheduler=scheduler)  # noqa: F821 (bound above; `del`eted at the end to free memory)
         t1 = time.perf_counter()
         if do_save:
-            engine.save(it)
+            engine.save(it)  # noqa: F821 (bound above; `del`eted at the end to free memory)
         t2 = time.perf_counter()
-        engine.tick()
+        engine.tick()  # noqa: F821 (bound above; `del`eted at the end to free memory)
         _sync_device()
         t3 = time.perf_counter()
         gate_s = gate.take()
-        if do_save and engine.persists and "first_save" not in local:
+        if do_save and engine.persists and "first_save" not in local:  # noqa: F821 (bound above; `del`eted at the end to free memory)
             local["first_save"] = t2 - t1
         if record:
             local["iter"].append(t3 - t0)
@@ -469,8 +547,7 @@ def run_engine(name: str, interval: int, args: argparse.Namespace, io_group: Any
         _barrier()
         gate.take()
         local["params"] = sum(p.numel() for c in chunks for p in c.module.parameters())
-        local["state_bytes"] = sum(t.numel() * t.element_size()
-                                   for t in be.rank_state(chunks, optimizer).values())
+        local["state_bytes"] = sum(t.numel() * t.element_size() for t in be.rank_state(chunks, optimizer).values())
         start = it
         mark = meter.start() if meter is not None else None
         for _ in range(args.iters):
@@ -527,7 +604,10 @@ def _summarise(name: str, interval: int, ranks: list[dict]) -> dict:
         status="ok",
         iterations=len(iters),
         checkpoints=n_ckpt,
-        iter_times_s=iters, save_call_s=save, gate_wait_s=gate, tick_s=tick,
+        iter_times_s=iters,
+        save_call_s=save,
+        gate_wait_s=gate,
+        tick_s=tick,
         iter_median_s=statistics.median(iters),
         iter_p90_s=_pct(iters, 0.9),
         stall_per_ckpt_s=stall / n_ckpt if n_ckpt else 0.0,
@@ -549,13 +629,12 @@ def _summarise(name: str, interval: int, ranks: list[dict]) -> dict:
             restore_runs_s=runs,
             restore_iteration=its.pop() if len(its) == 1 else sorted(its, key=str),
             restore_mismatches=mism[:20],
-            restore_ok=not mism and all(r.get("restore_iteration") == r.get("expected_iteration")
-                                        for r in ranks),
+            restore_ok=not mism and all(r.get("restore_iteration") == r.get("expected_iteration") for r in ranks),
         )
     return res
 
 
-def add_ratios(res: dict, base: Optional[dict]) -> None:
+def add_ratios(res: dict, base: dict | None) -> None:
     if not base or base.get("status") != "ok" or res.get("status") != "ok":
         return
     res["ratio_median"] = _ratio(res["iter_median_s"], base["iter_median_s"])
@@ -598,30 +677,60 @@ def render(doc: dict) -> str:
         f"({cfg['backend']}), {cfg.get('rounds', 1)} rounds x {cfg['iters']} measured iterations/engine "
         f"after {cfg['warmup']} warm-up, "
         f"checkpoint every {cfg['interval']}; rank state "
-        f"{(cfg['rank_state_bytes'] or 0) / MB:.1f} MiB/rank")
+        f"{(cfg['rank_state_bytes'] or 0) / MB:.1f} MiB/rank"
+    )
     if m:
-        extra = (f", D2H pinned {m['d2h_pinned_GBps_per_rank']:.2f} GB/s/rank"
-                 if "d2h_pinned_GBps_per_rank" in m else "")
+        extra = f", D2H pinned {m['d2h_pinned_GBps_per_rank']:.2f} GB/s/rank" if "d2h_pinned_GBps_per_rank" in m else ""
         lines.append(
             f"machine: memcpy {m['memcpy_GBps_per_rank']:.2f} GB/s/rank, write+fsync "
             f"{m['write_fsync_GBps']:.2f} GB/s, cold read {m['read_cold_GBps']:.2f} GB/s "
-            f"(all {len(m['per_rank'])} ranks at once, {m['bytes_per_rank'] / MB:.0f} MiB each){extra}")
+            f"(all {len(m['per_rank'])} ranks at once, {m['bytes_per_rank'] / MB:.0f} MiB each){extra}"
+        )
         if m.get("write_steal_core_s_per_GB") is not None:
-            lines.append(f"machine: writing to disk costs {m['write_steal_core_s_per_GB']:.2f} core-s of "
-                         "hypervisor steal per GB written (CPU this VM loses to its own disk I/O)")
-    hdr = ("engine", "status", "iter med s", "x base", "p90 x", "stall/ckpt s", "stall/iter",
-           "drain s", "e2e x", "e2e x by round", "MiB/ckpt", "first save s", "restore s", "restored", "other load", "steal")
+            lines.append(
+                f"machine: writing to disk costs {m['write_steal_core_s_per_GB']:.2f} core-s of "
+                "hypervisor steal per GB written (CPU this VM loses to its own disk I/O)"
+            )
+    hdr = (
+        "engine",
+        "status",
+        "iter med s",
+        "x base",
+        "p90 x",
+        "stall/ckpt s",
+        "stall/iter",
+        "drain s",
+        "e2e x",
+        "e2e x by round",
+        "MiB/ckpt",
+        "first save s",
+        "restore s",
+        "restored",
+        "other load",
+        "steal",
+    )
     rows = []
     for name, r in doc["engines"].items():
-        rows.append((
-            name, r["status"], _f(r["iter_median_s"]), _f(r["ratio_median"], "{:.2f}"),
-            _f(r["ratio_p90"], "{:.2f}"), _f(r["stall_per_ckpt_s"]),
-            _f(r["ratio_stall"], "{:.1%}"), _f(r["drain_s"]), _f(r["ratio_e2e"], "{:.3f}"),
-            "/".join(_f(x, "{:.2f}") for x in r.get("ratio_e2e_rounds") or []) or "-",
-            _f(None if r["bytes_per_ckpt"] is None else r["bytes_per_ckpt"] / MB, "{:.1f}"),
-            _f(r["first_save_s"]), _f(r["restore_s"]), _f(r["restore_ok"]),
-            _f(r["foreign_cores"], "{:.2f}"), _f(r.get("steal_cores"), "{:.2f}"),
-        ))
+        rows.append(
+            (
+                name,
+                r["status"],
+                _f(r["iter_median_s"]),
+                _f(r["ratio_median"], "{:.2f}"),
+                _f(r["ratio_p90"], "{:.2f}"),
+                _f(r["stall_per_ckpt_s"]),
+                _f(r["ratio_stall"], "{:.1%}"),
+                _f(r["drain_s"]),
+                _f(r["ratio_e2e"], "{:.3f}"),
+                "/".join(_f(x, "{:.2f}") for x in r.get("ratio_e2e_rounds") or []) or "-",
+                _f(None if r["bytes_per_ckpt"] is None else r["bytes_per_ckpt"] / MB, "{:.1f}"),
+                _f(r["first_save_s"]),
+                _f(r["restore_s"]),
+                _f(r["restore_ok"]),
+                _f(r["foreign_cores"], "{:.2f}"),
+                _f(r.get("steal_cores"), "{:.2f}"),
+            )
+        )
     lines += _table(hdr, rows)
     floor = floor_view(doc)
     if floor:
@@ -631,11 +740,14 @@ def render(doc: dict) -> str:
             f"for the last one, its {floor['bytes'] / MB:.1f} MiB written at the write+fsync speed "
             f"({floor['write_s']:.3f} s: +{floor['write_ratio']:.3f}) -> {floor['ratio_e2e']:.3f}x the baseline's "
             f"e2e for an engine that copies every checkpoint and leaves the last one durable, on a "
-            f"machine whose cores training fills")
+            f"machine whose cores training fills"
+        )
     loads = [r["foreign_cores"] for r in doc["engines"].values() if r.get("foreign_cores") is not None]
     if loads and max(loads) > 0.25:
-        lines.append(f"WARNING: other processes used up to {max(loads):.2f} of {doc['config']['cpus']} "
-                     "cores during the measurements ('other load'); ratios are not trustworthy.")
+        lines.append(
+            f"WARNING: other processes used up to {max(loads):.2f} of {doc['config']['cpus']} "
+            "cores during the measurements ('other load'); ratios are not trustworthy."
+        )
     sweep = sweep_view(doc)
     if sweep:
         lines.append("")
@@ -655,18 +767,20 @@ def render(doc: dict) -> str:
             rows.append(tuple(row))
         lines += _table(("engine",) + tuple(f"every {i}" for i in ivs), rows)
     lines.append("")
-    lines.append("stall = save call + step pre-hook wait + per-iteration finalize/poll, max over ranks; "
-                 "x base = ratio to the baseline of the same round, averaged over the rounds (run in "
-                 "alternating order); e2e = measured iterations + drain; "
-                 "restore = median of --restore-repeats loads of the last checkpoint, page cache evicted, "
-                 "each verified bit for bit; "
-                 "other load = cores used by processes outside the benchmark while it measured; "
-                 "steal = cores the hypervisor took from this VM meanwhile (on this kind of VM it grows "
-                 "with the bytes written to disk).")
+    lines.append(
+        "stall = save call + step pre-hook wait + per-iteration finalize/poll, max over ranks; "
+        "x base = ratio to the baseline of the same round, averaged over the rounds (run in "
+        "alternating order); e2e = measured iterations + drain; "
+        "restore = median of --restore-repeats loads of the last checkpoint, page cache evicted, "
+        "each verified bit for bit; "
+        "other load = cores used by processes outside the benchmark while it measured; "
+        "steal = cores the hypervisor took from this VM meanwhile (on this kind of VM it grows "
+        "with the bytes written to disk)."
+    )
     return "\n".join(lines)
 
 
-def floor_view(doc: dict) -> Optional[dict]:
+def floor_view(doc: dict) -> dict | None:
     """The least end-to-end ratio this machine allows a checkpoint-every-``interval`` engine that
     keeps a copy of each checkpoint and makes the last one durable: the copies' time at the
     measured memcpy speed (counted whole: training keeps every core busy on the CPU workload) plus
@@ -681,8 +795,15 @@ def floor_view(doc: dict) -> Optional[dict]:
     copy_s = cfg["rank_state_bytes"] / (m["memcpy_GBps_per_rank"] * GB)
     write_s = min(sizes) / (m["write_fsync_GBps"] * GB)
     copy_ratio, write_ratio = copies * copy_s / base["e2e_s"], write_s / base["e2e_s"]
-    return {"copies": copies, "copy_s": copy_s, "bytes": min(sizes), "write_s": write_s, "copy_ratio": copy_ratio,
-            "write_ratio": write_ratio, "ratio_e2e": 1 + copy_ratio + write_ratio}
+    return {
+        "copies": copies,
+        "copy_s": copy_s,
+        "bytes": min(sizes),
+        "write_s": write_s,
+        "copy_ratio": copy_ratio,
+        "write_ratio": write_ratio,
+        "ratio_e2e": 1 + copy_ratio + write_ratio,
+    }
 
 
 def _table(hdr: tuple, rows: list[tuple]) -> list[str]:
@@ -700,8 +821,14 @@ def plot(doc: dict, path: str) -> None:
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 4.8))
     for name, r in doc["engines"].items():
         if r["status"] == "ok" and r["iter_times_s"]:
-            ax1.plot(range(1, len(r["iter_times_s"]) + 1), r["iter_times_s"], marker="o", ms=3,
-                     label=name, lw=2.2 if name in ("ours", "baseline") else 1.2)
+            ax1.plot(
+                range(1, len(r["iter_times_s"]) + 1),
+                r["iter_times_s"],
+                marker="o",
+                ms=3,
+                label=name,
+                lw=2.2 if name in ("ours", "baseline") else 1.2,
+            )
     ax1.set_xlabel("measured iteration")
     ax1.set_ylabel("iteration time (s)")
     ax1.set_title(f"per-iteration time, checkpoint every {doc['config']['interval']}")
@@ -709,8 +836,11 @@ def plot(doc: dict, path: str) -> None:
     ax1.grid(alpha=0.3)
     ticks: set[int] = set()
     for name, per in sweep_view(doc).items():
-        pts = sorted((i, 100 * (r["ratio_e2e"] - 1)) for i, r in per.items()
-                     if r["status"] == "ok" and r["ratio_e2e"] is not None)
+        pts = sorted(
+            (i, 100 * (r["ratio_e2e"] - 1))
+            for i, r in per.items()
+            if r["status"] == "ok" and r["ratio_e2e"] is not None
+        )
         if pts:
             ax2.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=name)
             ticks.update(p[0] for p in pts)
@@ -722,8 +852,10 @@ def plot(doc: dict, path: str) -> None:
     ax2.set_title("overhead vs checkpoint interval")
     ax2.legend(fontsize=8)
     ax2.grid(alpha=0.3)
-    fig.suptitle(f"{doc['config']['layers']}L/{doc['config']['hidden']}h GPT, "
-                 f"{doc['config']['world_size']} ranks ({doc['config']['backend']})")
+    fig.suptitle(
+        f"{doc['config']['layers']}L/{doc['config']['hidden']}h GPT, "
+        f"{doc['config']['world_size']} ranks ({doc['config']['backend']})"
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -758,8 +890,7 @@ def _plan(args: argparse.Namespace) -> list[tuple[str, int, bool, int]]:
     plan = []
     for k in range(args.rounds):
         plan += [(e, args.interval, True, k) for e in (main if k % 2 == 0 else main[::-1])]
-    plan += [(e, i, False, 0) for e in main if e in args.sweep_engines and e != "baseline"
-             for i in sweep_iv]
+    plan += [(e, i, False, 0) for e in main if e in args.sweep_engines and e != "baseline" for i in sweep_iv]
     return plan
 
 
@@ -778,37 +909,47 @@ def merge_rounds(name: str, interval: int, rounds: list[dict]) -> dict:
     n_ckpt = sum(r["checkpoints"] or 0 for r in done)
     stall = sum(r["stall_per_ckpt_s"] * (r["checkpoints"] or 0) for r in done)
 
-    def mean(key: str) -> Optional[float]:
+    def mean(key: str) -> float | None:
         vals = [r[key] for r in done if r.get(key) is not None]
         return statistics.mean(vals) if vals else None
 
     res.update(
         status="ok" if len(done) == len(rounds) else "partial",
-        iterations=len(iters), checkpoints=n_ckpt,
+        iterations=len(iters),
+        checkpoints=n_ckpt,
         iter_times_s=iters,
         save_call_s=[t for r in done for t in r["save_call_s"]],
         gate_wait_s=[t for r in done for t in r["gate_wait_s"]],
         tick_s=[t for r in done for t in r["tick_s"]],
-        iter_median_s=statistics.median(iters), iter_p90_s=_pct(iters, 0.9),
+        iter_median_s=statistics.median(iters),
+        iter_p90_s=_pct(iters, 0.9),
         stall_per_ckpt_s=stall / n_ckpt if n_ckpt else 0.0,
         first_save_s=done[0]["first_save_s"],
-        drain_s=mean("drain_s"), e2e_s=mean("e2e_s"),
-        ratio_median=mean("ratio_median"), ratio_p90=mean("ratio_p90"), ratio_stall=mean("ratio_stall"),
+        drain_s=mean("drain_s"),
+        e2e_s=mean("e2e_s"),
+        ratio_median=mean("ratio_median"),
+        ratio_p90=mean("ratio_p90"),
+        ratio_stall=mean("ratio_stall"),
         ratio_e2e=mean("ratio_e2e"),
         ratio_e2e_rounds=[r["ratio_e2e"] for r in done],
         bytes_per_ckpt=next((r["bytes_per_ckpt"] for r in done if r.get("bytes_per_ckpt")), None),
-        foreign_cores=mean("foreign_cores"), steal_cores=mean("steal_cores"),
+        foreign_cores=mean("foreign_cores"),
+        steal_cores=mean("steal_cores"),
     )
     for r in done:
         if r.get("restore_s") is not None:
-            res.update({k: r[k] for k in ("restore_s", "restore_runs_s", "restore_ok", "restore_iteration",
-                                          "restore_mismatches")})
+            res.update(
+                {
+                    k: r[k]
+                    for k in ("restore_s", "restore_runs_s", "restore_ok", "restore_iteration", "restore_mismatches")
+                }
+            )
     for key in ("params", "rank_state_bytes"):
         res[key] = done[0].get(key)
     return res
 
 
-def main(argv: Optional[list[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     warnings.filterwarnings("ignore")
     if "RANK" not in os.environ:
@@ -816,8 +957,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     from datastates_megatron.demo import gpt
 
     rank = int(os.environ["RANK"])
-    logging.basicConfig(level=logging.WARNING if rank else logging.INFO,
-                        format=f"[rank {rank}] %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.WARNING if rank else logging.INFO, format=f"[rank {rank}] %(levelname)s %(name)s: %(message)s"
+    )
     for noisy in ("megatron", "torch", "datastates_megatron", "matplotlib"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     gpt.init_distributed(seed=args.seed, timeout_s=max(600.0, args.engine_timeout * 2))
@@ -862,10 +1004,10 @@ def main(argv: Optional[list[str]] = None) -> int:
             return
         slot = current.get("slot")
         if slot is not None:
-            slot.update(status="timeout", error=f"{label} exceeded --engine-timeout "
-                                                 f"{args.engine_timeout:.0f}s")
-        for r in [x for per in rounds.values() for x in per] + [x for per in doc["sweep"].values()
-                                                                 for x in per.values()]:
+            slot.update(status="timeout", error=f"{label} exceeded --engine-timeout {args.engine_timeout:.0f}s")
+        for r in [x for per in rounds.values() for x in per] + [
+            x for per in doc["sweep"].values() for x in per.values()
+        ]:
             if r["status"] == "pending":
                 r["status"] = "skipped"
         for n in rounds:
@@ -905,9 +1047,16 @@ def main(argv: Optional[list[str]] = None) -> int:
             last_round = is_main and k == args.rounds - 1
             try:
                 with watchdog.guard(f"{name} (interval {interval})", args.engine_timeout):
-                    res = run_engine(name, interval, args, io_group, root / f"{name}-every{interval}",
-                                     restore=last_round and not args.no_restore, progress=progress,
-                                     meter=meter)
+                    res = run_engine(
+                        name,
+                        interval,
+                        args,
+                        io_group,
+                        root / f"{name}-every{interval}",
+                        restore=last_round and not args.no_restore,
+                        progress=progress,
+                        meter=meter,
+                    )
             except Exception as e:  # recorded; the next engine starts from a fresh model
                 log.exception("rank %d: engine %s (interval %d) failed", rank, name, interval)
                 res = dict(slot, status="error", error=f"{type(e).__name__}: {e}")

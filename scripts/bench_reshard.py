@@ -72,8 +72,11 @@ def main(argv=None) -> int:
     ckpt = os.path.join(work, "ckpt")
     try:
         _run(2, ["run", *model, "--total", "1", "--save", ckpt, "--save-at", "1"], a.timeout_s)
-        ckpt_bytes = sum(os.path.getsize(os.path.join(ckpt, "iter_0000001", f))
-                         for f in os.listdir(os.path.join(ckpt, "iter_0000001")) if f.endswith(".dsck"))  # fmt: skip
+        ckpt_bytes = sum(
+            os.path.getsize(os.path.join(ckpt, "iter_0000001", f))
+            for f in os.listdir(os.path.join(ckpt, "iter_0000001"))
+            if f.endswith(".dsck")
+        )
         configs = [
             ("same layout 2->2", 2, []),
             ("resharded 2->2 (other buckets)", 2, ["--bucket-size", "1000000"]),
@@ -84,33 +87,56 @@ def main(argv=None) -> int:
         rows = []
         for label, world, extra in configs:
             _warm(ckpt)
-            res = _run(world, ["run", *model, *extra, "--total", "1", "--load", ckpt, "--load-at", "1",
-                               "--save", os.path.join(work, f"scratch-{world}-{len(rows)}")], a.timeout_s)  # fmt: skip
+            res = _run(
+                world,
+                [
+                    "run",
+                    *model,
+                    *extra,
+                    "--total",
+                    "1",
+                    "--load",
+                    ckpt,
+                    "--load-at",
+                    "1",
+                    "--save",
+                    os.path.join(work, f"scratch-{world}-{len(rows)}"),
+                ],
+                a.timeout_s,
+            )
             paths = {k for r in res for k in r["restore"]}
             path = "resharded" if "resharded" in paths else "same_layout"
             stats = [r["restore"][path] for r in res]
-            rows.append({
-                "config": label, "path": path, "ranks": world,
-                "restore_s": max(s["s"] for s in stats),
-                "mb_per_rank": max(s["bytes"] for s in stats) / 1e6,
-                "verify_s": max(s["verify_s"] for s in stats),
-                "copy_s": max(s["copy_s"] for s in stats),
-                "load_s": max(r["load_all_s"] for r in res),
-            })  # fmt: skip
+            rows.append(
+                {
+                    "config": label,
+                    "path": path,
+                    "ranks": world,
+                    "restore_s": max(s["s"] for s in stats),
+                    "mb_per_rank": max(s["bytes"] for s in stats) / 1e6,
+                    "verify_s": max(s["verify_s"] for s in stats),
+                    "copy_s": max(s["copy_s"] for s in stats),
+                    "load_s": max(r["load_all_s"] for r in res),
+                }
+            )
     finally:
         if a.out is None:
             shutil.rmtree(work, ignore_errors=True)
     if a.json:
         print(json.dumps({"checkpoint_bytes": ckpt_bytes, "model": vars(a), "rows": rows}, indent=1))
         return 0
-    print(f"checkpoint: demo GPT {a.layers} layers, hidden {a.hidden}, {'bf16' if a.bf16 else 'fp32'}, DP=2, "
-          f"{ckpt_bytes / 1e6:.1f} MB in 2 rank files (warm page cache)")  # fmt: skip
+    print(
+        f"checkpoint: demo GPT {a.layers} layers, hidden {a.hidden}, {'bf16' if a.bf16 else 'fp32'}, DP=2, "
+        f"{ckpt_bytes / 1e6:.1f} MB in 2 rank files (warm page cache)"
+    )
     head = f"{'configuration':32} {'path':12} {'MB/rank':>8} {'restore s':>10} {'verify s':>9} {'copy s':>7} {'load() s':>9}"
     print(head)
     print("-" * len(head))
     for r in rows:
-        print(f"{r['config']:32} {r['path']:12} {r['mb_per_rank']:8.1f} {r['restore_s']:10.3f} {r['verify_s']:9.3f} "
-              f"{r['copy_s']:7.3f} {r['load_s']:9.3f}")  # fmt: skip
+        print(
+            f"{r['config']:32} {r['path']:12} {r['mb_per_rank']:8.1f} {r['restore_s']:10.3f} {r['verify_s']:9.3f} "
+            f"{r['copy_s']:7.3f} {r['load_s']:9.3f}"
+        )
     return 0
 
 

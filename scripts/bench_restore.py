@@ -113,7 +113,9 @@ def raw_read(path: str, buf: np.ndarray) -> int:
     return got
 
 
-def measure(kind: str, mgr: CheckpointManager, path: str, buf: np.ndarray, cold: ColdCache | None, repeats: int) -> dict:
+def measure(
+    kind: str, mgr: CheckpointManager, path: str, buf: np.ndarray, cold: ColdCache | None, repeats: int
+) -> dict:
     """``repeats`` timed runs of one measure (+ one untimed warm-up when warm); cold runs evict first."""
     secs, nbytes, residual, verify_s, copy_s, ahead_s = [], 0, [], [], [], []
     runs = repeats if cold else repeats + 1
@@ -150,7 +152,11 @@ def check_restored(tensors: list[torch.Tensor], expected: list[torch.Tensor]) ->
 def report(doc: dict) -> str:
     info = doc["machine"]
     rows = []
-    labels = {"restore_verify": "restore, verify on", "restore_noverify": "restore, verify off", "raw_read": "raw read (os.readv)"}
+    labels = {
+        "restore_verify": "restore, verify on",
+        "restore_noverify": "restore, verify off",
+        "raw_read": "raw read (os.readv)",
+    }
     for cache in ("warm", "cold"):
         block = doc["results"].get(cache)
         if not block:
@@ -162,7 +168,9 @@ def report(doc: dict) -> str:
             if "verify_s" in r:
                 extra = f"read-ahead {r['read_ahead_s']:.2f} s, verify {r['verify_s']:.2f} s, copy {r['copy_s']:.2f} s"
             ratio = "1.00" if kind == "raw_read" else f"{r['gbps'] / raw:.2f}"
-            rows.append((f"{cache}: {labels[kind]}", f"{r['gbps']:.2f} GB/s", f"{r['bytes'] / MB:.0f} MiB", ratio, extra))
+            rows.append(
+                (f"{cache}: {labels[kind]}", f"{r['gbps']:.2f} GB/s", f"{r['bytes'] / MB:.0f} MiB", ratio, extra)
+            )
     title = (
         f"bench_restore: {doc['bytes'] / MB:.0f} MiB in {doc['tensors']} tensors (world size 1), median of "
         f"{doc['repeats']} runs; {info['cpus']} CPUs, {doc['restore_threads']} restore threads, out dir "
@@ -174,12 +182,16 @@ def report(doc: dict) -> str:
         left = "unknown" if worst is None else f"{worst * 100:.1f}%"
         notes.append(f"cold cache: {doc['cold_method']} before each cold run (largest fraction left resident: {left})")
         if doc["cold_method"] == "fadvise":
-            notes.append(f"  (drop_caches was not available: {doc['cold_unavailable_reason'] or 'n/a'}; "
-                         "posix_fadvise(DONTNEED) evicted the checkpoint files instead)")  # fmt: skip
+            notes.append(
+                f"  (drop_caches was not available: {doc['cold_unavailable_reason'] or 'n/a'}; "
+                "posix_fadvise(DONTNEED) evicted the checkpoint files instead)"
+            )
         notes.append("  'cold' is this kernel's page cache; the virtual disk below may still be cached by the host")
     else:
         notes.append(f"cold cache: not available ({doc['cold_unavailable_reason']}); warm only")
-    notes.append("ratio = GB/s / raw read GB/s of the same cache state; restore counts tensor bytes, raw read file bytes")
+    notes.append(
+        "ratio = GB/s / raw read GB/s of the same cache state; restore counts tensor bytes, raw read file bytes"
+    )
     notes.append(f"restored values checked equal to the saved ones: {'yes' if doc['restored_ok'] else 'NO'}")
     notes.append(f"checkpoint write (save->commit) {doc['write_s']:.1f} s; wall time {doc['wall_s']:.0f} s")
     return render_table(title, ("measure", "value", "bytes", "ratio", "detail"), rows, notes)
@@ -191,8 +203,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tensors", type=int, default=64, help="large tensors (plus 32 x 16 KiB); default 64")
     p.add_argument("--repeats", type=int, default=3, help="timed runs per measure; the median is reported (default 3)")
     p.add_argument("--threads", type=int, default=4, help="CheckpointManager restore_threads (default 4, its default)")
-    p.add_argument("--cold", choices=("auto", "drop_caches", "fadvise", "off"), default="auto",
-                   help="how to empty the page cache before cold runs (default auto: drop_caches, else fadvise)")
+    p.add_argument(
+        "--cold",
+        choices=("auto", "drop_caches", "fadvise", "off"),
+        default="auto",
+        help="how to empty the page cache before cold runs (default auto: drop_caches, else fadvise)",
+    )
     p.add_argument("--out", help="parent of the temporary output directory (default: current directory)")
     p.add_argument("--json", action="store_true", help="print one JSON document instead of the table")
     args = p.parse_args(argv)
@@ -220,8 +236,10 @@ def main(argv: list[str] | None = None) -> int:
             for kind in ("raw_read", "restore_verify", "restore_noverify"):
                 results["warm"][kind] = measure(kind, mgr, path, buf, None, args.repeats)
             if cold.method:
-                results["cold"] = {kind: measure(kind, mgr, path, buf, cold, args.repeats)
-                                   for kind in ("raw_read", "restore_verify", "restore_noverify")}  # fmt: skip
+                results["cold"] = {
+                    kind: measure(kind, mgr, path, buf, cold, args.repeats)
+                    for kind in ("raw_read", "restore_verify", "restore_noverify")
+                }
             # last: prove the restore restores (zero the model, load, compare with freshly rebuilt values)
             for t in tensors:
                 t.zero_()

@@ -125,7 +125,9 @@ class Sweep:
             and all(r["committed"] == list(range((loaded or 0) + 1, until + 1)) for r in results)
             and committed_iterations(root) == [until]
             and read_tracker(root) == until
-            and all(os.path.exists(os.path.join(root, n, MANIFEST_NAME)) for n in os.listdir(root) if n.startswith("iter_"))
+            and all(
+                os.path.exists(os.path.join(root, n, MANIFEST_NAME)) for n in os.listdir(root) if n.startswith("iter_")
+            )
         )
         return ok, lost, f"acked {acked}, on disk {on_disk}, resumed from {loaded}"
 
@@ -154,22 +156,33 @@ class Sweep:
         for who in ("all", "rank1"):
             rank_env = {} if who == "all" else {"DSM_CRASH_RANK": "1"}
             kill_rank = [] if who == "all" else ["--kill-rank", "1"]
-            for it, ms in ([(2, 60)] if q else [(1, 50), (2, 0), (2, 30), (2, 60), (2, 90), (2, 120)]):
-                self.crash("copy", f"SIGKILL save:{it}+{ms}ms", who,
-                           ["--slow-copy-ms", "10", "--kill-at", f"save:{it}", "--kill-after-ms", str(ms), *kill_rank])
-            for k in ([7, 21] if q else [1, 3, 7, 14, 15, 21, 28, 35, 42]):
+            for it, ms in [(2, 60)] if q else [(1, 50), (2, 0), (2, 30), (2, 60), (2, 90), (2, 120)]:
+                self.crash(
+                    "copy",
+                    f"SIGKILL save:{it}+{ms}ms",
+                    who,
+                    ["--slow-copy-ms", "10", "--kill-at", f"save:{it}", "--kill-after-ms", str(ms), *kill_rank],
+                )
+            for k in [7, 21] if q else [1, 3, 7, 14, 15, 21, 28, 35, 42]:
                 self.crash("flush", f"flush:{k}", who, env={"DSM_CRASH_AT": f"flush:{k}", **rank_env})
-            for k in ([2] if q else [1, 2, 3]):
-                self.crash("before_finish", f"before_finish:{k}", who, env={"DSM_CRASH_AT": f"before_finish:{k}", **rank_env})
+            for k in [2] if q else [1, 2, 3]:
+                self.crash(
+                    "before_finish", f"before_finish:{k}", who, env={"DSM_CRASH_AT": f"before_finish:{k}", **rank_env}
+                )
         for point in ("before_manifest", "before_tracker"):  # reached by rank 0 only
-            for k in ([2] if q else [1, 2, 3]):
+            for k in [2] if q else [1, 2, 3]:
                 self.crash(point, f"{point}:{k}", "rank0", env={"DSM_CRASH_AT": f"{point}:{k}"})
         for point in ("retention", "retention_files"):
-            for k in ([1] if q else [1, 2]):
+            for k in [1] if q else [1, 2]:
                 self.crash("retention", f"{point}:{k}", "rank0", env={"DSM_CRASH_AT": f"{point}:{k}"})
-        for it in ([2] if q else [1, 2, 3]):
-            self.crash("after_commit", f"launcher kill at tracker>={it}", "all", ["--slow-write-ms", "20"],
-                       kill_when=lambda root, it=it: (read_tracker(root) or 0) >= it)
+        for it in [2] if q else [1, 2, 3]:
+            self.crash(
+                "after_commit",
+                f"launcher kill at tracker>={it}",
+                "all",
+                ["--slow-write-ms", "20"],
+                kill_when=lambda root, it=it: (read_tracker(root) or 0) >= it,
+            )
 
     def restore_sweep(self) -> None:
         """Kills during the load of a big checkpoint; the checkpoint must load afterwards, exactly."""
@@ -183,10 +196,16 @@ class Sweep:
         injections = []
         for who in ("all", "rank1"):
             kill_rank = [] if who == "all" else ["--kill-rank", "1"]
-            for ms in ([40] if q else [10, 40, 80, 150]):
-                injections.append((f"SIGKILL load+{ms}ms", who, ["--slow-restore-ms", "20", "--kill-at", "load",
-                                                                  "--kill-after-ms", str(ms), *kill_rank], None))
-            for n in ([3] if q else [1, 5]):
+            for ms in [40] if q else [10, 40, 80, 150]:
+                injections.append(
+                    (
+                        f"SIGKILL load+{ms}ms",
+                        who,
+                        ["--slow-restore-ms", "20", "--kill-at", "load", "--kill-after-ms", str(ms), *kill_rank],
+                        None,
+                    )
+                )
+            for n in [3] if q else [1, 5]:
                 env = {"DSM_CRASH_AT": f"restore:{n}", **({} if who == "all" else {"DSM_CRASH_RANK": "1"})}
                 injections.append((f"restore:{n}", who, [], env))
         for label, who, extra, env in injections:
@@ -196,11 +215,18 @@ class Sweep:
             lines = fw.read_progress(progress, 2)
             mid = [("load_start" in x and not any(y.startswith("load_done") for y in x)) for x in lines]
             if not o.killed:
-                o.detail = "not reached (no rank was killed: crash point not placed?)" if env else "missed (load ended first)"
+                o.detail = (
+                    "not reached (no rank was killed: crash point not placed?)" if env else "missed (load ended first)"
+                )
             else:
                 check = self.launch(["load", "--root", root, *big])
-                ok = all(r["returncode"] == 0 and r["result"] and r["result"].get("iteration") == 2
-                         and r["result"].get("exact") for r in check)  # fmt: skip
+                ok = all(
+                    r["returncode"] == 0
+                    and r["result"]
+                    and r["result"].get("iteration") == 2
+                    and r["result"].get("exact")
+                    for r in check
+                )
                 o.resumed, o.lost = ok, not ok
                 o.detail = f"killed mid-load on ranks {[i for i, m in enumerate(mid) if m]}; reload {'exact' if ok else 'FAILED'}"
             self.log(o)
@@ -213,16 +239,34 @@ class Sweep:
     def demo_sweep(self) -> None:
         q = self.args.quick
         print("demo trainer: crash, restart, bit-exact comparison with an uninterrupted run", flush=True)
-        model = ["--num-layers", "2", "--hidden-size", "64", "--seq-length", "32", "--vocab-size", "256", "--train-iters", "8"]
+        model = [
+            "--num-layers",
+            "2",
+            "--hidden-size",
+            "64",
+            "--seq-length",
+            "32",
+            "--vocab-size",
+            "256",
+            "--train-iters",
+            "8",
+        ]
         lazy = [*model, "--lazy-ckpt", "--lazy-ckpt-host-cache-gb", "0.002", "--lazy-ckpt-keep-last", "2"]
         demo = "datastates_megatron.demo.train"
         d = self.fresh("demo")
         ref = run_ranks(demo, 2, [*model, "--log-json", os.path.join(d, "ref")], timeout=600)
         assert all(r["returncode"] == 0 for r in ref), [r["stderr"][-2000:] for r in ref]
         reference = [json.load(open(os.path.join(d, f"ref.rank{r}.json"))) for r in range(2)]
-        points = [("flush:3", "all"), ("flush:12", "rank1"), ("before_finish:4", "all"), ("before_manifest:3", "rank0"),
-                  ("before_tracker:3", "rank0"), ("retention:2", "rank0"), ("retention_files:1", "rank0"),
-                  ("restore:3", "all")]  # fmt: skip
+        points = [
+            ("flush:3", "all"),
+            ("flush:12", "rank1"),
+            ("before_finish:4", "all"),
+            ("before_manifest:3", "rank0"),
+            ("before_tracker:3", "rank0"),
+            ("retention:2", "rank0"),
+            ("retention_files:1", "rank0"),
+            ("restore:3", "all"),
+        ]
         if q:
             points = points[1:2] + points[4:5]
         for point, who in points:
@@ -299,9 +343,12 @@ class Sweep:
                     if outcome == "silent" and len(silent_examples) < 8:
                         silent_examples.append(f"manifest of iteration {it}: {key} {chr(text[at])!r} -> {c!r}")
         shutil.rmtree(d, ignore_errors=True)
-        return {"trials": trials + sum(sum(c.values()) for c in fields.values()),
-                "by_place": {k: dict(v) for k, v in stats.items()},
-                "manifest_fields": {k: dict(v) for k, v in fields.items()}, "silent_examples": silent_examples}
+        return {
+            "trials": trials + sum(sum(c.values()) for c in fields.values()),
+            "by_place": {k: dict(v) for k, v in stats.items()},
+            "manifest_fields": {k: dict(v) for k, v in fields.items()},
+            "silent_examples": silent_examples,
+        }
 
     @staticmethod
     def _flip_random(root: str, rng: random.Random) -> tuple[str, str]:
@@ -369,8 +416,13 @@ class Sweep:
         print("memory: 128 MiB state, 4 MiB host cache, 4 saves in flight, slow storage", flush=True)
         d = self.fresh("memory")
         env = dict(os.environ, PYTHONPATH=ROOT)
-        done = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "faults", "memory_worker.py"), "--root",
-                               os.path.join(d, "c")], env=env, capture_output=True, text=True, timeout=600)  # fmt: skip
+        done = subprocess.run(
+            [sys.executable, os.path.join(ROOT, "tests", "faults", "memory_worker.py"), "--root", os.path.join(d, "c")],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
         shutil.rmtree(d, ignore_errors=True)
         if done.returncode != 0:
             return {"error": done.stderr[-2000:]}
@@ -388,8 +440,23 @@ class Sweep:
                 return [{"skipped": why}]
             try:
                 root = os.path.join(fs, "ckpt")
-                res = self.launch(["fulldisk", "--root", root, "--big", "3000000", "--cache-kb", "4096", "--keep-last",
-                                   "2", "--on-error", on_error, "--fill", fill])  # fmt: skip
+                res = self.launch(
+                    [
+                        "fulldisk",
+                        "--root",
+                        root,
+                        "--big",
+                        "3000000",
+                        "--cache-kb",
+                        "4096",
+                        "--keep-last",
+                        "2",
+                        "--on-error",
+                        on_error,
+                        "--fill",
+                        fill,
+                    ]
+                )
                 r = [x["result"] for x in res]
                 row = {"fill": fill, "on_error": on_error, "rc": [x["returncode"] for x in res]}
                 if all(r):
@@ -403,7 +470,9 @@ class Sweep:
                     )
                 out.append(row)
                 status = "ok" if all(r) and row["committed"] == [[1, 3], [1, 3]] and not row["partial_left"] else "FAIL"
-                print(f"  [{status:<4}] full disk at {fill:<8} on_error={on_error:<5} {json.dumps(row)[:260]}", flush=True)
+                print(
+                    f"  [{status:<4}] full disk at {fill:<8} on_error={on_error:<5} {json.dumps(row)[:260]}", flush=True
+                )
             finally:
                 unmount(fs)
         return out
@@ -416,8 +485,8 @@ def _value_ends(text: bytes):
     out = []
     for line_start, line in _lines(text):
         stripped = line.strip()
-        depth = (len(line) - len(line.lstrip(b" ")))
-        del path[max(0, depth - 1):]
+        depth = len(line) - len(line.lstrip(b" "))
+        del path[max(0, depth - 1) :]
         if b'": ' in stripped:
             key = stripped.split(b'": ', 1)[0].strip(b'"').decode()
             value = stripped.split(b'": ', 1)[1]
@@ -450,14 +519,20 @@ def summarize(sweep: Sweep, corruption: dict | None, memory: dict | None, disk: 
         row["lost"] += o.lost
         row["not reached"] += not o.killed
     print("\n================ fault sweep summary ================")
-    print(f"{'phase':<15}{'injections':>11}{'killed':>8}{'1 rank':>8}{'all':>6}{'resumed ok':>12}{'data lost':>11}{'not reached':>13}")
+    print(
+        f"{'phase':<15}{'injections':>11}{'killed':>8}{'1 rank':>8}{'all':>6}{'resumed ok':>12}{'data lost':>11}{'not reached':>13}"
+    )
     tot = collections.Counter()
     for phase, row in by_phase.items():
         tot.update(row)
-        print(f"{phase:<15}{row['tried']:>11}{row['killed']:>8}{row['one rank']:>8}{row['all ranks']:>6}"
-              f"{row['resumed']:>12}{row['lost']:>11}{row['not reached']:>13}")  # fmt: skip
-    print(f"{'total':<15}{tot['tried']:>11}{tot['killed']:>8}{tot['one rank']:>8}{tot['all ranks']:>6}"
-          f"{tot['resumed']:>12}{tot['lost']:>11}{tot['not reached']:>13}")  # fmt: skip
+        print(
+            f"{phase:<15}{row['tried']:>11}{row['killed']:>8}{row['one rank']:>8}{row['all ranks']:>6}"
+            f"{row['resumed']:>12}{row['lost']:>11}{row['not reached']:>13}"
+        )
+    print(
+        f"{'total':<15}{tot['tried']:>11}{tot['killed']:>8}{tot['one rank']:>8}{tot['all ranks']:>6}"
+        f"{tot['resumed']:>12}{tot['lost']:>11}{tot['not reached']:>13}"
+    )
     summary = {"phases": {k: dict(v) for k, v in by_phase.items()}, "total": dict(tot), "wall_s": wall}
     if corruption:
         agg = collections.Counter()
@@ -466,8 +541,10 @@ def summarize(sweep: Sweep, corruption: dict | None, memory: dict | None, disk: 
             agg.update(c)
             print(f"  {place:<15} {c.get('detected', 0):>4} / {c.get('harmless', 0):>3} / {c.get('silent', 0):>3}")
         tried = sum(agg.values())
-        print(f"corruptions detected / tried: {agg['detected']} / {tried}  (harmless, nothing reads those bits: "
-              f"{agg['harmless']}; silent: {agg['silent']})")  # fmt: skip
+        print(
+            f"corruptions detected / tried: {agg['detected']} / {tried}  (harmless, nothing reads those bits: "
+            f"{agg['harmless']}; silent: {agg['silent']})"
+        )
         if corruption.get("manifest_fields"):
             print("  manifest, every value-preserving flip per field: detected / harmless / silent")
             for key, c in sorted(corruption["manifest_fields"].items()):
@@ -479,29 +556,43 @@ def summarize(sweep: Sweep, corruption: dict | None, memory: dict | None, disk: 
         if "error" in memory:
             print(f"\nmemory worker failed: {memory['error'][-500:]}")
         else:
-            print(f"\nmax RSS growth while saving: {memory['save_growth'] / MiB:.1f} MiB vs host-cache budget "
-                  f"{memory['cache_bytes'] / MiB:.0f} MiB (+ stated constant 32 MiB) for a {memory['state_bytes'] / MiB:.0f} MiB "
-                  f"state, {memory['saves']} saves, cache peak {memory['cache_peak_used'] / MiB:.1f} MiB, "
-                  f"backpressure wait {memory['cache_wait_s']:.2f} s; load adds {memory['load_growth'] / MiB:.0f} MiB "
-                  f"of mapped (file-backed, reclaimable) pages")  # fmt: skip
+            print(
+                f"\nmax RSS growth while saving: {memory['save_growth'] / MiB:.1f} MiB vs host-cache budget "
+                f"{memory['cache_bytes'] / MiB:.0f} MiB (+ stated constant 32 MiB) for a {memory['state_bytes'] / MiB:.0f} MiB "
+                f"state, {memory['saves']} saves, cache peak {memory['cache_peak_used'] / MiB:.1f} MiB, "
+                f"backpressure wait {memory['cache_wait_s']:.2f} s; load adds {memory['load_growth'] / MiB:.0f} MiB "
+                f"of mapped (file-backed, reclaimable) pages"
+            )
         summary["memory"] = memory
     if disk:
         if "skipped" in disk[0]:
             print(f"\nfull disk: skipped ({disk[0]['skipped']})")
         else:
-            good = [d for d in disk if d.get("committed") == [[1, 3], [1, 3]] and not d.get("partial_left")
-                    and d.get("latest_after_failure") == 1 and not d.get("iter2_loadable")]  # fmt: skip
+            good = [
+                d
+                for d in disk
+                if d.get("committed") == [[1, 3], [1, 3]]
+                and not d.get("partial_left")
+                and d.get("latest_after_failure") == 1
+                and not d.get("iter2_loadable")
+            ]
             summary["full_disk_failures"] = len(disk) - len(good)
-            print(f"\nfull disk (64 MiB tmpfs): {len(good)} / {len(disk)} scenarios as specified (previous checkpoint "
-                  f"intact and latest, nothing partial left or loadable, next save commits once space is freed)")
+            print(
+                f"\nfull disk (64 MiB tmpfs): {len(good)} / {len(disk)} scenarios as specified (previous checkpoint "
+                f"intact and latest, nothing partial left or loadable, next save commits once space is freed)"
+            )
             for d in disk:
                 if d not in good:
-                    print(f"  not as specified: ENOSPC at the {d['fill']}, on_error={d['on_error']}: committed "
-                          f"{d.get('committed')}, left in iter_0000002: {d.get('partial_left')}")
+                    print(
+                        f"  not as specified: ENOSPC at the {d['fill']}, on_error={d['on_error']}: committed "
+                        f"{d.get('committed')}, left in iter_0000002: {d.get('partial_left')}"
+                    )
         summary["full_disk"] = disk
     silent = sum(c.get("silent", 0) for c in (corruption or {"by_place": {}})["by_place"].values())
-    print(f"\ndata lost = {tot['lost']} (restarts that lost an acknowledged commit or could not load); "
-          f"silent corruptions = {silent}")
+    print(
+        f"\ndata lost = {tot['lost']} (restarts that lost an acknowledged commit or could not load); "
+        f"silent corruptions = {silent}"
+    )
     print(f"wall time {wall:.0f} s")
     summary["data_lost"] = tot["lost"]
     summary["silent_corruptions"] = silent

@@ -22,6 +22,6 @@ stamp=.venv/.dsm-installed
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ scripts/requirements-megatron-lm.txt -nt "$stamp" ]; then
   python -m pip install -q --upgrade pip
   python -m pip install -q "torch==2.13.0"
-  python -m pip install -q -e ".[megatron,test,bench]" "megatron-core==0.16.1" -r scripts/requirements-megatron-lm.txt
+  python -m pip install -q -e ".[megatron,test,bench]" "megatron-core==0.16.1" "ruff==0.14.8" -r scripts/requirements-megatron-lm.txt
   touch "$stamp"
 fi

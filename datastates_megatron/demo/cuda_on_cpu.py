@@ -112,8 +112,9 @@ _DEFAULT_STREAM = _FakeStream()
 class _FakeEvent:
     """Stand-in for ``torch.cuda.Event``; ``elapsed_time`` measures wall-clock ms."""
 
-    def __init__(self, enable_timing: bool = False, blocking: bool = False,
-                 interprocess: bool = False, **_: Any) -> None:
+    def __init__(
+        self, enable_timing: bool = False, blocking: bool = False, interprocess: bool = False, **_: Any
+    ) -> None:
         self._t: float | None = None
 
     def record(self, stream: Any = None) -> None:
@@ -208,8 +209,7 @@ def _patch_torch_cuda() -> None:
     c.stream = _stream_ctx
     c.device = _FakeDeviceCtx  # type: ignore[misc]
     c.nvtx = _FakeNvtx  # type: ignore[assignment]
-    for name in ("memory_allocated", "max_memory_allocated", "memory_reserved",
-                 "max_memory_reserved"):
+    for name in ("memory_allocated", "max_memory_allocated", "memory_reserved", "max_memory_reserved"):
         setattr(c, name, _zero_fn(name))
     c.memory_stats = lambda device=None: {}
     c.reset_peak_memory_stats = _noop_fn("reset_peak_memory_stats")
@@ -246,13 +246,11 @@ def _cpu_manual_seed(seed: int) -> None:
     torch.default_generator.manual_seed(int(seed))
 
 
-def _megatron_get_cuda_rng_state(device: Any = "cuda", clone: bool = False,
-                                 graph_safe: bool = False) -> torch.Tensor:
+def _megatron_get_cuda_rng_state(device: Any = "cuda", clone: bool = False, graph_safe: bool = False) -> torch.Tensor:
     return torch.default_generator.get_state()
 
 
-def _megatron_set_cuda_rng_state(new_state: torch.Tensor, device: int = -1,
-                                 graph_safe: bool = False) -> None:
+def _megatron_set_cuda_rng_state(new_state: torch.Tensor, device: int = -1, graph_safe: bool = False) -> None:
     torch.default_generator.set_state(new_state)
 
 
@@ -314,7 +312,7 @@ class _CudaToCpuMode(TorchFunctionMode):
         if func is _TENSOR_TYPE and len(args) == 1 and not kwargs:
             name = func(*args)
             if name.startswith("torch.") and not name.startswith("torch.cuda."):
-                return "torch.cuda." + name[len("torch."):]
+                return "torch.cuda." + name[len("torch.") :]
             return name
         if "device" in kwargs and _is_cuda_device(kwargs["device"]):
             kwargs = dict(kwargs, device="cpu")

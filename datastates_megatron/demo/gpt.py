@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import os
 from datetime import timedelta
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
@@ -49,8 +49,7 @@ def _on_cpu() -> bool:
 # --------------------------------------------------------------------------- #
 # process groups
 # --------------------------------------------------------------------------- #
-def init_distributed(seed: int = 1234, *, timeout_s: float = 120.0,
-                     num_threads: Optional[int] = 1) -> None:
+def init_distributed(seed: int = 1234, *, timeout_s: float = 120.0, num_threads: int | None = 1) -> None:
     """Initialise torch.distributed and megatron's parallel state (TP=PP=1).
 
     Reads ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT`` (and
@@ -129,7 +128,7 @@ def build(
     clip_grad: float = 1.0,
     overlap_grad_reduce: bool = False,
     overlap_param_gather: bool = False,
-    bucket_size: Optional[int] = None,
+    bucket_size: int | None = None,
 ) -> tuple[list[Any], Any]:
     """Build ``([DistributedDataParallel(GPTModel)], megatron optimizer)``.
 
@@ -216,9 +215,15 @@ def build(
     return model_chunks, optimizer
 
 
-def make_scheduler(optimizer: Any, *, lr: float = 1e-3, init_lr: Optional[float] = None,
-                   warmup_steps: int = 2, decay_steps: int = 1000,
-                   weight_decay: float = 0.01) -> Any:
+def make_scheduler(
+    optimizer: Any,
+    *,
+    lr: float = 1e-3,
+    init_lr: float | None = None,
+    warmup_steps: int = 2,
+    decay_steps: int = 1000,
+    weight_decay: float = 0.01,
+) -> Any:
     """An ``OptimizerParamScheduler`` (linear warmup from ``init_lr`` (default
     ``lr/10``), cosine decay to ``lr/10``), or None if megatron-core lacks it.
 
@@ -266,8 +271,9 @@ def _mix(*xs: int) -> int:
     return h & ((1 << 63) - 1)
 
 
-def batch(iteration: int, rank: int, *, seed: int = 1234, micro_batch_size: int = 4,
-          seq_len: int = 32, vocab: int = 256) -> dict[str, torch.Tensor]:
+def batch(
+    iteration: int, rank: int, *, seed: int = 1234, micro_batch_size: int = 4, seq_len: int = 32, vocab: int = 256
+) -> dict[str, torch.Tensor]:
     """Deterministic synthetic batch that depends only on (seed, iteration, rank).
 
     Each row is an arithmetic progression mod ``vocab`` with a random start and a
@@ -297,8 +303,7 @@ def _device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device())
 
 
-def train_step(model_chunks: list[Any], optimizer: Any, data: dict[str, Any],
-               scheduler: Any = None) -> float:
+def train_step(model_chunks: list[Any], optimizer: Any, data: dict[str, Any], scheduler: Any = None) -> float:
     """One Megatron-style training step; returns the loss averaged over DP ranks.
 
     Order (as in Megatron-LM ``train_step`` for one microbatch):

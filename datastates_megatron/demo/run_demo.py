@@ -52,11 +52,20 @@ def kill_tree(proc: subprocess.Popen) -> None:
     psutil.wait_procs(procs, timeout=30)
 
 
-def _launch(workdir: str, name: str, nproc: int, train_args: list[str], kill_after: int | None = None,
-            timeout: float = 900) -> int:  # fmt: skip
+def _launch(
+    workdir: str, name: str, nproc: int, train_args: list[str], kill_after: int | None = None, timeout: float = 900
+) -> int:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           "-m", "datastates_megatron.demo.train", *train_args]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={nproc}",
+        "-m",
+        "datastates_megatron.demo.train",
+        *train_args,
+    ]
     log_path = os.path.join(workdir, f"{name}.log")
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
@@ -97,8 +106,19 @@ def main(argv=None) -> int:
     os.makedirs(a.workdir)
     w = a.workdir
     common = [*a.model.split(), "--train-iters", str(a.iters), *(["--bf16"] if a.bf16 else [])]
-    lazy = ["--lazy-ckpt", "--save", os.path.join(w, "ckpt"), "--save-interval", "1",
-            "--lazy-ckpt-host-cache-gb", "0.25", "--lazy-ckpt-flush-threads", "2", "--lazy-ckpt-keep-last", "2"]  # fmt: skip
+    lazy = [
+        "--lazy-ckpt",
+        "--save",
+        os.path.join(w, "ckpt"),
+        "--save-interval",
+        "1",
+        "--lazy-ckpt-host-cache-gb",
+        "0.25",
+        "--lazy-ckpt-flush-threads",
+        "2",
+        "--lazy-ckpt-keep-last",
+        "2",
+    ]
 
     print(f"[1/3] reference run: {a.iters} iterations on {a.nproc} CPU ranks, no checkpointing")
     _launch(w, "reference", a.nproc, [*common, "--log-json", os.path.join(w, "reference")])
@@ -116,9 +136,13 @@ def main(argv=None) -> int:
     same_state = all(r["digest"] == q["digest"] for r, q in zip(ref, res))
     n_tensors = len(res[0]["digest"])
     print(f"\nresumed from iteration {start} (latest committed when killed: >= {a.kill_after})")
-    print(f"losses after resume equal the uninterrupted run to the bit: {same_loss} "
-          f"({len(res_loss)} iterations, e.g. it {max(res_loss)}: {res_loss[max(res_loss)]!r} vs {ref_loss[max(res_loss)]!r})")  # fmt: skip
-    print(f"final parameters + optimizer state equal to the bit on every rank: {same_state} ({n_tensors} tensors on rank 0)")
+    print(
+        f"losses after resume equal the uninterrupted run to the bit: {same_loss} "
+        f"({len(res_loss)} iterations, e.g. it {max(res_loss)}: {res_loss[max(res_loss)]!r} vs {ref_loss[max(res_loss)]!r})"
+    )
+    print(
+        f"final parameters + optimizer state equal to the bit on every rank: {same_state} ({n_tensors} tensors on rank 0)"
+    )
 
     skip = 2  # first iterations after start-up are warm-up
     t_ref = statistics.median(x["iter_s"] for x in ref[0]["iterations"][skip:])
@@ -130,7 +154,10 @@ def main(argv=None) -> int:
     rows = [
         ("iteration time, no checkpointing (median)", f"{t_ref * 1e3:.1f} ms"),
         ("iteration time, checkpoint every iteration", f"{t_ckpt * 1e3:.1f} ms ({t_ckpt / t_ref:.3f}x)"),
-        ("training stall per checkpoint (median)", f"{stall * 1e3:.2f} ms ({stall / t_ckpt * 100:.1f}% of an iteration)"),
+        (
+            "training stall per checkpoint (median)",
+            f"{stall * 1e3:.2f} ms ({stall / t_ckpt * 100:.1f}% of an iteration)",
+        ),
         ("bytes per rank per checkpoint", ", ".join(f"{b / 1e6:.1f} MB" for b in per_rank)),
         ("flush throughput (median, save -> fsynced)", f"{flush:.2f} GB/s"),
         ("checkpoints committed after resume", f"{len(res[0]['commits'])}"),

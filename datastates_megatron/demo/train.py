@@ -63,10 +63,19 @@ def main(argv=None) -> int:
     validate_lazy_ckpt_args(args)
     gpt.init_distributed(seed=args.seed)
     rank = int(os.environ.get("RANK", "0"))
-    logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING,
-                        format=f"[rank {rank}] %(asctime)s %(name)s: %(message)s")  # fmt: skip
-    chunks, optimizer = gpt.build(args.num_layers, args.hidden_size, args.num_attention_heads, args.seq_length,
-                                  args.vocab_size, bf16=args.bf16, seed=args.seed, lr=args.lr)  # fmt: skip
+    logging.basicConfig(
+        level=logging.INFO if rank == 0 else logging.WARNING, format=f"[rank {rank}] %(asctime)s %(name)s: %(message)s"
+    )
+    chunks, optimizer = gpt.build(
+        args.num_layers,
+        args.hidden_size,
+        args.num_attention_heads,
+        args.seq_length,
+        args.vocab_size,
+        bf16=args.bf16,
+        seed=args.seed,
+        lr=args.lr,
+    )
     scheduler = gpt.make_scheduler(optimizer, lr=args.lr, decay_steps=max(args.train_iters, 10))
     ckpt = None
     records: dict = {"rank": rank, "iterations": [], "commits": [], "resumed_from": None}
@@ -76,9 +85,16 @@ def main(argv=None) -> int:
         ckpt = LazyCheckpointer(chunks, optimizer, config_from_args(args), opt_param_scheduler=scheduler)
         ckpt.on_commit.append(
             lambda rec, stall: records["commits"].append(
-                {"iteration": rec.iteration, "bytes_per_rank": list(rec.bytes_per_rank), "stall_s": stall,
-                 "save_call_s": rec.save_call_s, "copy_s": rec.copy_s, "flush_s": rec.flush_s, "commit_s": rec.commit_s,
-                 "flush_gbps": rec.flush_gbps}  # fmt: skip
+                {
+                    "iteration": rec.iteration,
+                    "bytes_per_rank": list(rec.bytes_per_rank),
+                    "stall_s": stall,
+                    "save_call_s": rec.save_call_s,
+                    "copy_s": rec.copy_s,
+                    "flush_s": rec.flush_s,
+                    "commit_s": rec.commit_s,
+                    "flush_gbps": rec.flush_gbps,
+                }
             )
         )
     start = 0
@@ -104,8 +120,14 @@ def main(argv=None) -> int:
     last = start
     for it in range(start + 1, args.train_iters + 1):
         t0 = time.perf_counter()
-        data = gpt.batch(it, dp, seed=args.seed, micro_batch_size=args.micro_batch_size, seq_len=args.seq_length,
-                         vocab=args.vocab_size)  # fmt: skip
+        data = gpt.batch(
+            it,
+            dp,
+            seed=args.seed,
+            micro_batch_size=args.micro_batch_size,
+            seq_len=args.seq_length,
+            vocab=args.vocab_size,
+        )
         loss = gpt.train_step(chunks, optimizer, data, scheduler=scheduler)
         t_step = time.perf_counter() - t0
         save_s = 0.0
@@ -116,8 +138,9 @@ def main(argv=None) -> int:
         if ckpt is not None:
             ckpt.poll()
         last = it
-        records["iterations"].append({"iteration": it, "loss": loss, "step_s": t_step, "save_s": save_s,
-                                      "iter_s": time.perf_counter() - t0})  # fmt: skip
+        records["iterations"].append(
+            {"iteration": it, "loss": loss, "step_s": t_step, "save_s": save_s, "iter_s": time.perf_counter() - t0}
+        )
         if rank == 0 and (it % 5 == 0 or it == args.train_iters):
             print(f"iteration {it:6d} | loss {loss:.6f} | {1e3 * (time.perf_counter() - t0):.1f} ms", flush=True)
         if stop["signal"] or it == args.exit_after_iteration:

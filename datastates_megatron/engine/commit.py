@@ -25,14 +25,24 @@ import torch
 
 from .errors import CacheTimeoutError, CommitError
 from .faults import crash_point
-from .manifest import Manifest, RankRecord, iter_dir, parse_rank_file_name, rank_file_name, write_manifest, write_tracker
+from .manifest import (
+    Manifest,
+    RankRecord,
+    iter_dir,
+    parse_rank_file_name,
+    rank_file_name,
+    write_manifest,
+    write_tracker,
+)
 from .retention import delete_checkpoint, select_deletions, trim_recycled, unlink_ours
 from .threads import QueueThread
 
 __all__ = ["Committer", "Ticket", "CommitRecord"]
 
 log = logging.getLogger(__name__)
-_FIELDS = 11  # ok, iteration, seq, file_bytes, data_bytes, n_tensors, index_xxh64, header_xxh64, copy_us, flush_us, call_us
+_FIELDS = (
+    11  # ok, iteration, seq, file_bytes, data_bytes, n_tensors, index_xxh64, header_xxh64, copy_us, flush_us, call_us
+)
 
 
 def _to_i64(u: int) -> int:
@@ -158,15 +168,21 @@ class Committer(QueueThread):
         timeout = self._timeout if timeout is None else timeout
         with self._idle:
             if not self._idle.wait_for(lambda: not self._outstanding, timeout):
-                raise CacheTimeoutError(f"rank {self.rank}: {len(self._outstanding)} checkpoint(s) not committed after {timeout:.0f}s")
+                raise CacheTimeoutError(
+                    f"rank {self.rank}: {len(self._outstanding)} checkpoint(s) not committed after {timeout:.0f}s"
+                )
 
     # ------------------------------------------------------------------ commit thread
     def _handle(self, ticket: Ticket) -> None:
         try:
             self._commit(ticket)
         except BaseException as e:  # noqa: BLE001 - stored, re-raised on the training thread
-            err = e if isinstance(e, CommitError) else CommitError(
-                f"rank {self.rank}: iteration {ticket.iteration}: commit failed: {e!r}; nothing committed"
+            err = (
+                e
+                if isinstance(e, CommitError)
+                else CommitError(
+                    f"rank {self.rank}: iteration {ticket.iteration}: commit failed: {e!r}; nothing committed"
+                )
             )
             if err is not e:
                 err.__cause__ = e
@@ -184,9 +200,19 @@ class Committer(QueueThread):
             r = ticket.durable.result(timeout=self._timeout)
         except BaseException:  # noqa: BLE001 - the engine already stored and logged this rank's error
             return status
-        values = [1, ticket.iteration, ticket.seq, r.file_bytes, r.data_bytes, r.n_tensors,
-                  _to_i64(r.index_xxh64), _to_i64(r.header_xxh64),
-                  int(r.copy_s * 1e6), int(r.flush_s * 1e6), int(r.save_call_s * 1e6)]  # fmt: skip
+        values = [
+            1,
+            ticket.iteration,
+            ticket.seq,
+            r.file_bytes,
+            r.data_bytes,
+            r.n_tensors,
+            _to_i64(r.index_xxh64),
+            _to_i64(r.header_xxh64),
+            int(r.copy_s * 1e6),
+            int(r.flush_s * 1e6),
+            int(r.save_call_s * 1e6),
+        ]
         return torch.tensor(values, dtype=torch.int64)
 
     def _commit(self, ticket: Ticket) -> None:
@@ -221,8 +247,15 @@ class Committer(QueueThread):
                     world_size=self.world_size,
                     run_token=self._token,
                     ranks=tuple(
-                        RankRecord(i, rank_file_name(i, ticket.token or self._token, ticket.seq), int(r[3]), int(r[4]), int(r[5]),
-                                   _to_u64(int(r[6])), _to_u64(int(r[7])))  # fmt: skip
+                        RankRecord(
+                            i,
+                            rank_file_name(i, ticket.token or self._token, ticket.seq),
+                            int(r[3]),
+                            int(r[4]),
+                            int(r[5]),
+                            _to_u64(int(r[6])),
+                            _to_u64(int(r[7])),
+                        )
                         for i, r in enumerate(rows)
                         if i in self._writes
                     ),
@@ -259,8 +292,13 @@ class Committer(QueueThread):
             try:
                 write_tracker(self.root, ticket.iteration)
             except OSError as e:
-                log.warning("rank %d: iteration %d is committed but %s could not update the tracker: %s",
-                            self.rank, ticket.iteration, self.root, e)  # fmt: skip
+                log.warning(
+                    "rank %d: iteration %d is committed but %s could not update the tracker: %s",
+                    self.rank,
+                    ticket.iteration,
+                    self.root,
+                    e,
+                )
         bytes_per_rank = tuple(int(r[4]) for r in rows)
         record = CommitRecord(
             iteration=ticket.iteration,
@@ -292,11 +330,17 @@ class Committer(QueueThread):
             trim_recycled(self.root, keep=2 * len(self._writes))  # two checkpoints' worth
         # files of an older save of the same iteration, now superseded by this manifest
         d = iter_dir(self.root, just_committed.iteration)
-        pending_names = {rank_file_name(r, t.token or self._token, t.seq) for t in self._snapshot_outstanding() for r in self._writes}
+        pending_names = {
+            rank_file_name(r, t.token or self._token, t.seq) for t in self._snapshot_outstanding() for r in self._writes
+        }
         current = {rank_file_name(r, just_committed.token or self._token, just_committed.seq) for r in self._writes}
         for name in os.listdir(d):
-            if parse_rank_file_name(name) is not None and name not in current and name not in pending_names \
-                    and not self._newer_save_of_this_run(name, just_committed.seq):
+            if (
+                parse_rank_file_name(name) is not None
+                and name not in current
+                and name not in pending_names
+                and not self._newer_save_of_this_run(name, just_committed.seq)
+            ):
                 unlink_ours(os.path.join(d, name))
 
     def _newer_save_of_this_run(self, name: str, seq: int) -> bool:

@@ -82,10 +82,17 @@ class SaveDirLock:
 
     def _write_holder(self) -> None:
         started = time.time()
-        line = json.dumps({
-            "host": socket.gethostname(), "pid": os.getpid(), "started": started,
-            "started_iso": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(started)),
-        }) + "\n"  # fmt: skip
+        line = (
+            json.dumps(
+                {
+                    "host": socket.gethostname(),
+                    "pid": os.getpid(),
+                    "started": started,
+                    "started_iso": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(started)),
+                }
+            )
+            + "\n"
+        )
         try:
             os.ftruncate(self._fd, 0)
             os.pwrite(self._fd, line.encode("utf-8"), 0)

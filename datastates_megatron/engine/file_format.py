@@ -46,11 +46,24 @@ HEADER_BYTES = 4096
 _HEADER = struct.Struct("<8sII" + "Q" * 11)  # magic, version, flags, 11 u64 fields
 
 _DTYPES = [
-    torch.float32, torch.float64, torch.float16, torch.bfloat16,
-    torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8, torch.bool,
-    torch.complex64, torch.complex128, torch.float8_e4m3fn, torch.float8_e5m2,
-    torch.uint16, torch.uint32, torch.uint64,
-]  # fmt: skip
+    torch.float32,
+    torch.float64,
+    torch.float16,
+    torch.bfloat16,
+    torch.int8,
+    torch.int16,
+    torch.int32,
+    torch.int64,
+    torch.uint8,
+    torch.bool,
+    torch.complex64,
+    torch.complex128,
+    torch.float8_e4m3fn,
+    torch.float8_e5m2,
+    torch.uint16,
+    torch.uint32,
+    torch.uint64,
+]
 _CODE = {d: i for i, d in enumerate(_DTYPES)}
 
 
@@ -83,10 +96,21 @@ class Header:
 
     def pack(self) -> bytes:
         body = _HEADER.pack(
-            MAGIC, self.version, 0, self.data_offset, self.data_bytes, self.index_offset, self.index_bytes,
-            self.index_xxh64, self.objects_offset, self.objects_bytes, self.objects_xxh64, self.chunk_bytes,
-            self.n_tensors, self.file_bytes,
-        )  # fmt: skip
+            MAGIC,
+            self.version,
+            0,
+            self.data_offset,
+            self.data_bytes,
+            self.index_offset,
+            self.index_bytes,
+            self.index_xxh64,
+            self.objects_offset,
+            self.objects_bytes,
+            self.objects_xxh64,
+            self.chunk_bytes,
+            self.n_tensors,
+            self.file_bytes,
+        )
         body += struct.pack("<Q", xxh64(body))
         return body + b"\x00" * (HEADER_BYTES - len(body))
 
@@ -128,10 +152,16 @@ def build_index(names, dtypes, shapes, offsets, nbytes, checksums_per_tensor) ->
             raise ValueError(f"tensor {names[i]!r} has {len(s)} dims; the format stores at most {MAX_NDIM}")
         shape_arr[i, : len(s)] = s
     records = encode_index(
-        name_off, name_len, np.array([dtype_code(d) for d in dtypes], np.int64),
-        np.array([len(s) for s in shapes], np.int64), shape_arr, np.asarray(offsets, np.int64),
-        np.asarray(nbytes, np.int64), cks_first, n_cks,
-    )  # fmt: skip
+        name_off,
+        name_len,
+        np.array([dtype_code(d) for d in dtypes], np.int64),
+        np.array([len(s) for s in shapes], np.int64),
+        shape_arr,
+        np.asarray(offsets, np.int64),
+        np.asarray(nbytes, np.int64),
+        cks_first,
+        n_cks,
+    )
     all_cks = np.concatenate(checksums_per_tensor).astype(np.uint64) if len(names) else np.zeros(0, np.uint64)
     return records.astype("<u8").tobytes() + all_cks.astype("<u8").tobytes() + b"".join(encoded)
 
@@ -147,9 +177,16 @@ def _parse_index(raw: memoryview, n: int, path: str, file_bytes: int | None = No
     names = bytes(buf[rec_bytes + 8 * total_cks :])
     out = []
     for r in rec:
-        if not 0 <= r[3] <= MAX_NDIM or r[12] < 0 or r[13] < 0 or (file_bytes is not None and r[12] + r[13] > file_bytes):
-            raise CorruptCheckpointError(f"{path}: index record {len(out)} is out of range (ndim {r[3]}, bytes "
-                                         f"{r[12]}..+{r[13]} of a {file_bytes}-byte file)")  # fmt: skip
+        if (
+            not 0 <= r[3] <= MAX_NDIM
+            or r[12] < 0
+            or r[13] < 0
+            or (file_bytes is not None and r[12] + r[13] > file_bytes)
+        ):
+            raise CorruptCheckpointError(
+                f"{path}: index record {len(out)} is out of range (ndim {r[3]}, bytes "
+                f"{r[12]}..+{r[13]} of a {file_bytes}-byte file)"
+            )
         name = names[r[0] : r[0] + r[1]].decode("utf-8")
         shape = tuple(int(x) for x in r[4 : 4 + r[3]])
         out.append(TensorEntry(name, code_dtype(int(r[2])), shape, int(r[12]), int(r[13]), cks[r[14] : r[14] + r[15]]))
@@ -200,7 +237,9 @@ class RankFile:
             raise
         except (ValueError, TypeError, KeyError, IndexError, OverflowError, RecursionError) as e:
             self.close()
-            raise CorruptCheckpointError(f"{self.path}: index or objects section does not parse: {type(e).__name__}: {e}") from e
+            raise CorruptCheckpointError(
+                f"{self.path}: index or objects section does not parse: {type(e).__name__}: {e}"
+            ) from e
         self._bytes = np.frombuffer(self._mm, dtype=np.uint8)
 
     def fileno(self) -> int:

@@ -94,8 +94,9 @@ def _newer(f: ForeignCheckpoint, latest_ours: int | None, tracker: str | None) -
     return latest_ours is None or f.iteration > latest_ours
 
 
-def refuse_newer_foreign(root: str, latest_ours: int | None, *, option: str = "--save",
-                         warn: bool = True) -> list[ForeignCheckpoint]:  # fmt: skip
+def refuse_newer_foreign(
+    root: str, latest_ours: int | None, *, option: str = "--save", warn: bool = True
+) -> list[ForeignCheckpoint]:
     """Raise :class:`ForeignCheckpointError` when ``root`` holds a foreign checkpoint newer than our
     latest committed iteration ``latest_ours`` (None: we have none); log the older ones (left alone)
     when ``warn``.  Returns every foreign checkpoint found."""
@@ -116,6 +117,10 @@ def refuse_newer_foreign(root: str, latest_ours: int | None, *, option: str = "-
         )
     if warn:
         for f in found:
-            log.warning("%s: holds files not written by datastates-megatron (format %s); left alone, and a resume "
-                        "loads our latest checkpoint, not this one", f.path, f.format)  # fmt: skip
+            log.warning(
+                "%s: holds files not written by datastates-megatron (format %s); left alone, and a resume "
+                "loads our latest checkpoint, not this one",
+                f.path,
+                f.format,
+            )
     return found

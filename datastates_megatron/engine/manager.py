@@ -130,23 +130,47 @@ class CheckpointManager(ClosingContext):
                 dist.barrier(group=self._group)
             self.engine = SnapshotEngine(opts)
             self.committer = Committer(
-                self.root, rank=self.rank, world_size=self.world_size, group=self._persist_group, token=token,
-                layout=self.layout, next_commit_seq=next_seq, keep_last=keep_last, keep_every=keep_every,
-                timeout_s=opts.timeout_s, recycle=recycle_files == "all" and not self.local_root,
-            )  # fmt: skip
+                self.root,
+                rank=self.rank,
+                world_size=self.world_size,
+                group=self._persist_group,
+                token=token,
+                layout=self.layout,
+                next_commit_seq=next_seq,
+                keep_last=keep_last,
+                keep_every=keep_every,
+                timeout_s=opts.timeout_s,
+                recycle=recycle_files == "all" and not self.local_root,
+            )
             self.local_committer = self.promoter = None
             if self.local_root:
                 from .tiers import Promoter
 
-                self.promoter = Promoter(self.local_root, self.root, rank=self.rank, token=token,
-                                         interval=persist_interval, persistent=self.committer)  # fmt: skip
+                self.promoter = Promoter(
+                    self.local_root,
+                    self.root,
+                    rank=self.rank,
+                    token=token,
+                    interval=persist_interval,
+                    persistent=self.committer,
+                )
                 self.local_committer = Committer(
-                    self.local_root, rank=self.rank, world_size=self.world_size, group=self._group, token=token,
-                    layout=self.layout, next_commit_seq=local_seq, keep_last=local_keep_last, keep_every=0,
-                    timeout_s=opts.timeout_s, tier="local", node_ranks=self.node_ranks,
-                    on_commit=self.promoter.on_local_commit, protect=self._promotions_pending,
+                    self.local_root,
+                    rank=self.rank,
+                    world_size=self.world_size,
+                    group=self._group,
+                    token=token,
+                    layout=self.layout,
+                    next_commit_seq=local_seq,
+                    keep_last=local_keep_last,
+                    keep_every=0,
+                    timeout_s=opts.timeout_s,
+                    tier="local",
+                    node_ranks=self.node_ranks,
+                    on_commit=self.promoter.on_local_commit,
+                    protect=self._promotions_pending,
                     recycle=recycle_files != "off",
-                )  # fmt: skip
+                )
                 self._repromote()
         except BaseException:
             self._release_lock()
@@ -227,11 +251,15 @@ class CheckpointManager(ClosingContext):
             return 0
         os.makedirs(root, exist_ok=True)
         found = committed_manifests(root)
-        removed = remove_uncommitted(root, list_iterations(root), {it: {r.file for r in m.ranks} for it, m in found.items()}, set())
+        removed = remove_uncommitted(
+            root, list_iterations(root), {it: {r.file for r in m.ranks} for it, m in found.items()}, set()
+        )
         removed += remove_stale_tracker_temps(root)
         trim_recycled(root, keep=0)
         if removed:
-            log.info("rank %d: removed %d leftover(s) of uncommitted checkpoints under %s", self.rank, len(removed), root)
+            log.info(
+                "rank %d: removed %d leftover(s) of uncommitted checkpoints under %s", self.rank, len(removed), root
+            )
         return max((m.commit_seq for m in found.values()), default=-1) + 1
 
     def _agree_token(self, dist) -> str:
@@ -303,8 +331,9 @@ class CheckpointManager(ClosingContext):
             self.last_commit = out[-1]
         return out
 
-    def wait(self, timeout: float | None = None, persist: bool = True,
-             promote_newest: bool = False) -> list[CommitRecord]:
+    def wait(
+        self, timeout: float | None = None, persist: bool = True, promote_newest: bool = False
+    ) -> list[CommitRecord]:
         """Block until every pending checkpoint is committed (or has failed); with a local tier and
         ``persist=True``, also until every scheduled promotion is committed on the persistent tier.
 
@@ -380,8 +409,13 @@ class CheckpointManager(ClosingContext):
                 fallback = iteration if iteration is not None else latest_committed(self.root)
             except NoCheckpointError:
                 raise e from None
-            log.warning("rank %d: restoring local checkpoint %s failed (%s); restoring persistent checkpoint %d",
-                        self.rank, chosen, e, fallback)  # fmt: skip
+            log.warning(
+                "rank %d: restoring local checkpoint %s failed (%s); restoring persistent checkpoint %d",
+                self.rank,
+                chosen,
+                e,
+                fallback,
+            )
             return self._load_from(self.root, fallback, verify)
 
     def _load_from(self, root: str, iteration: int | None, verify: bool | None) -> LoadResult:
@@ -397,10 +431,13 @@ class CheckpointManager(ClosingContext):
             raise
         try:
             stats = restore_into(
-                rf, self.engine.registered, self.rank,
-                verify=self.verify_on_load if verify is None else verify, threads=self.restore_threads,
+                rf,
+                self.engine.registered,
+                self.rank,
+                verify=self.verify_on_load if verify is None else verify,
+                threads=self.restore_threads,
                 agree=self._agree,
-            )  # fmt: skip
+            )
             objects = rf.objects["objects"]
         finally:
             rf.close()
@@ -530,6 +567,3 @@ class CheckpointManager(ClosingContext):
     def _check_open(self) -> None:
         if self._closed:
             raise CheckpointError(f"rank {self.rank}: checkpoint manager is closed")
-
-
-

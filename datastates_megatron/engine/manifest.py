@@ -82,7 +82,12 @@ def parse_rank_file_name(name: str) -> tuple[int, str, int] | None:
     """``(rank, run token, save sequence)`` of a :func:`rank_file_name`, or None for another name.
     Token and sequence identify the save: every rank's file of one save shares them."""
     parts = name.removesuffix(".dsck").split("-") if name.endswith(".dsck") else []
-    if len(parts) != 3 or not parts[0].startswith("r") or not _ascii_digits(parts[0][1:]) or not _ascii_digits(parts[2]):
+    if (
+        len(parts) != 3
+        or not parts[0].startswith("r")
+        or not _ascii_digits(parts[0][1:])
+        or not _ascii_digits(parts[2])
+    ):
         return None
     return int(parts[0][1:]), parts[1], int(parts[2])
 
@@ -163,7 +168,9 @@ class Manifest:
         except (TypeError, ValueError, RecursionError) as e:
             raise CorruptCheckpointError(f"{path}: manifest cannot be checksummed: {type(e).__name__}: {e}") from e
         if type(stored) is not int or stored != actual:
-            raise CorruptCheckpointError(f"{path}: manifest checksum mismatch (stored {stored!r:.40}): the manifest was altered")
+            raise CorruptCheckpointError(
+                f"{path}: manifest checksum mismatch (stored {stored!r:.40}): the manifest was altered"
+            )
         try:
             return cls._validated(body)
         except _FieldError as e:
@@ -300,7 +307,9 @@ def read_manifest(ckpt_dir: str) -> Manifest:
     m = Manifest.from_json(data, path)
     match = _ITER_RE.match(os.path.basename(os.path.normpath(ckpt_dir)))
     if match and int(match.group(1)) != m.iteration:
-        raise CorruptCheckpointError(f"{path}: manifest is for iteration {m.iteration}, directory says {int(match.group(1))}")
+        raise CorruptCheckpointError(
+            f"{path}: manifest is for iteration {m.iteration}, directory says {int(match.group(1))}"
+        )
     return m
 
 

@@ -41,8 +41,9 @@ class _Mapped:
     def __init__(self, fd: int, size: int) -> None:
         self.fd = fd
         self.size = size
-        self.map = mmap.mmap(fd, size, mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0),
-                             mmap.PROT_READ | mmap.PROT_WRITE)
+        self.map = mmap.mmap(
+            fd, size, mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0), mmap.PROT_READ | mmap.PROT_WRITE
+        )
         self.view = np.frombuffer(self.map, dtype=np.uint8)
         self.in_use = False
 

@@ -13,9 +13,13 @@ import re
 from .manifest import MANIFEST_NAME, TRACKER_NAME, parse_rank_file_name
 
 __all__ = [
-    "LOCK_NAME", "RECYCLE_DIR", "PROMOTING_SUFFIX", "is_ours_in_iteration", "is_recycled_name",
+    "LOCK_NAME",
+    "RECYCLE_DIR",
+    "PROMOTING_SUFFIX",
+    "is_ours_in_iteration",
+    "is_recycled_name",
     "is_tracker_temp",
-]  # fmt: skip
+]
 
 LOCK_NAME = ".datastates.lock"  # the one-writer lock of a save directory (:mod:`.dirlock`)
 RECYCLE_DIR = ".recycle"  # retired rank files waiting to be overwritten (:mod:`.retention`)

@@ -60,7 +60,10 @@ def _encode(value, strict: bool, path: str):
     if isinstance(value, dict):
         if all(isinstance(k, str) for k in value) and _TAG not in value:
             return {k: _encode(v, strict, f"{path}.{k}") for k, v in value.items()}
-        return {_TAG: "dict", "v": [[_encode(k, strict, path), _encode(v, strict, f"{path}[{k!r}]")] for k, v in value.items()]}
+        return {
+            _TAG: "dict",
+            "v": [[_encode(k, strict, path), _encode(v, strict, f"{path}[{k!r}]")] for k, v in value.items()],
+        }
     if isinstance(value, bytes):
         return {_TAG: "bytes", "v": _b64(value)}
     if isinstance(value, np.ndarray):

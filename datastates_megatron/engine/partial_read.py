@@ -70,7 +70,9 @@ class PartialReader:
     def rank_file(self, rank: int) -> RankFile:
         """The (validated) file of ``rank``, opened on first use."""
         if not 0 <= rank < self.manifest.world_size:
-            raise LayoutMismatchError(f"{self.ckpt}: no rank {rank} in a checkpoint of world size {self.manifest.world_size}")
+            raise LayoutMismatchError(
+                f"{self.ckpt}: no rank {rank} in a checkpoint of world size {self.manifest.world_size}"
+            )
         with self._lock:
             if self._closed:
                 raise CorruptCheckpointError(f"{self.ckpt}: reader is closed")
@@ -122,8 +124,10 @@ class PartialReader:
         cb = rf.header.chunk_bytes
         raw = rf.raw(e)[c * cb : (c + 1) * cb]
         if c >= len(e.checksums) or int(_xxh64_impl(raw, np.uint64(0))) != int(e.checksums[c]):
-            return (f"{rf.path}: rank {rank} tensor {name!r}: checksum mismatch in chunk {c} "
-                    f"(bytes {e.offset + c * cb}..+{len(raw)})"), len(raw)  # fmt: skip
+            return (
+                f"{rf.path}: rank {rank} tensor {name!r}: checksum mismatch in chunk {c} "
+                f"(bytes {e.offset + c * cb}..+{len(raw)})"
+            ), len(raw)
         with self._lock:
             self._verified.add(key)
         return None, len(raw)
@@ -145,7 +149,9 @@ class PartialReader:
             results = list(pool.map(self._verify_chunk, keys))
         bad = [msg for msg, _ in results if msg]
         if bad:
-            raise CorruptCheckpointError(f"rank {self.rank}: {len(bad)} corrupt chunk(s) in {self.ckpt}: " + "; ".join(bad[:5]))
+            raise CorruptCheckpointError(
+                f"rank {self.rank}: {len(bad)} corrupt chunk(s) in {self.ckpt}: " + "; ".join(bad[:5])
+            )
         return sum(n for _, n in results)
 
     def read(self, r: ElementRange) -> torch.Tensor:
@@ -169,7 +175,9 @@ class PartialReader:
             if dst.numel() != r.count:
                 raise LayoutMismatchError(f"rank {self.rank}: {r} goes to a destination of {dst.numel()} elements")
             if self.entry(r.rank, r.tensor).dtype != dst.dtype:
-                raise LayoutMismatchError(f"rank {self.rank}: {r} holds {self.entry(r.rank, r.tensor).dtype}, destination is {dst.dtype}")
+                raise LayoutMismatchError(
+                    f"rank {self.rank}: {r} holds {self.entry(r.rank, r.tensor).dtype}, destination is {dst.dtype}"
+                )
         with cf.ThreadPoolExecutor(self.threads, thread_name_prefix=f"dsm-pread-r{self.rank}") as pool:
             t0 = time.perf_counter()
             stats.verified_bytes = self.verify([r for r, _ in plan], pool)

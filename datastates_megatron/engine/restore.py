@@ -66,8 +66,10 @@ def open_rank(ckpt: str, manifest: Manifest, rank: int) -> RankFile:
     except OSError as e:
         raise CorruptCheckpointError(f"{path}: rank {rank} file cannot be read: {e}") from e
     if not stat.S_ISREG(st.st_mode):  # a link may point outside the checkpoint: never followed
-        raise CorruptCheckpointError(f"{ckpt}: rank {rank} file {rec.file} is missing: {path} is "
-                                     f"{describe(st.st_mode)}, not a regular file; refusing to follow or use it")  # fmt: skip
+        raise CorruptCheckpointError(
+            f"{ckpt}: rank {rank} file {rec.file} is missing: {path} is "
+            f"{describe(st.st_mode)}, not a regular file; refusing to follow or use it"
+        )
     if st.st_size != rec.file_bytes:
         raise CorruptCheckpointError(f"{path}: rank {rank} file has {st.st_size} bytes, manifest says {rec.file_bytes}")
     try:
@@ -117,7 +119,9 @@ def check_tensor_set(rf: RankFile, targets: dict[str, torch.Tensor], rank: int) 
     for name in sorted(set(targets) & set(rf.entries)):
         e, t = rf.entries[name], targets[name]
         if e.dtype != t.dtype or e.shape != tuple(t.shape):
-            problems.append(f"tensor {name!r}: checkpoint has {e.dtype} {list(e.shape)}, model has {t.dtype} {list(t.shape)}")
+            problems.append(
+                f"tensor {name!r}: checkpoint has {e.dtype} {list(e.shape)}, model has {t.dtype} {list(t.shape)}"
+            )
     if problems:
         raise LayoutMismatchError(f"{rf.path}: rank {rank}: " + "; ".join(problems[:8]))
 
@@ -129,8 +133,9 @@ def _copy_one(rf: RankFile, name: str, dst: torch.Tensor, rank: int) -> int:
     return rf.entries[name].nbytes
 
 
-def restore_into(rf: RankFile, targets: dict[str, torch.Tensor], rank: int, *, verify: bool, threads: int = 4,
-                 agree=None) -> RestoreStats:
+def restore_into(
+    rf: RankFile, targets: dict[str, torch.Tensor], rank: int, *, verify: bool, threads: int = 4, agree=None
+) -> RestoreStats:
     """Validate then copy ``rf``'s tensors into ``targets`` in place; nothing is written on any error.
 
     ``agree(ok: bool) -> failed ranks`` (a collective) is called once validation is over on this

@@ -26,8 +26,14 @@ from .safe_io import make_dir, real_dir
 from .writer import fsync_dir
 
 __all__ = [
-    "select_deletions", "delete_checkpoint", "remove_uncommitted", "remove_stale_tracker_temps",
-    "RECYCLE_DIR", "take_recycled", "trim_recycled", "unlink_ours",
+    "select_deletions",
+    "delete_checkpoint",
+    "remove_uncommitted",
+    "remove_stale_tracker_temps",
+    "RECYCLE_DIR",
+    "take_recycled",
+    "trim_recycled",
+    "unlink_ours",
 ]
 
 log = logging.getLogger(__name__)
@@ -78,8 +84,13 @@ def _remove_our_files(d: str) -> list[str]:
 
 def _rmdir(d: str, left: list[str]) -> bool:
     if left:
-        log.warning("%s: keeps %d entr%s not written by us (%s); the directory stays", d, len(left),
-                    "y" if len(left) == 1 else "ies", ", ".join(sorted(left)[:5]))  # fmt: skip
+        log.warning(
+            "%s: keeps %d entr%s not written by us (%s); the directory stays",
+            d,
+            len(left),
+            "y" if len(left) == 1 else "ies",
+            ", ".join(sorted(left)[:5]),
+        )
         return False
     try:
         os.rmdir(d)
@@ -170,7 +181,9 @@ def trim_recycled(root: str, keep: int) -> None:
         unlink_ours(os.path.join(pool, name))
 
 
-def remove_uncommitted(root: str, iterations: list[int], referenced: dict[int, set[str]], keep_names: set[str]) -> list[str]:
+def remove_uncommitted(
+    root: str, iterations: list[int], referenced: dict[int, set[str]], keep_names: set[str]
+) -> list[str]:
     """Start-up cleanup: remove directories that never got a manifest, and files in committed
     directories that their manifest does not name (a crashed re-save).  Only our names go: a
     manifest-less directory holding anything else (a Megatron checkpoint, a user's file) is left

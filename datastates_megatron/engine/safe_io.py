@@ -25,9 +25,18 @@ import stat
 from .errors import CorruptCheckpointError, FlushError
 
 __all__ = [
-    "MANIFEST_MAX_BYTES", "TRACKER_MAX_BYTES", "describe", "open_regular", "read_capped", "open_for_write",
-    "create_temp", "reopen_same", "real_dir", "make_dir", "open_dir",
-]  # fmt: skip
+    "MANIFEST_MAX_BYTES",
+    "TRACKER_MAX_BYTES",
+    "describe",
+    "open_regular",
+    "read_capped",
+    "open_for_write",
+    "create_temp",
+    "reopen_same",
+    "real_dir",
+    "make_dir",
+    "open_dir",
+]
 
 MANIFEST_MAX_BYTES = 64 << 20  # a manifest of 100k ranks is ~30 MiB
 TRACKER_MAX_BYTES = 64  # an iteration number, or "release"
@@ -40,9 +49,14 @@ _DIRECTORY = getattr(os, "O_DIRECTORY", 0)
 
 def describe(mode: int) -> str:
     """What a non-regular file is, for a message: 'a symlink', 'a directory', 'a FIFO', ..."""
-    for test, what in ((stat.S_ISLNK, "a symlink"), (stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"),
-                       (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
-                       (stat.S_ISSOCK, "a socket")):  # fmt: skip
+    for test, what in (
+        (stat.S_ISLNK, "a symlink"),
+        (stat.S_ISDIR, "a directory"),
+        (stat.S_ISFIFO, "a FIFO"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+        (stat.S_ISSOCK, "a socket"),
+    ):
         if test(mode):
             return what
     return "not a regular file"
@@ -136,8 +150,10 @@ def create_temp(path: str) -> int:
         pass
     mode = os.lstat(path).st_mode
     if not stat.S_ISREG(mode):
-        raise FlushError(f"{path}: our temp file name is taken by {describe(mode)} (not made by us); "
-                         "refusing to write through it or remove it")  # fmt: skip
+        raise FlushError(
+            f"{path}: our temp file name is taken by {describe(mode)} (not made by us); "
+            "refusing to write through it or remove it"
+        )
     os.unlink(path)
     return os.open(path, flags, 0o644)
 

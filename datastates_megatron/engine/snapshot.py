@@ -42,7 +42,7 @@ from . import serializer
 from .device_copy import Completion, DeviceCopier, as_bytes
 from .faults import crash_point
 from .errors import CacheTimeoutError, CheckpointError, CopyError, EngineClosedError, FlushError
-from .file_format import FORMAT_VERSION, HEADER_BYTES, Header, build_index, dtype_code
+from .file_format import FORMAT_VERSION, HEADER_BYTES, Header, build_index
 from .host_cache import HostCache
 from .mapped_files import MappedFiles
 from .objects import encode_objects
@@ -124,8 +124,9 @@ class _Layout:
 class _Job:
     """One version in flight.  Its counters are guarded by ``lock``."""
 
-    def __init__(self, version: int, path: str, layout: _Layout, objects_json: bytes, ready, t_save: float,
-                 before_open=None):
+    def __init__(
+        self, version: int, path: str, layout: _Layout, objects_json: bytes, ready, t_save: float, before_open=None
+    ):
         self.version = version
         self.path = path
         self.before_open = before_open
@@ -237,7 +238,17 @@ class SnapshotEngine(ClosingContext):
         self._raise_pending()
         layout = self._current_layout()
         body = encode_objects(objects)
-        objects_json = b'{"objects":' + body + b',"tensor_meta":' + layout.meta_json + b',"version":' + str(int(version)).encode() + b',"tag":' + encode_objects(str(tag)) + b"}"
+        objects_json = (
+            b'{"objects":'
+            + body
+            + b',"tensor_meta":'
+            + layout.meta_json
+            + b',"version":'
+            + str(int(version)).encode()
+            + b',"tag":'
+            + encode_objects(str(tag))
+            + b"}"
+        )
         if not self._slots.acquire(timeout=0):
             t_wait = time.perf_counter()
             ok = self._slots.acquire(timeout=self.options.timeout_s)
@@ -302,7 +313,9 @@ class SnapshotEngine(ClosingContext):
             futures = [j.durable for j in self._pending.values()]
         _, not_done = cf.wait(futures, timeout=timeout)
         if not_done:
-            raise CacheTimeoutError(f"rank {self.options.rank}: {len(not_done)} version(s) not durable after {timeout:.0f}s")
+            raise CacheTimeoutError(
+                f"rank {self.options.rank}: {len(not_done)} version(s) not durable after {timeout:.0f}s"
+            )
         return self.poll()
 
     def poll(self) -> list[FileReceipt]:
@@ -341,8 +354,10 @@ class SnapshotEngine(ClosingContext):
                 self.cache.close()
                 self._thread.join(self.options.timeout_s)
                 self._flush_pool.shutdown(wait=False, cancel_futures=True)
-                log.error("rank %d: closed with writes still blocked in storage; their versions are not durable",
-                          self.options.rank)  # fmt: skip
+                log.error(
+                    "rank %d: closed with writes still blocked in storage; their versions are not durable",
+                    self.options.rank,
+                )
         self._raise_pending()
 
     def __del__(self) -> None:
@@ -393,7 +408,9 @@ class SnapshotEngine(ClosingContext):
             t, chunk, off, length = (int(x) for x in items[first])
             if from_source and count == 1 and off == 0 and layout.bytes_views[t].device.type == "cpu":
                 start = chunk * layout.chunk_bytes
-                self._issue(job, r, None, Completion(written=threading.Event()), layout.bytes_views[t][start : start + length])
+                self._issue(
+                    job, r, None, Completion(written=threading.Event()), layout.bytes_views[t][start : start + length]
+                )
                 continue
             try:
                 region = self.cache.acquire(int(padded), self.options.timeout_s)
@@ -449,11 +466,17 @@ class SnapshotEngine(ClosingContext):
                     try:
                         job.before_open()
                     except OSError as e:
-                        log.warning("rank %d: version %d: preparing %s failed (%s); writing a new file",
-                                    self.options.rank, job.version, job.path, e)  # fmt: skip
+                        log.warning(
+                            "rank %d: version %d: preparing %s failed (%s); writing a new file",
+                            self.options.rank,
+                            job.version,
+                            job.path,
+                            e,
+                        )
                 try:
-                    job.writer = RankFileWriter(job.path, self.options.direct_io, self._mapped,
-                                                HEADER_BYTES + job.layout.data_bytes)
+                    job.writer = RankFileWriter(
+                        job.path, self.options.direct_io, self._mapped, HEADER_BYTES + job.layout.data_bytes
+                    )
                 except OSError as e:
                     raise FlushError(
                         f"rank {self.options.rank}: version {job.version}: cannot create {job.path}: {e}"
@@ -486,7 +509,8 @@ class SnapshotEngine(ClosingContext):
                 try:
                     if job.writer.mapping is not None:  # memory-backed: hash and copy in one pass
                         job.checksums[first : first + count] = job.writer.copy_hashed(
-                            data, HEADER_BYTES + offset, padded, spans)
+                            data, HEADER_BYTES + offset, padded, spans
+                        )
                     else:
                         for k, (off, length) in enumerate(spans, first):
                             job.checksums[k] = serializer._xxh64_impl(data[off : off + length], np.uint64(0))
@@ -574,7 +598,9 @@ class SnapshotEngine(ClosingContext):
         try:
             job.writer.finish(index + job.objects_json, index_offset, header)
         except OSError as e:
-            raise FlushError(f"rank {self.options.rank}: version {job.version}: finishing {job.path} failed: {e}") from e
+            raise FlushError(
+                f"rank {self.options.rank}: version {job.version}: finishing {job.path} failed: {e}"
+            ) from e
         now = time.perf_counter()
         packed = header.pack()
         return FileReceipt(

@@ -135,16 +135,25 @@ def copy_verified(src: str, dst: str, version: int) -> FileReceipt:
     fsync_dir(os.path.dirname(dst))
     dt = time.perf_counter() - t0
     return FileReceipt(
-        version=version, path=dst, file_bytes=header.file_bytes, data_bytes=data_bytes, n_tensors=header.n_tensors,
-        index_xxh64=header.index_xxh64, header_xxh64=xxh64(header.pack()), save_call_s=0.0, copy_s=dt, flush_s=dt,
-    )  # fmt: skip
+        version=version,
+        path=dst,
+        file_bytes=header.file_bytes,
+        data_bytes=data_bytes,
+        n_tensors=header.n_tensors,
+        index_xxh64=header.index_xxh64,
+        header_xxh64=xxh64(header.pack()),
+        save_call_s=0.0,
+        copy_s=dt,
+        flush_s=dt,
+    )
 
 
 class Promoter(QueueThread):
     """Owns the promotion thread of one rank.  ``close()`` is idempotent and joins it."""
 
-    def __init__(self, local_root: str, persist_root: str, *, rank: int, token: str, interval: int,
-                 persistent: Committer) -> None:  # fmt: skip
+    def __init__(
+        self, local_root: str, persist_root: str, *, rank: int, token: str, interval: int, persistent: Committer
+    ) -> None:
         self.local_root = local_root
         self.persist_root = persist_root
         self.rank = rank
@@ -201,8 +210,12 @@ class Promoter(QueueThread):
             make_dir(dst_dir)  # never into a directory reached through a symlink
             future.set_result(copy_verified(src, os.path.join(dst_dir, name), iteration))
         except BaseException as e:  # noqa: BLE001 - the persistent committer reports it on every rank
-            err = e if isinstance(e, FlushError) else FlushError(
-                f"rank {self.rank}: promoting iteration {iteration} from {src} to {dst_dir} failed: {e}"
+            err = (
+                e
+                if isinstance(e, FlushError)
+                else FlushError(
+                    f"rank {self.rank}: promoting iteration {iteration} from {src} to {dst_dir} failed: {e}"
+                )
             )
             log.error("%s", err)
             future.set_exception(err)

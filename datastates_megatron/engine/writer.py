@@ -74,8 +74,9 @@ class RankFileWriter:
     ``mapped_files`` / ``data_end``: when the file is memory-backed, its first ``data_end`` bytes
     are taken from that pool as ``mapping`` (None otherwise, or when the pool cannot map it)."""
 
-    def __init__(self, path: str, direct: bool | str = "auto", mapped_files: MappedFiles | None = None,
-                 data_end: int = 0) -> None:
+    def __init__(
+        self, path: str, direct: bool | str = "auto", mapped_files: MappedFiles | None = None, data_end: int = 0
+    ) -> None:
         self.path = path
         # no O_TRUNC: ``path`` may be a recycled rank file, overwritten in place (its blocks/pages
         # reused); its old header is zeroed at once and ``finish`` truncates to the new size.
@@ -112,12 +113,7 @@ class RankFileWriter:
     def write(self, data: np.ndarray, offset: int) -> None:
         """Write ``data`` (uint8) at ``offset``; O_DIRECT when address, offset and length are 4 KiB-aligned."""
         fd = self._direct_fd
-        aligned = (
-            fd is not None
-            and offset % ALIGN == 0
-            and data.nbytes % ALIGN == 0
-            and data.ctypes.data % ALIGN == 0
-        )
+        aligned = fd is not None and offset % ALIGN == 0 and data.nbytes % ALIGN == 0 and data.ctypes.data % ALIGN == 0
         done = pwrite_direct(fd, data, offset, self.path) if aligned else 0
         if done == data.nbytes:
             return
@@ -161,4 +157,3 @@ class RankFileWriter:
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
-

@@ -42,29 +42,40 @@ _DEFAULTS = {f.name: f.default for f in dataclasses.fields(LazyCkptConfig)}
 # Megatron-LM flags whose behaviour --lazy-ckpt cannot reproduce: (args attribute, flag, what to do).
 # A flag counts as given when its value is neither None nor False.
 UNSUPPORTED_MEGATRON_FLAGS: tuple[tuple[str, str, str], ...] = (
-    ("async_save", "--async-save",
-     "--lazy-ckpt already overlaps checkpointing with training; drop --async-save"),
-    ("non_persistent_save_interval", "--non-persistent-save-interval",
-     "for a fast node-local tier use --lazy-ckpt-local-dir with --lazy-ckpt-persist-interval"),
-    ("save_retain_interval", "--save-retain-interval",
-     "use --lazy-ckpt-keep-last / --lazy-ckpt-keep-every"),
-    ("use_checkpoint_args", "--use-checkpoint-args",
-     "lazy checkpoints store no pickled args; pass the model arguments explicitly"),
-    ("finetune", "--finetune",
-     "use --pretrained-checkpoint (a Megatron checkpoint loaded natively when --load holds no lazy "
-     "checkpoint yet)"),
+    ("async_save", "--async-save", "--lazy-ckpt already overlaps checkpointing with training; drop --async-save"),
+    (
+        "non_persistent_save_interval",
+        "--non-persistent-save-interval",
+        "for a fast node-local tier use --lazy-ckpt-local-dir with --lazy-ckpt-persist-interval",
+    ),
+    ("save_retain_interval", "--save-retain-interval", "use --lazy-ckpt-keep-last / --lazy-ckpt-keep-every"),
+    (
+        "use_checkpoint_args",
+        "--use-checkpoint-args",
+        "lazy checkpoints store no pickled args; pass the model arguments explicitly",
+    ),
+    (
+        "finetune",
+        "--finetune",
+        "use --pretrained-checkpoint (a Megatron checkpoint loaded natively when --load holds no lazy checkpoint yet)",
+    ),
     ("no_load_optim", "--no-load-optim", "lazy checkpoints always restore the optimizer"),
     ("no_load_rng", "--no-load-rng", "lazy checkpoints always restore the RNG state"),
     ("no_save_optim", "--no-save-optim", "lazy checkpoints always contain the optimizer"),
     ("no_save_rng", "--no-save-rng", "lazy checkpoints always contain the RNG state"),
     ("override_ckpt_iteration", "--override-ckpt-iteration", "not supported by lazy checkpoints"),
-    ("ckpt_convert_format", "--ckpt-convert-format",
-     "convert without --lazy-ckpt (lazy checkpoints are not a conversion target)"),
+    (
+        "ckpt_convert_format",
+        "--ckpt-convert-format",
+        "convert without --lazy-ckpt (lazy checkpoints are not a conversion target)",
+    ),
     ("moe_use_upcycling", "--moe-use-upcycling", "upcycle without --lazy-ckpt first"),
-    ("perform_rl_step", "--perform-rl-step",
-     "RL training reloads the model without its optimizer, which lazy checkpoints do not support"),
-    ("yaml_cfg", "--yaml-cfg",
-     "the YAML config replaces every command-line argument, --lazy-ckpt included"),
+    (
+        "perform_rl_step",
+        "--perform-rl-step",
+        "RL training reloads the model without its optimizer, which lazy checkpoints do not support",
+    ),
+    ("yaml_cfg", "--yaml-cfg", "the YAML config replaces every command-line argument, --lazy-ckpt included"),
 )
 
 
@@ -88,72 +99,144 @@ def add_lazy_ckpt_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
     g = parser.add_argument_group(
         title="lazy-ckpt",
         description="DataStates-style lazy asynchronous checkpointing (datastates_megatron). "
-                    "Replaces Megatron's save/load when --lazy-ckpt is given.")
-    g.add_argument("--lazy-ckpt", action="store_true", default=False,
-                   help="Save and load checkpoints with the lazy asynchronous checkpointer: save() "
-                        "returns at once and device->host copies overlap the next forward/backward. "
-                        "Requires --save; incompatible with --async-save.")
-    g.add_argument("--lazy-ckpt-host-cache-gb", type=float, default=d["host_cache_gb"], metavar="GB",
-                   help="Host (pinned) cache shared by all in-flight checkpoints of this rank, in GiB "
-                        "(default: %(default)s).")
-    g.add_argument("--lazy-ckpt-flush-threads", type=int, default=d["flush_threads"], metavar="N",
-                   help="Writer threads per rank, host cache -> storage (default: %(default)s).")
-    g.add_argument("--lazy-ckpt-max-inflight", type=int, default=d["max_inflight"], metavar="N",
-                   help="Checkpoints that may be copying or flushing at once; a further save waits "
-                        "(default: %(default)s).")
-    g.add_argument("--lazy-ckpt-keep-last", type=int, default=d["keep_last"], metavar="N",
-                   help="Keep the N newest committed checkpoints under --save, 0 keeps all "
-                        "(default: %(default)s).")
-    g.add_argument("--lazy-ckpt-keep-every", type=int, default=d["keep_every"], metavar="N",
-                   help="Also keep every checkpoint whose iteration is a multiple of N, 0 for none "
-                        "(default: %(default)s).")
-    g.add_argument("--lazy-ckpt-verify-on-load", action=argparse.BooleanOptionalAction,
-                   default=d["verify_on_load"],
-                   help="Re-check every checksum when loading (default: on).")
-    g.add_argument("--lazy-ckpt-on-error", choices=ON_ERROR_CHOICES, default=d["on_error"],
-                   help="raise: a failed background save raises in the training loop; warn: it is "
-                        "logged, that iteration is not committed and training goes on "
-                        "(default: %(default)s).")
-    g.add_argument("--lazy-ckpt-no-streaming", dest="lazy_ckpt_streaming", action="store_false",
-                   default=d["streaming"],
-                   help="Do not stream tensors larger than the host cache through it in chunks; the "
-                        "cache must then hold the largest shard (checked when the checkpointer starts).")
-    g.add_argument("--lazy-ckpt-direct-io", choices=tuple(DIRECT_IO_CHOICES), default="auto",
-                   help="O_DIRECT writes: auto tries and falls back, on requires, off never "
-                        "(default: %(default)s).")
-    g.add_argument("--lazy-ckpt-source-writes", choices=tuple(DIRECT_IO_CHOICES), default="auto",
-                   help="Write host-resident (CPU) shards straight from their memory, without a copy "
-                        "into the host cache; the pre-step gate then waits for those writes. auto: on "
-                        "tmpfs/ramfs (e.g. a --lazy-ckpt-local-dir in /dev/shm); on: always; off: never "
-                        "(default: %(default)s).")
-    g.add_argument("--lazy-ckpt-mapped-writes", action=argparse.BooleanOptionalAction,
-                   default=d["mapped_writes"],
-                   help="Write rank files on tmpfs/ramfs (e.g. a --lazy-ckpt-local-dir in /dev/shm) "
-                        "through shared mappings kept between saves, hashing and copying in one pass; "
-                        "off: plain writes (default: on).")
-    g.add_argument("--lazy-ckpt-timeout-s", type=float, default=d["timeout_s"], metavar="S",
-                   help="Longest wait on cache space, an in-flight slot or a peer rank before erroring "
-                        "(default: %(default)s).")
-    g.add_argument("--lazy-ckpt-local-dir", type=str, default=d["local_dir"], metavar="DIR",
-                   help="Optional fast node-local tier (e.g. NVMe or /dev/shm); checkpoints land here "
-                        "first and every --lazy-ckpt-persist-interval-th one is promoted to --save "
-                        "(default: off).")
-    g.add_argument("--lazy-ckpt-persist-interval", type=int, default=d["persist_interval"],
-                   metavar="N",
-                   help="With --lazy-ckpt-local-dir, promote every N-th local checkpoint to --save; "
-                        "the last one of a run is promoted at exit whatever N (default: %(default)s).")
-    g.add_argument("--lazy-ckpt-local-keep-last", type=int, default=d["local_keep_last"], metavar="N",
-                   help="With --lazy-ckpt-local-dir, keep the N newest local checkpoints "
-                        "(default: %(default)s).")
-    g.add_argument("--lazy-ckpt-local-fallback", choices=LOCAL_FALLBACK_CHOICES, default=d["local_fallback"],
-                   help="With --lazy-ckpt-local-dir, when a node lost its local copy (node replaced): "
-                        "'all' ranks restore from --save; 'rank': only the ranks lacking an intact "
-                        "local copy read --save, the others read locally (default: %(default)s).")
-    g.add_argument("--lazy-ckpt-recycle-files", choices=RECYCLE_CHOICES, default=d["recycle_files"],
-                   help="Where later saves overwrite retired rank files in place instead of freeing and "
-                        "re-allocating them: 'local' the node-local tier only; 'all' also --save (only "
-                        "when nothing outside this job reads checkpoints while it trains); 'off' "
-                        "(default: %(default)s).")
+        "Replaces Megatron's save/load when --lazy-ckpt is given.",
+    )
+    g.add_argument(
+        "--lazy-ckpt",
+        action="store_true",
+        default=False,
+        help="Save and load checkpoints with the lazy asynchronous checkpointer: save() "
+        "returns at once and device->host copies overlap the next forward/backward. "
+        "Requires --save; incompatible with --async-save.",
+    )
+    g.add_argument(
+        "--lazy-ckpt-host-cache-gb",
+        type=float,
+        default=d["host_cache_gb"],
+        metavar="GB",
+        help="Host (pinned) cache shared by all in-flight checkpoints of this rank, in GiB (default: %(default)s).",
+    )
+    g.add_argument(
+        "--lazy-ckpt-flush-threads",
+        type=int,
+        default=d["flush_threads"],
+        metavar="N",
+        help="Writer threads per rank, host cache -> storage (default: %(default)s).",
+    )
+    g.add_argument(
+        "--lazy-ckpt-max-inflight",
+        type=int,
+        default=d["max_inflight"],
+        metavar="N",
+        help="Checkpoints that may be copying or flushing at once; a further save waits (default: %(default)s).",
+    )
+    g.add_argument(
+        "--lazy-ckpt-keep-last",
+        type=int,
+        default=d["keep_last"],
+        metavar="N",
+        help="Keep the N newest committed checkpoints under --save, 0 keeps all (default: %(default)s).",
+    )
+    g.add_argument(
+        "--lazy-ckpt-keep-every",
+        type=int,
+        default=d["keep_every"],
+        metavar="N",
+        help="Also keep every checkpoint whose iteration is a multiple of N, 0 for none (default: %(default)s).",
+    )
+    g.add_argument(
+        "--lazy-ckpt-verify-on-load",
+        action=argparse.BooleanOptionalAction,
+        default=d["verify_on_load"],
+        help="Re-check every checksum when loading (default: on).",
+    )
+    g.add_argument(
+        "--lazy-ckpt-on-error",
+        choices=ON_ERROR_CHOICES,
+        default=d["on_error"],
+        help="raise: a failed background save raises in the training loop; warn: it is "
+        "logged, that iteration is not committed and training goes on "
+        "(default: %(default)s).",
+    )
+    g.add_argument(
+        "--lazy-ckpt-no-streaming",
+        dest="lazy_ckpt_streaming",
+        action="store_false",
+        default=d["streaming"],
+        help="Do not stream tensors larger than the host cache through it in chunks; the "
+        "cache must then hold the largest shard (checked when the checkpointer starts).",
+    )
+    g.add_argument(
+        "--lazy-ckpt-direct-io",
+        choices=tuple(DIRECT_IO_CHOICES),
+        default="auto",
+        help="O_DIRECT writes: auto tries and falls back, on requires, off never (default: %(default)s).",
+    )
+    g.add_argument(
+        "--lazy-ckpt-source-writes",
+        choices=tuple(DIRECT_IO_CHOICES),
+        default="auto",
+        help="Write host-resident (CPU) shards straight from their memory, without a copy "
+        "into the host cache; the pre-step gate then waits for those writes. auto: on "
+        "tmpfs/ramfs (e.g. a --lazy-ckpt-local-dir in /dev/shm); on: always; off: never "
+        "(default: %(default)s).",
+    )
+    g.add_argument(
+        "--lazy-ckpt-mapped-writes",
+        action=argparse.BooleanOptionalAction,
+        default=d["mapped_writes"],
+        help="Write rank files on tmpfs/ramfs (e.g. a --lazy-ckpt-local-dir in /dev/shm) "
+        "through shared mappings kept between saves, hashing and copying in one pass; "
+        "off: plain writes (default: on).",
+    )
+    g.add_argument(
+        "--lazy-ckpt-timeout-s",
+        type=float,
+        default=d["timeout_s"],
+        metavar="S",
+        help="Longest wait on cache space, an in-flight slot or a peer rank before erroring (default: %(default)s).",
+    )
+    g.add_argument(
+        "--lazy-ckpt-local-dir",
+        type=str,
+        default=d["local_dir"],
+        metavar="DIR",
+        help="Optional fast node-local tier (e.g. NVMe or /dev/shm); checkpoints land here "
+        "first and every --lazy-ckpt-persist-interval-th one is promoted to --save "
+        "(default: off).",
+    )
+    g.add_argument(
+        "--lazy-ckpt-persist-interval",
+        type=int,
+        default=d["persist_interval"],
+        metavar="N",
+        help="With --lazy-ckpt-local-dir, promote every N-th local checkpoint to --save; "
+        "the last one of a run is promoted at exit whatever N (default: %(default)s).",
+    )
+    g.add_argument(
+        "--lazy-ckpt-local-keep-last",
+        type=int,
+        default=d["local_keep_last"],
+        metavar="N",
+        help="With --lazy-ckpt-local-dir, keep the N newest local checkpoints (default: %(default)s).",
+    )
+    g.add_argument(
+        "--lazy-ckpt-local-fallback",
+        choices=LOCAL_FALLBACK_CHOICES,
+        default=d["local_fallback"],
+        help="With --lazy-ckpt-local-dir, when a node lost its local copy (node replaced): "
+        "'all' ranks restore from --save; 'rank': only the ranks lacking an intact "
+        "local copy read --save, the others read locally (default: %(default)s).",
+    )
+    g.add_argument(
+        "--lazy-ckpt-recycle-files",
+        choices=RECYCLE_CHOICES,
+        default=d["recycle_files"],
+        help="Where later saves overwrite retired rank files in place instead of freeing and "
+        "re-allocating them: 'local' the node-local tier only; 'all' also --save (only "
+        "when nothing outside this job reads checkpoints while it trains); 'off' "
+        "(default: %(default)s).",
+    )
     return parser
 
 
@@ -202,8 +285,9 @@ def validate_lazy_ckpt_args(args: argparse.Namespace) -> None:
     if not getattr(args, "lazy_ckpt", False):
         ignored = _non_default_flags(args)
         if ignored:
-            logger.warning("%s given without --lazy-ckpt: ignored, Megatron's own checkpointing is used",
-                           ", ".join(ignored))
+            logger.warning(
+                "%s given without --lazy-ckpt: ignored, Megatron's own checkpointing is used", ", ".join(ignored)
+            )
         return
 
     problems: list[str] = []
@@ -229,8 +313,7 @@ def validate_lazy_ckpt_args(args: argparse.Namespace) -> None:
 
     on_error = _value(args, "lazy_ckpt_on_error", "on_error")
     if on_error not in ON_ERROR_CHOICES:
-        problems.append(f"--lazy-ckpt-on-error must be one of {', '.join(ON_ERROR_CHOICES)}, "
-                        f"got {on_error!r}")
+        problems.append(f"--lazy-ckpt-on-error must be one of {', '.join(ON_ERROR_CHOICES)}, got {on_error!r}")
     for attr, flag, _ in _AUTO_FLAGS:
         value = getattr(args, attr, "auto")
         if value not in DIRECT_IO_CHOICES:
@@ -239,11 +322,12 @@ def validate_lazy_ckpt_args(args: argparse.Namespace) -> None:
     local_dir = _value(args, "lazy_ckpt_local_dir", "local_dir")
     if local_dir is None:
         for attr, flag, field in _FLAG_FIELDS:
-            if field in ("persist_interval", "local_keep_last", "local_fallback") and \
-                    _value(args, attr, field) != _DEFAULTS[field]:
+            if (
+                field in ("persist_interval", "local_keep_last", "local_fallback")
+                and _value(args, attr, field) != _DEFAULTS[field]
+            ):
                 problems.append(f"{flag} only applies to a local tier: it requires --lazy-ckpt-local-dir")
-    elif getattr(args, "save", None) and \
-            os.path.realpath(local_dir) == os.path.realpath(args.save):
+    elif getattr(args, "save", None) and os.path.realpath(local_dir) == os.path.realpath(args.save):
         problems.append(f"--lazy-ckpt-local-dir and --save must differ, both are {args.save!r}")
 
     if problems:
@@ -265,12 +349,10 @@ def config_from_args(args: argparse.Namespace) -> LazyCkptConfig:
     for attr, _, field in _AUTO_FLAGS:
         value = getattr(args, attr, "auto")
         fields[field] = DIRECT_IO_CHOICES.get(value, value)
-    return LazyCkptConfig(save_dir=getattr(args, "save", None),
-                          load_dir=getattr(args, "load", None), **fields)
+    return LazyCkptConfig(save_dir=getattr(args, "save", None), load_dir=getattr(args, "load", None), **fields)
 
 
-def check_host_cache_fits(config: LazyCkptConfig, largest_shard_bytes: int, *,
-                          what: str = "largest tensor") -> None:
+def check_host_cache_fits(config: LazyCkptConfig, largest_shard_bytes: int, *, what: str = "largest tensor") -> None:
     """Raise :class:`LazyCkptArgsError` when streaming is off and one shard exceeds the host cache.
 
     ``largest_shard_bytes`` is the size of the biggest tensor (shard) one rank will copy into the
@@ -283,4 +365,5 @@ def check_host_cache_fits(config: LazyCkptConfig, largest_shard_bytes: int, *,
         f"--lazy-ckpt-no-streaming needs the host cache to hold the {what} "
         f"({largest_shard_bytes} bytes = {need_gb:.3f} GiB) but --lazy-ckpt-host-cache-gb is "
         f"{config.host_cache_gb:g}: raise --lazy-ckpt-host-cache-gb to at least {need_gb:.3f} "
-        f"or drop --lazy-ckpt-no-streaming")
+        f"or drop --lazy-ckpt-no-streaming"
+    )

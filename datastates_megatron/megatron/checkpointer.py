@@ -115,12 +115,20 @@ class LazyCheckpointer:
             timeout_s=config.timeout_s,
         )
         self._mgr = CheckpointManager(
-            config.save_dir, opts, keep_last=config.keep_last, keep_every=config.keep_every,
-            on_error=config.on_error, layout=parallel_layout(self.model), load_root=config.effective_load_dir,
-            verify_on_load=config.verify_on_load, local_root=config.local_dir,
-            persist_interval=config.persist_interval, local_keep_last=config.local_keep_last,
-            local_fallback=config.local_fallback, recycle_files=config.recycle_files,
-        )  # fmt: skip
+            config.save_dir,
+            opts,
+            keep_last=config.keep_last,
+            keep_every=config.keep_every,
+            on_error=config.on_error,
+            layout=parallel_layout(self.model),
+            load_root=config.effective_load_dir,
+            verify_on_load=config.verify_on_load,
+            local_root=config.local_dir,
+            persist_interval=config.persist_interval,
+            local_keep_last=config.local_keep_last,
+            local_fallback=config.local_fallback,
+            recycle_files=config.recycle_files,
+        )
         self.rank = self._mgr.rank
         self._signature = None
         self._hooked: list[int] = []
@@ -156,7 +164,10 @@ class LazyCheckpointer:
         re-walking the model and rebuilding every identity on each save."""
         out: list = []
         for chunk in self.model:
-            for buf in [*(getattr(chunk, "buffers", None) or []), *(getattr(chunk, "expert_parallel_buffers", None) or [])]:
+            for buf in [
+                *(getattr(chunk, "buffers", None) or []),
+                *(getattr(chunk, "expert_parallel_buffers", None) or []),
+            ]:
                 data = getattr(buf, "param_data", None)
                 out.append(None if data is None else (data.data_ptr(), data.numel(), data.dtype))
         for inner in inner_optimizers(self.optimizer):
@@ -224,9 +235,15 @@ class LazyCheckpointer:
                 log.info(
                     "lazy-ckpt: committed iteration %d (%s) | %.1f MB total, %.1f MB/rank max | stall %.2f ms | "
                     "D2H %.2f GB/s | flush %.2f GB/s | save->commit %.3f s",
-                    rec.iteration, rec.tier, rec.total_bytes / 1e6, max(rec.bytes_per_rank) / 1e6, stall * 1e3,
-                    rec.d2h_gbps, rec.flush_gbps, rec.commit_s,
-                )  # fmt: skip
+                    rec.iteration,
+                    rec.tier,
+                    rec.total_bytes / 1e6,
+                    max(rec.bytes_per_rank) / 1e6,
+                    stall * 1e3,
+                    rec.d2h_gbps,
+                    rec.flush_gbps,
+                    rec.commit_s,
+                )
             for callback in self.on_commit:
                 callback(rec, stall)
         return [r.iteration for r in records]
@@ -261,7 +278,9 @@ class LazyCheckpointer:
             ckpt_dir, manifest = open_checkpoint(self._mgr.load_root, iteration)
         except NoCheckpointError:
             ckpt_dir = manifest = None  # only in another tier: the manager finds it, or says it is missing
-        other_dp = manifest is not None and reshard.check_layout(manifest, ckpt_dir, self._mgr.world_size, self._mgr.layout)
+        other_dp = manifest is not None and reshard.check_layout(
+            manifest, ckpt_dir, self._mgr.world_size, self._mgr.layout
+        )
         self._drain_param_gathers()
         created = self._ensure_optimizer_state()
         try:
@@ -286,16 +305,27 @@ class LazyCheckpointer:
             raise
         self._gather_params()
         training_state.restore(result.objects["training"], self.optimizer, self.scheduler)
-        log.info("rank %d: restored iteration %d (%.1f MB, read-ahead %.2f s, verify %.2f s, copy %.2f s)", self.rank,
-                 result.iteration, result.stats.bytes / 1e6, result.stats.read_ahead_s, result.stats.verify_s,
-                 result.stats.copy_s)  # fmt: skip
+        log.info(
+            "rank %d: restored iteration %d (%.1f MB, read-ahead %.2f s, verify %.2f s, copy %.2f s)",
+            self.rank,
+            result.iteration,
+            result.stats.bytes / 1e6,
+            result.stats.read_ahead_s,
+            result.stats.verify_s,
+            result.stats.copy_s,
+        )
         return result.iteration, result.objects["extra_state"]
 
     def _load_resharded(self, ckpt_dir: str, manifest):
         return reshard.load_resharded(
-            self.model, self.optimizer, ckpt_dir, manifest, rank=self.rank,
-            verify=self._mgr.verify_on_load, threads=self._mgr.restore_threads,
-        )  # fmt: skip
+            self.model,
+            self.optimizer,
+            ckpt_dir,
+            manifest,
+            rank=self.rank,
+            verify=self._mgr.verify_on_load,
+            threads=self._mgr.restore_threads,
+        )
 
     def _ensure_optimizer_state(self) -> list:
         """Adam state is created lazily by the first step; a fresh optimizer gets it the way
@@ -326,13 +356,18 @@ class LazyCheckpointer:
             return
         for b in bucket_shards(self.model):
             if b.dp_size > 1:
-                dist.all_gather_into_tensor(b.bucket.param_data, b.shard, group=getattr(b.buf, "data_parallel_group", None))
+                dist.all_gather_into_tensor(
+                    b.bucket.param_data, b.shard, group=getattr(b.buf, "data_parallel_group", None)
+                )
 
     def _drain_param_gathers(self) -> None:
         """An overlapped param all-gather still in flight (``overlap_param_gather``) would land on
         top of the restored buffers: finish it before the restore writes them."""
         for chunk in self.model:
-            for bucket_group in [*getattr(chunk, "bucket_groups", []), *getattr(chunk, "expert_parallel_bucket_groups", [])]:
+            for bucket_group in [
+                *getattr(chunk, "bucket_groups", []),
+                *getattr(chunk, "expert_parallel_bucket_groups", []),
+            ]:
                 handle = getattr(bucket_group, "param_gather_handle", None)
                 if handle is not None:
                     handle.wait()

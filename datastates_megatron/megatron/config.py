@@ -12,7 +12,6 @@ __all__ = ["LazyCkptConfig", "ON_ERROR_CHOICES", "LOCAL_FALLBACK_CHOICES", "RECY
 ON_ERROR_CHOICES = ("raise", "warn")
 
 
-
 @dataclasses.dataclass(frozen=True)
 class LazyCkptConfig:
     """Options for :class:`~datastates_megatron.LazyCheckpointer`.

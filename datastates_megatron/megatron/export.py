@@ -59,16 +59,26 @@ from ..engine.partial_read import PartialReader
 from .export_args import FORMATS, MODEL_KEYS as _MODEL_KEYS, add_export_arguments
 
 __all__ = [
-    "FORMATS", "CONTENT_METADATA", "ExportError", "OutputExistsError", "model_description", "consolidate", "export",
-    "add_export_arguments", "run_export",
-]  # fmt: skip
+    "FORMATS",
+    "CONTENT_METADATA",
+    "ExportError",
+    "OutputExistsError",
+    "model_description",
+    "consolidate",
+    "export",
+    "add_export_arguments",
+    "run_export",
+]
 
 log = logging.getLogger(__name__)
 
 # as Megatron-LM's _build_sharded_state_dict_metadata, with the optimizer format that megatron-core can
 # load at any TP/PP/DP ("fully_sharded_model_space" raises on flattened ranges in 0.16.1)
-CONTENT_METADATA = {"distrib_optim_sharding_type": "fully_reshardable", "singleton_local_shards": False,
-                    "chained_optim_avoid_prefix": True}  # fmt: skip
+CONTENT_METADATA = {
+    "distrib_optim_sharding_type": "fully_reshardable",
+    "singleton_local_shards": False,
+    "chained_optim_avoid_prefix": True,
+}
 
 
 class ExportError(CheckpointError, RuntimeError):
@@ -140,7 +150,9 @@ def consolidate(ckpt_dir: str, iteration: int | None = None, *, verify: bool = T
     path, it = _locate(ckpt_dir, iteration)
     manifest = read_manifest(path)
     if any(manifest.layout.get(k, 1) != 1 for k in ("tp", "pp", "cp", "ep")):
-        raise LayoutMismatchError(f"{path}: export needs a checkpoint written with TP=PP=CP=EP=1; layout is {manifest.layout}")
+        raise LayoutMismatchError(
+            f"{path}: export needs a checkpoint written with TP=PP=CP=EP=1; layout is {manifest.layout}"
+        )
     with PartialReader(path, manifest, verify=verify, threads=threads) as reader:
         index = CheckpointIndex.from_reader(reader)
         plan = []
@@ -165,7 +177,9 @@ def consolidate(ckpt_dir: str, iteration: int | None = None, *, verify: bool = T
                     continue
                 first = index.pieces[(c, name, what)][0]
                 states[what] = torch.empty(shape, dtype=reader.entry(first.rank, first.tensor).dtype)
-                plan += [(r, states[what].view(-1)[at : at + r.count]) for r, at in index.ranges((c, name, what), 0, numel)]
+                plan += [
+                    (r, states[what].view(-1)[at : at + r.count]) for r, at in index.ranges((c, name, what), 0, numel)
+                ]
             if states:
                 optimizer[key] = states
         reader.copy(plan)
@@ -180,8 +194,13 @@ def consolidate(ckpt_dir: str, iteration: int | None = None, *, verify: bool = T
         )
     objects = objects if isinstance(objects, dict) else {}
     out["optimizer"] = optimizer
-    out.update(iteration=it, training=objects.get("training"), extra_state=objects.get("extra_state"),
-               model=objects.get("model"), layout=dict(manifest.layout))  # fmt: skip
+    out.update(
+        iteration=it,
+        training=objects.get("training"),
+        extra_state=objects.get("extra_state"),
+        model=objects.get("model"),
+        layout=dict(manifest.layout),
+    )
     return out
 
 
@@ -215,7 +234,9 @@ def _resolve_model(stored: dict | None, overrides: dict | None, path: str) -> di
 def _export_torch_dist(path: str, it: int, out_dir: str, overrides: dict | None, timeout_s: float, verify: bool) -> str:
     manifest = read_manifest(path)
     if any(manifest.layout.get(k, 1) != 1 for k in ("tp", "pp", "cp", "ep")):
-        raise LayoutMismatchError(f"{path}: export needs a checkpoint written with TP=PP=CP=EP=1; layout is {manifest.layout}")
+        raise LayoutMismatchError(
+            f"{path}: export needs a checkpoint written with TP=PP=CP=EP=1; layout is {manifest.layout}"
+        )
     with PartialReader(path, manifest, verify=False) as reader:
         stored = reader.objects(0).get("model")
     desc = _resolve_model(stored, overrides, path)
@@ -224,23 +245,47 @@ def _export_torch_dist(path: str, it: int, out_dir: str, overrides: dict | None,
         raise OutputExistsError(f"{target} exists; nothing was overwritten")
     os.makedirs(out_dir, exist_ok=True)
     staging = tempfile.mkdtemp(prefix=f".export-{it}-", dir=out_dir)
-    job = {"ckpt_root": os.path.dirname(path), "iteration": it, "model": desc, "out": os.path.join(staging, "ckpt"),
-           "scratch": os.path.join(staging, "scratch"), "verify": verify}  # fmt: skip
+    job = {
+        "ckpt_root": os.path.dirname(path),
+        "iteration": it,
+        "model": desc,
+        "out": os.path.join(staging, "ckpt"),
+        "scratch": os.path.join(staging, "scratch"),
+        "verify": verify,
+    }
     env = dict(os.environ)
-    env.update({"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
-                "MASTER_PORT": str(_free_port()), "CUDA_VISIBLE_DEVICES": ""})  # fmt: skip
-    proc = subprocess.Popen([sys.executable, "-m", __name__, "--worker", json.dumps(job)], env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)  # fmt: skip
+    env.update(
+        {
+            "RANK": "0",
+            "WORLD_SIZE": "1",
+            "LOCAL_RANK": "0",
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(_free_port()),
+            "CUDA_VISIBLE_DEVICES": "",
+        }
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-m", __name__, "--worker", json.dumps(job)],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     try:
         stdout, stderr = proc.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired as e:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.communicate()
         shutil.rmtree(staging, ignore_errors=True)
-        raise ExportError(f"{path}: torch_dist export of iteration {it} did not finish within {timeout_s:.0f} s (killed)") from e
+        raise ExportError(
+            f"{path}: torch_dist export of iteration {it} did not finish within {timeout_s:.0f} s (killed)"
+        ) from e
     if proc.returncode != 0 or "EXPORT-OK" not in stdout:
         shutil.rmtree(staging, ignore_errors=True)
-        raise ExportError(f"{path}: torch_dist export of iteration {it} failed (exit {proc.returncode}):\n{stderr[-3000:]}")
+        raise ExportError(
+            f"{path}: torch_dist export of iteration {it} failed (exit {proc.returncode}):\n{stderr[-3000:]}"
+        )
     os.replace(job["out"], target)  # the directory appears whole, or not at all
     shutil.rmtree(staging, ignore_errors=True)
     write_tracker(out_dir, it)
@@ -257,13 +302,26 @@ def _worker(job: dict) -> None:
 
     m = job["model"]
     gpt.init_distributed(seed=1234)
-    chunks, optimizer = gpt.build(m["num_layers"], m["hidden_size"], m["num_attention_heads"], m["seq_length"],
-                                  m["vocab_size"], bf16=bool(m["bf16"]))  # fmt: skip
-    config = LazyCkptConfig(save_dir=job["scratch"], load_dir=job["ckpt_root"], host_cache_gb=0.01, keep_last=0,
-                            verify_on_load=bool(job["verify"]))  # fmt: skip
+    chunks, optimizer = gpt.build(
+        m["num_layers"],
+        m["hidden_size"],
+        m["num_attention_heads"],
+        m["seq_length"],
+        m["vocab_size"],
+        bf16=bool(m["bf16"]),
+    )
+    config = LazyCkptConfig(
+        save_dir=job["scratch"],
+        load_dir=job["ckpt_root"],
+        host_cache_gb=0.01,
+        keep_last=0,
+        verify_on_load=bool(job["verify"]),
+    )
     with LazyCheckpointer(chunks, optimizer, config) as ckpt:
         it, extra = ckpt.load(job["iteration"])
-    with PartialReader(iter_dir(job["ckpt_root"], it), read_manifest(iter_dir(job["ckpt_root"], it)), verify=False) as reader:
+    with PartialReader(
+        iter_dir(job["ckpt_root"], it), read_manifest(iter_dir(job["ckpt_root"], it)), verify=False
+    ) as reader:
         scheduler = (reader.objects(0).get("training") or {}).get("scheduler")
     megatron_lm = (extra or {}).get("megatron_lm") if isinstance(extra, dict) else None
     model_sd = chunks[0].module.sharded_state_dict(metadata=dict(CONTENT_METADATA))
@@ -283,8 +341,16 @@ def _worker(job: dict) -> None:
 
 
 # ---------------------------------------------------------------------------------------------- entry
-def export(ckpt_dir: str, out_dir: str, fmt: str = "torch_dist", *, iteration: int | None = None,
-           model: dict | None = None, timeout_s: float = 600.0, verify: bool = True) -> str:
+def export(
+    ckpt_dir: str,
+    out_dir: str,
+    fmt: str = "torch_dist",
+    *,
+    iteration: int | None = None,
+    model: dict | None = None,
+    timeout_s: float = 600.0,
+    verify: bool = True,
+) -> str:
     """Export checkpoint ``ckpt_dir`` (a root: its latest committed or ``iteration``; or an
     ``iter_*`` directory) to ``out_dir`` in ``fmt`` (``torch`` or ``torch_dist``); returns the path
     written.  ``model`` overrides the stored model description (keys as :func:`model_description`)."""
@@ -311,15 +377,25 @@ def run_export(args: argparse.Namespace) -> int:
     """Run ``datastates-ckpt export`` from parsed arguments; prints the path written, returns 0
     (errors propagate as :class:`CheckpointError` subclasses for the CLI to report)."""
     overrides = {k: getattr(args, k, None) for k in _MODEL_KEYS}
-    path = export(args.ckpt_dir, args.out_dir, args.format, iteration=args.iteration, model=overrides,
-                  timeout_s=args.timeout_s, verify=not args.no_verify)  # fmt: skip
+    path = export(
+        args.ckpt_dir,
+        args.out_dir,
+        args.format,
+        iteration=args.iteration,
+        model=overrides,
+        timeout_s=args.timeout_s,
+        verify=not args.no_verify,
+    )
     print(path)
     return 0
 
 
 def _main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m datastates_megatron.megatron.export", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    p = argparse.ArgumentParser(
+        prog="python -m datastates_megatron.megatron.export",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     if argv is None:
         argv = sys.argv[1:]
     if argv[:1] == ["--worker"]:

@@ -13,11 +13,22 @@ MODEL_KEYS = ("num_layers", "hidden_size", "num_attention_heads", "seq_length", 
 def add_export_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """The ``datastates-ckpt export`` arguments."""
     parser.add_argument("ckpt_dir", help="checkpoint root (its latest committed iteration) or an iter_* directory")
-    parser.add_argument("out_dir", help="output directory (torch: OUT_DIR/iter_N.pt; torch_dist: OUT_DIR/iter_N/ + tracker)")
-    parser.add_argument("--format", dest="format", choices=FORMATS, default="torch_dist",
-                        help="torch: one consolidated torch.save file; torch_dist: megatron-core dist_checkpointing (default)")
-    parser.add_argument("--iteration", type=int, default=None, help="export this iteration instead of the latest committed")
-    parser.add_argument("--timeout-s", type=float, default=600.0, help="kill the torch_dist rebuild/save subprocess after this")
+    parser.add_argument(
+        "out_dir", help="output directory (torch: OUT_DIR/iter_N.pt; torch_dist: OUT_DIR/iter_N/ + tracker)"
+    )
+    parser.add_argument(
+        "--format",
+        dest="format",
+        choices=FORMATS,
+        default="torch_dist",
+        help="torch: one consolidated torch.save file; torch_dist: megatron-core dist_checkpointing (default)",
+    )
+    parser.add_argument(
+        "--iteration", type=int, default=None, help="export this iteration instead of the latest committed"
+    )
+    parser.add_argument(
+        "--timeout-s", type=float, default=600.0, help="kill the torch_dist rebuild/save subprocess after this"
+    )
     parser.add_argument("--no-verify", action="store_true", help="skip checksum verification of the data read")
     g = parser.add_argument_group("model (torch_dist; default: the description stored in the checkpoint)")
     g.add_argument("--num-layers", type=int, default=None)

@@ -33,7 +33,8 @@ import sys
 import threading
 import time
 import types
-from typing import Any, Iterator
+from typing import Any
+from collections.abc import Iterator
 
 from ..engine.errors import CheckpointError, FormatVersionError, LayoutMismatchError, NoCheckpointError
 from .args import LazyCkptArgsError, check_host_cache_fits, config_from_args
@@ -62,9 +63,14 @@ _MEGATRON_CHECKPOINT_VERSION = 3.0  # what Megatron-LM's generate_state_dict wri
 # Arguments that must match between the saving and the resuming run (Megatron's
 # check_checkpoint_args plus the parallel layout, which a lazy checkpoint cannot reshard).
 _MUST_MATCH = (
-    "num_layers", "hidden_size", "num_attention_heads", "tensor_model_parallel_size",
-    "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size",
-    "expert_model_parallel_size", "num_experts",
+    "num_layers",
+    "hidden_size",
+    "num_attention_heads",
+    "tensor_model_parallel_size",
+    "pipeline_model_parallel_size",
+    "virtual_pipeline_model_parallel_size",
+    "expert_model_parallel_size",
+    "num_experts",
 )
 
 
@@ -181,7 +187,8 @@ def _session_for(args: Any, model: Any, optimizer: Any, scheduler: Any) -> _Sess
                 raise MegatronIntegrationError(
                     f"rank {_rank()}: --lazy-ckpt checkpoints the model, optimizer and scheduler "
                     "objects of its first save/load; this call passed different ones (e.g. a "
-                    "model-only load with optimizer=None), which lazy checkpoints do not support")
+                    "model-only load with optimizer=None), which lazy checkpoints do not support"
+                )
             return _session
         config = config_from_args(args)
         if not config.streaming:
@@ -194,9 +201,14 @@ def _session_for(args: Any, model: Any, optimizer: Any, scheduler: Any) -> _Sess
         if not _atexit_registered:
             atexit.register(_finalize_atexit)
             _atexit_registered = True
-        _info("rank %d: lazy checkpointer started (save=%s, load=%s, host cache %.2f GiB, "
-              "%d flush threads)", _rank(), config.save_dir, config.effective_load_dir,
-              config.host_cache_gb, config.flush_threads)
+        _info(
+            "rank %d: lazy checkpointer started (save=%s, load=%s, host cache %.2f GiB, %d flush threads)",
+            _rank(),
+            config.save_dir,
+            config.effective_load_dir,
+            config.host_cache_gb,
+            config.flush_threads,
+        )
         return _session
 
 
@@ -238,23 +250,23 @@ def _number(x: Any) -> int | float:
     return x if isinstance(x, int) and not isinstance(x, bool) else float(x)
 
 
-def build_extra_state(args: Any, iteration: int,
-                      num_floating_point_operations_so_far: Any = 0) -> dict[str, Any]:
+def build_extra_state(args: Any, iteration: int, num_floating_point_operations_so_far: Any = 0) -> dict[str, Any]:
     """The ``extra_state`` saved with each checkpoint: Megatron's per-run fields as plain JSON."""
-    return {EXTRA_STATE_KEY: {
-        "version": EXTRA_STATE_VERSION,
-        "iteration": int(iteration),
-        "num_floating_point_operations_so_far": _number(num_floating_point_operations_so_far or 0),
-        "consumed_train_samples": int(getattr(args, "consumed_train_samples", 0) or 0),
-        "skipped_train_samples": int(getattr(args, "skipped_train_samples", 0) or 0),
-        "consumed_valid_samples": int(getattr(args, "consumed_valid_samples", 0) or 0),
-        "checkpoint_version": _MEGATRON_CHECKPOINT_VERSION,
-        "args": _json_args(args),
-    }}
+    return {
+        EXTRA_STATE_KEY: {
+            "version": EXTRA_STATE_VERSION,
+            "iteration": int(iteration),
+            "num_floating_point_operations_so_far": _number(num_floating_point_operations_so_far or 0),
+            "consumed_train_samples": int(getattr(args, "consumed_train_samples", 0) or 0),
+            "skipped_train_samples": int(getattr(args, "skipped_train_samples", 0) or 0),
+            "consumed_valid_samples": int(getattr(args, "consumed_valid_samples", 0) or 0),
+            "checkpoint_version": _MEGATRON_CHECKPOINT_VERSION,
+            "args": _json_args(args),
+        }
+    }
 
 
-def apply_extra_state(args: Any, iteration: int, extra_state: Any, *,
-                      where: str = "") -> int | float:
+def apply_extra_state(args: Any, iteration: int, extra_state: Any, *, where: str = "") -> int | float:
     """Check and apply a loaded ``extra_state`` to ``args``; return the FLOPs counter to resume.
 
     Sets ``args.consumed_train_samples``, ``args.skipped_train_samples`` and
@@ -263,23 +275,32 @@ def apply_extra_state(args: Any, iteration: int, extra_state: Any, *,
     """
     meg = (extra_state or {}).get(EXTRA_STATE_KEY) if isinstance(extra_state, dict) else None
     if meg is None:
-        logger.warning("rank %d: lazy checkpoint of iteration %d%s carries no Megatron-LM state "
-                       "(not saved through megatron_lm.save_checkpoint): consumed samples and "
-                       "FLOPs are not restored", _rank(), iteration, where)
+        logger.warning(
+            "rank %d: lazy checkpoint of iteration %d%s carries no Megatron-LM state "
+            "(not saved through megatron_lm.save_checkpoint): consumed samples and "
+            "FLOPs are not restored",
+            _rank(),
+            iteration,
+            where,
+        )
         return 0
     version = meg.get("version", 0)
     if version > EXTRA_STATE_VERSION:
         raise FormatVersionError(
             f"rank {_rank()}: lazy checkpoint of iteration {iteration}{where} has Megatron-LM extra "
-            f"state version {version}; this datastates_megatron reads <= {EXTRA_STATE_VERSION}")
+            f"state version {version}; this datastates_megatron reads <= {EXTRA_STATE_VERSION}"
+        )
     saved = meg.get("args") or {}
-    diffs = [f"{name}: checkpoint {saved[name]!r}, run {getattr(args, name)!r}"
-             for name in _MUST_MATCH
-             if name in saved and hasattr(args, name) and saved[name] != getattr(args, name)]
+    diffs = [
+        f"{name}: checkpoint {saved[name]!r}, run {getattr(args, name)!r}"
+        for name in _MUST_MATCH
+        if name in saved and hasattr(args, name) and saved[name] != getattr(args, name)
+    ]
     if diffs:
         raise LayoutMismatchError(
             f"rank {_rank()}: lazy checkpoint of iteration {iteration}{where} was saved by a run "
-            f"with different arguments ({'; '.join(diffs)}); lazy checkpoints cannot be resharded")
+            f"with different arguments ({'; '.join(diffs)}); lazy checkpoints cannot be resharded"
+        )
     args.consumed_train_samples = int(meg.get("consumed_train_samples", 0))
     args.skipped_train_samples = int(meg.get("skipped_train_samples", 0))
     args.consumed_valid_samples = int(meg.get("consumed_valid_samples", 0))
@@ -312,8 +333,9 @@ def _native_megatron(args: Any) -> Iterator[types.ModuleType]:
     """Megatron's own checkpointing with ``--lazy-ckpt`` switched off for the duration."""
     mcp = _megatron_checkpointing()
     if mcp is None:
-        raise MegatronIntegrationError("loading a Megatron-format checkpoint needs Megatron-LM's "
-                                       "megatron.training on the path")
+        raise MegatronIntegrationError(
+            "loading a Megatron-format checkpoint needs Megatron-LM's megatron.training on the path"
+        )
     before = args.lazy_ckpt
     args.lazy_ckpt = False
     try:
@@ -325,10 +347,20 @@ def _native_megatron(args: Any) -> Iterator[types.ModuleType]:
 # --------------------------------------------------------------------------- #
 # the entry points the patch calls
 # --------------------------------------------------------------------------- #
-def save_checkpoint(iteration: int, model: Any, optimizer: Any, opt_param_scheduler: Any,
-                    num_floating_point_operations_so_far: Any = 0, checkpointing_context: Any = None,
-                    *, non_persistent_ckpt: bool = False, train_data_iterator: Any = None,
-                    release: bool = False, args: Any = None, **megatron_kwargs: Any) -> None:
+def save_checkpoint(
+    iteration: int,
+    model: Any,
+    optimizer: Any,
+    opt_param_scheduler: Any,
+    num_floating_point_operations_so_far: Any = 0,
+    checkpointing_context: Any = None,
+    *,
+    non_persistent_ckpt: bool = False,
+    train_data_iterator: Any = None,
+    release: bool = False,
+    args: Any = None,
+    **megatron_kwargs: Any,
+) -> None:
     """Megatron's ``save_checkpoint`` for ``--lazy-ckpt``: schedule the checkpoint and return.
 
     The device->host copies overlap the next forward/backward; the checkpoint is committed later
@@ -340,28 +372,41 @@ def save_checkpoint(iteration: int, model: Any, optimizer: Any, opt_param_schedu
         raise LazyCkptArgsError(
             f"iteration {iteration}: --lazy-ckpt cannot write Megatron non-persistent checkpoints "
             "(--non-persistent-save-interval); use --lazy-ckpt-local-dir with "
-            "--lazy-ckpt-persist-interval")
+            "--lazy-ckpt-persist-interval"
+        )
     if release:
-        raise LazyCkptArgsError(f"iteration {iteration}: --lazy-ckpt cannot write a 'release' "
-                                "checkpoint; save it without --lazy-ckpt")
+        raise LazyCkptArgsError(
+            f"iteration {iteration}: --lazy-ckpt cannot write a 'release' checkpoint; save it without --lazy-ckpt"
+        )
     session = _session_for(args, model, optimizer, opt_param_scheduler)
     mcp = _megatron_checkpointing()
-    if train_data_iterator is not None and mcp is not None and \
-            hasattr(mcp, "maybe_save_dataloader_state"):
+    if train_data_iterator is not None and mcp is not None and hasattr(mcp, "maybe_save_dataloader_state"):
         # Only Megatron Energon loaders have state; written synchronously next to the checkpoint.
-        mcp.maybe_save_dataloader_state(train_data_iterator, iteration,
-                                        getattr(args, "dataloader_save", None))
+        mcp.maybe_save_dataloader_state(train_data_iterator, iteration, getattr(args, "dataloader_save", None))
     extra = build_extra_state(args, iteration, num_floating_point_operations_so_far)
     start = time.perf_counter()
     session.ckpt.save(iteration, extra_state=extra)
-    _info("rank %d: scheduled lazy checkpoint of iteration %d to %s (training blocked %.3f s)",
-          _rank(), iteration, args.save, time.perf_counter() - start)
+    _info(
+        "rank %d: scheduled lazy checkpoint of iteration %d to %s (training blocked %.3f s)",
+        _rank(),
+        iteration,
+        args.save,
+        time.perf_counter() - start,
+    )
 
 
-def load_checkpoint(ddp_model: Any, optimizer: Any, opt_param_scheduler: Any, load_arg: str = "load",
-                    strict: bool = True, checkpointing_context: Any = None,
-                    skip_load_to_model_and_opt: bool = False, *, args: Any = None,
-                    **megatron_kwargs: Any) -> tuple[int, int | float]:
+def load_checkpoint(
+    ddp_model: Any,
+    optimizer: Any,
+    opt_param_scheduler: Any,
+    load_arg: str = "load",
+    strict: bool = True,
+    checkpointing_context: Any = None,
+    skip_load_to_model_and_opt: bool = False,
+    *,
+    args: Any = None,
+    **megatron_kwargs: Any,
+) -> tuple[int, int | float]:
     """Megatron's ``load_checkpoint`` for ``--lazy-ckpt``; returns ``(iteration, num_flops_so_far)``.
 
     Restores model, optimizer, scheduler and RNG in place from the newest committed lazy checkpoint
@@ -373,11 +418,18 @@ def load_checkpoint(ddp_model: Any, optimizer: Any, opt_param_scheduler: Any, lo
     not apply (tensors are always restored in place, all of them).
     """
     args = _get_args(args)
-    native_kwargs = dict(load_arg=load_arg, strict=strict, checkpointing_context=checkpointing_context,
-                         skip_load_to_model_and_opt=skip_load_to_model_and_opt)
+    native_kwargs = dict(
+        load_arg=load_arg,
+        strict=strict,
+        checkpointing_context=checkpointing_context,
+        skip_load_to_model_and_opt=skip_load_to_model_and_opt,
+    )
     if load_arg != "load":
-        _info("rank %d: --%s is loaded by Megatron's own loader (not a lazy checkpoint)", _rank(),
-              load_arg.replace("_", "-"))
+        _info(
+            "rank %d: --%s is loaded by Megatron's own loader (not a lazy checkpoint)",
+            _rank(),
+            load_arg.replace("_", "-"),
+        )
         with _native_megatron(args) as mcp:
             return mcp.load_checkpoint(ddp_model, optimizer, opt_param_scheduler, **native_kwargs)
     pretrained = getattr(args, "pretrained_checkpoint", None)
@@ -398,13 +450,21 @@ def load_checkpoint(ddp_model: Any, optimizer: Any, opt_param_scheduler: Any, lo
         if requested is not None:
             raise
         if pretrained is not None:
-            _info("rank %d: no lazy checkpoint under --load %s; loading --pretrained-checkpoint %s "
-                  "with Megatron's loader", _rank(), args.load, pretrained)
+            _info(
+                "rank %d: no lazy checkpoint under --load %s; loading --pretrained-checkpoint %s "
+                "with Megatron's loader",
+                _rank(),
+                args.load,
+                pretrained,
+            )
             with _native_megatron(args) as mcp:
                 return mcp.load_checkpoint(ddp_model, optimizer, opt_param_scheduler, **native_kwargs)
         if getattr(args, "exit_on_missing_checkpoint", False):
-            logger.error("rank %d: no lazy checkpoint under --load %s and "
-                         "--exit-on-missing-checkpoint is set: exiting", _rank(), args.load)
+            logger.error(
+                "rank %d: no lazy checkpoint under --load %s and --exit-on-missing-checkpoint is set: exiting",
+                _rank(),
+                args.load,
+            )
             sys.exit()
         _info("rank %d: no lazy checkpoint under --load %s; starting from scratch", _rank(), args.load)
         return 0, 0

@@ -81,7 +81,9 @@ def check_layout(manifest: Manifest, ckpt: str, world_size: int, layout: dict) -
     if reasons:
         caveat = ""
         if any(manifest.layout.get(k, 1) != 1 for k in _RESHARDABLE_ONLY_DP):
-            caveat = " (the export itself needs a checkpoint written with TP=PP=CP=EP=1; else load it with its own layout)"
+            caveat = (
+                " (the export itself needs a checkpoint written with TP=PP=CP=EP=1; else load it with its own layout)"
+            )
         raise LayoutMismatchError(
             f"{ckpt}: checkpoint layout differs from this run: {'; '.join(diffs)}. {reasons[0].capitalize()}; "
             f"to change the parallel layout, convert the checkpoint with `{hint}` and load that with "
@@ -202,7 +204,9 @@ def _check_params(index: CheckpointIndex, names: dict, ckpt: str) -> None:
     live = {key: (tuple(p.shape), str(p.dtype).removeprefix("torch.")) for p, key in names.items()}
     missing = sorted(set(live) - set(index.params))
     extra = sorted(set(index.params) - set(live))
-    differ = [(k, index.params[k], live[k]) for k in sorted(set(live) & set(index.params)) if index.params[k] != live[k]]
+    differ = [
+        (k, index.params[k], live[k]) for k in sorted(set(live) & set(index.params)) if index.params[k] != live[k]
+    ]
     problems = []
     if missing:
         problems.append(f"not in checkpoint: {[n for _, n in missing[:5]]}{' ...' if len(missing) > 5 else ''}")
@@ -224,7 +228,9 @@ def plan_restore(model, optimizer, index: CheckpointIndex, ckpt: str = "") -> li
     for b in bucket_shards(model):
         if b.buffer.startswith("ep_"):
             raise LayoutMismatchError(f"{ckpt}: expert-parallel buffers cannot be resharded across data-parallel sizes")
-        for pname, _shape, _dtype, start, end, offset in bucket_param_ranges(b.buf, b.bucket, b.dp_rank, b.dp_size, names):
+        for pname, _shape, _dtype, start, end, offset in bucket_param_ranges(
+            b.buf, b.bucket, b.dp_rank, b.dp_size, names
+        ):
             for r, at in index.ranges((b.chunk, pname, "param"), start, end):
                 plan.append((r, b.shard[offset + at : offset + at + r.count]))
         spans.append(storage_span(b.shard.detach()) if b.shard.numel() else (0, 0))
@@ -234,7 +240,9 @@ def plan_restore(model, optimizer, index: CheckpointIndex, ckpt: str = "") -> li
             for j, main in enumerate(pg["params"]):
                 owner = owners[i][g][j]
                 if owner is None:
-                    raise LayoutMismatchError(f"optimizer {i} group {g} param {j}: not a DistributedOptimizer shard; cannot reshard")
+                    raise LayoutMismatchError(
+                        f"optimizer {i} group {g} param {j}: not a DistributedOptimizer shard; cannot reshard"
+                    )
                 mp, start, end = owner
                 c, pname = names[mp]
                 flat = main.detach().view(-1)
@@ -273,8 +281,12 @@ def _remap_training(reader: PartialReader, index: CheckpointIndex, optimizer, mo
                 g, j = (int(x) for x in pos[1:].split(".p"))
                 key = index.positions.get((rank, i, g, j))
                 if key is None:
-                    log.warning("rank %d: plain optimizer state %s of old rank %d has no parameter identity; dropped",
-                                reader.rank, pos, rank)  # fmt: skip
+                    log.warning(
+                        "rank %d: plain optimizer state %s of old rank %d has no parameter identity; dropped",
+                        reader.rank,
+                        pos,
+                        rank,
+                    )
                     continue
                 by_param.setdefault((i, key), plain)
     names = parameter_names(model)
@@ -293,8 +305,9 @@ def _remap_training(reader: PartialReader, index: CheckpointIndex, optimizer, mo
     return training
 
 
-def load_resharded(model, optimizer, ckpt: str, manifest: Manifest, *, rank: int,
-                   verify: bool = True, threads: int = 4) -> ReshardResult:
+def load_resharded(
+    model, optimizer, ckpt: str, manifest: Manifest, *, rank: int, verify: bool = True, threads: int = 4
+) -> ReshardResult:
     """Restore this rank's shards of ``model``/``optimizer`` from a checkpoint of another DP size
     (or of the same DP size with another bucket layout).
 
@@ -314,9 +327,20 @@ def load_resharded(model, optimizer, ckpt: str, manifest: Manifest, *, rank: int
     log.info(
         "rank %d: resharded iteration %d from DP %s to DP %s: %d ranges from %d of %d rank files, %.1f MB copied, "
         "%.1f MB verified (plan %.3f s, verify %.3f s, copy %.3f s); non-tensor state from old rank %d",
-        rank, manifest.iteration, manifest.layout.get("dp"), _new_dp(model), len(plan), len(files), manifest.world_size,
-        stats.bytes / 1e6, stats.verified_bytes / 1e6, t_plan, stats.verify_s, stats.copy_s, source,
-    )  # fmt: skip
+        rank,
+        manifest.iteration,
+        manifest.layout.get("dp"),
+        _new_dp(model),
+        len(plan),
+        len(files),
+        manifest.world_size,
+        stats.bytes / 1e6,
+        stats.verified_bytes / 1e6,
+        t_plan,
+        stats.verify_s,
+        stats.copy_s,
+        source,
+    )
     stats_ = RestoreStats(stats.bytes, stats.verify_s, stats.copy_s)
     return ReshardResult(manifest.iteration, {**objects, "training": training}, manifest.metadata, stats_, source)
 

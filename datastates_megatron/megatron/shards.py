@@ -133,7 +133,9 @@ def bucket_param_ranges(buf, bucket, rank: int, size: int, names: dict) -> list[
             continue
         _, name = names.get(p, (None, None))
         if name is None:
-            raise ValueError(f"bucket {bucket.bucket_id}: a parameter of shape {list(p.shape)} has no name in the model")
+            raise ValueError(
+                f"bucket {bucket.bucket_id}: a parameter of shape {list(p.shape)} has no name in the model"
+            )
         out.append([name, list(p.shape), _dtype_name(p.dtype), a - p_start, b - p_start, a - lo])
     out.sort(key=lambda r: r[5])
     return out
@@ -169,10 +171,25 @@ def bucket_shards(model) -> list[BucketShard]:
             for k, bucket in enumerate(buf.buckets):
                 data = bucket.param_data
                 if data.numel() % size:
-                    raise ValueError(f"chunk {c} {bname} bucket {k}: {data.numel()} elements not divisible by DP size {size}")
+                    raise ValueError(
+                        f"chunk {c} {bname} bucket {k}: {data.numel()} elements not divisible by DP size {size}"
+                    )
                 step = data.numel() // size
                 views = [data[i * step : (i + 1) * step] for i in range(size)]
-                out.append(BucketShard(f"model{c}.{bname}.bucket{k}.param_shard", views[rank], buf, views, c, bname, k, bucket, rank, size))
+                out.append(
+                    BucketShard(
+                        f"model{c}.{bname}.bucket{k}.param_shard",
+                        views[rank],
+                        buf,
+                        views,
+                        c,
+                        bname,
+                        k,
+                        bucket,
+                        rank,
+                        size,
+                    )
+                )
     return out
 
 
@@ -192,8 +209,12 @@ def main_param_owners(optimizer) -> list[list[list]]:
         for g, pg in enumerate(inner.param_groups):
             models = [*fp32[g], *f16[g]] if g < len(fp32) else []
             if len(models) != len(pg["params"]):
-                log.warning("optimizer group %d: %d main shards but %d model params; no identity recorded",
-                            g, len(pg["params"]), len(models))  # fmt: skip
+                log.warning(
+                    "optimizer group %d: %d main shards but %d model params; no identity recorded",
+                    g,
+                    len(pg["params"]),
+                    len(models),
+                )
                 groups.append([None] * len(pg["params"]))
                 continue
             row = []
@@ -237,9 +258,16 @@ def collect_shards(model, optimizer) -> list[ShardRef]:
         group = f"opt{owner.get(id(b.buf), 0)}" if owner else "opt0"
         meta = {"kind": "param_shard", "dtype": str(b.shard.dtype)}
         if names:
-            meta.update(identity=IDENTITY_VERSION, **coords, chunk=b.chunk, buffer=b.buffer, bucket=b.bucket_index,
-                        dp_rank=b.dp_rank, dp_size=b.dp_size,
-                        params=bucket_param_ranges(b.buf, b.bucket, b.dp_rank, b.dp_size, names))  # fmt: skip
+            meta.update(
+                identity=IDENTITY_VERSION,
+                **coords,
+                chunk=b.chunk,
+                buffer=b.buffer,
+                bucket=b.bucket_index,
+                dp_rank=b.dp_rank,
+                dp_size=b.dp_size,
+                params=bucket_param_ranges(b.buf, b.bucket, b.dp_rank, b.dp_size, names),
+            )
         refs.append(ShardRef(b.name, b.shard, group, meta))
         spans.append(storage_span(b.shard.detach()) if b.shard.numel() else (0, 0))
         # the whole bucket counts: an fp32 main param may be a view of any part of this rank's slice
@@ -253,8 +281,16 @@ def collect_shards(model, optimizer) -> list[ShardRef]:
                 if found is not None and found[0] in names:
                     mp, start, end = found
                     c, pname = names[mp]
-                    ident = {"identity": IDENTITY_VERSION, **coords, "chunk": c, "param": pname, "shape": list(mp.shape),
-                             "dtype": _dtype_name(mp.dtype), "start": start, "end": end}  # fmt: skip
+                    ident = {
+                        "identity": IDENTITY_VERSION,
+                        **coords,
+                        "chunk": c,
+                        "param": pname,
+                        "shape": list(mp.shape),
+                        "dtype": _dtype_name(mp.dtype),
+                        "start": start,
+                        "end": end,
+                    }
                 if p.numel():
                     s, e = storage_span(p.detach())
                     is_view = any(lo <= s and e <= hi for lo, hi in spans)

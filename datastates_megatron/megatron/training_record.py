@@ -17,7 +17,8 @@ import functools
 import inspect
 import json
 import os
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 __all__ = ["ENV", "install", "read", "read_runs"]
 
@@ -72,15 +73,20 @@ def install(prefix: str) -> None:
     def iteration_logged(bound: inspect.BoundArguments, _result: Any) -> None:
         a = bound.arguments
         loss = (a.get("loss_dict") or {}).get("lm loss")
-        record.write({"iteration": int(a["iteration"]), "grad_norm": _float(a.get("grad_norm")),
-                      "params_norm": _float(a.get("params_norm")), "lm_loss": _float(loss),
-                      "skipped": int(a.get("skipped_iter") or 0)})
+        record.write(
+            {
+                "iteration": int(a["iteration"]),
+                "grad_norm": _float(a.get("grad_norm")),
+                "params_norm": _float(a.get("params_norm")),
+                "lm_loss": _float(loss),
+                "skipped": int(a.get("skipped_iter") or 0),
+            }
+        )
 
     def trained(bound: inspect.BoundArguments, result: Any) -> None:
         a = bound.arguments
         iteration = result[0] if isinstance(result, tuple) else None
-        record.write({"final_iteration": iteration,
-                      "digest": state_digest(a["model"], a["optimizer"])})
+        record.write({"final_iteration": iteration, "digest": state_digest(a["model"], a["optimizer"])})
 
     training.training_log = _wrap(training.training_log, iteration_logged)
     training.train = _wrap(training.train, trained)

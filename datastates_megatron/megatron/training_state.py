@@ -81,7 +81,9 @@ def restore(state: dict, optimizer, scheduler) -> None:
     if len(opts) != len(state["optimizers"]):
         from ..engine.errors import LayoutMismatchError
 
-        raise LayoutMismatchError(f"checkpoint has {len(state['optimizers'])} chained optimizers, this run has {len(opts)}")
+        raise LayoutMismatchError(
+            f"checkpoint has {len(state['optimizers'])} chained optimizers, this run has {len(opts)}"
+        )
     for (do, inner), saved in zip(opts, state["optimizers"]):
         for pg, saved_pg in zip(inner.param_groups, saved["param_groups"]):
             pg.update(saved_pg)

@@ -48,10 +48,18 @@ def main():
     rank = dist.get_rank()
     ts = make_state(rank)
     opts = EngineOptions(cache_bytes=256 << 10, flush_threads=2, timeout_s=60)
-    mgr = CheckpointManager(a.root, opts, keep_last=a.keep_last, keep_every=a.keep_every, on_error=a.on_error,
-                            layout=json.loads(a.world_layout), local_root=a.local_root,
-                            persist_interval=a.persist_interval, local_keep_last=a.local_keep_last,
-                            local_fallback=a.local_fallback)
+    mgr = CheckpointManager(
+        a.root,
+        opts,
+        keep_last=a.keep_last,
+        keep_every=a.keep_every,
+        on_error=a.on_error,
+        layout=json.loads(a.world_layout),
+        local_root=a.local_root,
+        persist_interval=a.persist_interval,
+        local_keep_last=a.local_keep_last,
+        local_fallback=a.local_fallback,
+    )
     for n, t in ts.items():
         mgr.register(n, t)
     result = {"rank": rank}

@@ -31,9 +31,17 @@ import traceback
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # what the workers import; a module missing here is skipped by the forkserver (ImportError)
 PRELOAD = [
-    "torch", "torch.distributed", "numpy", "datastates_megatron", "datastates_megatron.engine",
-    "datastates_megatron.engine.manager", "datastates_megatron.engine.restore", "megatron.core",
-    "megatron.core.dist_checkpointing", "datastates_megatron.demo.gpt", "datastates_megatron.demo.train",
+    "torch",
+    "torch.distributed",
+    "numpy",
+    "datastates_megatron",
+    "datastates_megatron.engine",
+    "datastates_megatron.engine.manager",
+    "datastates_megatron.engine.restore",
+    "megatron.core",
+    "megatron.core.dist_checkpointing",
+    "datastates_megatron.demo.gpt",
+    "datastates_megatron.demo.train",
     "datastates_megatron.megatron.shards",
 ]
 _forkserver_context = None
@@ -45,8 +53,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_ranks(script: str, world: int, args: list[str], *, env: dict | None = None, timeout: float = 120.0,
-              rank_env: dict[int, dict] | None = None, kill_when=None) -> list[dict]:
+def run_ranks(
+    script: str,
+    world: int,
+    args: list[str],
+    *,
+    env: dict | None = None,
+    timeout: float = 120.0,
+    rank_env: dict[int, dict] | None = None,
+    kill_when=None,
+) -> list[dict]:
     """``script``: a ``.py`` path or a module name.  ``kill_when``: a callable polled while the ranks
     run; when it returns True every rank gets SIGKILL (a real ``kill -9`` mid-training)."""
     port = free_port()
@@ -55,8 +71,17 @@ def run_ranks(script: str, world: int, args: list[str], *, env: dict | None = No
     procs = []
     for rank in range(world):
         e = dict(os.environ)
-        e.update({"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank), "MASTER_ADDR": "127.0.0.1",
-                  "MASTER_PORT": str(port), "PYTHONPATH": ROOT + os.pathsep + e.get("PYTHONPATH", ""), "OMP_NUM_THREADS": "1"})
+        e.update(
+            {
+                "RANK": str(rank),
+                "WORLD_SIZE": str(world),
+                "LOCAL_RANK": str(rank),
+                "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": str(port),
+                "PYTHONPATH": ROOT + os.pathsep + e.get("PYTHONPATH", ""),
+                "OMP_NUM_THREADS": "1",
+            }
+        )
         e.update(env or {})
         e.update((rank_env or {}).get(rank, {}))
         if fresh:
@@ -90,9 +115,17 @@ def run_ranks(script: str, world: int, args: list[str], *, env: dict | None = No
         result = None
         for line in stdout.splitlines():
             if line.startswith("RESULT "):
-                result = json.loads(line[len("RESULT "):])
-        out.append({"rank": rank, "returncode": p.returncode, "result": result, "stdout": stdout, "stderr": stderr,
-                    "timed_out": timed_out})
+                result = json.loads(line[len("RESULT ") :])
+        out.append(
+            {
+                "rank": rank,
+                "returncode": p.returncode,
+                "result": result,
+                "stdout": stdout,
+                "stderr": stderr,
+                "timed_out": timed_out,
+            }
+        )
     for name in os.listdir(outputs):
         os.unlink(os.path.join(outputs, name))
     os.rmdir(outputs)
@@ -100,7 +133,9 @@ def run_ranks(script: str, world: int, args: list[str], *, env: dict | None = No
 
 
 def describe(results: list[dict]) -> str:
-    return "\n".join(f"--- rank {r['rank']} rc={r['returncode']}\n{r['stdout'][-2000:]}\n{r['stderr'][-3000:]}" for r in results)
+    return "\n".join(
+        f"--- rank {r['rank']} rc={r['returncode']}\n{r['stdout'][-2000:]}\n{r['stderr'][-3000:]}" for r in results
+    )
 
 
 class _Rank:
@@ -124,8 +159,9 @@ class _FreshRank(_Rank):
 
     def __init__(self, script: str, args: list[str], env: dict) -> None:
         cmd = [sys.executable, script] if script.endswith(".py") else [sys.executable, "-m", script]
-        self._proc = subprocess.Popen([*cmd, *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                      text=True, start_new_session=True)
+        self._proc = subprocess.Popen(
+            [*cmd, *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+        )
         self.pid = self._proc.pid
 
     def poll(self):

@@ -6,7 +6,12 @@ import os
 import pytest
 
 from datastates_megatron.engine.manifest import _body_xxh64  # noqa: PLC2701 - to reseal a hand edit
-from datastates_megatron.engine.manifest import TRACKER_NAME, committed_iterations, iter_dir, read_manifest, read_tracker
+from datastates_megatron.engine.manifest import (
+    committed_iterations,
+    iter_dir,
+    read_manifest,
+    read_tracker,
+)
 
 from .ranks import describe, run_ranks
 
@@ -43,19 +48,33 @@ def test_failure_on_one_rank_commits_nothing_and_every_rank_hears(tmp_path):
 
 def test_on_error_warn_keeps_training(tmp_path):
     root = str(tmp_path / "ckpt")
-    res = _ok(run_ranks(WORKER, 2, ["save", "--root", root, "--iters", "3", "--fail-rank", "0", "--fail-iter", "3",
-                                    "--on-error", "warn"]))
+    res = _ok(
+        run_ranks(
+            WORKER,
+            2,
+            ["save", "--root", root, "--iters", "3", "--fail-rank", "0", "--fail-iter", "3", "--on-error", "warn"],
+        )
+    )
     assert all(r["committed"] == [1, 2] and not r["errors"] for r in res), res
     assert read_tracker(root) == 2
 
 
-@pytest.mark.parametrize("point,expect_latest", [
-    ("flush:20", 1), ("before_finish:2", 1), ("before_manifest:2", 1), ("before_tracker:2", 2), ("retention:1", 2),
-])
+@pytest.mark.parametrize(
+    "point,expect_latest",
+    [
+        ("flush:20", 1),
+        ("before_finish:2", 1),
+        ("before_manifest:2", 1),
+        ("before_tracker:2", 2),
+        ("retention:1", 2),
+    ],
+)
 def test_kill_9_at_each_phase_leaves_a_loadable_latest(tmp_path, point, expect_latest):
     """Iteration 1 commits, then the process is killed (-9) at ``point`` during iteration 2."""
     root = str(tmp_path / "ckpt")
-    crashed = run_ranks(WORKER, 2, ["save", "--root", root, "--iters", "3", "--keep-last", "1"], env={"DSM_CRASH_AT": point})
+    crashed = run_ranks(
+        WORKER, 2, ["save", "--root", root, "--iters", "3", "--keep-last", "1"], env={"DSM_CRASH_AT": point}
+    )
     assert any(r["returncode"] == -9 for r in crashed), describe(crashed)
     assert committed_iterations(root)[-1] == expect_latest
     resumed = _ok(run_ranks(WORKER, 2, ["resume", "--root", root, "--iters", "1"]))
@@ -142,8 +161,9 @@ def test_a_rank_that_cannot_open_the_checkpoint_makes_every_rank_fail_without_a_
     restore); the others validated theirs and wait for agreement: it must still join it."""
     root = str(tmp_path / "ckpt")
     _ok(run_ranks(WORKER, 3, ["save", "--root", root, "--iters", "2"]))
-    res = run_ranks(WORKER, 3, ["load", "--root", root], timeout=90,
-                    rank_env={1: {"DSM_TEST_LOAD_ROOT": str(tmp_path / "empty")}})
+    res = run_ranks(
+        WORKER, 3, ["load", "--root", root], timeout=90, rank_env={1: {"DSM_TEST_LOAD_ROOT": str(tmp_path / "empty")}}
+    )
     assert all(r["returncode"] == 0 for r in res), describe(res)  # nobody hung (or was killed)
     results = {r["result"]["rank"]: r["result"] for r in res}
     assert "NoCheckpointError" in results[1]["error"], results

@@ -22,8 +22,19 @@ def _args(tmp_path, *extra):
 
 def test_promotion_interval_retention_per_tier_and_restore_preference(tmp_path):
     persistent = str(tmp_path / "persistent")
-    _ok(run_ranks(WORKER, 4, ["save", *_args(tmp_path, "--iters", "6", "--persist-interval", "2",
-                                             "--keep-last", "2", "--local-keep-last", "2")], env=NODES))
+    _ok(
+        run_ranks(
+            WORKER,
+            4,
+            [
+                "save",
+                *_args(
+                    tmp_path, "--iters", "6", "--persist-interval", "2", "--keep-last", "2", "--local-keep-last", "2"
+                ),
+            ],
+            env=NODES,
+        )
+    )
     assert committed_iterations(persistent) == [4, 6]  # every 2nd local checkpoint, keep_last=2
     for node, ranks in ((0, [0, 1]), (1, [2, 3])):
         local = str(tmp_path / f"local{node}")
@@ -53,8 +64,12 @@ def test_local_fallback_rank_reads_only_the_missing_node_from_persistent(tmp_pat
     # a local copy that is not the persistent file is never read: a new run re-saves 6 locally and
     # is killed in its end-of-run promotion, node 1 is replaced again -> node 0's local 6 differs
     # from the persistent 6
-    killed = run_ranks(WORKER, 4, ["save", *_args(tmp_path, "--start", "6", "--iters", "1", "--persist-interval", "5")],
-                       env={**NODES, "DSM_CRASH_AT": "promote"})
+    killed = run_ranks(
+        WORKER,
+        4,
+        ["save", *_args(tmp_path, "--start", "6", "--iters", "1", "--persist-interval", "5")],
+        env={**NODES, "DSM_CRASH_AT": "promote"},
+    )
     assert all(r["returncode"] == -9 for r in killed), describe(killed)
     shutil.rmtree(tmp_path / "local1")
     loaded = _ok(run_ranks(WORKER, 4, ["load", *_args(tmp_path, "--local-fallback", "rank")], env=NODES))
@@ -72,23 +87,35 @@ def test_a_clean_end_promotes_the_newest_local_checkpoint_whatever_the_interval(
 def test_newer_local_checkpoint_wins_and_unpromoted_one_is_promoted_on_restart(tmp_path):
     persistent = str(tmp_path / "persistent")
     # killed in its end-of-run promotion (the 2nd promotion: 2 by the interval, then 3)
-    killed = run_ranks(WORKER, 4, ["save", *_args(tmp_path, "--iters", "3", "--persist-interval", "2")],
-                       env={**NODES, "DSM_CRASH_AT": "promote:2"})
+    killed = run_ranks(
+        WORKER,
+        4,
+        ["save", *_args(tmp_path, "--iters", "3", "--persist-interval", "2")],
+        env={**NODES, "DSM_CRASH_AT": "promote:2"},
+    )
     assert all(r["returncode"] == -9 for r in killed), describe(killed)
     assert committed_iterations(persistent) == [2]
-    resumed = _ok(run_ranks(WORKER, 4, ["resume", *_args(tmp_path, "--iters", "1", "--persist-interval", "5")], env=NODES))
+    resumed = _ok(
+        run_ranks(WORKER, 4, ["resume", *_args(tmp_path, "--iters", "1", "--persist-interval", "5")], env=NODES)
+    )
     assert all(r["iteration"] == 3 and r["exact"] and "local" in r["root"] for r in resumed), resumed
     assert 3 in committed_iterations(persistent)  # the restart promoted what the last run left local-only
 
 
 def test_crash_during_promotion_keeps_local_copy_and_is_redone(tmp_path):
     persistent = str(tmp_path / "persistent")
-    crashed = run_ranks(WORKER, 4, ["save", *_args(tmp_path, "--iters", "2", "--persist-interval", "2")],
-                        env={**NODES, "DSM_CRASH_AT": "promote", "DSM_CRASH_RANK": "3"})
+    crashed = run_ranks(
+        WORKER,
+        4,
+        ["save", *_args(tmp_path, "--iters", "2", "--persist-interval", "2")],
+        env={**NODES, "DSM_CRASH_AT": "promote", "DSM_CRASH_RANK": "3"},
+    )
     assert any(r["returncode"] == -9 for r in crashed), describe(crashed)
     assert committed_iterations(persistent) == []  # promotion of 2 never committed
     assert committed_iterations(str(tmp_path / "local1")) == [1, 2]  # the local copies are intact
-    resumed = _ok(run_ranks(WORKER, 4, ["resume", *_args(tmp_path, "--iters", "1", "--persist-interval", "9")], env=NODES))
+    resumed = _ok(
+        run_ranks(WORKER, 4, ["resume", *_args(tmp_path, "--iters", "1", "--persist-interval", "9")], env=NODES)
+    )
     assert all(r["iteration"] == 2 and r["exact"] for r in resumed), resumed
     assert committed_iterations(persistent) == [2, 3]  # 2 redone after the restart, 3 at its end
 
@@ -101,8 +128,11 @@ def test_nodes_holding_the_same_iteration_from_different_saves_are_never_restore
     _ok(run_ranks(WORKER, 4, ["save", *_args(tmp_path, "--iters", "6", "--persist-interval", "5")], env=NODES))
     first_run_node1 = tmp_path / "first-run-local1"
     shutil.copytree(tmp_path / "local1", first_run_node1)
-    _ok(run_ranks(WORKER, 4, ["save", *_args(tmp_path, "--start", "6", "--iters", "1", "--persist-interval", "5")],
-                  env=NODES))
+    _ok(
+        run_ranks(
+            WORKER, 4, ["save", *_args(tmp_path, "--start", "6", "--iters", "1", "--persist-interval", "5")], env=NODES
+        )
+    )
     shutil.rmtree(tmp_path / "local1")
     shutil.copytree(first_run_node1, tmp_path / "local1")
     node0 = read_manifest(iter_dir(str(tmp_path / "local0"), 6)).run_token

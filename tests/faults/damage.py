@@ -32,8 +32,12 @@ def edit_manifest(ckpt_dir: str, edit, *, reseal: bool = True) -> None:
     data = None
     if reseal:
         try:
-            ranks = tuple(RankRecord(**{f.name: r[f.name] for f in dataclasses.fields(RankRecord)}) for r in body["ranks"])
-            fields = {f.name: body[f.name] for f in dataclasses.fields(Manifest) if f.name in body and f.name != "ranks"}
+            ranks = tuple(
+                RankRecord(**{f.name: r[f.name] for f in dataclasses.fields(RankRecord)}) for r in body["ranks"]
+            )
+            fields = {
+                f.name: body[f.name] for f in dataclasses.fields(Manifest) if f.name in body and f.name != "ranks"
+            }
             data = Manifest(ranks=ranks, **fields).to_json()
         except (KeyError, TypeError, ValueError):
             data = None

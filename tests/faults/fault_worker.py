@@ -166,8 +166,12 @@ def parse(argv):
     p.add_argument("--kill-after-ms", type=float, default=None, help="SIGKILL this long after --kill-at starts")
     p.add_argument("--kill-at", default=None, help="'save:<iteration>' or 'load'")
     p.add_argument("--kill-rank", type=int, default=None, help="only this rank is killed (default: all)")
-    p.add_argument("--fill", choices=["data", "manifest"], default="data",
-                   help="fulldisk: leave too little space for the rank files, or just enough for them and not the manifest")
+    p.add_argument(
+        "--fill",
+        choices=["data", "manifest"],
+        default="data",
+        help="fulldisk: leave too little space for the rank files, or just enough for them and not the manifest",
+    )
     return p.parse_args(argv)
 
 
@@ -214,8 +218,11 @@ def run(argv) -> dict:
         if r is None:
             result.update(iteration=None, exact=True, objects_ok=True)
         else:
-            result.update(iteration=r.iteration, exact=is_state_of(ts, rank, r.iteration),
-                          objects_ok=r.objects == {"iteration": r.iteration, "rank": rank})
+            result.update(
+                iteration=r.iteration,
+                exact=is_state_of(ts, rank, r.iteration),
+                objects_ok=r.objects == {"iteration": r.iteration, "rank": rank},
+            )
         a.start = (r.iteration if r else 0) + 1
         if a.mode == "resume":
             a.iters = max(0, (a.until if a.until is not None else a.start + a.iters - 1) - a.start + 1)

@@ -23,8 +23,16 @@ import traceback
 from tests.distributed.ranks import detach_with_outputs, free_port
 
 
-def fork_ranks(func, world: int, args: list[str], *, env: dict | None = None, timeout: float = 120.0,
-               rank_env: dict[int, dict] | None = None, kill_when=None) -> list[dict]:
+def fork_ranks(
+    func,
+    world: int,
+    args: list[str],
+    *,
+    env: dict | None = None,
+    timeout: float = 120.0,
+    rank_env: dict[int, dict] | None = None,
+    kill_when=None,
+) -> list[dict]:
     """Run ``func(args) -> dict`` on ``world`` forked ranks; returns one dict per rank like ``run_ranks``."""
     port = free_port()
     tmp = tempfile.mkdtemp(prefix="forkranks-")
@@ -36,8 +44,15 @@ def fork_ranks(func, world: int, args: list[str], *, env: dict | None = None, ti
             code = 1
             try:
                 detach_with_outputs(out_path, err_path)
-                os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
-                                   "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+                os.environ.update(
+                    {
+                        "RANK": str(rank),
+                        "WORLD_SIZE": str(world),
+                        "LOCAL_RANK": str(rank),
+                        "MASTER_ADDR": "127.0.0.1",
+                        "MASTER_PORT": str(port),
+                    }
+                )
                 os.environ.update(env or {})
                 os.environ.update((rank_env or {}).get(rank, {}))
                 result = func(list(args))
@@ -101,9 +116,17 @@ def fork_ranks(func, world: int, args: list[str], *, env: dict | None = None, ti
         result = None
         for line in stdout.splitlines():
             if line.startswith("RESULT "):
-                result = json.loads(line[len("RESULT "):])
-        out.append({"rank": rank, "returncode": status[pid], "result": result, "stdout": stdout, "stderr": stderr,
-                    "timed_out": timed_out})
+                result = json.loads(line[len("RESULT ") :])
+        out.append(
+            {
+                "rank": rank,
+                "returncode": status[pid],
+                "result": result,
+                "stdout": stdout,
+                "stderr": stderr,
+                "timed_out": timed_out,
+            }
+        )
     for name in os.listdir(tmp):
         os.unlink(os.path.join(tmp, name))
     os.rmdir(tmp)

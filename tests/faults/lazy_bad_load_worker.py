@@ -70,9 +70,17 @@ def damage(root: str, name: str) -> None:
 
 
 SCENARIOS = [
-    "data_flip", "index_flip", "header_flip", "truncated", "missing", "other_iteration",
-    "manifest_not_json", "manifest_version", "manifest_path_outside", "manifest_layout",
-]  # fmt: skip
+    "data_flip",
+    "index_flip",
+    "header_flip",
+    "truncated",
+    "missing",
+    "other_iteration",
+    "manifest_not_json",
+    "manifest_version",
+    "manifest_path_outside",
+    "manifest_layout",
+]
 # after the others: only rank 1's file is bad.  A rank that restores while another fails leaves the
 # ranks in different collectives, so nothing can follow it.
 LAST = "data_flip_rank1"

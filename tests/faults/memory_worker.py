@@ -110,7 +110,9 @@ def main(argv=None) -> dict:
     r = mgr.load()
     out["load_growth"] = sampler.close() - base
     out["loaded"] = r.iteration
-    out["exact"] = all(bool((t == float(i + (r.iteration - 1) // a.inflight)).all()) for i, t in enumerate(state.values()))
+    out["exact"] = all(
+        bool((t == float(i + (r.iteration - 1) // a.inflight)).all()) for i, t in enumerate(state.values())
+    )
     mgr.close()
     return out
 

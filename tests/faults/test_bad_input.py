@@ -34,8 +34,9 @@ SENTINEL = -7.0
 
 
 def _manager(root, layout=LAYOUT, **kw):
-    return CheckpointManager(str(root), EngineOptions(cache_bytes=256 << 10, timeout_s=30), keep_last=0,
-                             layout=layout, **kw)
+    return CheckpointManager(
+        str(root), EngineOptions(cache_bytes=256 << 10, timeout_s=30), keep_last=0, layout=layout, **kw
+    )
 
 
 @pytest.fixture
@@ -160,8 +161,12 @@ def _edit_manifest(root, iteration, edit, reseal=True):
 def test_unknown_manifest_format_version_is_named(ckpt):
     root, _, _ = ckpt
     _edit_manifest(root, 2, lambda b: b.update(format_version=2), reseal=False)
-    _expect(root, r"manifest\.json: unknown manifest format version 2 \(this reader knows 1\)", FormatVersionError,
-            iteration=2)
+    _expect(
+        root,
+        r"manifest\.json: unknown manifest format version 2 \(this reader knows 1\)",
+        FormatVersionError,
+        iteration=2,
+    )
     # discovering the latest checkpoint reports it too (rather than silently falling back to iteration 1)
     _expect(root, r"unknown manifest format version 2", FormatVersionError)
 
@@ -180,11 +185,14 @@ def test_manifest_that_is_not_json_is_named(ckpt):
     _expect(root, r"manifest\.json: manifest is not valid JSON", iteration=2)
 
 
-@pytest.mark.parametrize("field,value,pattern", [
-    ("file_bytes", 123, r"rank 0 file has \d+ bytes, manifest says 123"),
-    ("index_xxh64", 1, r"rank 0 file is not the one committed"),
-    ("header_xxh64", 1, r"rank 0 file is not the one committed"),
-])
+@pytest.mark.parametrize(
+    "field,value,pattern",
+    [
+        ("file_bytes", 123, r"rank 0 file has \d+ bytes, manifest says 123"),
+        ("index_xxh64", 1, r"rank 0 file is not the one committed"),
+        ("header_xxh64", 1, r"rank 0 file is not the one committed"),
+    ],
+)
 def test_manifest_rank_record_that_disagrees_with_the_file_is_refused(ckpt, field, value, pattern):
     root, _, _ = ckpt
     _edit_manifest(root, 2, lambda b: b["ranks"][0].update({field: value}))
@@ -200,7 +208,11 @@ def test_manifest_in_the_wrong_directory_is_refused(ckpt):
 def test_manifest_missing_a_field_is_named(ckpt):
     root, _, _ = ckpt
     _edit_manifest(root, 2, lambda b: b.pop("commit_seq"), reseal=False)
-    _expect(root, r"manifest is missing or has a malformed field: 'commit_seq'|manifest\.json: .*(checksum|damaged)", iteration=2)
+    _expect(
+        root,
+        r"manifest is missing or has a malformed field: 'commit_seq'|manifest\.json: .*(checksum|damaged)",
+        iteration=2,
+    )
 
 
 def _flip_in_value(root, iteration, key, bit=0):
@@ -242,8 +254,12 @@ def test_bit_flip_in_an_older_commit_seq_does_not_silently_roll_back(ckpt):
 # ------------------------------------------------------------------------------- the world
 def test_parallel_layout_mismatch_names_every_difference(ckpt):
     root, _, _ = ckpt
-    err = _expect(root, r"checkpoint layout differs from this run: dp=1 in checkpoint, 2 now; tp=1 in checkpoint, 4 now",
-                  LayoutMismatchError, layout={"tp": 4, "pp": 1, "dp": 2})
+    err = _expect(
+        root,
+        r"checkpoint layout differs from this run: dp=1 in checkpoint, 2 now; tp=1 in checkpoint, 4 now",
+        LayoutMismatchError,
+        layout={"tp": 4, "pp": 1, "dp": 2},
+    )
     assert iter_dir(root, 2) in str(err)
 
 
@@ -254,8 +270,12 @@ def test_tensor_shape_or_dtype_or_set_mismatch_names_the_tensor(ckpt):
     ts["bf16"] = torch.zeros(33, 5)  # fp32 instead of bf16
     del ts["step"]
     ts["extra"] = torch.zeros(3)
-    err = _expect(root, r"rank 0: .*missing from checkpoint: \['extra'\]; not expected by this model: \['step'\]",
-                  LayoutMismatchError, state=ts)
+    err = _expect(
+        root,
+        r"rank 0: .*missing from checkpoint: \['extra'\]; not expected by this model: \['step'\]",
+        LayoutMismatchError,
+        state=ts,
+    )
     assert "tensor 'bf16': checkpoint has torch.bfloat16 [33, 5], model has torch.float32 [33, 5]" in str(err)
     assert "tensor 'small3': checkpoint has torch.float32 [13], model has torch.float32 [99]" in str(err)
 

@@ -137,8 +137,13 @@ def test_interpreter_exit_with_a_save_pending_drains_or_reports(tmp_path):
     verifies) or the loss is reported on stderr with nothing partial left behind."""
     root = str(tmp_path / "c")
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
-    proc = subprocess.Popen([sys.executable, os.path.join(HERE, "exit_worker.py"), root], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    proc = subprocess.Popen(
+        [sys.executable, os.path.join(HERE, "exit_worker.py"), root],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         out, err = proc.communicate(timeout=45)
     except subprocess.TimeoutExpired:

@@ -21,8 +21,13 @@ WORKER = os.path.join(os.path.dirname(__file__), "fault_worker.py")
 
 
 def _crash(root, progress, *extra, env=None, kill_when=None):
-    res = run_ranks(WORKER, 2, ["save", "--root", root, "--iters", "3", "--keep-last", "1", "--progress", progress,
-                                *extra], env=env, kill_when=kill_when)  # fmt: skip
+    res = run_ranks(
+        WORKER,
+        2,
+        ["save", "--root", root, "--iters", "3", "--keep-last", "1", "--progress", progress, *extra],
+        env=env,
+        kill_when=kill_when,
+    )
     assert any(r["returncode"] == -9 for r in res), "the fault did not kill any rank\n" + describe(res)
     return res
 
@@ -53,9 +58,27 @@ def test_one_rank_killed_mid_flush_then_all_killed_during_restore(tmp_path):
     root, progress = str(tmp_path / "ckpt"), str(tmp_path / "progress")
     _crash(root, progress, "--big", "400000", env={"DSM_CRASH_AT": "flush:40", "DSM_CRASH_RANK": "1"})
     assert committed_iterations(root) == [1] and acknowledged(progress, 2) in (None, 1)
-    killed = run_ranks(WORKER, 2, ["resume", "--root", root, "--until", "4", "--big", "400000", "--progress",
-                                   str(tmp_path / "load"), "--slow-restore-ms", "30", "--kill-at", "load",
-                                   "--kill-after-ms", "150"])  # fmt: skip
+    killed = run_ranks(
+        WORKER,
+        2,
+        [
+            "resume",
+            "--root",
+            root,
+            "--until",
+            "4",
+            "--big",
+            "400000",
+            "--progress",
+            str(tmp_path / "load"),
+            "--slow-restore-ms",
+            "30",
+            "--kill-at",
+            "load",
+            "--kill-after-ms",
+            "150",
+        ],
+    )
     assert all(r["returncode"] == -9 for r in killed), describe(killed)
     for lines in read_progress(str(tmp_path / "load"), 2):
         assert "load_start" in lines and not any(x.startswith("load_done") for x in lines), lines  # died mid-load
@@ -68,8 +91,9 @@ def test_one_rank_killed_mid_flush_through_a_kept_mapping_on_tmpfs(tmp_path, shm
     loads iteration 2 bit-exactly and training goes on."""
     root, progress = str(shm_dir / "ckpt"), str(tmp_path / "progress")
     # ~27 regions per save (64 KiB chunks of a 1.6 MB tensor, and the packs): the 65th is in save 3
-    _crash(root, progress, "--big", "400000", "--recycle", "all",
-           env={"DSM_CRASH_AT": "flush:65", "DSM_CRASH_RANK": "1"})
+    _crash(
+        root, progress, "--big", "400000", "--recycle", "all", env={"DSM_CRASH_AT": "flush:65", "DSM_CRASH_RANK": "1"}
+    )
     assert committed_iterations(root) == [2] and acknowledged(progress, 2) in (1, 2)
     _resume(root, progress, 4, "--big", "400000", "--recycle", "all")
 
@@ -111,9 +135,11 @@ def test_restore_crash_point_is_placed(tmp_path):
     root = str(tmp_path / "ckpt")
     ok = run_ranks(WORKER, 2, ["save", "--root", root, "--iters", "1"])
     assert all(r["returncode"] == 0 for r in ok), describe(ok)
-    res = run_ranks(WORKER, 2, ["load", "--root", root, "--progress", str(tmp_path / "load")],
-                    env={"DSM_CRASH_AT": "restore:3"})
+    res = run_ranks(
+        WORKER, 2, ["load", "--root", root, "--progress", str(tmp_path / "load")], env={"DSM_CRASH_AT": "restore:3"}
+    )
     assert all(r["returncode"] == -9 for r in res), "DSM_CRASH_AT=restore:3 did not kill the load:\n" + json.dumps(
-        [r["result"] for r in res])
+        [r["result"] for r in res]
+    )
     for lines in read_progress(str(tmp_path / "load"), 2):
         assert "load_start" in lines and not any(x.startswith("load_done") for x in lines), lines

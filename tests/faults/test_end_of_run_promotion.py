@@ -11,8 +11,14 @@ from datastates_megatron.engine.manifest import committed_iterations
 
 
 def _manager(tmp_path, w, interval):
-    mgr = CheckpointManager(str(tmp_path / "persistent"), EngineOptions(cache_bytes=1 << 20, timeout_s=30), keep_last=0,
-                            local_root=str(tmp_path / "local"), persist_interval=interval, local_keep_last=0)  # fmt: skip
+    mgr = CheckpointManager(
+        str(tmp_path / "persistent"),
+        EngineOptions(cache_bytes=1 << 20, timeout_s=30),
+        keep_last=0,
+        local_root=str(tmp_path / "local"),
+        persist_interval=interval,
+        local_keep_last=0,
+    )
     mgr.register("w", w)
     return mgr
 

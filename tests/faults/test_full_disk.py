@@ -22,8 +22,27 @@ BIG = "3000000"  # 12 MB of fp32 per rank
 
 def _run(small_fs, on_error, fill="data"):
     root = os.path.join(small_fs, "ckpt")
-    res = run_ranks(WORKER, 2, ["fulldisk", "--root", root, "--big", BIG, "--cache-kb", "4096", "--keep-last", "2",
-                                "--on-error", on_error, "--fill", fill, "--timeout", "60"])  # fmt: skip
+    res = run_ranks(
+        WORKER,
+        2,
+        [
+            "fulldisk",
+            "--root",
+            root,
+            "--big",
+            BIG,
+            "--cache-kb",
+            "4096",
+            "--keep-last",
+            "2",
+            "--on-error",
+            on_error,
+            "--fill",
+            fill,
+            "--timeout",
+            "60",
+        ],
+    )
     assert all(r["returncode"] == 0 and r["result"] for r in res), describe(res)
     return root, [r["result"] for r in res]
 
@@ -51,8 +70,9 @@ def test_full_disk_mid_flush(small_fs, on_error):
         # every rank hears, with its rank; the rank that hit ENOSPC names its file
         (msg,) = errors["2"]
         assert f"rank {r['rank']}" in msg, msg
-        assert ("No space left on device" in msg and f"r{r['rank']:05d}-" in msg and ".dsck" in msg) or \
-            "failed to write their files" in msg, msg  # fmt: skip
+        assert (
+            "No space left on device" in msg and f"r{r['rank']:05d}-" in msg and ".dsck" in msg
+        ) or "failed to write their files" in msg, msg
     assert committed_iterations(root) == [1, 3] and read_tracker(root) == 3
     _check_loads_exactly(root, 3)
 

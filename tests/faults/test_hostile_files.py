@@ -208,9 +208,22 @@ def _set_file(value):
         (lambda b: b.update(layout=[1, 2]), "layout"),
         (lambda b: b.update(ranks={"0": 1}), "ranks"),
     ],
-    ids=["file-int", "file-null", "file-space", "created-nan", "created-inf", "world-bool", "seq-float",
-         "ntensors-bool", "filebytes-negative", "xxh-too-big", "token-space", "tier-unknown", "layout-list",
-         "ranks-dict"],  # fmt: skip
+    ids=[
+        "file-int",
+        "file-null",
+        "file-space",
+        "created-nan",
+        "created-inf",
+        "world-bool",
+        "seq-float",
+        "ntensors-bool",
+        "filebytes-negative",
+        "xxh-too-big",
+        "token-space",
+        "tier-unknown",
+        "layout-list",
+        "ranks-dict",
+    ],
 )
 def test_a_resealed_manifest_with_a_bad_field_is_corrupt_and_names_it(root, capsys, edit, what):
     _edit_and_reseal(_manifest(root), edit)  # valid checksum: the field check must refuse it

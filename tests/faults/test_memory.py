@@ -20,16 +20,32 @@ CONSTANT = 32 * MiB
 
 def run_memory_worker(root: str, *args: str, timeout: float = 300) -> dict:
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
-    done = subprocess.run([sys.executable, os.path.join(HERE, "memory_worker.py"), "--root", root, *args], env=env,
-                          capture_output=True, text=True, timeout=timeout)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, os.path.join(HERE, "memory_worker.py"), "--root", root, *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     line = next(x for x in done.stdout.splitlines() if x.startswith("RESULT "))
-    return json.loads(line[len("RESULT "):])
+    return json.loads(line[len("RESULT ") :])
 
 
 def test_resident_memory_stays_under_budget_plus_constant(tmp_path):
-    r = run_memory_worker(str(tmp_path / "c"), "--state-mb", "128", "--cache-mb", "4", "--inflight", "4",
-                          "--saves", "8", "--slow-write-ms", "1")  # fmt: skip
+    r = run_memory_worker(
+        str(tmp_path / "c"),
+        "--state-mb",
+        "128",
+        "--cache-mb",
+        "4",
+        "--inflight",
+        "4",
+        "--saves",
+        "8",
+        "--slow-write-ms",
+        "1",
+    )
     assert r["state_bytes"] >= 32 * r["cache_bytes"]  # the state is far larger than the cache
     assert r["cache_peak_used"] <= r["cache_bytes"]
     assert r["cache_wait_s"] > 0  # backpressure did happen

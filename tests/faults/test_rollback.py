@@ -12,8 +12,14 @@ from datastates_megatron.engine.tiers import Promoter
 
 
 def _manager(tmp_path, w):
-    mgr = CheckpointManager(str(tmp_path / "persistent"), EngineOptions(cache_bytes=1 << 20, timeout_s=30), keep_last=0,
-                            local_root=str(tmp_path / "local"), persist_interval=4, local_keep_last=2)  # fmt: skip
+    mgr = CheckpointManager(
+        str(tmp_path / "persistent"),
+        EngineOptions(cache_bytes=1 << 20, timeout_s=30),
+        keep_last=0,
+        local_root=str(tmp_path / "local"),
+        persist_interval=4,
+        local_keep_last=2,
+    )
     mgr.register("w", w)
     return mgr
 

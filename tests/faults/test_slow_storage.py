@@ -36,8 +36,13 @@ def _slow_writes(monkeypatch, delay_s: float, block: threading.Event | None = No
 
 
 def _manager(root, cache_mb: float, **kw):
-    opts = EngineOptions(cache_bytes=int(cache_mb * MiB), flush_threads=2, chunk_bytes=MiB // 4,
-                         timeout_s=kw.pop("timeout_s", 60), max_inflight=kw.pop("max_inflight", 2))  # fmt: skip
+    opts = EngineOptions(
+        cache_bytes=int(cache_mb * MiB),
+        flush_threads=2,
+        chunk_bytes=MiB // 4,
+        timeout_s=kw.pop("timeout_s", 60),
+        max_inflight=kw.pop("max_inflight", 2),
+    )
     return CheckpointManager(str(root), opts, keep_last=0, **kw)
 
 
@@ -65,7 +70,9 @@ def test_cache_that_holds_the_state_hides_slow_storage(tmp_path, monkeypatch):
         assert mgr.engine.cache.wait_seconds == 0
     injected = stats["writes"] * 0.05 / 2  # two flush threads
     assert flush >= injected * 0.9
-    assert stall < 0.5 * flush, f"the gate waited {stall:.3f}s for a {flush:.3f}s flush although the cache holds the state"
+    assert stall < 0.5 * flush, (
+        f"the gate waited {stall:.3f}s for a {flush:.3f}s flush although the cache holds the state"
+    )
     assert time.perf_counter() - t0 <= flush + 1.0
 
 

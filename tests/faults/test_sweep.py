@@ -15,11 +15,26 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 @pytest.mark.slow
 def test_quick_sweep_loses_nothing(tmp_path):
     out = tmp_path / "summary.json"
-    done = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "fault_sweep.py"), "--quick", "--no-demo",
-                           "--dir", str(tmp_path), "--json", str(out)], capture_output=True, text=True, timeout=1200)  # fmt: skip
+    done = subprocess.run(
+        [
+            sys.executable,
+            os.path.join(ROOT, "scripts", "fault_sweep.py"),
+            "--quick",
+            "--no-demo",
+            "--dir",
+            str(tmp_path),
+            "--json",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=1200,
+    )
     assert out.exists(), done.stdout[-3000:] + done.stderr[-3000:]
     summary = json.loads(out.read_text())
     assert summary["data_lost"] == 0, done.stdout[-3000:]
-    assert summary["total"]["killed"] >= 15 and summary["total"]["resumed"] == summary["total"]["killed"], summary["total"]
+    assert summary["total"]["killed"] >= 15 and summary["total"]["resumed"] == summary["total"]["killed"], summary[
+        "total"
+    ]
     assert summary["silent_corruptions"] == 0, done.stdout[-3000:]
     assert done.returncode == 0, done.stdout[-3000:]

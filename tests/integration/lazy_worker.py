@@ -14,8 +14,11 @@ def main():
     p.add_argument("--save", required=True)
     p.add_argument("--local", default=None, help="local_tier: the node-local tier")
     p.add_argument("--no-hooks", action="store_true", help="control: remove the gate to show the test can fail")
-    p.add_argument("--source-writes", action="store_true",
-                   help="slow_copy: shards written straight from their memory; the writes are the slow part")
+    p.add_argument(
+        "--source-writes",
+        action="store_true",
+        help="slow_copy: shards written straight from their memory; the writes are the slow part",
+    )
     a = p.parse_args()
     from datastates_megatron import LazyCheckpointer, LazyCkptConfig
     from datastates_megatron.demo import gpt
@@ -89,8 +92,12 @@ def main():
         ckpt.wait()
         m = read_manifest(iter_dir(a.save, 1))
         tensors, _ = load_file(os.path.join(iter_dir(a.save, 1), m.ranks[rank].file))
-        result["param_shard_bytes"] = sum(t.numel() * t.element_size() for n, t in tensors.items() if ".param_shard" in n)
-        result["param_buffer_bytes"] = sum(b.param_data.numel() * b.param_data.element_size() for c in chunks for b in c.buffers)
+        result["param_shard_bytes"] = sum(
+            t.numel() * t.element_size() for n, t in tensors.items() if ".param_shard" in n
+        )
+        result["param_buffer_bytes"] = sum(
+            b.param_data.numel() * b.param_data.element_size() for c in chunks for b in c.buffers
+        )
     ckpt.close()
     print("RESULT " + json.dumps(result), flush=True)
     gpt.destroy_distributed()

@@ -27,15 +27,55 @@ MEGATRON_LM_DIR = os.environ.get("MEGATRON_LM_DIR")
 CUDA = torch.cuda.is_available()
 RANKS = min(2, torch.cuda.device_count()) if CUDA else 2  # NCCL needs a GPU per rank
 
-CPU_ONLY = ["--distributed-backend", "gloo", "--transformer-impl", "local", "--no-gradient-accumulation-fusion",
-            "--no-persist-layer-norm", "--no-masked-softmax-fusion"]
+CPU_ONLY = [
+    "--distributed-backend",
+    "gloo",
+    "--transformer-impl",
+    "local",
+    "--no-gradient-accumulation-fusion",
+    "--no-persist-layer-norm",
+    "--no-masked-softmax-fusion",
+]
 TINY = [
-    "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
-    "--max-position-embeddings", "64", "--micro-batch-size", "2", "--global-batch-size", "8", "--lr", "1e-3",
-    "--min-lr", "1e-4", "--lr-decay-style", "cosine", "--mock-data", "--tokenizer-type", "NullTokenizer",
-    "--vocab-size", "512", "--use-distributed-optimizer", "--log-interval", "1", "--eval-iters", "0",
-    "--eval-interval", "1000", "--hidden-dropout", "0", "--attention-dropout", "0", "--log-params-norm",
-    "--seed", "1234",
+    "--num-layers",
+    "2",
+    "--hidden-size",
+    "64",
+    "--num-attention-heads",
+    "4",
+    "--seq-length",
+    "64",
+    "--max-position-embeddings",
+    "64",
+    "--micro-batch-size",
+    "2",
+    "--global-batch-size",
+    "8",
+    "--lr",
+    "1e-3",
+    "--min-lr",
+    "1e-4",
+    "--lr-decay-style",
+    "cosine",
+    "--mock-data",
+    "--tokenizer-type",
+    "NullTokenizer",
+    "--vocab-size",
+    "512",
+    "--use-distributed-optimizer",
+    "--log-interval",
+    "1",
+    "--eval-iters",
+    "0",
+    "--eval-interval",
+    "1000",
+    "--hidden-dropout",
+    "0",
+    "--attention-dropout",
+    "0",
+    "--log-params-norm",
+    "--seed",
+    "1234",
 ]
 LAZY = ["--lazy-ckpt", "--lazy-ckpt-host-cache-gb", "0.05"]
 
@@ -58,12 +98,26 @@ class Run:
 
 def command(nproc: int, args: list[str], port: int) -> list[str]:
     script = os.path.join(MEGATRON_LM_DIR, "pretrain_gpt.py")
-    return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port", str(port),
-            "-m", "datastates_megatron.megatron.cpu_launch", script, *([] if CUDA else CPU_ONLY), *TINY, *args]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        str(nproc),
+        "--master-port",
+        str(port),
+        "-m",
+        "datastates_megatron.megatron.cpu_launch",
+        script,
+        *([] if CUDA else CPU_ONLY),
+        *TINY,
+        *args,
+    ]
 
 
-def launch(tmp: Path, name: str, args: list[str], *, nproc: int = RANKS, timeout: float = 300.0,
-           kill_when=None, term_when=None) -> Run:
+def launch(
+    tmp: Path, name: str, args: list[str], *, nproc: int = RANKS, timeout: float = 300.0, kill_when=None, term_when=None
+) -> Run:
     """Run ``pretrain_gpt.py`` with ``args`` to the end, or until ``kill_when()`` (then every rank and
     torchrun get SIGKILL) or ``term_when()`` (then every rank gets SIGTERM, as ``srun`` delivers a
     pre-emption, and the run is left to finish). Both are polled every 50 ms."""
@@ -71,8 +125,9 @@ def launch(tmp: Path, name: str, args: list[str], *, nproc: int = RANKS, timeout
     log_path = tmp / f"{name}.log"
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", **{training_record.ENV: record})
     with open(log_path, "w") as log:
-        proc = subprocess.Popen(command(nproc, args, free_port()), stdout=log, stderr=subprocess.STDOUT,
-                                env=env, start_new_session=True)
+        proc = subprocess.Popen(
+            command(nproc, args, free_port()), stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
         deadline = time.monotonic() + timeout
         try:
             while proc.poll() is None and time.monotonic() < deadline:
@@ -92,15 +147,19 @@ def launch(tmp: Path, name: str, args: list[str], *, nproc: int = RANKS, timeout
 
 def committed_at_least(save: Path, iteration: int):
     """A ``kill_when``: true once a checkpoint of ``iteration`` or later is committed under ``save``."""
+
     def check() -> bool:
         return save.is_dir() and any(it >= iteration for it in committed_iterations(str(save)))
+
     return check
 
 
 def logged(tmp: Path, name: str, iteration: int):
     """A ``term_when`` for ``launch(tmp, name, ...)``: true once rank 0 has logged ``iteration``."""
+
     def check() -> bool:
         return iteration in training_record.read(str(tmp / f"{name}-record"), 0)[0]
+
     return check
 
 

@@ -51,8 +51,17 @@ def _args():
 def _build(a, seed):
     from datastates_megatron.demo import gpt
 
-    return gpt.build(a.layers, a.hidden, MODEL["heads"], MODEL["seq_len"], MODEL["vocab"], bf16=a.bf16, seed=seed,
-                     overlap_grad_reduce=a.bucket_size is not None, bucket_size=a.bucket_size)  # fmt: skip
+    return gpt.build(
+        a.layers,
+        a.hidden,
+        MODEL["heads"],
+        MODEL["seq_len"],
+        MODEL["vocab"],
+        bf16=a.bf16,
+        seed=seed,
+        overlap_grad_reduce=a.bucket_size is not None,
+        bucket_size=a.bucket_size,
+    )
 
 
 def _data(it):
@@ -146,7 +155,9 @@ def main():
     chunks, opt = _build(a, a.seed if a.load is None else a.seed + 1)
     sched = gpt.make_scheduler(opt, lr=1e-3, warmup_steps=2, decay_steps=100)
     save_dir = a.save or f"{os.path.normpath(a.load)}-scratch-dp{gpt.dp_size()}"
-    cfg = LazyCkptConfig(save_dir=save_dir, load_dir=a.load, host_cache_gb=0.05, keep_last=0, verify_on_load=not a.no_verify)
+    cfg = LazyCkptConfig(
+        save_dir=save_dir, load_dir=a.load, host_cache_gb=0.05, keep_last=0, verify_on_load=not a.no_verify
+    )
     losses = {}
     with LazyCheckpointer(chunks, opt, cfg, opt_param_scheduler=sched) as ckpt:
         start = 0
@@ -187,8 +198,12 @@ def _timed(fn, path: str, out: dict):
     def wrapper(*args, **kwargs):
         t0 = time.perf_counter()
         res = fn(*args, **kwargs)
-        out[path] = {"s": time.perf_counter() - t0, "bytes": res.stats.bytes, "verify_s": res.stats.verify_s,
-                     "copy_s": res.stats.copy_s}  # fmt: skip
+        out[path] = {
+            "s": time.perf_counter() - t0,
+            "bytes": res.stats.bytes,
+            "verify_s": res.stats.verify_s,
+            "copy_s": res.stats.copy_s,
+        }
         return res
 
     return wrapper

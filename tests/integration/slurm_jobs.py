@@ -15,15 +15,25 @@ import shutil
 import subprocess
 import time
 from pathlib import Path
-from typing import Callable, TypeVar
+from typing import TypeVar
+from collections.abc import Callable
 
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 TIMEOUT_S = float(os.environ.get("DSM_SLURM_TIMEOUT", "180"))
 POLL_S = 0.5
-TERMINAL_STATES = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY",
-                   "BOOT_FAIL", "DEADLINE", "PREEMPTED"}
+TERMINAL_STATES = {
+    "COMPLETED",
+    "FAILED",
+    "CANCELLED",
+    "TIMEOUT",
+    "NODE_FAIL",
+    "OUT_OF_MEMORY",
+    "BOOT_FAIL",
+    "DEADLINE",
+    "PREEMPTED",
+}
 RELEASE_AFTER_S = 2.5  # see wait_requeued_and_running()
 
 # How a running job is pre-empted: the batch script's own protocol (SIGUSR1 to the batch shell only,
@@ -42,8 +52,7 @@ def slurm_unavailable() -> str | None:
     if shutil.which("sbatch") is None:
         return "sbatch is not on PATH (run .ci/slurm_setup.sh as root for a one-node cluster)"
     try:
-        out = subprocess.run(["sinfo", "-h", "-o", "%t"], capture_output=True, text=True,
-                             timeout=30, check=False)
+        out = subprocess.run(["sinfo", "-h", "-o", "%t"], capture_output=True, text=True, timeout=30, check=False)
     except (OSError, subprocess.TimeoutExpired) as e:
         return f"sinfo failed: {e}"
     if out.returncode != 0:
@@ -73,8 +82,9 @@ class Job:
 
     def fields(self) -> dict[str, str]:
         """``scontrol show job`` as a dict (JobState, Reason, Restarts, ExitCode, ...)."""
-        out = subprocess.run(["scontrol", "-o", "show", "job", self.id], capture_output=True,
-                             text=True, timeout=30, check=False)
+        out = subprocess.run(
+            ["scontrol", "-o", "show", "job", self.id], capture_output=True, text=True, timeout=30, check=False
+        )
         return dict(tok.split("=", 1) for tok in out.stdout.split() if "=" in tok)
 
     def state(self) -> str:
@@ -87,9 +97,12 @@ class Job:
         f = self.fields()
         keys = ("JobState", "Reason", "Restarts", "ExitCode")
         tail = "\n".join(self.text().splitlines()[-60:])
-        return (f"job {self.id}: " + " ".join(f"{k}={f.get(k)}" for k in keys)
-                + f"\nsave dir {self.save_dir}: {sorted(p.name for p in self.save_dir.glob('*'))}"
-                + f"\n---- last lines of {self.log} ----\n{tail}")
+        return (
+            f"job {self.id}: "
+            + " ".join(f"{k}={f.get(k)}" for k in keys)
+            + f"\nsave dir {self.save_dir}: {sorted(p.name for p in self.save_dir.glob('*'))}"
+            + f"\n---- last lines of {self.log} ----\n{tail}"
+        )
 
 
 class Submitter:
@@ -101,12 +114,20 @@ class Submitter:
 
     def __call__(self, script: Path, save_dir: Path, env: dict[str, str], *sbatch_args: str) -> Job:
         log = self.tmp_path / f"job-{len(self.jobs)}.out"
-        cmd = ["sbatch", "--parsable", "--time=00:15:00", f"--output={log}", f"--chdir={self.tmp_path}",
-               f"--job-name=dsm-test-{self.tmp_path.name}", *sbatch_args]
+        cmd = [
+            "sbatch",
+            "--parsable",
+            "--time=00:15:00",
+            f"--output={log}",
+            f"--chdir={self.tmp_path}",
+            f"--job-name=dsm-test-{self.tmp_path.name}",
+            *sbatch_args,
+        ]
         if os.environ.get("DSM_SLURM_PARTITION"):
             cmd.append(f"--partition={os.environ['DSM_SLURM_PARTITION']}")
-        out = subprocess.run(cmd + [str(script)], env=dict(os.environ, **env), capture_output=True, text=True,
-                             timeout=60, check=False)
+        out = subprocess.run(
+            cmd + [str(script)], env=dict(os.environ, **env), capture_output=True, text=True, timeout=60, check=False
+        )
         if out.returncode != 0:
             raise RuntimeError(f"sbatch {script} failed (exit {out.returncode}): {out.stderr}")
         job = Job(out.stdout.strip().split(";")[0], log, save_dir)
@@ -130,8 +151,7 @@ def poll(probe: Callable[[], T | None], timeout_s: float, what: str, job: Job) -
         if result is not None:
             return result
         if time.monotonic() > deadline:
-            pytest.fail(f"timed out after {timeout_s:.0f}s waiting for {what}\n{job.describe()}",
-                        pytrace=False)
+            pytest.fail(f"timed out after {timeout_s:.0f}s waiting for {what}\n{job.describe()}", pytrace=False)
         time.sleep(POLL_S)
 
 
@@ -146,27 +166,28 @@ def committed_iteration(save_dir: Path) -> int | None:
 
 
 def wait_for_end(job: Job) -> str:
-    return poll(lambda: (s := job.state()) in TERMINAL_STATES and s or None, TIMEOUT_S,
-                f"job {job.id} to end", job)
+    return poll(lambda: (s := job.state()) in TERMINAL_STATES and s or None, TIMEOUT_S, f"job {job.id} to end", job)
 
 
 def wait_for_commit_after(job: Job, iteration: int) -> int:
     """Wait while the job runs until it commits a checkpoint past ``iteration``."""
+
     def probe() -> int | None:
         committed = committed_iteration(job.save_dir)
         if committed is not None and committed > iteration:
             return committed
         state = job.state()
         if state in TERMINAL_STATES:
-            pytest.fail(f"job ended ({state}) before committing past iteration {iteration}\n"
-                        f"{job.describe()}", pytrace=False)
+            pytest.fail(
+                f"job ended ({state}) before committing past iteration {iteration}\n{job.describe()}", pytrace=False
+            )
         return None
+
     return poll(probe, TIMEOUT_S, f"a checkpoint committed past iteration {iteration}", job)
 
 
 def preempt(job: Job, how: str) -> None:
-    out = subprocess.run(PREEMPTIONS[how] + [job.id], capture_output=True, text=True, timeout=30,
-                         check=False)
+    out = subprocess.run(PREEMPTIONS[how] + [job.id], capture_output=True, text=True, timeout=30, check=False)
     assert out.returncode == 0, f"{PREEMPTIONS[how]} {job.id}: {out.stderr}\n{job.describe()}"
 
 
@@ -188,10 +209,14 @@ def wait_requeued_and_running(job: Job, probe: Callable[[], None] | None = None)
             since = held_since.setdefault(restarts, time.monotonic())
             if time.monotonic() - since >= RELEASE_AFTER_S:
                 released.add(restarts)
-                subprocess.run(["scontrol", "update", f"JobId={job.id}", "StartTime=now"],
-                               capture_output=True, timeout=30, check=False)
+                subprocess.run(
+                    ["scontrol", "update", f"JobId={job.id}", "StartTime=now"],
+                    capture_output=True,
+                    timeout=30,
+                    check=False,
+                )
         if state in TERMINAL_STATES:
-            pytest.fail(f"job ended ({state}) instead of being requeued\n{job.describe()}",
-                        pytrace=False)
+            pytest.fail(f"job ended ({state}) instead of being requeued\n{job.describe()}", pytrace=False)
         return state if restarts >= 1 and state == "RUNNING" else None
+
     poll(restarted, TIMEOUT_S, "the job to be requeued and running again", job)

@@ -16,11 +16,36 @@ MODES = ("ours", "ours-recycle", "ours-buffered")
 
 
 def _launch(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
-    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1",
-               PYTHONPATH=os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(SCRIPT),
-           "--layers", "2", "--hidden", "64", "--heads", "4", "--seq-len", "32", "--vocab", "256",
-           "--iters", "3", "--warmup", "1", *args]
+    env = dict(
+        os.environ,
+        CUDA_VISIBLE_DEVICES="",
+        OMP_NUM_THREADS="1",
+        PYTHONPATH=os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p),
+    )
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        "2",
+        str(SCRIPT),
+        "--layers",
+        "2",
+        "--hidden",
+        "64",
+        "--heads",
+        "4",
+        "--seq-len",
+        "32",
+        "--vocab",
+        "256",
+        "--iters",
+        "3",
+        "--warmup",
+        "1",
+        *args,
+    ]
     return subprocess.run(cmd, env=env, cwd=str(tmp_path), capture_output=True, text=True, timeout=300)
 
 

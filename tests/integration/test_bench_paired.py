@@ -16,12 +16,44 @@ SCRIPT = REPO / "scripts" / "bench_paired.py"
 
 
 def _launch(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
-    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1",
-               PYTHONPATH=os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(SCRIPT),
-           "--layers", "2", "--hidden", "64", "--heads", "4", "--seq-len", "32", "--vocab", "256",
-           "--block", "2", "--quads", "2", "--warmup", "1", "--persist-interval", "3",
-           "--dir", str(tmp_path / "ckpt"), "--local-dir", str(tmp_path / "local"), *args]
+    env = dict(
+        os.environ,
+        CUDA_VISIBLE_DEVICES="",
+        OMP_NUM_THREADS="1",
+        PYTHONPATH=os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p),
+    )
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        "2",
+        str(SCRIPT),
+        "--layers",
+        "2",
+        "--hidden",
+        "64",
+        "--heads",
+        "4",
+        "--seq-len",
+        "32",
+        "--vocab",
+        "256",
+        "--block",
+        "2",
+        "--quads",
+        "2",
+        "--warmup",
+        "1",
+        "--persist-interval",
+        "3",
+        "--dir",
+        str(tmp_path / "ckpt"),
+        "--local-dir",
+        str(tmp_path / "local"),
+        *args,
+    ]
     return subprocess.run(cmd, env=env, cwd=str(tmp_path), capture_output=True, text=True, timeout=300)
 
 
@@ -43,8 +75,10 @@ def test_prints_each_group_and_the_ratios_and_leaves_no_checkpoint_behind(tmp_pa
     assert float(e2e.group(3)) > 0
     if tier == "disk":  # nothing to promote without a local tier
         assert float(e2e.group(1)) < 0.05
-    cpu = {m.group(1): (float(m.group(2)), float(m.group(3)))
-           for m in re.finditer(r"^(\S+)\s+([\d.]+)\s+([\d.]+)\s+[-+][\d.]+$", proc.stdout, re.M)}
+    cpu = {
+        m.group(1): (float(m.group(2)), float(m.group(3)))
+        for m in re.finditer(r"^(\S+)\s+([\d.]+)\s+([\d.]+)\s+[-+][\d.]+$", proc.stdout, re.M)
+    }
     assert cpu["MainThread"][0] > 0 and cpu["all"][1] >= cpu["MainThread"][1], proc.stdout
     assert cpu["dsm-flush"][1] > 0 and cpu["dsm-flush"][0] < cpu["dsm-flush"][1], proc.stdout  # B writes
     assert ("dsm-promote" in cpu) == (tier == "local"), proc.stdout

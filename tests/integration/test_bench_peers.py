@@ -21,8 +21,23 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "scripts" / "bench_peers.py"
-TINY = ["--layers", "2", "--hidden", "64", "--heads", "4", "--seq-len", "32", "--vocab", "256",
-        "--iters", "3", "--warmup", "1", "--no-progress"]
+TINY = [
+    "--layers",
+    "2",
+    "--hidden",
+    "64",
+    "--heads",
+    "4",
+    "--seq-len",
+    "32",
+    "--vocab",
+    "256",
+    "--iters",
+    "3",
+    "--warmup",
+    "1",
+    "--no-progress",
+]
 FAST_ENGINES = ("baseline", "torch_save", "dcp_async", "ours", "ours_local", "control")
 LAUNCH_TIMEOUT_S = 80.0
 
@@ -32,23 +47,56 @@ def _launch(tmp_path: Path, *extra: str) -> tuple[subprocess.CompletedProcess, P
     pytest.importorskip("matplotlib")
     pytest.importorskip("tqdm")
     out = tmp_path / "bench.json"
-    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1",
-               PYTHONPATH=os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           str(SCRIPT), *TINY, "--dir", str(tmp_path / "ckpt"), "--json", str(out), *extra]
+    env = dict(
+        os.environ,
+        CUDA_VISIBLE_DEVICES="",
+        OMP_NUM_THREADS="1",
+        PYTHONPATH=os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p),
+    )
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        "2",
+        str(SCRIPT),
+        *TINY,
+        "--dir",
+        str(tmp_path / "ckpt"),
+        "--json",
+        str(out),
+        *extra,
+    ]
     try:
-        proc = subprocess.run(cmd, env=env, cwd=str(tmp_path), capture_output=True, text=True,
-                              timeout=LAUNCH_TIMEOUT_S)
+        proc = subprocess.run(cmd, env=env, cwd=str(tmp_path), capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S)
     except subprocess.TimeoutExpired as e:
         pytest.fail(f"bench_peers.py did not finish in {LAUNCH_TIMEOUT_S}s:\n{(e.stderr or '')[-4000:]}")
     return proc, out
 
 
 def test_fast_engines_report_every_key(tmp_path):
-    proc, out = _launch(tmp_path, "--engines", ",".join(FAST_ENGINES), "--intervals", "1,2",
-                        "--sweep-engines", "torch_save", "--probe-mb", "4",
-                        "--dcp-checkpointer", "thread", "--plot", str(tmp_path / "bench.png"),
-                        "--rounds", "2", "--local-dir", str(tmp_path / "local"), "--persist-interval", "3")
+    proc, out = _launch(
+        tmp_path,
+        "--engines",
+        ",".join(FAST_ENGINES),
+        "--intervals",
+        "1,2",
+        "--sweep-engines",
+        "torch_save",
+        "--probe-mb",
+        "4",
+        "--dcp-checkpointer",
+        "thread",
+        "--plot",
+        str(tmp_path / "bench.png"),
+        "--rounds",
+        "2",
+        "--local-dir",
+        str(tmp_path / "local"),
+        "--persist-interval",
+        "3",
+    )
     if proc.returncode != 0:
         errors = ""
         if out.exists():
@@ -72,8 +120,11 @@ def test_fast_engines_report_every_key(tmp_path):
         assert res["ratio_e2e"] is not None and res["ratio_median"] is not None
         if name in ("baseline", "control"):  # control: a second no-checkpoint run (A/A)
             assert res["checkpoints"] == 6 and res["restore_ok"] is None and res["bytes_per_ckpt"] is None
-            assert res["ratio_e2e_rounds"] == [1.0, 1.0] if name == "baseline" else all(
-                0.3 < r < 3 for r in res["ratio_e2e_rounds"])
+            assert (
+                res["ratio_e2e_rounds"] == [1.0, 1.0]
+                if name == "baseline"
+                else all(0.3 < r < 3 for r in res["ratio_e2e_rounds"])
+            )
             continue
         assert res["checkpoints"] == 6
         assert res["bytes_per_ckpt"] and res["bytes_per_ckpt"] > 0, name
@@ -101,8 +152,17 @@ def test_fast_engines_report_every_key(tmp_path):
 
 
 def test_overrunning_phase_is_reported_as_timeout(tmp_path):
-    proc, out = _launch(tmp_path, "--engines", "baseline,torch_save", "--sweep-engines", "",
-                        "--probe-mb", "0", "--engine-timeout", "0.001")
+    proc, out = _launch(
+        tmp_path,
+        "--engines",
+        "baseline,torch_save",
+        "--sweep-engines",
+        "",
+        "--probe-mb",
+        "0",
+        "--engine-timeout",
+        "0.001",
+    )
     assert proc.returncode != 0
     doc = json.loads(out.read_text())
     assert doc["engines"]["baseline"]["status"] == "timeout"

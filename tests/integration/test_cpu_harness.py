@@ -70,9 +70,7 @@ def _snapshot(chunks, opt, sched):
             "main": [[p.detach().clone() for p in _main_shards(do)] for do in _optimizers(opt)],
             "adam": [
                 [
-                    {k: v.detach().clone() for k, v in do.optimizer.state[p].items()}
-                    if p in do.optimizer.state
-                    else {}
+                    {k: v.detach().clone() for k, v in do.optimizer.state[p].items()} if p in do.optimizer.state else {}
                     for p in _inner_params(do)
                 ]
                 for do in _optimizers(opt)
@@ -149,8 +147,7 @@ def _run_one(gpt, dtype: str) -> dict:
         "params_only": params_only,
         "replay": replay,
         "final_match": final_match,
-        "optimizer_types": [type(do).__name__ + "/" + type(do.optimizer).__name__
-                            for do in _optimizers(opt)],
+        "optimizer_types": [type(do).__name__ + "/" + type(do.optimizer).__name__ for do in _optimizers(opt)],
     }
 
 
@@ -177,8 +174,13 @@ def _launch(workdir: Path, dtypes: str, tag: str) -> list[dict]:
 
     workdir.mkdir(parents=True, exist_ok=True)
     outs = [workdir / f"{tag}-rank{rank}.json" for rank in range(WORLD)]
-    res = run_ranks(str(Path(__file__).resolve()), WORLD, ["--worker", dtypes, str(workdir / tag)],
-                    env={"CUDA_VISIBLE_DEVICES": ""}, timeout=LAUNCH_TIMEOUT_S)
+    res = run_ranks(
+        str(Path(__file__).resolve()),
+        WORLD,
+        ["--worker", dtypes, str(workdir / tag)],
+        env={"CUDA_VISIBLE_DEVICES": ""},
+        timeout=LAUNCH_TIMEOUT_S,
+    )
     failed = [r["rank"] for r in res if r["returncode"] != 0 or not outs[r["rank"]].exists()]
     if failed:
         pytest.fail(f"{dtypes} launch {tag!r} failed on ranks {failed}:\n{describe(res)}")

@@ -29,7 +29,9 @@ def test_resume_after_kill_9_is_bit_exact(tmp_path, precision):
     full = run_ranks(DEMO, 2, [*MODEL, *extra, *iters, "--log-json", str(tmp_path / "full")])
     assert all(r["returncode"] == 0 for r in full), describe(full)
     save = str(tmp_path / "ckpt")
-    killed = run_ranks(DEMO, 2, [*SMALL, *extra, *iters, "--save", save], kill_when=lambda: (read_tracker(save) or 0) >= 3)
+    killed = run_ranks(
+        DEMO, 2, [*SMALL, *extra, *iters, "--save", save], kill_when=lambda: (read_tracker(save) or 0) >= 3
+    )
     assert any(r["returncode"] == -9 for r in killed), describe(killed)
     resumed = run_ranks(DEMO, 2, [*SMALL, *extra, *iters, "--save", save, "--log-json", str(tmp_path / "resumed")])
     assert all(r["returncode"] == 0 for r in resumed), describe(resumed)

@@ -37,8 +37,11 @@ from datastates_megatron.megatron.args import LazyCkptArgsError, add_lazy_ckpt_a
 
 REPO = Path(__file__).resolve().parents[2]
 APPLY = REPO / "scripts" / "apply_patches.sh"
-PATCHED_FILES = ("megatron/training/arguments.py", "megatron/training/checkpointing.py",
-                 "megatron/training/async_utils.py")
+PATCHED_FILES = (
+    "megatron/training/arguments.py",
+    "megatron/training/checkpointing.py",
+    "megatron/training/async_utils.py",
+)
 SUBPROCESS_TIMEOUT_S = 300
 
 
@@ -102,12 +105,21 @@ def _args(tmp_path, *argv, **megatron):
     p.add_argument("--save")
     p.add_argument("--load")
     add_lazy_ckpt_args(p)
-    args = p.parse_args(["--lazy-ckpt", "--save", str(tmp_path / "ckpt"), "--load", str(tmp_path / "ckpt"),
-                         *argv])
-    fields = dict(consumed_train_samples=0, skipped_train_samples=0, consumed_valid_samples=0,
-                  num_layers=2, hidden_size=64, num_attention_heads=4, tensor_model_parallel_size=1,
-                  pipeline_model_parallel_size=1, pretrained_checkpoint=None, ckpt_step=None,
-                  exit_on_missing_checkpoint=False, dataloader_save=None)
+    args = p.parse_args(["--lazy-ckpt", "--save", str(tmp_path / "ckpt"), "--load", str(tmp_path / "ckpt"), *argv])
+    fields = dict(
+        consumed_train_samples=0,
+        skipped_train_samples=0,
+        consumed_valid_samples=0,
+        num_layers=2,
+        hidden_size=64,
+        num_attention_heads=4,
+        tensor_model_parallel_size=1,
+        pipeline_model_parallel_size=1,
+        pretrained_checkpoint=None,
+        ckpt_step=None,
+        exit_on_missing_checkpoint=False,
+        dataloader_save=None,
+    )
     fields.update(megatron)
     for k, v in fields.items():
         setattr(args, k, v)
@@ -136,8 +148,11 @@ def test_save_then_load_restores_megatron_fields(tmp_path, recording):
 
     resumed = _args(tmp_path)
     assert megatron_lm.load_checkpoint(model, opt, sched, args=resumed) == (10, 1.5e12)
-    assert (resumed.consumed_train_samples, resumed.skipped_train_samples,
-            resumed.consumed_valid_samples) == (640, 8, 32)
+    assert (resumed.consumed_train_samples, resumed.skipped_train_samples, resumed.consumed_valid_samples) == (
+        640,
+        8,
+        32,
+    )
 
 
 def test_finalize_lifecycle(tmp_path, recording):
@@ -178,8 +193,7 @@ def test_no_checkpoint_starts_from_scratch(tmp_path, recording):
 def test_no_checkpoint_with_exit_on_missing_checkpoint_exits(tmp_path, recording):
     model, opt, sched = _objects()
     with pytest.raises(SystemExit):
-        megatron_lm.load_checkpoint(model, opt, sched,
-                                    args=_args(tmp_path, exit_on_missing_checkpoint=True))
+        megatron_lm.load_checkpoint(model, opt, sched, args=_args(tmp_path, exit_on_missing_checkpoint=True))
 
 
 def test_ckpt_step_loads_that_iteration_and_a_missing_one_raises(tmp_path, recording):
@@ -241,8 +255,7 @@ def test_extra_state_without_megatron_fields(tmp_path, caplog):
 def test_enum_args_are_stored_by_name(tmp_path, recording):
     """Megatron's args.exit_signal is a signal.Signals (an IntEnum): the first save crashed on it."""
     model, opt, sched = _objects()
-    args = _args(tmp_path, exit_signal=signal.SIGTERM, attention_backend=_Backend.auto,
-                 enum_list=[signal.SIGUSR1, 3])
+    args = _args(tmp_path, exit_signal=signal.SIGTERM, attention_backend=_Backend.auto, enum_list=[signal.SIGUSR1, 3])
     megatron_lm.save_checkpoint(2, model, opt, sched, 0, args=args)
     saved_args = recording.store[2][megatron_lm.EXTRA_STATE_KEY]["args"]
     assert saved_args["exit_signal"] == "SIGTERM" and saved_args["attention_backend"] == "auto"
@@ -250,8 +263,14 @@ def test_enum_args_are_stored_by_name(tmp_path, recording):
 
 
 def test_extra_state_keeps_only_json_args(tmp_path):
-    args = _args(tmp_path, params_dtype=torch.bfloat16, iterations_to_skip=[3, 4], lr=float("nan"),
-                 _private=1, init_method=lambda x: x)
+    args = _args(
+        tmp_path,
+        params_dtype=torch.bfloat16,
+        iterations_to_skip=[3, 4],
+        lr=float("nan"),
+        _private=1,
+        init_method=lambda x: x,
+    )
     saved_args = megatron_lm.build_extra_state(args, 1, torch.tensor(2.0))[megatron_lm.EXTRA_STATE_KEY]
     assert saved_args["num_floating_point_operations_so_far"] == 2.0
     saved_args = saved_args["args"]
@@ -264,15 +283,17 @@ def test_extra_state_keeps_only_json_args(tmp_path):
 # --------------------------------------------------------------------------- #
 # Every tree to test: MEGATRON_LM_DIRS (os.pathsep-separated; scripts/test.sh sets both shipped
 # tags), else MEGATRON_LM_DIR.
-MEGATRON_LM_DIRS = [d for d in (os.environ.get("MEGATRON_LM_DIRS") or os.environ.get("MEGATRON_LM_DIR") or "")
-                    .split(os.pathsep) if d]
+MEGATRON_LM_DIRS = [
+    d for d in (os.environ.get("MEGATRON_LM_DIRS") or os.environ.get("MEGATRON_LM_DIR") or "").split(os.pathsep) if d
+]
 needs_checkout = pytest.mark.skipif(
     not MEGATRON_LM_DIRS,
     reason="MEGATRON_LM_DIR is not set: point it at a Megatron-LM checkout of core_v0.16.1 or "
-           "core_v0.19.0 (e.g. `git archive core_v0.16.1 | tar -x -C /tmp/mlm-0.16.1`)")
+    "core_v0.19.0 (e.g. `git archive core_v0.16.1 | tar -x -C /tmp/mlm-0.16.1`)",
+)
 
 # Runs inside the patched copy: python driver.py MODE OUT_JSON TMPDIR
-DRIVER = r'''
+DRIVER = r"""
 import dataclasses, json, sys, types, typing
 if not hasattr(typing, "override"):
     # Megatron-LM core_v0.19 declares Python >= 3.12 but only needs typing.override to import.
@@ -432,11 +453,12 @@ elif mode in ("route", "glue"):
 
 with open(out_path, "w") as f:
     json.dump(out, f)
-'''
+"""
 
 
-@pytest.fixture(scope="module", params=MEGATRON_LM_DIRS or [None],
-                ids=lambda d: os.path.basename(d.rstrip("/")) if d else "none")
+@pytest.fixture(
+    scope="module", params=MEGATRON_LM_DIRS or [None], ids=lambda d: os.path.basename(d.rstrip("/")) if d else "none"
+)
 def megatron_copy(request, tmp_path_factory):
     """``(pristine, patched)``: ``megatron/`` of one Megatron-LM tree (patched or not) copied twice to
     a temporary directory, one copy reverted to the original, the other then patched."""
@@ -444,8 +466,9 @@ def megatron_copy(request, tmp_path_factory):
     base = tmp_path_factory.mktemp("megatron-lm")
     pristine, dst = base / "pristine", base / "patched"
     for copy in (pristine, dst):
-        shutil.copytree(src / "megatron", copy / "megatron",
-                        ignore=shutil.ignore_patterns("__pycache__", "*.pyc", "*.so"))
+        shutil.copytree(
+            src / "megatron", copy / "megatron", ignore=shutil.ignore_patterns("__pycache__", "*.pyc", "*.so")
+        )
         if _apply(copy, "--check").stdout.startswith("already applied:"):
             assert _apply(copy, "--revert").returncode == 0
     first = _apply(dst)
@@ -455,18 +478,24 @@ def megatron_copy(request, tmp_path_factory):
 
 
 def _apply(where: Path, *extra: str) -> subprocess.CompletedProcess:
-    return subprocess.run(["bash", str(APPLY), str(where), *extra], capture_output=True, text=True,
-                          timeout=120)
+    return subprocess.run(["bash", str(APPLY), str(where), *extra], capture_output=True, text=True, timeout=120)
 
 
 def _drive(dst: Path, mode: str, tmp_path: Path, *extra: str) -> dict:
     driver = tmp_path / "driver.py"
     driver.write_text(textwrap.dedent(DRIVER))
     out = tmp_path / f"{mode}.json"
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(dst), str(REPO)]),
-               CUDA_VISIBLE_DEVICES="", PYTHONWARNINGS="ignore")
-    proc = subprocess.run([sys.executable, str(driver), mode, str(out), str(tmp_path), *extra], cwd=dst,
-                          env=env, capture_output=True, text=True, timeout=SUBPROCESS_TIMEOUT_S)
+    env = dict(
+        os.environ, PYTHONPATH=os.pathsep.join([str(dst), str(REPO)]), CUDA_VISIBLE_DEVICES="", PYTHONWARNINGS="ignore"
+    )
+    proc = subprocess.run(
+        [sys.executable, str(driver), mode, str(out), str(tmp_path), *extra],
+        cwd=dst,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=SUBPROCESS_TIMEOUT_S,
+    )
     assert proc.returncode == 0, f"driver {mode} failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
     return json.loads(out.read_text())
 
@@ -489,11 +518,26 @@ def test_parse_args_takes_the_lazy_ckpt_flags(megatron_copy, tmp_path):
     assert out["lazy_ckpt"] is True and out["default_lazy_ckpt"] is False
     assert (out["save_interval"], out["train_iters"]) == (100, 1000)
     assert out["config"] == dict(
-        save_dir=f"{tmp_path}/s", load_dir=f"{tmp_path}/l", host_cache_gb=8.0, flush_threads=3,
-        max_inflight=1, keep_last=4, keep_every=1000, verify_on_load=False, on_error="warn",
-        streaming=False, direct_io=True, timeout_s=60.0, local_dir=f"{tmp_path}/local",
-        persist_interval=5, local_keep_last=3, local_fallback="all", recycle_files="local",
-        source_writes="auto", mapped_writes=True)
+        save_dir=f"{tmp_path}/s",
+        load_dir=f"{tmp_path}/l",
+        host_cache_gb=8.0,
+        flush_threads=3,
+        max_inflight=1,
+        keep_last=4,
+        keep_every=1000,
+        verify_on_load=False,
+        on_error="warn",
+        streaming=False,
+        direct_io=True,
+        timeout_s=60.0,
+        local_dir=f"{tmp_path}/local",
+        persist_interval=5,
+        local_keep_last=3,
+        local_fallback="all",
+        recycle_files="local",
+        source_writes="auto",
+        mapped_writes=True,
+    )
     errors = out["errors"]
     assert "--lazy-ckpt requires --save" in errors["no_save"]
     assert "--lazy-ckpt cannot be combined with --async-save" in errors["async_save"]
@@ -504,11 +548,29 @@ def test_parse_args_takes_the_lazy_ckpt_flags(megatron_copy, tmp_path):
 
 def _launch_args(tmp_path: Path) -> list[str]:
     """MEGATRON_ARGS as launch/lib.sh builds them for a GPU job (dsm_megatron_args), tiny sizes."""
-    env = dict(os.environ, NUM_LAYERS="2", HIDDEN_SIZE="64", FFN_HIDDEN_SIZE="256", NUM_ATTENTION_HEADS="4",
-               NUM_QUERY_GROUPS="2", SEQ_LENGTH="64", VOCAB_SIZE="512", TP="1", PP="1", MICRO_BATCH_SIZE="1",
-               GLOBAL_BATCH_SIZE="8", TRAIN_ITERS="10", SAVE_INTERVAL="2", LAZY_CKPT_HOST_CACHE_GB="1",
-               LAZY_CKPT_FLUSH_THREADS="2", SAVE_DIR=str(tmp_path / "save"), MEGATRON_LM_DIR=str(tmp_path),
-               LAZY_CKPT_LOCAL_DIR=str(tmp_path / "local"), DSM_REPO_DIR=str(REPO), SLURM_JOB_NUM_NODES="1")
+    env = dict(
+        os.environ,
+        NUM_LAYERS="2",
+        HIDDEN_SIZE="64",
+        FFN_HIDDEN_SIZE="256",
+        NUM_ATTENTION_HEADS="4",
+        NUM_QUERY_GROUPS="2",
+        SEQ_LENGTH="64",
+        VOCAB_SIZE="512",
+        TP="1",
+        PP="1",
+        MICRO_BATCH_SIZE="1",
+        GLOBAL_BATCH_SIZE="8",
+        TRAIN_ITERS="10",
+        SAVE_INTERVAL="2",
+        LAZY_CKPT_HOST_CACHE_GB="1",
+        LAZY_CKPT_FLUSH_THREADS="2",
+        SAVE_DIR=str(tmp_path / "save"),
+        MEGATRON_LM_DIR=str(tmp_path),
+        LAZY_CKPT_LOCAL_DIR=str(tmp_path / "local"),
+        DSM_REPO_DIR=str(REPO),
+        SLURM_JOB_NUM_NODES="1",
+    )
     (tmp_path / "pretrain_gpt.py").touch()  # lib.sh checks that it exists
     script = f'source {REPO}/launch/lib.sh >/dev/null; dsm_megatron_args 1 >/dev/null; printf "%s\\0" "${{MEGATRON_ARGS[@]}}"'
     res = subprocess.run(["bash", "-c", script], env=env, capture_output=True, text=True, timeout=60)
@@ -535,10 +597,8 @@ def test_patched_megatron_routes_to_the_glue(megatron_copy, tmp_path):
     out = _drive(dst, "route", tmp_path)
     assert out["load_returned"] == [100, 12.5]
     assert out["calls"] == [
-        ["save", 100, True, True, True, 12.5,
-         ["non_persistent_ckpt", "release", "train_data_iterator"]],
-        ["load", True, True, True,
-         ["checkpointing_context", "load_arg", "skip_load_to_model_and_opt", "strict"]],
+        ["save", 100, True, True, True, 12.5, ["non_persistent_ckpt", "release", "train_data_iterator"]],
+        ["load", True, True, True, ["checkpointing_context", "load_arg", "skip_load_to_model_and_opt", "strict"]],
         ["finalize", False, False],
         ["finalize", True, True],
     ]

@@ -27,8 +27,11 @@ def _run(*argv, **kw):
 
 def _warnings(text: str) -> list[str]:
     # "byte-compiling is disabled" follows PYTHONDONTWRITEBYTECODE in the environment, not the package
-    return [line for line in text.splitlines()
-            if ("warn" in line.lower() or "deprecat" in line.lower()) and "byte-compiling is disabled" not in line]  # fmt: skip
+    return [
+        line
+        for line in text.splitlines()
+        if ("warn" in line.lower() or "deprecat" in line.lower()) and "byte-compiling is disabled" not in line
+    ]
 
 
 def _fake_torch_wheel(out: Path) -> Path:
@@ -59,9 +62,22 @@ def wheel(tmp_path_factory):
     src.mkdir()
     for name in ("pyproject.toml", "README.md", "LICENSE"):
         shutil.copy(ROOT / name, src / name)
-    shutil.copytree(ROOT / "datastates_megatron", src / "datastates_megatron", ignore=shutil.ignore_patterns("__pycache__"))
-    r = _run(sys.executable, "-m", "pip", "wheel", "-v", "--no-deps", "--no-build-isolation", "--no-index",
-             "-w", tmp / "dist", src)  # fmt: skip
+    shutil.copytree(
+        ROOT / "datastates_megatron", src / "datastates_megatron", ignore=shutil.ignore_patterns("__pycache__")
+    )
+    r = _run(
+        sys.executable,
+        "-m",
+        "pip",
+        "wheel",
+        "-v",
+        "--no-deps",
+        "--no-build-isolation",
+        "--no-index",
+        "-w",
+        tmp / "dist",
+        src,
+    )
     assert not _warnings(r.stdout + r.stderr), _warnings(r.stdout + r.stderr)
     (whl,) = (tmp / "dist").glob("datastates_megatron-*.whl")
     return whl
@@ -98,6 +114,7 @@ def test_install_keeps_the_environments_torch_and_cli_help_needs_no_torch(wheel,
 
     help_ = _run(venv / "bin" / "datastates-ckpt", "--help", cwd=tmp_path)
     assert "usage: datastates-ckpt" in help_.stdout and "Traceback" not in help_.stderr
-    usage = subprocess.run([str(venv / "bin" / "datastates-ckpt"), "verify"], capture_output=True, text=True,
-                           timeout=60, cwd=tmp_path)  # fmt: skip
+    usage = subprocess.run(
+        [str(venv / "bin" / "datastates-ckpt"), "verify"], capture_output=True, text=True, timeout=60, cwd=tmp_path
+    )
     assert usage.returncode == 2 and "required" in usage.stderr and "Traceback" not in usage.stderr

@@ -14,12 +14,21 @@ import shutil
 
 import pytest
 
-from tests.integration.megatron_lm_runs import (LAZY, MEGATRON_LM_DIR, RANKS, assert_same_training, committed_at_least,
-                                                latest, launch, logged)
+from tests.integration.megatron_lm_runs import (
+    LAZY,
+    MEGATRON_LM_DIR,
+    RANKS,
+    assert_same_training,
+    committed_at_least,
+    latest,
+    launch,
+    logged,
+)
 
 pytestmark = pytest.mark.skipif(
-    not MEGATRON_LM_DIR, reason="MEGATRON_LM_DIR is not set (scripts/test.sh unpacks and patches one from "
-                                "../shared/megatron-lm)")
+    not MEGATRON_LM_DIR,
+    reason="MEGATRON_LM_DIR is not set (scripts/test.sh unpacks and patches one from ../shared/megatron-lm)",
+)
 
 ITERS = 8
 PRECISIONS = {"fp32": [], "bf16": ["--bf16"]}
@@ -44,8 +53,18 @@ def reference(tmp_path_factory):
 @pytest.mark.parametrize("precision", sorted(PRECISIONS))
 def test_kill_9_after_a_commit_then_resume_is_bit_exact(tmp_path, reference, precision):
     save = tmp_path / "ckpt"
-    args = ["--train-iters", str(ITERS), *PRECISIONS[precision], "--save", str(save), "--load", str(save),
-            "--save-interval", "2", *LAZY]
+    args = [
+        "--train-iters",
+        str(ITERS),
+        *PRECISIONS[precision],
+        "--save",
+        str(save),
+        "--load",
+        str(save),
+        "--save-interval",
+        "2",
+        *LAZY,
+    ]
     killed = launch(tmp_path, "killed", args, kill_when=committed_at_least(save, 4))
     assert killed.returncode != 0, "the run ended before it was killed:\n" + killed.describe()
     resume_from = latest(save)
@@ -61,8 +80,18 @@ def test_kill_9_after_a_commit_then_resume_is_bit_exact(tmp_path, reference, pre
 def test_sigterm_with_exit_signal_handler_commits_the_final_save_before_exit(tmp_path, reference):
     """(A requeued job resuming from this checkpoint: tests/integration/test_slurm_megatron_lm.py.)"""
     save = tmp_path / "ckpt"
-    args = ["--train-iters", str(ITERS), "--save", str(save), "--load", str(save), "--save-interval", "100",
-            "--exit-signal-handler", *LAZY]
+    args = [
+        "--train-iters",
+        str(ITERS),
+        "--save",
+        str(save),
+        "--load",
+        str(save),
+        "--save-interval",
+        "100",
+        "--exit-signal-handler",
+        *LAZY,
+    ]
     first = launch(tmp_path, "first", args, term_when=logged(tmp_path, "first", 2))
     assert first.returncode == 0, first.describe()
     last = max(first.iterations())
@@ -115,8 +144,21 @@ def test_resume_on_one_rank_from_a_two_rank_run(tmp_path, reference, exited_at_4
 
 def test_node_local_tier_promotes_and_a_lost_node_resumes_from_save(tmp_path, reference):
     save, local = tmp_path / "ckpt", tmp_path / "node-local"
-    args = ["--train-iters", str(ITERS), "--save", str(save), "--load", str(save), "--save-interval", "1", *LAZY,
-            "--lazy-ckpt-local-dir", str(local), "--lazy-ckpt-persist-interval", "3"]
+    args = [
+        "--train-iters",
+        str(ITERS),
+        "--save",
+        str(save),
+        "--load",
+        str(save),
+        "--save-interval",
+        "1",
+        *LAZY,
+        "--lazy-ckpt-local-dir",
+        str(local),
+        "--lazy-ckpt-persist-interval",
+        "3",
+    ]
     killed = launch(tmp_path, "killed", args, kill_when=committed_at_least(save, 3))
     assert killed.returncode != 0, "the run ended before it was killed:\n" + killed.describe()
     promoted = latest(save)
@@ -131,8 +173,11 @@ def test_node_local_tier_promotes_and_a_lost_node_resumes_from_save(tmp_path, re
 def _tree_digest(root):
     import hashlib
 
-    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(root.rglob("*"))
-            if p.is_file()}
+    return {
+        str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(root.rglob("*"))
+        if p.is_file()
+    }
 
 
 def test_a_save_dir_holding_a_native_megatron_checkpoint_is_refused_and_left_byte_for_byte(tmp_path):

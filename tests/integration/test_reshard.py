@@ -38,15 +38,35 @@ def _losses(result):
 
 
 def _close(resumed, reference, tol):
-    assert resumed and all(abs(resumed[i] - reference[i]) <= tol * abs(reference[i]) for i in resumed), (resumed, reference)
+    assert resumed and all(abs(resumed[i] - reference[i]) <= tol * abs(reference[i]) for i in resumed), (
+        resumed,
+        reference,
+    )
 
 
 @pytest.fixture(scope="module")
 def dp2(tmp_path_factory):
     """DP=2 fp32 with small buckets: checkpoint of iteration 3 and its reference."""
     d = tmp_path_factory.mktemp("dp2")
-    out = _ok(run_ranks(WORKER, 2, ["run", *TOTAL, "--bucket-size", "20000", "--save", str(d / "ckpt"), "--save-at", "3",
-                                    "--ref-out", str(d / "ref")], timeout=240))  # fmt: skip
+    out = _ok(
+        run_ranks(
+            WORKER,
+            2,
+            [
+                "run",
+                *TOTAL,
+                "--bucket-size",
+                "20000",
+                "--save",
+                str(d / "ckpt"),
+                "--save-at",
+                "3",
+                "--ref-out",
+                str(d / "ref"),
+            ],
+            timeout=240,
+        )
+    )
     return d, _losses(out[0])
 
 
@@ -54,14 +74,51 @@ def dp2(tmp_path_factory):
 def test_dp2_to_dp1_to_dp2(dp2, tmp_path):
     d, losses2 = dp2
     # 2 -> 1: exact state right after load, then the same training up to float tolerance
-    (one,) = _ok(run_ranks(WORKER, 1, ["run", *TOTAL, "--load", str(d / "ckpt"), "--load-at", "3", "--ref-in", str(d / "ref"),
-                                       "--save", str(tmp_path / "ckpt1"), "--save-at", "4", "--ref-out", str(tmp_path / "ref1")],
-                           timeout=240))  # fmt: skip
+    (one,) = _ok(
+        run_ranks(
+            WORKER,
+            1,
+            [
+                "run",
+                *TOTAL,
+                "--load",
+                str(d / "ckpt"),
+                "--load-at",
+                "3",
+                "--ref-in",
+                str(d / "ref"),
+                "--save",
+                str(tmp_path / "ckpt1"),
+                "--save-at",
+                "4",
+                "--ref-out",
+                str(tmp_path / "ref1"),
+            ],
+            timeout=240,
+        )
+    )
     assert one["mismatches"] == [], one["mismatches"]
     _close(_losses(one), losses2, 1e-5)
     # 1 -> 2 (from the DP=1 run's own checkpoint of iteration 4; small buckets again)
-    two = _ok(run_ranks(WORKER, 2, ["run", *TOTAL, "--bucket-size", "20000", "--load", str(tmp_path / "ckpt1"),
-                                    "--load-at", "4", "--ref-in", str(tmp_path / "ref1")], timeout=240))  # fmt: skip
+    two = _ok(
+        run_ranks(
+            WORKER,
+            2,
+            [
+                "run",
+                *TOTAL,
+                "--bucket-size",
+                "20000",
+                "--load",
+                str(tmp_path / "ckpt1"),
+                "--load-at",
+                "4",
+                "--ref-in",
+                str(tmp_path / "ref1"),
+            ],
+            timeout=240,
+        )
+    )
     for r in two:
         assert r["mismatches"] == [], r["mismatches"]
         assert sorted(_losses(r)) == [5, 6]
@@ -70,10 +127,44 @@ def test_dp2_to_dp1_to_dp2(dp2, tmp_path):
 
 @needs_megatron
 def test_dp4_to_dp2_bf16(tmp_path):
-    four = _ok(run_ranks(WORKER, 4, ["run", *TOTAL, "--bf16", "--save", str(tmp_path / "ckpt"), "--save-at", "3",
-                                     "--ref-out", str(tmp_path / "ref")], timeout=240))  # fmt: skip
-    two = _ok(run_ranks(WORKER, 2, ["run", *TOTAL, "--bf16", "--bucket-size", "20000", "--load", str(tmp_path / "ckpt"),
-                                    "--load-at", "3", "--ref-in", str(tmp_path / "ref")], timeout=240))  # fmt: skip
+    four = _ok(
+        run_ranks(
+            WORKER,
+            4,
+            [
+                "run",
+                *TOTAL,
+                "--bf16",
+                "--save",
+                str(tmp_path / "ckpt"),
+                "--save-at",
+                "3",
+                "--ref-out",
+                str(tmp_path / "ref"),
+            ],
+            timeout=240,
+        )
+    )
+    two = _ok(
+        run_ranks(
+            WORKER,
+            2,
+            [
+                "run",
+                *TOTAL,
+                "--bf16",
+                "--bucket-size",
+                "20000",
+                "--load",
+                str(tmp_path / "ckpt"),
+                "--load-at",
+                "3",
+                "--ref-in",
+                str(tmp_path / "ref"),
+            ],
+            timeout=240,
+        )
+    )
     for r in two:
         assert r["mismatches"] == [], r["mismatches"]
         _close(_losses(r), _losses(four[0]), 1e-3)  # bf16 params: a last-bit flip moves the loss a little more

@@ -24,9 +24,19 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.slurm_jobs import (REPO, TIMEOUT_S, Submitter, committed_iteration, poll,
-                                          preempt, require, slurm_unavailable, wait_for_commit_after,
-                                          wait_for_end, wait_requeued_and_running)
+from tests.integration.slurm_jobs import (
+    REPO,
+    TIMEOUT_S,
+    Submitter,
+    committed_iteration,
+    poll,
+    preempt,
+    require,
+    slurm_unavailable,
+    wait_for_commit_after,
+    wait_for_end,
+    wait_requeued_and_running,
+)
 
 SBATCH_SCRIPT = REPO / "launch" / "cpu_demo.sbatch"
 DEMO_TRAINER = REPO / "datastates_megatron" / "demo" / "train.py"
@@ -47,9 +57,16 @@ def submit(tmp_path):
     submitter = Submitter(tmp_path)
 
     def _submit(save_dir: Path, train_iters: int):
-        env = dict(PYTHON=sys.executable, DSM_REPO_DIR=str(REPO), DSM_PRESET="cpu-demo", DEMO_MODULE=DEMO_MODULE,
-                   DEMO_EXTRA_ARGS=os.environ.get("DSM_SLURM_DEMO_ARGS", ""), SAVE_DIR=str(save_dir),
-                   TRAIN_ITERS=str(train_iters), SAVE_INTERVAL="1")
+        env = dict(
+            PYTHON=sys.executable,
+            DSM_REPO_DIR=str(REPO),
+            DSM_PRESET="cpu-demo",
+            DEMO_MODULE=DEMO_MODULE,
+            DEMO_EXTRA_ARGS=os.environ.get("DSM_SLURM_DEMO_ARGS", ""),
+            SAVE_DIR=str(save_dir),
+            TRAIN_ITERS=str(train_iters),
+            SAVE_INTERVAL="1",
+        )
         return submitter(SBATCH_SCRIPT, save_dir, env, "--nodes=1", "--ntasks=2")
 
     yield _submit
@@ -79,12 +96,14 @@ def test_preempted_job_is_requeued_and_resumes(submit, tmp_path, how):
     preempt(job, how)
     wait_requeued_and_running(job)
 
-    resumed = poll(lambda: resumed_from(job) or None, TIMEOUT_S,
-                   "the requeued run to log 'resumed from iteration N'", job)
+    resumed = poll(
+        lambda: resumed_from(job) or None, TIMEOUT_S, "the requeued run to log 'resumed from iteration N'", job
+    )
     assert len(resumed) == 1, f"expected one resume, got {resumed}\n{job.describe()}"
     assert resumed[0] >= before, (
         f"resumed from iteration {resumed[0]}, older than iteration {before} committed before the "
-        f"pre-emption\n{job.describe()}")
+        f"pre-emption\n{job.describe()}"
+    )
     if how == "signal-B-USR1":
         text = job.text()
         assert "SIGUSR1: pre-emption" in text and "requeueing job" in text, job.describe()

@@ -24,8 +24,17 @@ import pytest
 
 from datastates_megatron.engine.manifest import iter_dir, read_tracker
 from datastates_megatron.megatron import training_record
-from tests.integration.slurm_jobs import (REPO, Submitter, poll, preempt, require, slurm_unavailable,
-                                          wait_for_commit_after, wait_for_end, wait_requeued_and_running)
+from tests.integration.slurm_jobs import (
+    REPO,
+    Submitter,
+    poll,
+    preempt,
+    require,
+    slurm_unavailable,
+    wait_for_commit_after,
+    wait_for_end,
+    wait_requeued_and_running,
+)
 
 MEGATRON_LM_DIR = os.environ.get("MEGATRON_LM_DIR")
 ITERS = 24
@@ -37,7 +46,7 @@ SCRIPTS = {  # script, sbatch options that fit one CPU node with 2 ranks
 
 # Makes every rank file write sleep DSM_TEST_SLOW_WRITE_MS, so that a pre-emption lands while a
 # background flush is still running; put first on the job's PYTHONPATH.
-SLOW_WRITES = '''
+SLOW_WRITES = """
 import os, time
 _ms = float(os.environ.get("DSM_TEST_SLOW_WRITE_MS", "0"))
 if _ms:
@@ -47,7 +56,7 @@ if _ms:
         time.sleep(_ms / 1000.0)
         return _real(self, data, offset)
     _writer.RankFileWriter.write = _slow
-'''
+"""
 
 
 class MegatronJobs:
@@ -60,10 +69,19 @@ class MegatronJobs:
     def __call__(self, script: str, name: str, **env: str):
         path, options = SCRIPTS[script]
         save = self.tmp / f"{name}-save"
-        env = dict(PYTHON=sys.executable, DSM_REPO_DIR=str(REPO), DSM_CPU="1", DSM_PRESET="cpu-tiny",
-                   MEGATRON_LM_DIR=MEGATRON_LM_DIR, SAVE_DIR=str(save), TRAIN_ITERS=str(ITERS),
-                   OMP_NUM_THREADS="1", TORCH_ELASTIC_SHUTDOWN_TIMEOUT="25",
-                   **{training_record.ENV: str(self.tmp / f"{name}-record")}, **env)
+        env = dict(
+            PYTHON=sys.executable,
+            DSM_REPO_DIR=str(REPO),
+            DSM_CPU="1",
+            DSM_PRESET="cpu-tiny",
+            MEGATRON_LM_DIR=MEGATRON_LM_DIR,
+            SAVE_DIR=str(save),
+            TRAIN_ITERS=str(ITERS),
+            OMP_NUM_THREADS="1",
+            TORCH_ELASTIC_SHUTDOWN_TIMEOUT="25",
+            **{training_record.ENV: str(self.tmp / f"{name}-record")},
+            **env,
+        )
         return self.submit(path, save, env, *options)
 
     def runs(self, name: str, rank: int):
@@ -87,7 +105,7 @@ def uninterrupted(jobs):
     assert wait_for_end(job) == "COMPLETED", job.describe()
     out = []
     for rank in range(RANKS):
-        (its, final), = jobs.runs("uninterrupted", rank)
+        ((its, final),) = jobs.runs("uninterrupted", rank)
         assert sorted(its) == list(range(1, ITERS + 1)) and final is not None, job.describe()
         out.append(its)
     return out
@@ -95,9 +113,11 @@ def uninterrupted(jobs):
 
 def _tracker_names_only_complete(save: Path):
     """A probe: the tracker, whenever it exists, names a checkpoint whose manifest is there."""
+
     def probe() -> None:
         it = read_tracker(str(save)) if save.is_dir() else None
         assert it is None or os.path.isfile(os.path.join(iter_dir(str(save), it), "manifest.json")), it
+
     return probe
 
 
@@ -119,8 +139,9 @@ def _check_preempted_and_resumed(jobs, name: str, job, uninterrupted) -> None:
             for key in ("grad_norm", "params_norm"):
                 assert second[it][key] == uninterrupted[rank][it][key], (rank, it, key)
     newest = iter_dir(str(job.save_dir), read_tracker(str(job.save_dir)))
-    verify = subprocess.run([sys.executable, "-m", "datastates_megatron.cli", "verify", newest],
-                            capture_output=True, text=True, timeout=120)
+    verify = subprocess.run(
+        [sys.executable, "-m", "datastates_megatron.cli", "verify", newest], capture_output=True, text=True, timeout=120
+    )
     assert verify.returncode == 0, verify.stdout + verify.stderr
 
 
@@ -129,8 +150,11 @@ def _slow_writes(tmp_path: Path) -> dict[str, str]:
     site = tmp_path / "site"
     site.mkdir()
     (site / "sitecustomize.py").write_text(SLOW_WRITES)
-    return dict(SAVE_INTERVAL="1", DSM_TEST_SLOW_WRITE_MS="400",
-                PYTHONPATH=f"{site}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    return dict(
+        SAVE_INTERVAL="1",
+        DSM_TEST_SLOW_WRITE_MS="400",
+        PYTHONPATH=f"{site}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+    )
 
 
 def _preempt_and_check(jobs, uninterrupted, script: str, how: str, env: dict[str, str]) -> None:
@@ -141,8 +165,12 @@ def _preempt_and_check(jobs, uninterrupted, script: str, how: str, env: dict[str
     probe = _tracker_names_only_complete(job.save_dir)
     wait_for_commit_after(job, 1)
     if "DSM_TEST_SLOW_WRITE_MS" in env:  # pre-empt while a save is still being written
-        poll(lambda: [p.name for p in job.save_dir.glob("iter_*") if not (p / "manifest.json").exists()] or None,
-             30, "a checkpoint still being written", job)
+        poll(
+            lambda: [p.name for p in job.save_dir.glob("iter_*") if not (p / "manifest.json").exists()] or None,
+            30,
+            "a checkpoint still being written",
+            job,
+        )
     probe()
     preempt(job, how)
     wait_requeued_and_running(job, probe=probe)

@@ -59,7 +59,7 @@ def test_ls_lists_committed_uncommitted_latest_and_tracker(save_dir, capsys):
     code, out, err = _run(capsys, "ls", save_dir)
     assert code == EXIT_OK and err == ""
     lines = out.splitlines()
-    row = {int(l.split()[0]): l for l in lines if l.strip() and l.split()[0].isdigit()}
+    row = {int(ln.split()[0]): ln for ln in lines if ln.strip() and ln.split()[0].isdigit()}
     assert set(row) == {100, 200, 300}
     assert "committed" in row[100] and "persistent" in row[100] and "latest" not in row[100]
     assert "committed" in row[200] and "<- latest" in row[200]
@@ -74,8 +74,22 @@ def test_ls_json_has_stable_keys_and_values(save_dir, capsys):
     assert doc["command"] == "ls" and doc["latest"] == 200 and doc["tracker"] == 200 and doc["tracker_agrees"] is True
     by_it = {c["iteration"]: c for c in doc["checkpoints"]}
     assert [c["iteration"] for c in doc["checkpoints"]] == [100, 200, 300]
-    keys = {"iteration", "path", "state", "format", "tier", "world_size", "bytes", "data_bytes", "files", "commit_seq",
-            "created", "age_s", "latest", "error"}  # fmt: skip
+    keys = {
+        "iteration",
+        "path",
+        "state",
+        "format",
+        "tier",
+        "world_size",
+        "bytes",
+        "data_bytes",
+        "files",
+        "commit_seq",
+        "created",
+        "age_s",
+        "latest",
+        "error",
+    }
     assert all(set(c) == keys for c in doc["checkpoints"])
     assert by_it[200]["state"] == "committed" and by_it[200]["latest"] and by_it[200]["world_size"] == 1
     assert by_it[200]["tier"] == "persistent" and by_it[200]["bytes"] > by_it[200]["data_bytes"] > 2_400_000
@@ -92,7 +106,7 @@ def test_ls_labels_megatron_native_checkpoints_foreign_not_uncommitted(save_dir,
     (save_dir / ".datastates.lock").write_text("{}\n")  # our lock file is not a checkpoint
     code, out, _ = _run(capsys, "ls", save_dir)
     assert code == EXIT_OK
-    row = {int(l.split()[0]): l for l in out.splitlines() if l.strip() and l.split()[0].isdigit()}
+    row = {int(ln.split()[0]): ln for ln in out.splitlines() if ln.strip() and ln.split()[0].isdigit()}
     assert set(row) == {50, 100, 200, 300, 500}
     assert "foreign (torch_dist)" in row[500] and "uncommitted" not in row[500]
     assert "foreign (torch)" in row[50]
@@ -110,7 +124,7 @@ def test_ls_shows_damaged_manifest_and_that_the_loader_refuses(save_dir, capsys)
     (save_dir / "iter_0000050" / "manifest.json").write_text("{ not json")
     code, out, _ = _run(capsys, "ls", save_dir)
     assert code == EXIT_OK
-    assert any(l.split()[:2] == ["50", "DAMAGED"] for l in out.splitlines())
+    assert any(ln.split()[:2] == ["50", "DAMAGED"] for ln in out.splitlines())
     assert "manifest is not valid JSON" in out and "loader refuses" in out
     doc = json.loads(_run(capsys, "ls", save_dir, "--json")[1])
     damaged = [c for c in doc["checkpoints"] if c["iteration"] == 50][0]
@@ -191,11 +205,11 @@ def test_verify_flipped_byte_names_rank_file_and_tensor(save_dir, capsys):
     _flip(path, layer3.offset + 100)
     code, out, _ = _run(capsys, "verify", ckpt)
     assert code == EXIT_DAMAGED
-    errors = [l for l in out.splitlines() if l.startswith("ERROR")]
+    errors = [ln for ln in out.splitlines() if ln.startswith("ERROR")]
     assert len(errors) == 2  # one line per bad tensor
     name = os.path.basename(path)
-    assert any(f"rank 0: {name}: tensor 'big': checksum mismatch in chunk(s) 3 " in l for l in errors)
-    assert any("tensor 'layer3.weight'" in l and name in l for l in errors)
+    assert any(f"rank 0: {name}: tensor 'big': checksum mismatch in chunk(s) 3 " in ln for ln in errors)
+    assert any("tensor 'layer3.weight'" in ln and name in ln for ln in errors)
     assert out.splitlines()[-1].startswith("FAILED iter_0000200")
     doc = json.loads(_run(capsys, "verify", ckpt, "--json")[1])
     assert not doc["ok"]
@@ -220,7 +234,7 @@ def test_verify_truncated_file(save_dir, capsys):
     os.truncate(path, HEADER_BYTES + 1000)
     code, out, _ = _run(capsys, "verify", ckpt)
     assert code == EXIT_DAMAGED
-    (line,) = [l for l in out.splitlines() if l.startswith("ERROR")]
+    (line,) = [ln for ln in out.splitlines() if ln.startswith("ERROR")]
     assert line.startswith(f"ERROR rank 0: {os.path.basename(path)}: file is truncated")
     assert f"{HEADER_BYTES + 1000} bytes, manifest says {size}" in line and "9 tensor(s) cannot be checked" in line
     doc = json.loads(_run(capsys, "verify", ckpt, "--json")[1])
@@ -239,7 +253,9 @@ def test_verify_missing_file_and_missing_dir(save_dir, capsys):
 
 def test_verify_file_from_another_save_is_rejected(save_dir, capsys):
     """A valid file of the same size, but not the one the manifest committed (another iteration's)."""
-    with CheckpointManager(str(save_dir), EngineOptions(cache_bytes=1 << 20, timeout_s=30), layout={"tp": 1, "pp": 1}, keep_last=0) as mgr:
+    with CheckpointManager(
+        str(save_dir), EngineOptions(cache_bytes=1 << 20, timeout_s=30), layout={"tp": 1, "pp": 1}, keep_last=0
+    ) as mgr:
         for n, t in _state().items():
             mgr.register(n, t, meta={"role": "bias"} if n == "bf16" else None)
         mgr.save(210, {"iteration": 210})
@@ -258,7 +274,9 @@ def _console_script():
 
 def test_console_script_end_to_end(save_dir):
     ckpt = save_dir / "iter_0000200"
-    ok = subprocess.run([*_console_script(), "verify", str(ckpt), "--json"], capture_output=True, text=True, timeout=120)
+    ok = subprocess.run(
+        [*_console_script(), "verify", str(ckpt), "--json"], capture_output=True, text=True, timeout=120
+    )
     assert ok.returncode == 0, ok.stderr
     assert json.loads(ok.stdout)["ok"] is True
     path = _rank_file(ckpt)

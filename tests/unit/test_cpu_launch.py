@@ -34,8 +34,9 @@ def test_python_tools_on_path_are_this_interpreter(monkeypatch):
         assert os.environ["PATH"].split(os.pathsep)[0] == tools
         config = subprocess.run(["python3-config", "--extension-suffix"], capture_output=True, text=True, check=True)
         assert config.stdout.strip() == sysconfig.get_config_var("EXT_SUFFIX")
-        exe = subprocess.run(["python3", "-c", "import sys; print(sys.prefix)"], capture_output=True, text=True,
-                             check=True)
+        exe = subprocess.run(
+            ["python3", "-c", "import sys; print(sys.prefix)"], capture_output=True, text=True, check=True
+        )
         assert exe.stdout.strip() == sys.prefix  # a venv's python keeps its site-packages
     finally:
         for name in os.listdir(tools):

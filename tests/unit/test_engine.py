@@ -213,6 +213,11 @@ def test_save_id_reads_token_and_sequence_only_from_names_this_version_writes():
 
     assert save_id(rank_file_name(3, "00000000000000ff", 7)) == (255, 7)
     assert save_id(rank_file_name(0, "7fffffffffffffff", 0)) == ((1 << 63) - 1, 0)
-    for token in ("8000000000000000", "00000000000000FF", "ff", "0000000000000g00"):  # int64 range, lower-case hex, 16 digits
+    for token in (
+        "8000000000000000",
+        "00000000000000FF",
+        "ff",
+        "0000000000000g00",
+    ):  # int64 range, lower-case hex, 16 digits
         assert save_id(rank_file_name(0, token, 1)) is None, token
     assert save_id("manifest.json") is None and save_id("r00000-00000000000000ff.dsck") is None

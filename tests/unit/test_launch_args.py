@@ -14,14 +14,22 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 def _megatron_args(tmp_path, **env) -> list[str]:
     if shutil.which("bash") is None:
         pytest.skip("needs bash")
-    script = ('source launch/lib.sh; DSM_REPO_DIR=. dsm_load_preset gpt-7b-8gpu >/dev/null; '
-              'dsm_megatron_args 8 >/dev/null; printf "%s\\n" "${MEGATRON_ARGS[@]}"')
+    script = (
+        "source launch/lib.sh; DSM_REPO_DIR=. dsm_load_preset gpt-7b-8gpu >/dev/null; "
+        'dsm_megatron_args 8 >/dev/null; printf "%s\\n" "${MEGATRON_ARGS[@]}"'
+    )
     mlm = tmp_path / "Megatron-LM"  # lib.sh only checks that pretrain_gpt.py exists
     mlm.mkdir(exist_ok=True)
     (mlm / "pretrain_gpt.py").write_text("")
     inherited = {k: v for k, v in os.environ.items() if not k.startswith(("TENSORBOARD_", "WANDB_", "SLURM_"))}
-    out = subprocess.run(["bash", "-c", script], cwd=REPO, capture_output=True, text=True, timeout=60,
-                         env={**inherited, "SAVE_DIR": str(tmp_path / "save"), "MEGATRON_LM_DIR": str(mlm), **env})
+    out = subprocess.run(
+        ["bash", "-c", script],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**inherited, "SAVE_DIR": str(tmp_path / "save"), "MEGATRON_LM_DIR": str(mlm), **env},
+    )
     assert out.returncode == 0, out.stderr
     return out.stdout.splitlines()
 
@@ -43,8 +51,11 @@ def test_local_tier_variables_become_flags(tmp_path):
 
     parser = add_lazy_ckpt_args(argparse.ArgumentParser())
     parser.add_argument("--save")
-    lazy = [a for i, a in enumerate(argv) if a.startswith("--lazy-ckpt") or
-            (i and argv[i - 1].startswith("--lazy-ckpt") and not a.startswith("--"))]
+    lazy = [
+        a
+        for i, a in enumerate(argv)
+        if a.startswith("--lazy-ckpt") or (i and argv[i - 1].startswith("--lazy-ckpt") and not a.startswith("--"))
+    ]
     args = parser.parse_args([*lazy, "--save", str(tmp_path / "save")])
     validate_lazy_ckpt_args(args)
     config = config_from_args(args)

@@ -56,33 +56,83 @@ def test_defaults_match_the_config_defaults(tmp_path):
 def test_every_flag_reaches_the_config(tmp_path):
     save, load, local = tmp_path / "save", tmp_path / "load", tmp_path / "local"
     args = _parse(
-        "--lazy-ckpt", "--save", str(save), "--load", str(load), "--save-interval", "50",
-        "--train-iters", "200", "--lazy-ckpt-host-cache-gb", "1.5", "--lazy-ckpt-flush-threads", "4",
-        "--lazy-ckpt-max-inflight", "3", "--lazy-ckpt-keep-last", "5", "--lazy-ckpt-keep-every", "100",
-        "--no-lazy-ckpt-verify-on-load", "--lazy-ckpt-on-error", "warn", "--lazy-ckpt-no-streaming",
-        "--lazy-ckpt-direct-io", "off", "--lazy-ckpt-source-writes", "on", "--lazy-ckpt-timeout-s", "30",
-        "--lazy-ckpt-local-dir", str(local), "--lazy-ckpt-persist-interval", "4",
-        "--lazy-ckpt-local-keep-last", "3", "--lazy-ckpt-local-fallback", "rank",
-        "--lazy-ckpt-recycle-files", "all", "--no-lazy-ckpt-mapped-writes",
+        "--lazy-ckpt",
+        "--save",
+        str(save),
+        "--load",
+        str(load),
+        "--save-interval",
+        "50",
+        "--train-iters",
+        "200",
+        "--lazy-ckpt-host-cache-gb",
+        "1.5",
+        "--lazy-ckpt-flush-threads",
+        "4",
+        "--lazy-ckpt-max-inflight",
+        "3",
+        "--lazy-ckpt-keep-last",
+        "5",
+        "--lazy-ckpt-keep-every",
+        "100",
+        "--no-lazy-ckpt-verify-on-load",
+        "--lazy-ckpt-on-error",
+        "warn",
+        "--lazy-ckpt-no-streaming",
+        "--lazy-ckpt-direct-io",
+        "off",
+        "--lazy-ckpt-source-writes",
+        "on",
+        "--lazy-ckpt-timeout-s",
+        "30",
+        "--lazy-ckpt-local-dir",
+        str(local),
+        "--lazy-ckpt-persist-interval",
+        "4",
+        "--lazy-ckpt-local-keep-last",
+        "3",
+        "--lazy-ckpt-local-fallback",
+        "rank",
+        "--lazy-ckpt-recycle-files",
+        "all",
+        "--no-lazy-ckpt-mapped-writes",
     )
     validate_lazy_ckpt_args(args)
     assert args.lazy_ckpt and args.save_interval == 50 and args.train_iters == 200
     assert config_from_args(args) == LazyCkptConfig(
-        save_dir=str(save), load_dir=str(load), host_cache_gb=1.5, flush_threads=4, max_inflight=3,
-        keep_last=5, keep_every=100, verify_on_load=False, on_error="warn", streaming=False,
-        direct_io=False, source_writes=True, timeout_s=30.0, local_dir=str(local), persist_interval=4, local_keep_last=3,
-        local_fallback="rank", recycle_files="all", mapped_writes=False)
+        save_dir=str(save),
+        load_dir=str(load),
+        host_cache_gb=1.5,
+        flush_threads=4,
+        max_inflight=3,
+        keep_last=5,
+        keep_every=100,
+        verify_on_load=False,
+        on_error="warn",
+        streaming=False,
+        direct_io=False,
+        source_writes=True,
+        timeout_s=30.0,
+        local_dir=str(local),
+        persist_interval=4,
+        local_keep_last=3,
+        local_fallback="rank",
+        recycle_files="all",
+        mapped_writes=False,
+    )
 
 
-@pytest.mark.parametrize("flag, expected", [("--lazy-ckpt-verify-on-load", True),
-                                            ("--no-lazy-ckpt-verify-on-load", False)])
+@pytest.mark.parametrize(
+    "flag, expected", [("--lazy-ckpt-verify-on-load", True), ("--no-lazy-ckpt-verify-on-load", False)]
+)
 def test_verify_on_load_has_both_spellings(tmp_path, flag, expected):
     assert config_from_args(_parse("--save", str(tmp_path), flag)).verify_on_load is expected
 
 
 @pytest.mark.parametrize("choice, expected", [("auto", "auto"), ("on", True), ("off", False)])
-@pytest.mark.parametrize("flag, field", [("--lazy-ckpt-direct-io", "direct_io"),
-                                         ("--lazy-ckpt-source-writes", "source_writes")])
+@pytest.mark.parametrize(
+    "flag, field", [("--lazy-ckpt-direct-io", "direct_io"), ("--lazy-ckpt-source-writes", "source_writes")]
+)
 def test_on_off_auto_choices(tmp_path, flag, field, choice, expected):
     args = _parse("--save", str(tmp_path), flag, choice)
     assert getattr(config_from_args(args), field) == expected
@@ -153,23 +203,29 @@ def test_override_iteration_zero_counts_as_given(tmp_path):
     assert "--override-ckpt-iteration" in msg
 
 
-@pytest.mark.parametrize("argv, text", [
-    (("--lazy-ckpt-host-cache-gb", "0"), "--lazy-ckpt-host-cache-gb must be > 0"),
-    (("--lazy-ckpt-flush-threads", "0"), "--lazy-ckpt-flush-threads must be >= 1"),
-    (("--lazy-ckpt-max-inflight", "0"), "--lazy-ckpt-max-inflight must be >= 1"),
-    (("--lazy-ckpt-keep-last", "-1"), "--lazy-ckpt-keep-last must be >= 0"),
-    (("--lazy-ckpt-keep-every", "-2"), "--lazy-ckpt-keep-every must be >= 0"),
-    (("--lazy-ckpt-timeout-s", "0"), "--lazy-ckpt-timeout-s must be > 0"),
-])
+@pytest.mark.parametrize(
+    "argv, text",
+    [
+        (("--lazy-ckpt-host-cache-gb", "0"), "--lazy-ckpt-host-cache-gb must be > 0"),
+        (("--lazy-ckpt-flush-threads", "0"), "--lazy-ckpt-flush-threads must be >= 1"),
+        (("--lazy-ckpt-max-inflight", "0"), "--lazy-ckpt-max-inflight must be >= 1"),
+        (("--lazy-ckpt-keep-last", "-1"), "--lazy-ckpt-keep-last must be >= 0"),
+        (("--lazy-ckpt-keep-every", "-2"), "--lazy-ckpt-keep-every must be >= 0"),
+        (("--lazy-ckpt-timeout-s", "0"), "--lazy-ckpt-timeout-s must be > 0"),
+    ],
+)
 def test_numeric_bounds_name_the_flag(tmp_path, argv, text):
     assert text in _error("--lazy-ckpt", "--save", str(tmp_path), *argv)
 
 
-@pytest.mark.parametrize("argv, flag", [
-    (("--lazy-ckpt-persist-interval", "5"), "--lazy-ckpt-persist-interval"),
-    (("--lazy-ckpt-local-keep-last", "4"), "--lazy-ckpt-local-keep-last"),
-    (("--lazy-ckpt-local-fallback", "rank"), "--lazy-ckpt-local-fallback"),
-])
+@pytest.mark.parametrize(
+    "argv, flag",
+    [
+        (("--lazy-ckpt-persist-interval", "5"), "--lazy-ckpt-persist-interval"),
+        (("--lazy-ckpt-local-keep-last", "4"), "--lazy-ckpt-local-keep-last"),
+        (("--lazy-ckpt-local-fallback", "rank"), "--lazy-ckpt-local-fallback"),
+    ],
+)
 def test_local_tier_flags_need_a_local_dir(tmp_path, argv, flag):
     msg = _error("--lazy-ckpt", "--save", str(tmp_path), *argv)
     assert f"{flag} only applies to a local tier: it requires --lazy-ckpt-local-dir" in msg
@@ -242,8 +298,15 @@ def test_commit_telemetry_goes_to_megatron_writers(monkeypatch):
     gv.get_wandb_writer = lambda: WB()
     monkeypatch.setitem(sys.modules, "megatron.training", types.ModuleType("megatron.training"))
     monkeypatch.setitem(sys.modules, "megatron.training.global_vars", gv)
-    rec = CommitRecord(iteration=7, total_bytes=4_000_000, bytes_per_rank=(2_000_000, 2_000_000), save_call_s=1e-4,
-                       copy_s=0.01, flush_s=0.02, commit_s=0.05)
+    rec = CommitRecord(
+        iteration=7,
+        total_bytes=4_000_000,
+        bytes_per_rank=(2_000_000, 2_000_000),
+        save_call_s=1e-4,
+        copy_s=0.01,
+        flush_s=0.02,
+        commit_s=0.05,
+    )
     megatron_lm.log_commit_to_writers(rec, 0.002)
     names = {n for n, _, step in got["tb"] if step == 7}
     assert {"lazy-ckpt/stall-ms", "lazy-ckpt/flush-GBps", "lazy-ckpt/bytes-total"} <= names

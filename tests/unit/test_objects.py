@@ -38,7 +38,13 @@ def test_round_trip_of_training_state():
     assert out["int_keys"] == {1: "a", (2, 3): "b"}
     assert out["blob"] == b"\x00\x01" and out["np_scalar"] == np.float32(2.5)
     random.Random().setstate(out["python_rng"])  # usable as-is
-    assert out["mixed"] == [1, True, 2, False, None] and [type(v) for v in out["mixed"]] == [int, bool, int, bool, type(None)]
+    assert out["mixed"] == [1, True, 2, False, None] and [type(v) for v in out["mixed"]] == [
+        int,
+        bool,
+        int,
+        bool,
+        type(None),
+    ]
     assert out["np_ints"] == (np.int64(3), 4) and type(out["np_ints"][0]) is np.int64
 
 

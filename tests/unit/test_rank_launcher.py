@@ -1,13 +1,12 @@
 """The multi-rank launcher forks ranks from a warm server: each must still behave as ``python script``."""
 
-import os
 import textwrap
 
 import pytest
 
 from tests.distributed.ranks import run_ranks
 
-SCRIPT = textwrap.dedent('''
+SCRIPT = textwrap.dedent("""
     import atexit, json, os, sys, threading, time
 
     out = sys.argv[1]
@@ -24,7 +23,7 @@ SCRIPT = textwrap.dedent('''
     sys.stdout.flush()
     if len(sys.argv) > 2:
         sys.exit(int(sys.argv[2]))
-''')
+""")
 
 
 @pytest.fixture(params=["forked", "fresh"])

@@ -9,9 +9,15 @@ from datastates_megatron.megatron import training_record
 
 def test_runs_are_split_and_a_cut_last_line_is_ignored(tmp_path):
     prefix = str(tmp_path / "rec")
-    lines = [{"start": 11}, {"iteration": 1, "grad_norm": 0.5}, {"iteration": 2, "grad_norm": 0.25},
-             {"start": 12}, {"iteration": 2, "grad_norm": 0.75}, {"iteration": 3, "grad_norm": 1.0},
-             {"final_iteration": 3, "digest": {"model0": 7}}]
+    lines = [
+        {"start": 11},
+        {"iteration": 1, "grad_norm": 0.5},
+        {"iteration": 2, "grad_norm": 0.25},
+        {"start": 12},
+        {"iteration": 2, "grad_norm": 0.75},
+        {"iteration": 3, "grad_norm": 1.0},
+        {"final_iteration": 3, "digest": {"model0": 7}},
+    ]
     with open(f"{prefix}.rank1.jsonl", "w") as f:
         f.writelines(json.dumps(x) + "\n" for x in lines)
         f.write('{"iteration": 4, "grad')  # a run killed mid-write
