@@ -134,8 +134,14 @@ def _objects_summary(objects) -> dict[str, str]:
 def _load_manifest(ckpt: str) -> Manifest:
     from .engine.manifest import MANIFEST_NAME, list_iterations, read_manifest
 
-    if not os.path.isdir(ckpt):
-        raise NoCheckpointError(f"{ckpt}: no such checkpoint directory")
+    try:
+        is_dir = stat.S_ISDIR(os.stat(ckpt).st_mode)
+    except FileNotFoundError:
+        raise NoCheckpointError(f"{ckpt}: no such checkpoint directory{_retention_hint(ckpt)}") from None
+    except PermissionError as e:
+        raise NoCheckpointError(f"{ckpt}: permission denied ({e.strerror}): cannot look into it") from None
+    if not is_dir:
+        raise NoCheckpointError(f"{ckpt}: not a directory: not a checkpoint")
     try:
         return read_manifest(ckpt)
     except NoCheckpointError as e:
@@ -147,6 +153,24 @@ def _load_manifest(ckpt: str) -> Manifest:
         raise type(e)(f"damaged manifest: {e}") from e
     except OSError as e:
         raise CorruptCheckpointError(f"{os.path.join(ckpt, MANIFEST_NAME)}: cannot read the manifest: {e}") from e
+
+
+def _retention_hint(ckpt: str) -> str:
+    """When ``ckpt`` is an ``iter_*`` older than the newest checkpoint committed beside it, it was most
+    likely removed by the trainer's retention after it was listed (a reader racing a saving run)."""
+    from .engine.manifest import iteration_of, latest_committed
+
+    iteration = iteration_of(ckpt)
+    try:
+        newest = latest_committed(os.path.dirname(os.path.normpath(ckpt)) or ".")
+    except (CheckpointError, OSError):
+        return ""
+    if iteration is None or newest <= iteration:
+        return ""
+    return (
+        f" (iteration {newest} is committed beside it: retention of a running trainer may have removed"
+        " this one since it was listed; list again)"
+    )
 
 
 def _select_ranks(ckpt: str, m: Manifest, rank: int | None) -> list:
@@ -743,6 +767,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{PROG}: error: {e}", file=sys.stderr)
         usage = isinstance(e, (NoCheckpointError, CliUsageError)) or not isinstance(e, CheckpointError)
         return EXIT_USAGE if usage else EXIT_DAMAGED
+    except Exception as e:  # a case no check foresaw: still one line, never a traceback (unless asked)
+        if os.environ.get("DSM_DEBUG"):
+            raise
+        print(
+            f"{PROG}: error: unexpected {type(e).__name__}: {e} (a damaged checkpoint or a bug in {PROG};"
+            " DSM_DEBUG=1 shows the traceback)",
+            file=sys.stderr,
+        )
+        return EXIT_DAMAGED
 
 
 if __name__ == "__main__":

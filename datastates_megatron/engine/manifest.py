@@ -38,6 +38,7 @@ __all__ = [
     "parse_tracker",
     "write_tracker",
     "list_iterations",
+    "iteration_of",
     "committed_manifests",
     "committed_iterations",
     "latest_committed",
@@ -59,6 +60,12 @@ log = logging.getLogger(__name__)
 
 def iter_dir(root: str, iteration: int) -> str:
     return os.path.join(root, f"iter_{iteration:07d}")
+
+
+def iteration_of(ckpt_dir: str) -> int | None:
+    """The iteration an ``iter_*`` directory's name stands for, ``None`` for any other name."""
+    match = _ITER_RE.match(os.path.basename(os.path.normpath(ckpt_dir)))
+    return int(match.group(1)) if match else None
 
 
 def rank_file_name(rank: int, token: str, seq: int) -> str:

@@ -251,6 +251,47 @@ def test_verify_missing_file_and_missing_dir(save_dir, capsys):
     assert code == EXIT_USAGE and out == "" and "no such checkpoint directory" in err and err.count("\n") == 1
 
 
+def test_a_checkpoint_gone_since_it_was_listed_says_retention_may_have_removed_it(save_dir, capsys):
+    """A reader that lists, then verifies, while the trainer saves: the iteration it picked is older
+    than what is committed now, so the message says what most likely happened."""
+    shutil.rmtree(save_dir / "iter_0000100")
+    code, out, err = _run(capsys, "verify", save_dir / "iter_0000100")
+    assert code == EXIT_USAGE and out == "" and err.count("\n") == 1
+    assert "no such checkpoint directory" in err and "retention" in err and "iteration 200" in err, err
+    code, _, err = _run(capsys, "inspect", save_dir / "iter_0000999")
+    assert code == EXIT_USAGE and "retention" not in err
+
+
+def test_a_checkpoint_directory_we_may_not_read_is_not_called_missing(save_dir, capsys, monkeypatch):
+    ckpt = str(save_dir / "iter_0000100")
+    real_stat = os.stat
+
+    def denied(path, *a, **k):  # as for a non-root reader under a save root of mode 000
+        if os.fspath(path) == ckpt:
+            raise PermissionError(13, "Permission denied", ckpt)
+        return real_stat(path, *a, **k)
+
+    monkeypatch.setattr(os, "stat", denied)
+    code, out, err = _run(capsys, "verify", ckpt)
+    assert code == EXIT_USAGE and out == "" and err.count("\n") == 1
+    assert "permission denied" in err.lower() and "no such" not in err, err
+
+
+def test_an_unforeseen_error_is_one_line_not_a_traceback(save_dir, capsys, monkeypatch):
+    from datastates_megatron.engine import manifest
+
+    def boom(_):
+        raise RecursionError("maximum recursion depth exceeded")
+
+    monkeypatch.setattr(manifest, "read_manifest", boom)
+    code, out, err = _run(capsys, "inspect", save_dir / "iter_0000100")
+    assert code == EXIT_DAMAGED and out == "" and err.count("\n") == 1
+    assert "unexpected RecursionError" in err and "DSM_DEBUG=1" in err
+    monkeypatch.setenv("DSM_DEBUG", "1")
+    with pytest.raises(RecursionError):
+        main(["inspect", str(save_dir / "iter_0000100")])
+
+
 def test_verify_file_from_another_save_is_rejected(save_dir, capsys):
     """A valid file of the same size, but not the one the manifest committed (another iteration's)."""
     with CheckpointManager(
