@@ -51,7 +51,9 @@ def test_step_waits_for_slow_snapshot_copies(tmp_path, mode):
     for r in res:
         out = r["result"]
         assert out["equal_to_save_time"] and out["n_tensors"] > 10, out
-        assert out["save_call_s"] < 0.05 < out["step_s"]  # save returned at once; the step waited
+        # save returned at once and the step waited for the slow copies (had save waited for them,
+        # the step would find them done): relative, so a busy machine does not fail it
+        assert out["save_call_s"] < 0.5 * out["step_s"] and out["step_s"] > 0.05, out
         assert (out["source_bytes"] > 0) == (mode == "source_writes"), out
     control = run_ranks(WORKER, 2, ["slow_copy", *extra, "--no-hooks", "--save", str(tmp_path / "b")])
     assert all(r["returncode"] == 0 for r in control), describe(control)

@@ -74,7 +74,7 @@ def test_kill_9_after_a_commit_then_resume_is_bit_exact(tmp_path, reference, pre
     assert resumed.returncode == 0, resumed.describe()
     assert f"loaded lazy checkpoint of iteration {resume_from}" in resumed.log
     want = reference(precision)
-    assert_same_training(killed, want, range(1, max(killed.iterations()) + 1))
+    assert_same_training(killed, want, None)
     assert_same_training(resumed, want, range(resume_from + 1, ITERS + 1))
 
 
