@@ -408,11 +408,13 @@ def _render_inspect(doc: dict) -> None:
 
 # ---------------------------------------------------------------------------------------------- verify
 def _check_chunk(rf: RankFile, entry, c: int) -> tuple[bool, int]:
-    from .engine.serializer import xxh64
+    from .engine.errors import CorruptCheckpointError
 
     cb = rf.header.chunk_bytes
-    raw = rf.raw(entry)[c * cb : (c + 1) * cb]
-    return xxh64(raw) == int(entry.checksums[c]), raw.nbytes
+    try:
+        return True, rf.verify_chunk(entry, c)
+    except CorruptCheckpointError:
+        return False, len(rf.raw(entry)[c * cb : (c + 1) * cb])
 
 
 def _check_all(opened: list[tuple], fail, workers: int, progress: bool) -> tuple[int, int]:
@@ -471,7 +473,7 @@ def verify_checkpoint(
 
     from .engine.restore import open_rank
     from .engine.safe_io import describe
-    from .engine.serializer import xxh64
+    from .engine.hashing import xxh64
 
     ckpt = os.path.abspath(ckpt)
     m = _load_manifest(ckpt)

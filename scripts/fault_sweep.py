@@ -51,7 +51,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import torch  # noqa: E402
 
-from datastates_megatron.engine import CheckpointError, serializer  # noqa: E402
+from datastates_megatron.engine import CheckpointError, data_layout, file_format, hashing  # noqa: E402
 from datastates_megatron.engine.file_format import RankFile  # noqa: E402
 from datastates_megatron.engine.manifest import (  # noqa: E402
     MANIFEST_NAME,
@@ -612,7 +612,8 @@ def main(argv=None) -> int:
     p.add_argument("--json", default=None, help="also write the summary here")
     a = p.parse_args(argv)
     torch.set_num_threads(1)
-    serializer.warmup()  # forked ranks inherit the loaded kernels
+    for module in (hashing, data_layout, file_format):
+        module.warmup()  # forked ranks inherit the loaded kernels
     sections = set((a.only or "engine,restore,demo,corruption,memory,disk").split(","))
     if a.no_demo:
         sections.discard("demo")

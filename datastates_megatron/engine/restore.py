@@ -12,7 +12,6 @@ import dataclasses
 import os
 import stat
 
-import numpy as np
 import torch
 
 from .errors import CorruptCheckpointError, LayoutMismatchError, NoCheckpointError
@@ -21,7 +20,6 @@ from .manifest import Manifest, iter_dir, read_manifest
 from .page_cache import warm_file
 from .safe_io import describe
 from .faults import crash_point
-from .serializer import _xxh64_impl
 
 __all__ = ["open_checkpoint", "validate_world", "verify_file", "restore_into", "RestoreStats"]
 
@@ -78,7 +76,7 @@ def open_rank(ckpt: str, manifest: Manifest, rank: int) -> RankFile:
         raise CorruptCheckpointError(f"{ckpt}: rank {rank} file {rec.file} is missing") from e
     except OSError as e:
         raise CorruptCheckpointError(f"{path}: rank {rank} file cannot be read: {e}") from e
-    from .serializer import xxh64
+    from .hashing import xxh64
 
     if (
         xxh64(rf.header.pack()) != rec.header_xxh64
@@ -94,10 +92,10 @@ def open_rank(ckpt: str, manifest: Manifest, rank: int) -> RankFile:
 
 
 def _verify_chunk(rf: RankFile, entry: TensorEntry, c: int) -> str | None:
-    cb = rf.header.chunk_bytes
-    raw = rf.raw(entry)[c * cb : (c + 1) * cb]
-    if int(_xxh64_impl(raw, np.uint64(0))) != int(entry.checksums[c]):
-        return f"{rf.path}: checksum mismatch in tensor {entry.name!r} (chunk {c})"
+    try:
+        rf.verify_chunk(entry, c)
+    except CorruptCheckpointError as e:
+        return str(e)
     return None
 
 
