@@ -296,8 +296,15 @@ def write_manifest(root: str, manifest: Manifest) -> str:
 def read_manifest(ckpt_dir: str) -> Manifest:
     """The manifest of ``ckpt_dir``.  :class:`NoCheckpointError` when there is none; anything else
     wrong (not a regular file, a symlink, larger than :data:`.safe_io.MANIFEST_MAX_BYTES`,
-    unreadable, unparsable, invalid) is a :class:`CorruptCheckpointError` naming it."""
+    unreadable, unparsable, invalid) is a :class:`CorruptCheckpointError` naming it, and so is an
+    ``iter_*`` directory that is a symlink: we never write one, so it is not ours to read through."""
     path = os.path.join(ckpt_dir, MANIFEST_NAME)
+    match = _ITER_RE.match(os.path.basename(os.path.normpath(ckpt_dir)))
+    if match and os.path.islink(os.path.normpath(ckpt_dir)):
+        raise CorruptCheckpointError(
+            f"{ckpt_dir}: is a symlink to {os.readlink(os.path.normpath(ckpt_dir))!r}; checkpoint directories are"
+            " never read through a link (not written by this engine)"
+        )
     try:
         data = safe_io.read_capped(path, safe_io.MANIFEST_MAX_BYTES, "manifest")
     except FileNotFoundError as e:
@@ -305,7 +312,6 @@ def read_manifest(ckpt_dir: str) -> Manifest:
     except NotADirectoryError as e:
         raise NoCheckpointError(f"{ckpt_dir}: not a directory: not a checkpoint") from e
     m = Manifest.from_json(data, path)
-    match = _ITER_RE.match(os.path.basename(os.path.normpath(ckpt_dir)))
     if match and int(match.group(1)) != m.iteration:
         raise CorruptCheckpointError(
             f"{path}: manifest is for iteration {m.iteration}, directory says {int(match.group(1))}"

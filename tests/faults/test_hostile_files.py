@@ -249,3 +249,23 @@ def test_the_tracker_still_reads_a_plain_iteration(root):
     (root / TRACKER_NAME).write_text("release\n")
     assert read_tracker(str(root)) is None
     json.dumps(list_checkpoints(str(root)))  # the ls document stays plain JSON
+
+
+def test_an_iteration_directory_that_is_a_symlink_is_damaged_not_committed(root, tmp_path, capsys):
+    """``iter_0000003`` -> an archived checkpoint elsewhere: not ours, so never listed as committed
+    nor loaded through (latest_committed says why), shown damaged by ``ls``, and left as it is by
+    start-up and retention (the archive byte for byte)."""
+    archive = tmp_path / "archive"
+    os.rename(iter_dir(str(root), 2), archive)
+    before = {p.name: p.read_bytes() for p in archive.iterdir()}
+    os.symlink(archive, iter_dir(str(root), 3))
+    assert manifest_mod.committed_iterations(str(root)) == [1]
+    with pytest.raises(CorruptCheckpointError, match="symlink") as e:
+        manifest_mod.latest_committed(str(root))
+    assert iter_dir(str(root), 3) in str(e.value)
+    assert "symlink" in _ls_damaged(root, 3)
+    assert _cli(capsys, "ls", root)[0] == EXIT_OK
+    with CheckpointManager(str(root), EngineOptions(cache_bytes=64 << 10, timeout_s=30), keep_last=1):
+        pass
+    assert os.path.islink(iter_dir(str(root), 3))
+    assert {p.name: p.read_bytes() for p in archive.iterdir()} == before

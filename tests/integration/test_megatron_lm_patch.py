@@ -292,20 +292,21 @@ needs_checkout = pytest.mark.skipif(
     "core_v0.19.0 (e.g. `git archive core_v0.16.1 | tar -x -C /tmp/mlm-0.16.1`)",
 )
 
-# Runs inside the patched copy: python driver.py MODE OUT_JSON TMPDIR
+# Runs inside the patched copy: python driver.py JOBS_JSON, JOBS = [[mode, tmp, out_json, *extra], ...].
+# Megatron is imported once; each job then runs in a forked child, so the jobs share one start-up
+# (a Megatron import takes most of a subprocess's time) but no global state.
 DRIVER = r"""
-import dataclasses, json, sys, types, typing
+import dataclasses, json, os, sys, traceback, types, typing
 if not hasattr(typing, "override"):
     # Megatron-LM core_v0.19 declares Python >= 3.12 but only needs typing.override to import.
     import typing_extensions
     typing.override = typing_extensions.override
 
-mode, out_path, tmp = sys.argv[1], sys.argv[2], sys.argv[3]
-out = {}
 from datastates_megatron.megatron.cpu_launch import stub_triton_modules
 stub_triton_modules()  # megatron.training imports a triton module; triton is not needed here
 
-if mode == "without-package":
+
+def without_package(tmp, out):
     class _Hide:  # as if datastates_megatron were not installed
         def find_spec(self, name, path=None, target=None):
             if name.split(".")[0] == "datastates_megatron":
@@ -321,7 +322,7 @@ if mode == "without-package":
     except SystemExit:
         out["lazy_flag_rejected"] = True
 
-elif mode == "parse":
+def parse(tmp, out):
     from megatron.training.arguments import parse_args
     from datastates_megatron.megatron.args import LazyCkptArgsError, config_from_args
     sys.argv = ["pretrain", "--lazy-ckpt", "--save", tmp + "/s", "--load", tmp + "/l",
@@ -356,11 +357,11 @@ elif mode == "parse":
             errors[name] = str(e)
     out["errors"] = errors
 
-elif mode == "validate":  # the namespace a real run saves: parse_args + validate_args, lib.sh's flags
+def validate(tmp, out, argv_json):  # the namespace a real run saves: parse_args + validate_args, lib.sh's flags
     from megatron.training.arguments import parse_args, validate_args
     from datastates_megatron.engine.objects import decode_objects, encode_objects
     from datastates_megatron.megatron import megatron_lm
-    sys.argv = ["pretrain", *json.loads(sys.argv[4])]
+    sys.argv = ["pretrain", *json.loads(argv_json)]
     args = parse_args()
     validate_args(args, {})
     stored = decode_objects(encode_objects({"extra_state": megatron_lm.build_extra_state(args, 4, 1.5)}))
@@ -369,7 +370,7 @@ elif mode == "validate":  # the namespace a real run saves: parse_args + validat
     out["saved"] = {k: saved.get(k) for k in ("lazy_ckpt", "bf16", "num_layers", "exit_signal_handler")}
     out["enums"] = sorted(k for k, v in vars(args).items() if isinstance(v, __import__("enum").Enum))
 
-elif mode in ("route", "glue"):
+def route_or_glue(mode, tmp, out):
     from megatron.training.arguments import parse_args
     from megatron.training.global_vars import set_args
     import megatron.training.async_utils as async_utils
@@ -451,8 +452,30 @@ elif mode in ("route", "glue"):
         out["checkpointer_after_exit"] = megatron_lm.get_checkpointer() is None
     out["calls"] = calls
 
-with open(out_path, "w") as f:
-    json.dump(out, f)
+
+MODES = {
+    "without-package": without_package,
+    "parse": parse,
+    "validate": validate,
+    "route": lambda tmp, out: route_or_glue("route", tmp, out),
+    "glue": lambda tmp, out: route_or_glue("glue", tmp, out),
+}
+jobs = json.loads(sys.argv[1])
+if any(job[0] != "without-package" for job in jobs):
+    import megatron.training.arguments, megatron.training.checkpointing, megatron.training.async_utils  # noqa
+for mode, tmp, out_path, *extra in jobs:
+    pid = os.fork()
+    if pid == 0:
+        out = {}
+        try:
+            MODES[mode](tmp, out, *extra)
+            payload = {"out": out}
+        except BaseException:
+            payload = {"error": traceback.format_exc()}
+        with open(out_path, "w") as f:
+            json.dump(payload, f)
+        os._exit(0)
+    os.waitpid(pid, 0)
 """
 
 
@@ -481,23 +504,53 @@ def _apply(where: Path, *extra: str) -> subprocess.CompletedProcess:
     return subprocess.run(["bash", str(APPLY), str(where), *extra], capture_output=True, text=True, timeout=120)
 
 
-def _drive(dst: Path, mode: str, tmp_path: Path, *extra: str) -> dict:
-    driver = tmp_path / "driver.py"
+def _drive(dst: Path, tmp: Path, jobs: dict[str, list[str]]) -> dict[str, dict]:
+    """Run ``jobs`` ({mode: extra args}) in one driver process in the patched copy ``dst``; each mode
+    works in its own directory ``tmp/MODE``. Returns {mode: {"out": ..., "tmp": ...} or {"error": ...}}."""
+    tmp.mkdir()
+    driver = tmp / "driver.py"
     driver.write_text(textwrap.dedent(DRIVER))
-    out = tmp_path / f"{mode}.json"
+    spec = []
+    for mode, extra in jobs.items():
+        (tmp / mode).mkdir()
+        spec.append([mode, str(tmp / mode), str(tmp / f"{mode}.json"), *extra])
     env = dict(
         os.environ, PYTHONPATH=os.pathsep.join([str(dst), str(REPO)]), CUDA_VISIBLE_DEVICES="", PYTHONWARNINGS="ignore"
     )
     proc = subprocess.run(
-        [sys.executable, str(driver), mode, str(out), str(tmp_path), *extra],
+        [sys.executable, str(driver), json.dumps(spec)],
         cwd=dst,
         env=env,
         capture_output=True,
         text=True,
         timeout=SUBPROCESS_TIMEOUT_S,
     )
-    assert proc.returncode == 0, f"driver {mode} failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
-    return json.loads(out.read_text())
+    results = {}
+    for mode in jobs:
+        path = tmp / f"{mode}.json"
+        if not path.exists():
+            results[mode] = {"error": f"driver rc={proc.returncode}:\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"}
+        else:
+            results[mode] = dict(json.loads(path.read_text()), tmp=str(tmp / mode))
+    return results
+
+
+@pytest.fixture(scope="module")
+def driven(megatron_copy, tmp_path_factory):
+    """Every driver mode against the patched copy: one process for those that import the package,
+    one for ``without-package`` (it must import Megatron with the package hidden)."""
+    _, dst = megatron_copy
+    tmp = tmp_path_factory.mktemp("driver")
+    lib = tmp_path_factory.mktemp("launch-args")
+    jobs = {"parse": [], "validate": [json.dumps(_launch_args(lib))], "route": [], "glue": []}
+    return {**_drive(dst, tmp / "with", jobs), **_drive(dst, tmp / "without", {"without-package": []})}
+
+
+def _result(driven: dict, mode: str) -> tuple[dict, str]:
+    """``(out, tmp)`` of one mode, or the test fails with that mode's traceback."""
+    got = driven[mode]
+    assert "error" not in got, f"driver {mode} failed:\n{got['error']}"
+    return got["out"], got["tmp"]
 
 
 @needs_checkout
@@ -512,9 +565,8 @@ def test_apply_is_idempotent_and_checkable(megatron_copy):
 
 
 @needs_checkout
-def test_parse_args_takes_the_lazy_ckpt_flags(megatron_copy, tmp_path):
-    _, dst = megatron_copy
-    out = _drive(dst, "parse", tmp_path)
+def test_parse_args_takes_the_lazy_ckpt_flags(driven):
+    out, tmp_path = _result(driven, "parse")
     assert out["lazy_ckpt"] is True and out["default_lazy_ckpt"] is False
     assert (out["save_interval"], out["train_iters"]) == (100, 1000)
     assert out["config"] == dict(
@@ -579,22 +631,20 @@ def _launch_args(tmp_path: Path) -> list[str]:
 
 
 @needs_checkout
-def test_megatrons_validated_args_never_fail_a_save(megatron_copy, tmp_path):
+def test_megatrons_validated_args_never_fail_a_save(driven, tmp_path):
     """args.exit_signal (signal.Signals, an IntEnum) crashed the first save on an H200: the whole
     namespace that parse_args + validate_args produce for launch/lib.sh's flags must be storable."""
-    _, dst = megatron_copy
     argv = _launch_args(tmp_path)
     assert "--exit-signal-handler" in argv and "--lazy-ckpt" in argv
-    out = _drive(dst, "validate", tmp_path, json.dumps(argv))
+    out, _ = _result(driven, "validate")
     assert "exit_signal" in out["enums"]
     assert out["exit_signal"] == "SIGTERM"
     assert out["saved"] == {"lazy_ckpt": True, "bf16": True, "num_layers": 2, "exit_signal_handler": True}
 
 
 @needs_checkout
-def test_patched_megatron_routes_to_the_glue(megatron_copy, tmp_path):
-    _, dst = megatron_copy
-    out = _drive(dst, "route", tmp_path)
+def test_patched_megatron_routes_to_the_glue(driven):
+    out, _ = _result(driven, "route")
     assert out["load_returned"] == [100, 12.5]
     assert out["calls"] == [
         ["save", 100, True, True, True, 12.5, ["non_persistent_ckpt", "release", "train_data_iterator"]],
@@ -605,9 +655,8 @@ def test_patched_megatron_routes_to_the_glue(megatron_copy, tmp_path):
 
 
 @needs_checkout
-def test_glue_behind_the_patch_restores_megatron_state(megatron_copy, tmp_path):
-    _, dst = megatron_copy
-    out = _drive(dst, "glue", tmp_path)
+def test_glue_behind_the_patch_restores_megatron_state(driven):
+    out, tmp_path = _result(driven, "glue")
     assert out["empty_load"] == [0, 0]
     assert out["load_returned"] == [100, 12.5]
     assert out["consumed"] == [1600, 64]
@@ -622,9 +671,8 @@ def test_glue_behind_the_patch_restores_megatron_state(megatron_copy, tmp_path):
 
 
 @needs_checkout
-def test_patched_megatron_works_without_the_package(megatron_copy, tmp_path):
-    _, dst = megatron_copy
-    out = _drive(dst, "without-package", tmp_path)
+def test_patched_megatron_works_without_the_package(driven):
+    out, _ = _result(driven, "without-package")
     assert out == {"has_lazy_ckpt": False, "lazy_flag_rejected": True}
 
 

@@ -50,7 +50,8 @@ def reference(tmp_path_factory):
     return get
 
 
-@pytest.mark.parametrize("precision", sorted(PRECISIONS))
+# fp32 is slow-only: test_node_local_tier_... kills fp32 runs with -9 and resumes them bit-exactly too
+@pytest.mark.parametrize("precision", [pytest.param("fp32", marks=pytest.mark.slow), "bf16"])
 def test_kill_9_after_a_commit_then_resume_is_bit_exact(tmp_path, reference, precision):
     save = tmp_path / "ckpt"
     args = [

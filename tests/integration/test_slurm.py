@@ -86,9 +86,10 @@ def test_completed_job_commits_and_next_job_resumes(submit, tmp_path):
     assert committed_iteration(save) == 5, second.describe()
 
 
-# The batch script's own signal protocol is lib.sh's dsm_run_step, which the GPU scripts share: CI
-# runs it with Megatron-LM (test_slurm_megatron_lm.py), so here it is in the slow set.
-@pytest.mark.parametrize("how", [pytest.param("signal-B-USR1", marks=pytest.mark.slow), "scontrol-requeue"])
+# Both pre-emptions go through lib.sh's dsm_run_step, which the GPU scripts share: CI runs them with
+# Megatron-LM's pretrain_gpt.py (test_slurm_megatron_lm.py, compared to the bit), so here they are slow.
+@pytest.mark.slow
+@pytest.mark.parametrize("how", ["signal-B-USR1", "scontrol-requeue"])
 def test_preempted_job_is_requeued_and_resumes(submit, tmp_path, how):
     save = tmp_path / "save"
     job = submit(save, train_iters=LONG_RUN_ITERS)
