@@ -322,7 +322,7 @@ _SUMMARY_KEYS = ("tensor_count", "tensor_bytes", "chunk_bytes", "dtypes", "objec
 
 def inspect_checkpoint(ckpt: str, rank: int | None = None, list_tensors: bool = False) -> dict:
     """Manifest and per-rank contents of one checkpoint directory; the ``inspect --json`` document."""
-    from .engine.restore import open_rank
+    from .engine.reader import open_rank
 
     ckpt = os.path.abspath(ckpt)
     m = _load_manifest(ckpt)
@@ -471,7 +471,7 @@ def verify_checkpoint(
     """Re-check every checksum and the manifest<->file agreement; the ``verify --json`` document."""
     import numpy as np
 
-    from .engine.restore import open_rank
+    from .engine.reader import open_rank
     from .engine.safe_io import describe
     from .engine.hashing import xxh64
 
