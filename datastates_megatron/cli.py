@@ -346,7 +346,7 @@ _SUMMARY_KEYS = ("tensor_count", "tensor_bytes", "chunk_bytes", "dtypes", "objec
 
 def inspect_checkpoint(ckpt: str, rank: int | None = None, list_tensors: bool = False) -> dict:
     """Manifest and per-rank contents of one checkpoint directory; the ``inspect --json`` document."""
-    from .engine.restore import open_rank
+    from .engine.reader import open_rank
 
     ckpt = os.path.abspath(ckpt)
     m = _load_manifest(ckpt)
@@ -432,11 +432,13 @@ def _render_inspect(doc: dict) -> None:
 
 # ---------------------------------------------------------------------------------------------- verify
 def _check_chunk(rf: RankFile, entry, c: int) -> tuple[bool, int]:
-    from .engine.serializer import xxh64
+    from .engine.errors import CorruptCheckpointError
 
     cb = rf.header.chunk_bytes
-    raw = rf.raw(entry)[c * cb : (c + 1) * cb]
-    return xxh64(raw) == int(entry.checksums[c]), raw.nbytes
+    try:
+        return True, rf.verify_chunk(entry, c)
+    except CorruptCheckpointError:
+        return False, len(rf.raw(entry)[c * cb : (c + 1) * cb])
 
 
 def _check_all(opened: list[tuple], fail, workers: int, progress: bool) -> tuple[int, int]:
@@ -493,9 +495,9 @@ def verify_checkpoint(
     """Re-check every checksum and the manifest<->file agreement; the ``verify --json`` document."""
     import numpy as np
 
-    from .engine.restore import open_rank
+    from .engine.reader import open_rank
     from .engine.safe_io import describe
-    from .engine.serializer import xxh64
+    from .engine.hashing import xxh64
 
     ckpt = os.path.abspath(ckpt)
     m = _load_manifest(ckpt)

@@ -105,7 +105,7 @@ def main(argv=None) -> int:
                 a.timeout_s,
             )
             paths = {k for r in res for k in r["restore"]}
-            path = "resharded" if "resharded" in paths else "same_layout"
+            path = "reshard" if "reshard" in paths else "same_layout"
             stats = [r["restore"][path] for r in res]
             rows.append(
                 {

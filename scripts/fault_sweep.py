@@ -51,7 +51,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import torch  # noqa: E402
 
-from datastates_megatron.engine import CheckpointError, serializer  # noqa: E402
+from datastates_megatron.engine import CheckpointError, data_layout, file_format, hashing  # noqa: E402
 from datastates_megatron.engine.file_format import RankFile  # noqa: E402
 from datastates_megatron.engine.manifest import (  # noqa: E402
     MANIFEST_NAME,
@@ -61,7 +61,8 @@ from datastates_megatron.engine.manifest import (  # noqa: E402
     read_manifest,
     read_tracker,
 )
-from datastates_megatron.engine.restore import open_checkpoint, open_rank, restore_into, validate_world  # noqa: E402
+from datastates_megatron.engine.load_plan import SameLayoutPlanner  # noqa: E402
+from datastates_megatron.engine.reader import CheckpointReader, open_checkpoint  # noqa: E402
 from tests.distributed.ranks import run_ranks  # noqa: E402
 from tests.faults import fault_worker as fw  # noqa: E402
 from tests.faults.forkranks import fork_ranks  # noqa: E402
@@ -395,13 +396,8 @@ class Sweep:
             try:
                 it = latest_committed(root)
                 ckpt, m = open_checkpoint(root, it)
-                validate_world(m, ckpt, 2, {})
-                rf = open_rank(ckpt, m, rank)
-                try:
-                    restore_into(rf, ts, rank, verify=True, threads=1)
-                    objects = rf.objects["objects"]
-                finally:
-                    rf.close()
+                with CheckpointReader(ckpt, m, rank=rank, verify=True, threads=1) as reader:
+                    objects = reader.load(SameLayoutPlanner(ts, 2, {}))[0].objects
             except CheckpointError:
                 if not all(bool((t == -3).all()) for t in ts.values()):
                     return "silent"  # refused, but after touching tensors
@@ -612,7 +608,8 @@ def main(argv=None) -> int:
     p.add_argument("--json", default=None, help="also write the summary here")
     a = p.parse_args(argv)
     torch.set_num_threads(1)
-    serializer.warmup()  # forked ranks inherit the loaded kernels
+    for module in (hashing, data_layout, file_format):
+        module.warmup()  # forked ranks inherit the loaded kernels
     sections = set((a.only or "engine,restore,demo,corruption,memory,disk").split(","))
     if a.no_demo:
         sections.discard("demo")

@@ -13,17 +13,19 @@ The header is written last, so a file whose header is missing or does not verify
 from __future__ import annotations
 
 import dataclasses
+import math
 import mmap
 import os
 import struct
 
+import numba
 import numpy as np
 import torch
 
 from .errors import CorruptCheckpointError, FormatVersionError
 from .objects import decode_objects
 from .safe_io import open_regular
-from .serializer import INDEX_WORDS, MAX_NDIM, decode_index, encode_index, xxh64
+from .hashing import xxh64, xxh64_kernel
 
 __all__ = [
     "MAGIC",
@@ -35,9 +37,12 @@ __all__ = [
     "dtype_code",
     "code_dtype",
     "build_index",
-    "read_header",
-    "open_rank_file",
+    "encode_index",
+    "decode_index",
     "load_file",
+    "warmup",
+    "INDEX_WORDS",
+    "MAX_NDIM",
 ]
 
 MAGIC = b"DSMCKPT\x00"
@@ -65,6 +70,37 @@ _DTYPES = [
     torch.uint64,
 ]
 _CODE = {d: i for i, d in enumerate(_DTYPES)}
+
+MAX_NDIM = 8
+# One index record = 16 little-endian uint64 words:
+#   name_off, name_len, dtype_code, ndim, shape[8], data_offset, nbytes, checksum_first, n_checksums
+INDEX_WORDS = 16
+
+
+@numba.njit(nogil=True, cache=True)
+def encode_index(name_off, name_len, dtype_code, ndim, shapes, data_offset, nbytes, cks_first, n_cks):
+    """Pack the per-tensor columns into the fixed-width binary index records (see docs/format.md)."""
+    n = name_off.shape[0]
+    out = np.zeros((n, INDEX_WORDS), np.uint64)
+    for i in range(n):
+        out[i, 0] = name_off[i]
+        out[i, 1] = name_len[i]
+        out[i, 2] = dtype_code[i]
+        out[i, 3] = ndim[i]
+        for d in range(MAX_NDIM):
+            out[i, 4 + d] = shapes[i, d]
+        out[i, 12] = data_offset[i]
+        out[i, 13] = nbytes[i]
+        out[i, 14] = cks_first[i]
+        out[i, 15] = n_cks[i]
+    return out
+
+
+def decode_index(raw: np.ndarray) -> np.ndarray:
+    """Inverse of :func:`encode_index`: ``(n, INDEX_WORDS)`` int64 view over the raw index bytes."""
+    if raw.size % (INDEX_WORDS * 8):
+        raise ValueError(f"index of {raw.size} bytes is not a whole number of {INDEX_WORDS * 8}-byte records")
+    return raw.view("<u8").reshape(-1, INDEX_WORDS).astype(np.int64)
 
 
 def dtype_code(dtype: torch.dtype) -> int:
@@ -166,7 +202,8 @@ def build_index(names, dtypes, shapes, offsets, nbytes, checksums_per_tensor) ->
     return records.astype("<u8").tobytes() + all_cks.astype("<u8").tobytes() + b"".join(encoded)
 
 
-def _parse_index(raw: memoryview, n: int, path: str, file_bytes: int | None = None) -> list[TensorEntry]:
+def _parse_index(raw: memoryview, n: int, path: str, data: tuple[int, int, int]) -> list[TensorEntry]:
+    """The index section's entries; ``data`` is ``(data_offset, data_offset + data_bytes, chunk_bytes)``."""
     rec_bytes = n * INDEX_WORDS * 8
     buf = np.frombuffer(raw, dtype=np.uint8)
     if buf.size < rec_bytes:
@@ -177,25 +214,32 @@ def _parse_index(raw: memoryview, n: int, path: str, file_bytes: int | None = No
     names = bytes(buf[rec_bytes + 8 * total_cks :])
     out = []
     for r in rec:
-        if (
-            not 0 <= r[3] <= MAX_NDIM
-            or r[12] < 0
-            or r[13] < 0
-            or (file_bytes is not None and r[12] + r[13] > file_bytes)
-        ):
-            raise CorruptCheckpointError(
-                f"{path}: index record {len(out)} is out of range (ndim {r[3]}, bytes "
-                f"{r[12]}..+{r[13]} of a {file_bytes}-byte file)"
-            )
-        name = names[r[0] : r[0] + r[1]].decode("utf-8")
-        shape = tuple(int(x) for x in r[4 : 4 + r[3]])
-        out.append(TensorEntry(name, code_dtype(int(r[2])), shape, int(r[12]), int(r[13]), cks[r[14] : r[14] + r[15]]))
+        out.append(_entry(r, len(out), names, cks, path, data))
     return out
 
 
-def read_header(path: str) -> Header:
-    with os.fdopen(open_regular(path), "rb") as f:
-        return Header.unpack(f.read(HEADER_BYTES), path)
+def _entry(r: np.ndarray, i: int, names: bytes, cks: np.ndarray, path: str, data: tuple[int, int, int]) -> TensorEntry:
+    """One index record as a :class:`TensorEntry`, refused (``CorruptCheckpointError`` naming the file,
+    record and tensor) unless it is self-consistent: its bytes lie inside the data section, its size
+    is its shape times its dtype's, and it has one checksum per ``chunk_bytes`` of data."""
+    data_start, data_stop, chunk_bytes = data
+    if not (0 <= r[3] <= MAX_NDIM and 0 <= r[0] and 0 <= r[1] and r[0] + r[1] <= len(names)):
+        raise CorruptCheckpointError(f"{path}: index record {i} is out of range (ndim {r[3]}, name {r[0]}..+{r[1]})")
+    name = names[r[0] : r[0] + r[1]].decode("utf-8")
+    dtype = code_dtype(int(r[2]))
+    shape = tuple(int(x) for x in r[4 : 4 + r[3]])
+    offset, nbytes = int(r[12]), int(r[13])
+    what = f"{path}: index record {i} (tensor {name!r})"
+    if any(d < 0 for d in shape) or math.prod(shape) * dtype.itemsize != nbytes:
+        raise CorruptCheckpointError(f"{what} declares {nbytes} bytes for {dtype} {list(shape)}")
+    if not data_start <= offset <= offset + nbytes <= data_stop:
+        raise CorruptCheckpointError(
+            f"{what}: bytes {offset}..+{nbytes} lie outside the data section [{data_start}, {data_stop})"
+        )
+    n_cks = -(-nbytes // chunk_bytes) if chunk_bytes > 0 else -1
+    if not (r[15] == n_cks or (nbytes == 0 and r[15] <= 1)) or r[14] < 0 or r[14] + r[15] > len(cks):
+        raise CorruptCheckpointError(f"{what}: {r[15]} checksums for {nbytes} bytes in {chunk_bytes}-byte chunks")
+    return TensorEntry(name, dtype, shape, offset, nbytes, cks[r[14] : r[14] + r[15]])
 
 
 class RankFile:
@@ -230,7 +274,12 @@ class RankFile:
             self.close()
             raise CorruptCheckpointError(f"{self.path}: objects checksum mismatch")
         try:  # checksummed, but a hand-made file can still hold anything: only our error escapes
-            self.entries = {e.name: e for e in _parse_index(index_raw, h.n_tensors, self.path, size)}
+            self.entries = {
+                e.name: e
+                for e in _parse_index(
+                    index_raw, h.n_tensors, self.path, (h.data_offset, h.data_offset + h.data_bytes, h.chunk_bytes)
+                )
+            }
             self.objects = decode_objects(objects_raw)
         except CorruptCheckpointError:
             self.close()
@@ -253,20 +302,23 @@ class RankFile:
     def raw(self, entry: TensorEntry) -> np.ndarray:
         return self._bytes[entry.offset : entry.offset + entry.nbytes]
 
-    def chunks(self, entry: TensorEntry):
-        """Yield ``(chunk_index, uint8 view)`` pairs matching ``entry.checksums``."""
+    def verify_chunk(self, entry: TensorEntry, c: int, raw: np.ndarray | None = None) -> int:
+        """Check checksum ``c`` of ``entry`` (its bytes ``raw``, default: the mapped ones); returns the
+        bytes hashed or raises :class:`CorruptCheckpointError` naming the file, tensor, chunk and bytes.
+        The one chunk check of the package: restore, promotion and ``datastates-ckpt verify`` use it."""
         cb = self.header.chunk_bytes
-        raw = self.raw(entry)
-        for c in range(len(entry.checksums)):
-            yield c, raw[c * cb : (c + 1) * cb]
+        if raw is None:
+            raw = self.raw(entry)[c * cb : (c + 1) * cb]
+        if not 0 <= c < len(entry.checksums) or int(xxh64_kernel(raw, np.uint64(0))) != int(entry.checksums[c]):
+            raise CorruptCheckpointError(
+                f"{self.path}: checksum mismatch in tensor {entry.name!r} (chunk {c}, bytes "
+                f"{entry.offset + c * cb}..+{len(raw)})"
+            )
+        return len(raw)
 
     def verify_entry(self, entry: TensorEntry) -> None:
-        for c, chunk in self.chunks(entry):
-            if xxh64(chunk) != int(entry.checksums[c]):
-                raise CorruptCheckpointError(
-                    f"{self.path}: checksum mismatch in tensor {entry.name!r} (chunk {c}, bytes "
-                    f"{entry.offset + c * self.header.chunk_bytes}..+{len(chunk)})"
-                )
+        for c in range(len(entry.checksums)):
+            self.verify_chunk(entry, c)
 
     def tensor(self, name: str) -> torch.Tensor:
         """Zero-copy tensor over the mapped bytes (copy-on-write: writing it never touches the file)."""
@@ -291,10 +343,6 @@ class RankFile:
         self.close()
 
 
-def open_rank_file(path: str) -> RankFile:
-    return RankFile(path)
-
-
 def load_file(path: str, verify: bool = True) -> tuple[dict[str, torch.Tensor], object]:
     """Read a whole rank file: ``(tensors, objects)``.  Tensors are zero-copy views of the mapping."""
     rf = RankFile(path)
@@ -302,3 +350,9 @@ def load_file(path: str, verify: bool = True) -> tuple[dict[str, torch.Tensor], 
         for e in rf.entries.values():
             rf.verify_entry(e)
     return {name: rf.tensor(name) for name in rf.entries}, rf.objects
+
+
+def warmup() -> None:
+    """Compile (or load from cache) the index encoder with the argument types the engine uses."""
+    z = np.zeros(1, np.int64)
+    encode_index(z, z, z, z, np.zeros((1, MAX_NDIM), np.int64), z, z, z, z)

@@ -35,7 +35,8 @@ from .manifest import (
     save_id,
 )
 from .options import LOCAL_FALLBACK_CHOICES, RECYCLE_CHOICES, EngineOptions
-from .restore import RestoreStats, open_checkpoint, open_rank, restore_into, validate_world
+from .load_plan import LoadPlanner, SameLayoutPlanner
+from .reader import CheckpointReader, RestoreStats, open_checkpoint
 from .safe_io import make_dir
 from .retention import remove_stale_tracker_temps, remove_uncommitted, take_recycled, trim_recycled
 from .snapshot import SnapshotEngine
@@ -53,6 +54,14 @@ class LoadResult:
     metadata: dict
     stats: RestoreStats
     root: str  # the tier it was restored from
+    plan_kind: str = SameLayoutPlanner.kind  # the planner that made the plan (``LoadPlanner.kind``)
+
+
+def _error_class(docs: list[dict]) -> type:
+    """The error class the failed ranks share (by name, from :mod:`.errors`), else CheckpointError."""
+    names = {d.get("error") for d in docs}
+    cls = getattr(errors, names.pop(), None) if len(names) == 1 else None
+    return cls if isinstance(cls, type) and issubclass(cls, CheckpointError) else CheckpointError
 
 
 def _dist():
@@ -220,24 +229,44 @@ class CheckpointManager(ClosingContext):
             return
         self._release_lock()
         src = failed[0]
-        doc = {"error": type(err).__name__, "message": str(err)} if self.rank == src else {}
-        if self._dist and self.world_size > 1:
-            raw = json.dumps(doc).encode("utf-8")
-            while len(raw) > 4096:  # keep the JSON whole: shorten the message
-                doc["message"] = doc["message"][: len(doc["message"]) // 2] + " ..."
-                raw = json.dumps(doc).encode("utf-8")
-            buf = torch.zeros(4096, dtype=torch.uint8)
-            buf[: len(raw)] = torch.tensor(list(raw), dtype=torch.uint8)
-            if self._dist.get_backend() == "nccl":
-                buf = buf.cuda()
-            self._dist.broadcast(buf, src=src)
-            doc = json.loads(bytes(buf.cpu().tolist()).rstrip(b"\0").decode("utf-8"))
+        doc = self._broadcast_json({"error": type(err).__name__, "message": str(err)} if err is not None else {}, src)
         if err is not None:
             return  # the caller re-raises its own error
-        cls = getattr(errors, str(doc.get("error")), None)
-        if not (isinstance(cls, type) and issubclass(cls, CheckpointError)):
-            cls = CheckpointError
-        raise cls(f"rank {self.rank}: start-up failed on rank {src} (ranks {failed} failed): {doc.get('message')}")
+        raise _error_class([doc])(
+            f"rank {self.rank}: start-up failed on rank {src} (ranks {failed} failed): {doc.get('message')}"
+        )
+
+    def _broadcast_json(self, doc: dict, src: int) -> dict:
+        """``doc`` of rank ``src`` on every rank: one JSON line in a 4 KiB broadcast (named fields, no
+        pickle; a longer message is shortened)."""
+        if not self._dist or self.world_size == 1:
+            return doc
+        doc = doc if self.rank == src else {}
+        raw = json.dumps(doc).encode("utf-8")
+        while len(raw) > 4096:  # keep the JSON whole: shorten the message
+            doc["message"] = doc["message"][: len(doc["message"]) // 2] + " ..."
+            raw = json.dumps(doc).encode("utf-8")
+        buf = torch.zeros(4096, dtype=torch.uint8)
+        buf[: len(raw)] = torch.tensor(list(raw), dtype=torch.uint8)
+        if self._dist.get_backend() == "nccl":
+            buf = buf.cuda()
+        self._dist.broadcast(buf, src=src)
+        return json.loads(bytes(buf.cpu().tolist()).rstrip(b"\0").decode("utf-8"))
+
+    def _agree_error(self, err: BaseException | None) -> None:
+        """The load's one agreement (a collective on every path): when any rank failed, every rank
+        raises the same error -- the failed ranks' messages (the first four), each naming its file,
+        rank and tensor, under their common error class.  One process: ``err`` itself."""
+        failed = self._agree(err is None)
+        if not failed:
+            return
+        if not self._dist or self.world_size == 1:
+            raise err
+        mine = {"error": type(err).__name__, "message": str(err)} if err is not None else {}
+        docs = [self._broadcast_json(mine, src) for src in failed[:4]]
+        more = f"; and {len(failed) - 4} more rank(s)" if len(failed) > 4 else ""
+        message = "; ".join(f"[rank {src}] {d.get('message')}" for src, d in zip(failed, docs))
+        raise _error_class(docs)(f"load failed on rank(s) {failed}: {message}{more}") from err
 
     def _release_lock(self) -> None:
         lock, self._lock = getattr(self, "_lock", None), None
@@ -390,15 +419,26 @@ class CheckpointManager(ClosingContext):
         refuse_newer_foreign(root, latest, option="--load", warn=self.rank == 0 and root != self.root)
         return latest
 
-    def load(self, iteration: int | None = None, *, root: str | None = None, verify: bool | None = None) -> LoadResult:
-        """Restore checkpoint ``iteration`` (default: the latest committed) into the registered tensors."""
+    def load(
+        self,
+        iteration: int | None = None,
+        *,
+        root: str | None = None,
+        verify: bool | None = None,
+        planner: LoadPlanner | None = None,
+    ) -> LoadResult:
+        """Restore checkpoint ``iteration`` (default: the latest committed) in place, as ``planner``
+        plans it (default: every registered tensor from this rank's own file, same layout), through
+        the one verifying reader (:mod:`.reader`).  Collective: raises on every rank or none, and
+        writes nothing unless every rank validated its part.  A planner that reads other ranks'
+        files reads ``root`` (the persistent tier), never a node-local one."""
         self._check_open()
         root = os.path.abspath(root or self.load_root)
-        if not (self.local_root and root == self.root):
-            return self._load_from(root, iteration, verify)
+        if (planner is not None and planner.reads_all_ranks) or not (self.local_root and root == self.root):
+            return self._load_from(root, iteration, verify, planner)
         chosen_root, chosen = self._choose_tier(iteration)
         try:
-            return self._load_from(chosen_root, chosen, verify)
+            return self._load_from(chosen_root, chosen, verify, planner)
         except CheckpointError as e:
             # every rank raised (the failure was agreed before any tensor was written): a bad local
             # copy on some rank must not hide an intact persistent checkpoint -- unless no rank read
@@ -416,33 +456,32 @@ class CheckpointManager(ClosingContext):
                 e,
                 fallback,
             )
-            return self._load_from(self.root, fallback, verify)
+            return self._load_from(self.root, fallback, verify, planner)
 
-    def _load_from(self, root: str, iteration: int | None, verify: bool | None) -> LoadResult:
+    def _load_from(
+        self, root: str, iteration: int | None, verify: bool | None, planner: LoadPlanner | None
+    ) -> LoadResult:
         """Restore ``iteration`` of the tier at ``root`` (collective; raises on every rank or none)."""
-        try:  # a rank failing here still joins the agreement the others reach in restore_into
+        try:  # a rank failing here still joins the one agreement
             if iteration is None:
                 iteration = self._latest_in(root)
             ckpt, manifest = open_checkpoint(root, iteration)
-            validate_world(manifest, ckpt, self.world_size, self.layout)
-            rf = open_rank(ckpt, manifest, self.rank)
-        except CheckpointError:
-            self._agree(False)
+        except Exception as e:  # noqa: BLE001 - every rank must hear it
+            self._agree_error(e)
             raise
-        try:
-            stats = restore_into(
-                rf,
-                self.engine.registered,
-                self.rank,
-                verify=self.verify_on_load if verify is None else verify,
-                threads=self.restore_threads,
-                agree=self._agree,
-            )
-            objects = rf.objects["objects"]
-        finally:
-            rf.close()
-        log.info("rank %d: loaded iteration %d from %s (%d bytes)", self.rank, iteration, ckpt, stats.bytes)
-        return LoadResult(iteration, objects, manifest.metadata, stats, root)
+        planner = planner or SameLayoutPlanner(self.engine.registered, self.world_size, self.layout)
+        verify = self.verify_on_load if verify is None else verify
+        with CheckpointReader(ckpt, manifest, rank=self.rank, verify=verify, threads=self.restore_threads) as reader:
+            plan, stats = reader.load(planner, agree=self._agree_error)
+        log.info(
+            "rank %d: loaded iteration %d from %s (%s plan, %d bytes)",
+            self.rank,
+            iteration,
+            ckpt,
+            plan.kind,
+            stats.bytes,
+        )
+        return LoadResult(iteration, plan.objects, manifest.metadata, stats, root, plan.kind)
 
     def _agree(self, ok: bool) -> list[int]:
         """Every rank says whether its file validated; returns the ranks that failed (default group)."""

@@ -264,7 +264,7 @@ def _rank_record(raw, i: int) -> RankRecord:
 
 def _body_xxh64(body: dict) -> int:
     """XXH64 of the manifest's canonical JSON (sorted keys, compact), without its checksum field."""
-    from .serializer import xxh64
+    from .hashing import xxh64
 
     return xxh64(json.dumps(body, sort_keys=True, separators=(",", ":")).encode("utf-8"))
 

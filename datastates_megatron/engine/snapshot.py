@@ -38,7 +38,7 @@ import time
 import numpy as np
 import torch
 
-from . import serializer
+from . import data_layout, file_format, hashing
 from .device_copy import Completion, DeviceCopier, as_bytes
 from .faults import crash_point
 from .errors import CacheTimeoutError, CheckpointError, CopyError, EngineClosedError, FlushError
@@ -102,7 +102,7 @@ class _Layout:
                 )
             chunk = max(chunk, need)
         self.chunk_bytes = chunk
-        offs, self.regions, self.items = serializer.plan_layout(
+        offs, self.regions, self.items = data_layout.plan_layout(
             nbytes, chunk, opts.effective_small_bytes, opts.effective_pack_bytes, ALIGN, _SMALL_ALIGN
         )
         self.nbytes = nbytes
@@ -176,7 +176,9 @@ class SnapshotEngine(ClosingContext):
 
     def __init__(self, options: EngineOptions | None = None) -> None:
         self.options = opts = options or EngineOptions()
-        serializer.warmup()
+        hashing.warmup()
+        data_layout.warmup()
+        file_format.warmup()
         self.cache = HostCache(opts.cache_bytes, pin=opts.pin_memory)
         self._copier = DeviceCopier()
         # the files in flight, the ones retention keeps and the recycled ones waiting for their turn
@@ -513,7 +515,7 @@ class SnapshotEngine(ClosingContext):
                         )
                     else:
                         for k, (off, length) in enumerate(spans, first):
-                            job.checksums[k] = serializer._xxh64_impl(data[off : off + length], np.uint64(0))
+                            job.checksums[k] = hashing.xxh64_kernel(data[off : off + length], np.uint64(0))
                         job.writer.write(data[:padded] if source is None else data, HEADER_BYTES + offset)
                         if source is not None and padded > data.nbytes:
                             job.writer.write(_ZEROS[: padded - data.nbytes], HEADER_BYTES + offset + data.nbytes)
@@ -586,10 +588,10 @@ class SnapshotEngine(ClosingContext):
             data_bytes=layout.data_bytes,
             index_offset=index_offset,
             index_bytes=len(index),
-            index_xxh64=serializer.xxh64(index),
+            index_xxh64=hashing.xxh64(index),
             objects_offset=objects_offset,
             objects_bytes=len(job.objects_json),
-            objects_xxh64=serializer.xxh64(job.objects_json),
+            objects_xxh64=hashing.xxh64(job.objects_json),
             chunk_bytes=layout.chunk_bytes,
             n_tensors=len(layout.entries),
             file_bytes=objects_offset + len(job.objects_json),
@@ -610,7 +612,7 @@ class SnapshotEngine(ClosingContext):
             data_bytes=layout.total_bytes,
             n_tensors=header.n_tensors,
             index_xxh64=header.index_xxh64,
-            header_xxh64=serializer.xxh64(packed),
+            header_xxh64=hashing.xxh64(packed),
             save_call_s=job.t_call,
             copy_s=job.t_copied - job.t_save,
             flush_s=now - job.t_save,

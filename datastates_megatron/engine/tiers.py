@@ -27,7 +27,7 @@ from .faults import crash_point
 from .file_format import HEADER_BYTES, RankFile
 from .manifest import iter_dir, rank_file_name
 from .names import PROMOTING_SUFFIX
-from .serializer import xxh64
+from .hashing import xxh64
 from .snapshot import FileReceipt
 from .safe_io import create_temp, make_dir, reopen_same
 from .threads import QueueThread

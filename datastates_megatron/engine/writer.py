@@ -15,7 +15,7 @@ import os
 
 import numpy as np
 
-from . import serializer
+from . import hashing
 from .errors import FlushError
 from .file_format import HEADER_BYTES, Header
 from .mapped_files import MappedFiles
@@ -129,7 +129,7 @@ class RankFileWriter:
         for off, length in spans:
             if off > used:
                 out[used:off] = 0
-            sums.append(serializer.xxh64_copy(data[off : off + length], out[off : off + length]))
+            sums.append(hashing.xxh64_copy(data[off : off + length], out[off : off + length]))
             used = off + length
         if used < padded:
             out[used:padded] = 0

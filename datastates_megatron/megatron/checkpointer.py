@@ -18,10 +18,11 @@ import time
 import torch
 
 from ..engine.commit import CommitRecord
-from ..engine.errors import CheckpointError, EngineClosedError, LayoutMismatchError, NoCheckpointError
+from ..engine.errors import CheckpointError, EngineClosedError, NoCheckpointError
 from ..engine.manager import CheckpointManager
 from ..engine.options import EngineOptions
-from ..engine.restore import open_checkpoint
+from ..engine.load_plan import LoadPlan, LoadPlanner, SameLayoutPlanner
+from ..engine.reader import CheckpointReader, open_checkpoint
 from . import reshard, training_state
 from .export import model_description
 from .config import LazyCkptConfig
@@ -90,6 +91,27 @@ def _check_model_and_optimizer(model_chunks: list, optimizer) -> None:
             f"is a {_qualname(optimizer)}: build it with megatron.core.optimizer.get_megatron_optimizer("
             "OptimizerConfig(...), model_chunks)"
         )
+
+
+class _SameLayoutFirst(LoadPlanner):
+    """A checkpoint of this run's layout: this rank's file holding exactly the registered tensors is
+    restored whole (the same-layout plan); one whose tensor set differs -- bucket sizes changed --
+    by parameter identity.  Chosen by inspecting the file's index, never by catching an error.
+    Reads this rank's file first, so it may read a node-local tier."""
+
+    reads_all_ranks = False
+
+    def __init__(self, same: SameLayoutPlanner, identity: LoadPlanner) -> None:
+        self.same, self.identity = same, identity
+
+    def plan(self, reader: CheckpointReader) -> LoadPlan:
+        if self.same.matches(reader.rank_file(reader.rank).entries):
+            return self.same.plan(reader)
+        log.info(
+            "rank %d: the checkpoint's tensor set differs from this model's; restoring by parameter identity",
+            reader.rank,
+        )
+        return self.identity.plan(reader)
 
 
 class LazyCheckpointer:
@@ -274,10 +296,11 @@ class LazyCheckpointer:
         self._mgr.wait()
         if iteration is None:
             iteration = self._mgr.latest()  # NoCheckpointError here, before anything is touched
-        try:  # resharding reads the persistent tier (a node-local manifest lists only that node's ranks)
+        try:  # the layout is read from the persistent tier (a node-local manifest lists only that node's ranks)
             ckpt_dir, manifest = open_checkpoint(self._mgr.load_root, iteration)
         except NoCheckpointError:
             ckpt_dir = manifest = None  # only in another tier: the manager finds it, or says it is missing
+        # LayoutMismatchError here, on every rank alike (one manifest), before anything is touched
         other_dp = manifest is not None and reshard.check_layout(
             manifest, ckpt_dir, self._mgr.world_size, self._mgr.layout
         )
@@ -285,19 +308,7 @@ class LazyCheckpointer:
         created = self._ensure_optimizer_state()
         try:
             self._refresh()
-            if other_dp:
-                result = self._load_resharded(ckpt_dir, manifest)
-            else:
-                try:
-                    result = self._mgr.load(iteration)
-                except LayoutMismatchError as e:  # same sizes, other tensor set (e.g. bucket size changed)
-                    if manifest is None:
-                        raise
-                    log.info("rank %d: %s; restoring by parameter identity instead", self.rank, e)
-                    try:
-                        result = self._load_resharded(ckpt_dir, manifest)
-                    except LayoutMismatchError as e2:
-                        raise e2 from e
+            result = self._mgr.load(iteration, planner=self._planner(other_dp))
         except BaseException:
             for inner in created:  # leave a fresh optimizer as fresh as it was
                 inner.state.clear()
@@ -306,26 +317,27 @@ class LazyCheckpointer:
         self._gather_params()
         training_state.restore(result.objects["training"], self.optimizer, self.scheduler)
         log.info(
-            "rank %d: restored iteration %d (%.1f MB, read-ahead %.2f s, verify %.2f s, copy %.2f s)",
+            "rank %d: restored iteration %d (%s plan, %.1f MB, %.1f MB verified, read-ahead %.2f s, verify %.2f s, "
+            "copy %.2f s)",
             self.rank,
             result.iteration,
+            result.plan_kind,
             result.stats.bytes / 1e6,
+            result.stats.verified_bytes / 1e6,
             result.stats.read_ahead_s,
             result.stats.verify_s,
             result.stats.copy_s,
         )
         return result.iteration, result.objects["extra_state"]
 
-    def _load_resharded(self, ckpt_dir: str, manifest):
-        return reshard.load_resharded(
-            self.model,
-            self.optimizer,
-            ckpt_dir,
-            manifest,
-            rank=self.rank,
-            verify=self._mgr.verify_on_load,
-            threads=self._mgr.restore_threads,
-        )
+    def _planner(self, other_dp: bool) -> LoadPlanner:
+        """The planner the manifest's layout calls for: another data-parallel size is resharded by
+        parameter identity; this run's layout is restored by :class:`_SameLayoutFirst`."""
+        identity = reshard.ReshardPlanner(self.model, self.optimizer)
+        if other_dp:
+            return identity
+        same = SameLayoutPlanner(self._mgr.engine.registered, self._mgr.world_size, self._mgr.layout)
+        return _SameLayoutFirst(same, identity)
 
     def _ensure_optimizer_state(self) -> list:
         """Adam state is created lazily by the first step; a fresh optimizer gets it the way

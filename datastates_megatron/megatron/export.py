@@ -55,7 +55,8 @@ import torch
 
 from ..engine.errors import CheckpointError, LayoutMismatchError, NoCheckpointError
 from ..engine.manifest import MANIFEST_NAME, iter_dir, latest_committed, read_manifest, write_tracker
-from ..engine.partial_read import PartialReader
+from ..engine.load_plan import LoadPlan, ReadItem
+from ..engine.reader import CheckpointReader
 from .export_args import FORMATS, MODEL_KEYS as _MODEL_KEYS, add_export_arguments
 
 __all__ = [
@@ -153,7 +154,7 @@ def consolidate(ckpt_dir: str, iteration: int | None = None, *, verify: bool = T
         raise LayoutMismatchError(
             f"{path}: export needs a checkpoint written with TP=PP=CP=EP=1; layout is {manifest.layout}"
         )
-    with PartialReader(path, manifest, verify=verify, threads=threads) as reader:
+    with CheckpointReader(path, manifest, verify=verify, threads=threads) as reader:
         index = CheckpointIndex.from_reader(reader)
         plan = []
         out: dict = {}
@@ -182,7 +183,7 @@ def consolidate(ckpt_dir: str, iteration: int | None = None, *, verify: bool = T
                 ]
             if states:
                 optimizer[key] = states
-        reader.copy(plan)
+        reader.execute(LoadPlan("export", tuple(ReadItem(r, dst) for r, dst in plan)))
         for key, states in optimizer.items():
             if "main" not in states:  # fp32 model: the master copy is the parameter itself
                 states["main"] = out[key].detach().clone().float()
@@ -237,7 +238,7 @@ def _export_torch_dist(path: str, it: int, out_dir: str, overrides: dict | None,
         raise LayoutMismatchError(
             f"{path}: export needs a checkpoint written with TP=PP=CP=EP=1; layout is {manifest.layout}"
         )
-    with PartialReader(path, manifest, verify=False) as reader:
+    with CheckpointReader(path, manifest, verify=False) as reader:
         stored = reader.objects(0).get("model")
     desc = _resolve_model(stored, overrides, path)
     target = iter_dir(out_dir, it)
@@ -319,7 +320,7 @@ def _worker(job: dict) -> None:
     )
     with LazyCheckpointer(chunks, optimizer, config) as ckpt:
         it, extra = ckpt.load(job["iteration"])
-    with PartialReader(
+    with CheckpointReader(
         iter_dir(job["ckpt_root"], it), read_manifest(iter_dir(job["ckpt_root"], it)), verify=False
     ) as reader:
         scheduler = (reader.objects(0).get("training") or {}).get("scheduler")

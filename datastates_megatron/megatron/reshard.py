@@ -6,10 +6,11 @@ and only fit the DP size that wrote them.  Each tensor's metadata also carries i
 rank file this module builds a :class:`CheckpointIndex` — per ``(chunk, parameter, state)`` the
 sorted pieces ``(old rank, tensor, offset, [start, end))`` — and then, for this rank's *new* shards
 (its slice of each DDP bucket, its main-param shards and their Adam states), the exact element
-ranges to read.  Only those ranges are read (engine :class:`~..engine.partial_read.PartialReader`:
-zero-copy ``mmap`` views of the old files on shared storage, every checksum chunk they touch
-verified first, copies in a thread pool) and copied in place.  No rank gathers the full state.  The
-caller (``LazyCheckpointer.load``) then all-gathers the param buffers across the new DP group.
+ranges to read: :class:`ReshardPlanner` makes them a load plan for the engine's one verifying reader
+(:class:`~..engine.reader.CheckpointReader`: zero-copy ``mmap`` views of the old files on shared
+storage, every checksum chunk they touch verified once, before anything is copied in place).  No
+rank gathers the full state.  The caller (``LazyCheckpointer.load``) then all-gathers the param
+buffers across the new DP group.
 
 Non-tensor state comes from one old rank: the old rank with this rank's number when there is one,
 else old rank 0.  That covers optimizer ``param_groups`` (identical on every rank), the grad scaler,
@@ -30,9 +31,9 @@ import time
 import torch
 
 from ..engine.errors import LayoutMismatchError
+from ..engine.load_plan import ElementRange, LoadPlan, LoadPlanner, ReadItem
 from ..engine.manifest import Manifest
-from ..engine.partial_read import ElementRange, PartialReader
-from ..engine.restore import RestoreStats
+from ..engine.reader import CheckpointReader
 from .shards import (
     IDENTITY_VERSION,
     bucket_param_ranges,
@@ -43,7 +44,7 @@ from .shards import (
     storage_span,
 )
 
-__all__ = ["EXPORT_HINT", "check_layout", "CheckpointIndex", "ReshardResult", "plan_restore", "load_resharded"]
+__all__ = ["EXPORT_HINT", "check_layout", "CheckpointIndex", "ReshardPlanner", "plan_restore"]
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +55,7 @@ _OPT_NAME = re.compile(r"^opt(\d+)\.g(\d+)\.p(\d+)\.")
 
 def check_layout(manifest: Manifest, ckpt: str, world_size: int, layout: dict) -> bool:
     """``False``: the checkpoint has this run's layout (plain restore).  ``True``: only the
-    data-parallel size differs and TP=PP=CP=EP=1, so :func:`load_resharded` applies.  Anything else
+    data-parallel size differs and TP=PP=CP=EP=1, so :class:`ReshardPlanner` applies.  Anything else
     raises :class:`LayoutMismatchError` naming every difference and the export path."""
     diffs = []
     if manifest.world_size != world_size:
@@ -99,18 +100,6 @@ def _root_of(ckpt: str) -> str:
     return parent if os.path.basename(os.path.normpath(ckpt)).startswith("iter_") else ckpt
 
 
-@dataclasses.dataclass(frozen=True)
-class ReshardResult:
-    """What :func:`load_resharded` restored: the iteration, the non-tensor objects of the source
-    rank (``training`` re-keyed for this rank), the manifest metadata and read statistics."""
-
-    iteration: int
-    objects: dict
-    metadata: dict
-    stats: RestoreStats
-    source_rank: int
-
-
 # ---------------------------------------------------------------------------------------------- index
 @dataclasses.dataclass(frozen=True)
 class _Piece:
@@ -134,7 +123,7 @@ class CheckpointIndex:
         self.positions: dict[tuple[int, int, int, int], tuple[int, str]] = {}  # (rank, opt, group, pos) -> param
 
     @classmethod
-    def from_reader(cls, reader: PartialReader) -> "CheckpointIndex":
+    def from_reader(cls, reader: CheckpointReader) -> "CheckpointIndex":
         index = cls()
         for rank in range(reader.manifest.world_size):
             for name, meta in reader.tensor_meta(rank).items():
@@ -143,7 +132,7 @@ class CheckpointIndex:
             index.pieces[key].sort(key=lambda p: p.start)
         return index
 
-    def _add(self, reader: PartialReader, rank: int, name: str, meta) -> None:
+    def _add(self, reader: CheckpointReader, rank: int, name: str, meta) -> None:
         kind = meta.get("kind") if isinstance(meta, dict) else None
         if kind not in ("param_shard", "main_param", "optimizer_state"):
             return
@@ -268,7 +257,7 @@ def plan_restore(model, optimizer, index: CheckpointIndex, ckpt: str = "") -> li
     return plan
 
 
-def _remap_training(reader: PartialReader, index: CheckpointIndex, optimizer, model, source_rank: int) -> dict:
+def _remap_training(reader: CheckpointReader, index: CheckpointIndex, optimizer, model, source_rank: int) -> dict:
     """The source rank's non-tensor state, with per-parameter plain optimizer state re-keyed to this
     rank's positions by parameter name."""
     objects = reader.objects(source_rank)
@@ -305,44 +294,44 @@ def _remap_training(reader: PartialReader, index: CheckpointIndex, optimizer, mo
     return training
 
 
-def load_resharded(
-    model, optimizer, ckpt: str, manifest: Manifest, *, rank: int, verify: bool = True, threads: int = 4
-) -> ReshardResult:
-    """Restore this rank's shards of ``model``/``optimizer`` from a checkpoint of another DP size
-    (or of the same DP size with another bucket layout).
-
-    Reads only the element ranges this rank needs; every touched checksum chunk is verified before
-    anything is written.  ``result.objects["training"]`` is ready for ``training_state.restore``;
+class ReshardPlanner(LoadPlanner):
+    """This rank's shards of ``model``/``optimizer`` from a checkpoint of another DP size (or of the
+    same DP size with another bucket layout), by parameter identity: only the element ranges this
+    rank needs, from whichever old rank files hold them.  The plan's objects are the source rank's
+    non-tensor state with ``training`` re-keyed for this rank (ready for ``training_state.restore``);
     the caller all-gathers the param buffers afterwards."""
-    t0 = time.perf_counter()
-    with PartialReader(ckpt, manifest, verify=verify, threads=threads, rank=rank) as reader:
+
+    kind = "reshard"
+    reads_all_ranks = True
+
+    def __init__(self, model, optimizer) -> None:
+        self.model = model
+        self.optimizer = optimizer
+
+    def plan(self, reader: CheckpointReader) -> LoadPlan:
+        t0 = time.perf_counter()
+        manifest: Manifest = reader.manifest
         index = CheckpointIndex.from_reader(reader)
-        plan = plan_restore(model, optimizer, index, ckpt)
-        t_plan = time.perf_counter() - t0
-        stats = reader.copy(plan)
-        source = rank if rank < manifest.world_size else 0
+        pairs = plan_restore(self.model, self.optimizer, index, reader.ckpt)
+        source = reader.rank if reader.rank < manifest.world_size else 0
         objects = reader.objects(source)
-        training = _remap_training(reader, index, optimizer, model, source)
-        files = sorted({r.rank for r, _ in plan})
-    log.info(
-        "rank %d: resharded iteration %d from DP %s to DP %s: %d ranges from %d of %d rank files, %.1f MB copied, "
-        "%.1f MB verified (plan %.3f s, verify %.3f s, copy %.3f s); non-tensor state from old rank %d",
-        rank,
-        manifest.iteration,
-        manifest.layout.get("dp"),
-        _new_dp(model),
-        len(plan),
-        len(files),
-        manifest.world_size,
-        stats.bytes / 1e6,
-        stats.verified_bytes / 1e6,
-        t_plan,
-        stats.verify_s,
-        stats.copy_s,
-        source,
-    )
-    stats_ = RestoreStats(stats.bytes, stats.verify_s, stats.copy_s)
-    return ReshardResult(manifest.iteration, {**objects, "training": training}, manifest.metadata, stats_, source)
+        training = _remap_training(reader, index, self.optimizer, self.model, source)
+        files = sorted({r.rank for r, _ in pairs})
+        log.info(
+            "rank %d: resharding iteration %d from DP %s to DP %s: %d ranges from %d of %d rank files "
+            "(plan %.3f s); non-tensor state from old rank %d",
+            reader.rank,
+            manifest.iteration,
+            manifest.layout.get("dp"),
+            _new_dp(self.model),
+            len(pairs),
+            len(files),
+            manifest.world_size,
+            time.perf_counter() - t0,
+            source,
+        )
+        items = tuple(ReadItem(r, dst) for r, dst in pairs)
+        return LoadPlan(self.kind, items, {**objects, "training": training})
 
 
 def _new_dp(model) -> int | None:

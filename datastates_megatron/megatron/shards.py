@@ -309,6 +309,6 @@ def state_digest(model, optimizer) -> dict[str, int]:
     """XXH64 of every tensor a resume needs on this rank, by shard name: two runs whose digests
     are equal hold the same model and optimizer state to the bit."""
     from ..engine.device_copy import as_bytes
-    from ..engine.serializer import xxh64
+    from ..engine.hashing import xxh64
 
     return {r.name: xxh64(as_bytes(r.tensor).cpu().numpy()) for r in collect_shards(model, optimizer)}

@@ -37,7 +37,7 @@ PRELOAD = [
     "datastates_megatron",
     "datastates_megatron.engine",
     "datastates_megatron.engine.manager",
-    "datastates_megatron.engine.restore",
+    "datastates_megatron.engine.reader",
     "megatron.core",
     "megatron.core.dist_checkpointing",
     "datastates_megatron.demo.gpt",

@@ -107,15 +107,15 @@ def slow_copies(ms: float) -> None:
 
 
 def slow_restore(ms: float) -> None:
-    from datastates_megatron.engine import restore
+    from datastates_megatron.engine import reader
 
-    real = restore._copy_one
+    real = reader._copy_one
 
-    def copy_one(rf, name, dst, *args, **kwargs):
+    def copy_one(*args, **kwargs):
         time.sleep(ms / 1000.0)
-        return real(rf, name, dst, *args, **kwargs)
+        return real(*args, **kwargs)
 
-    restore._copy_one = copy_one
+    reader._copy_one = copy_one
 
 
 def slow_writes(ms: float) -> None:

@@ -5,11 +5,13 @@ Iterations 1 and 2 are committed, one more step is trained (so the live state di
 then rank 0 damages iteration 2 one way at a time (restoring a pristine copy in between) and every
 rank calls ``load()``.  Damage that hits every rank's file comes first, then the pristine checkpoint
 is loaded, then damage to rank 1's file only (a rank whose own file is fine must not restore while
-another rank fails).
+another rank fails), then rank 1 alone cannot open its file (EACCES): every rank must raise the same
+error.
 Prints ``RESULT {"rank", "scenarios": {name: {"error", "unchanged"}}, "final": ...}``."""
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
@@ -65,6 +67,8 @@ def damage(root: str, name: str) -> None:
         edit_manifest(d, lambda b: [r.update(file=f"../iter_0000001/{r['file']}") for r in b["ranks"]])
     elif name == "manifest_layout":
         edit_manifest(d, lambda b: b["layout"].update(tp=2))
+    elif name == UNREADABLE:
+        pass  # nothing on disk: rank 1 cannot open its file (unreadable_rank_files)
     else:
         raise ValueError(name)
 
@@ -84,6 +88,23 @@ SCENARIOS = [
 # after the others: only rank 1's file is bad.  A rank that restores while another fails leaves the
 # ranks in different collectives, so nothing can follow it.
 LAST = "data_flip_rank1"
+UNREADABLE = "eacces_rank1"
+
+
+def unreadable_rank_files():
+    """From now on opening a rank file fails with EACCES in this process (what ``chmod 000`` does to
+    a user other than root); returns the undo."""
+    from datastates_megatron.engine import file_format
+
+    real = file_format.open_regular
+
+    def open_regular(path, *args, **kwargs):
+        if str(path).endswith(".dsck"):
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), path)
+        return real(path, *args, **kwargs)
+
+    file_format.open_regular = open_regular
+    return lambda: setattr(file_format, "open_regular", real)
 
 
 def main() -> int:
@@ -139,7 +160,12 @@ def main() -> int:
         it, _ = ckpt.load()  # the pristine checkpoint still loads, exactly
         out["final"] = {"iteration": it, "exact": state_digest(chunks, opt) == digests[2]}
         gpt.train_step(chunks, opt, data(3))
-        attempt(LAST, state_digest(chunks, opt))
+        if attempt(LAST, state_digest(chunks, opt)):
+            undo = unreadable_rank_files() if rank == 1 else (lambda: None)
+            try:
+                attempt(UNREADABLE, state_digest(chunks, opt))
+            finally:
+                undo()
     print("RESULT " + json.dumps(out), flush=True)
     ckpt.close()
     gpt.destroy_distributed()

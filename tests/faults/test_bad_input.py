@@ -8,9 +8,12 @@ model/optimizer unchanged, compared by ``megatron.shards.state_digest``) is test
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 import struct
+
+import numpy as np
 
 import pytest
 import torch
@@ -22,7 +25,8 @@ from datastates_megatron.engine import (
     FormatVersionError,
     LayoutMismatchError,
 )
-from datastates_megatron.engine.file_format import HEADER_BYTES, Header, RankFile
+from datastates_megatron.engine.file_format import HEADER_BYTES, INDEX_WORDS, Header, RankFile
+from datastates_megatron.engine.hashing import xxh64
 from datastates_megatron.engine.manager import CheckpointManager
 from datastates_megatron.engine.manifest import MANIFEST_NAME, iter_dir, read_manifest
 
@@ -151,6 +155,70 @@ def test_rank_file_replaced_by_a_directory_is_refused(ckpt):
     os.unlink(path)
     os.mkdir(path)
     _expect(root, r"rank 0 file r00000-.*\.dsck is missing")
+
+
+def _reseal(path: str, name: str, edit) -> None:
+    """Rewrite the index record of tensor ``name`` (``edit(record words, checksums, file bytes)``
+    changes them in place), then recompute every checksum a hand editor can: the index's, the
+    header's and the manifest's record of both."""
+    with RankFile(path) as rf:
+        h, names = rf.header, list(rf.entries)
+    with open(path, "r+b") as f:
+        raw = bytearray(f.read())
+    n, words = h.n_tensors, INDEX_WORDS
+    index = np.frombuffer(raw, "<u8", n * words, h.index_offset).reshape(n, words).copy()
+    cks = np.frombuffer(raw, "<u8", int(index[:, 15].sum()), h.index_offset + n * words * 8).copy()
+    edit(index[names.index(name)], cks, raw)
+    raw[h.index_offset : h.index_offset + index.nbytes] = index.tobytes()
+    raw[h.index_offset + index.nbytes : h.index_offset + index.nbytes + cks.nbytes] = cks.tobytes()
+    index_xxh64 = xxh64(bytes(raw[h.index_offset : h.index_offset + h.index_bytes]))
+    header = dataclasses.replace(h, index_xxh64=index_xxh64).pack()
+    raw[:HEADER_BYTES] = header
+    with open(path, "wb") as f:
+        f.write(raw)
+    edit_manifest(
+        os.path.dirname(path),
+        lambda b: b["ranks"][0].update(index_xxh64=index_xxh64, header_xxh64=xxh64(header)),
+    )
+
+
+def test_an_index_declaring_half_a_tensor_is_refused_before_any_tensor_is_copied(tmp_path):
+    """A resealed index (every checksum valid) whose record of ``b`` declares half its bytes: the
+    load is refused naming the file and tensor, and ``a``, ``b`` and ``c`` keep their bits."""
+    root = str(tmp_path / "ckpt")
+    ts = {n: torch.full((1000,), float(i + 1)) for i, n in enumerate("abc")}
+    with _manager(root) as mgr:
+        for n, t in ts.items():
+            mgr.register(n, t)
+        mgr.save(1, {"iteration": 1})
+        mgr.wait()
+    path = os.path.join(iter_dir(root, 1), read_manifest(iter_dir(root, 1)).ranks[0].file)
+
+    def halve(rec, cks, raw):
+        rec[13] //= 2
+        cks[rec[14]] = xxh64(bytes(raw[rec[12] : rec[12] + rec[13]]))  # the half is sealed too
+
+    _reseal(path, "b", halve)
+    live = {n: torch.full((1000,), -float(i + 1)) for i, n in enumerate("abc")}
+    before = {n: t.clone() for n, t in live.items()}
+    with _manager(root) as mgr:
+        for n, t in live.items():
+            mgr.register(n, t)
+        with pytest.raises(CorruptCheckpointError, match=r"r00000-.*\.dsck: index record \d \(tensor 'b'\)"):
+            mgr.load(1)
+    for n in "abc":
+        assert torch.equal(live[n], before[n]), f"tensor {n} was written by a refused load"
+
+
+def test_a_latest_iteration_that_is_a_symlink_is_refused_not_followed(ckpt, tmp_path):
+    """``iter_0000002`` replaced by a link to an intact copy elsewhere: load refuses it, naming the
+    link, instead of restoring from wherever it points."""
+    root, _, _ = ckpt
+    elsewhere = str(tmp_path / "elsewhere")
+    shutil.move(iter_dir(root, 2), elsewhere)
+    os.symlink(elsewhere, iter_dir(root, 2))
+    for iteration in (None, 2):
+        _expect(root, r"iter_0000002: is a symlink to .*elsewhere.*never read through", iteration=iteration)
 
 
 # ------------------------------------------------------------------------------- the manifest

@@ -62,6 +62,18 @@ def test_damage_on_one_rank_is_refused_on_every_rank_and_changes_nothing(outcome
         assert got["unchanged"], f"rank {r['rank']}: restored its own shard although rank 1's file is damaged"
 
 
+def test_a_rank_file_unreadable_on_one_rank_is_the_same_error_on_every_rank(outcome):
+    """Rank 1 alone gets EACCES opening its file: every rank raises the same error, naming that
+    file, rank 1 and the cause, and keeps its state."""
+    results, log = outcome
+    got = [r["scenarios"].get("eacces_rank1") for r in results]
+    assert all(g is not None for g in got), f"not reached: {[r['scenarios'] for r in results]}"
+    errors = [g["error"] for g in got]
+    assert errors[0] is not None and len(set(errors)) == 1, errors
+    assert re.search(r"r00001-.*\.dsck: rank 1 file cannot be read: .*Permission denied", errors[0]), errors[0]
+    assert all(g["unchanged"] for g in got), got
+
+
 def test_pristine_checkpoint_still_loads_exactly_after_the_failures(outcome):
     results, log = outcome
     for r in results:

@@ -25,7 +25,7 @@ def main():
     from datastates_megatron.megatron.shards import state_digest
     from datastates_megatron.engine import CorruptCheckpointError, device_copy, load_file, writer
     from datastates_megatron.engine.device_copy import as_bytes
-    from datastates_megatron.engine.serializer import xxh64
+    from datastates_megatron.engine.hashing import xxh64
     from datastates_megatron.engine.manifest import iter_dir, read_manifest
     import os
 

@@ -19,7 +19,8 @@ import torch
 from datastates_megatron.engine import CorruptCheckpointError, EngineOptions
 from datastates_megatron.engine.manager import CheckpointManager
 from datastates_megatron.engine.manifest import iter_dir, read_manifest
-from datastates_megatron.engine.partial_read import ElementRange, PartialReader
+from datastates_megatron.engine.load_plan import ElementRange, LoadPlan, ReadItem
+from datastates_megatron.engine.reader import CheckpointReader
 from tests.distributed.ranks import describe, run_ranks
 
 needs_megatron = pytest.mark.skipif(importlib.util.find_spec("megatron") is None, reason="needs megatron-core")
@@ -219,24 +220,30 @@ def _one_rank_checkpoint(root, tensors):
 def test_partial_reads_verify_only_the_chunks_they_touch(tmp_path):
     w = torch.arange(10_000, dtype=torch.float32)  # 40000 bytes: 10 chunks of 4 KiB
     ckpt, manifest = _one_rank_checkpoint(tmp_path, {"w": w, "b": torch.arange(7, dtype=torch.bfloat16)})
-    with PartialReader(ckpt, manifest) as reader:
+    with CheckpointReader(ckpt, manifest) as reader:
         assert torch.equal(reader.read(ElementRange(0, "w", 1020, 10)), w[1020:1030])  # straddles chunks 0 and 1
         assert reader.chunks_of(ElementRange(0, "w", 1020, 10)) == [(0, "w", 0), (0, "w", 1)]
         assert torch.equal(reader.read(ElementRange(0, "b", 2, 3)), torch.arange(2, 5, dtype=torch.bfloat16))
     # corrupt one byte of chunk 5 of "w": ranges elsewhere still read, a range over it is refused
     path = os.path.join(ckpt, manifest.ranks[0].file)
-    with PartialReader(ckpt, manifest) as reader:
+    with CheckpointReader(ckpt, manifest) as reader:
         offset = reader.entry(0, "w").offset + 5 * 4096 + 7
     with open(path, "r+b") as f:
         f.seek(offset)
         byte = f.read(1)
         f.seek(offset)
         f.write(bytes([byte[0] ^ 0xFF]))
-    with PartialReader(ckpt, manifest, threads=2) as reader:
+    with CheckpointReader(ckpt, manifest, threads=2) as reader:
         assert torch.equal(reader.read(ElementRange(0, "w", 0, 1000)), w[:1000])
         dst_ok, dst_bad = torch.zeros(1000), torch.zeros(100)
-        with pytest.raises(CorruptCheckpointError, match="rank 0 tensor 'w': checksum mismatch in chunk 5"):
-            reader.copy([(ElementRange(0, "w", 0, 1000), dst_ok), (ElementRange(0, "w", 5200, 100), dst_bad)])
+        plan = LoadPlan(
+            "test",
+            (ReadItem(ElementRange(0, "w", 0, 1000), dst_ok), ReadItem(ElementRange(0, "w", 5200, 100), dst_bad)),
+        )
+        with pytest.raises(
+            CorruptCheckpointError, match=r"rank 0: .*\.dsck: checksum mismatch in tensor 'w' \(chunk 5,"
+        ):
+            reader.execute(plan)
         assert not dst_ok.any() and not dst_bad.any()  # verified first: nothing was written
-    with PartialReader(ckpt, manifest, verify=False) as reader:  # verification off: the bytes as they are
+    with CheckpointReader(ckpt, manifest, verify=False) as reader:  # verification off: the bytes as they are
         assert not torch.equal(reader.read(ElementRange(0, "w", 5120, 1024)), w[5120:6144])

@@ -9,17 +9,38 @@ import threading
 import pytest
 import torch
 
-from datastates_megatron.engine.file_format import RankFile
-from datastates_megatron.engine import page_cache
+from datastates_megatron.engine import EngineOptions, page_cache
+from datastates_megatron.engine.manager import CheckpointManager
+from datastates_megatron.engine.manifest import iter_dir, read_manifest
 from datastates_megatron.engine.page_cache import read_range, resident_fraction, warm_file
-from datastates_megatron.engine.restore import restore_into
 
 from .rank_files import write_rank_file
+
+_OPTIONS = EngineOptions(cache_bytes=4 << 20, timeout_s=60)
 
 
 def _write_rank_file(path: str) -> dict[str, torch.Tensor]:
     # 48 MB: well past a readahead window (8 MiB on the development machine)
     return write_rank_file(path, tensors=6, numel=2_000_000, seed=7, cache_bytes=4 << 20)
+
+
+def _write_checkpoint(root: str) -> tuple[dict[str, torch.Tensor], str]:
+    """The tensors of :func:`_write_rank_file`, committed as iteration 1 of ``root``; and its rank file."""
+    g = torch.Generator().manual_seed(7)
+    state = {f"t{i}": torch.randn(2_000_000, generator=g) for i in range(6)}
+    with CheckpointManager(root, _OPTIONS, keep_last=0) as mgr:
+        for name, t in state.items():
+            mgr.register(name, t)
+        mgr.save(1, {})
+        mgr.wait()
+    return state, os.path.join(iter_dir(root, 1), read_manifest(iter_dir(root, 1)).ranks[0].file)
+
+
+def _restore(root: str, targets: dict[str, torch.Tensor]):
+    with CheckpointManager(root, _OPTIONS, keep_last=0, restore_threads=2) as mgr:
+        for name, t in targets.items():
+            mgr.register(name, t)
+        return mgr.load(1, verify=True).stats
 
 
 def _evict(path: str) -> None:
@@ -47,16 +68,14 @@ def test_a_cold_file_is_read_in_and_a_resident_one_is_left_alone(tmp_path):
 
 
 def test_restore_of_a_cold_file_reads_ahead_and_restores_the_saved_values(tmp_path):
-    path = str(tmp_path / "rank0")
-    state = _write_rank_file(path)
+    root = str(tmp_path / "ckpt")
+    state, path = _write_checkpoint(root)
     _evict(path)
     targets = {name: torch.zeros_like(t) for name, t in state.items()}
-    with RankFile(path) as rf:
-        stats = restore_into(rf, targets, 0, verify=True, threads=2)
+    stats = _restore(root, targets)
     assert stats.read_ahead_s > 0 and stats.bytes == sum(t.numel() * 4 for t in state.values())
     assert all(torch.equal(targets[n], state[n]) for n in state)
-    with RankFile(path) as rf:  # now resident: no second read
-        assert restore_into(rf, targets, 0, verify=True, threads=2).read_ahead_s == 0.0
+    assert _restore(root, targets).read_ahead_s == 0.0  # now resident: no second read
 
 
 def test_read_range_stops_at_the_end_of_the_file(tmp_path):
@@ -94,8 +113,8 @@ def test_a_cold_file_is_read_in_contiguous_stripes_that_cover_it_exactly(tmp_pat
 
 
 def test_a_failing_read_ahead_does_not_fail_the_restore(tmp_path, monkeypatch, caplog):
-    path = str(tmp_path / "rank0")
-    state = _write_rank_file(path)
+    root = str(tmp_path / "ckpt")
+    state, _ = _write_checkpoint(root)
     targets = {name: torch.zeros_like(t) for name, t in state.items()}
     monkeypatch.setattr(page_cache, "resident_fraction_of", lambda fd, p: 0.0)
 
@@ -103,8 +122,7 @@ def test_a_failing_read_ahead_does_not_fail_the_restore(tmp_path, monkeypatch, c
         raise OSError(5, "Input/output error")
 
     monkeypatch.setattr(page_cache, "read_range", broken)
-    with RankFile(path) as rf:
-        stats = restore_into(rf, targets, 0, verify=True, threads=2)
+    stats = _restore(root, targets)
     assert stats.read_ahead_s == 0.0 and "read-ahead failed" in caplog.text
     assert all(torch.equal(targets[n], state[n]) for n in state)
 
