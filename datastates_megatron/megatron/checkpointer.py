@@ -20,7 +20,6 @@ import torch
 from ..engine.commit import CommitRecord
 from ..engine.errors import CheckpointError, EngineClosedError, LayoutMismatchError, NoCheckpointError
 from ..engine.manager import CheckpointManager
-from ..engine.options import EngineOptions
 from ..engine.restore import open_checkpoint
 from . import reshard, training_state
 from .export import model_description
@@ -104,30 +103,13 @@ class LazyCheckpointer:
         self.optimizer = optimizer
         self.scheduler = opt_param_scheduler
         self.config = config
-        opts = EngineOptions(
-            cache_bytes=config.host_cache_bytes,
-            flush_threads=config.flush_threads,
-            max_inflight=config.max_inflight,
-            streaming=config.streaming,
-            direct_io=config.direct_io,
-            source_writes=config.source_writes,
-            mapped_writes=config.mapped_writes,
-            timeout_s=config.timeout_s,
-        )
         self._mgr = CheckpointManager(
             config.save_dir,
-            opts,
-            keep_last=config.keep_last,
-            keep_every=config.keep_every,
-            on_error=config.on_error,
+            config.engine_options(),
+            config.manager_options(),
             layout=parallel_layout(self.model),
             load_root=config.effective_load_dir,
-            verify_on_load=config.verify_on_load,
             local_root=config.local_dir,
-            persist_interval=config.persist_interval,
-            local_keep_last=config.local_keep_last,
-            local_fallback=config.local_fallback,
-            recycle_files=config.recycle_files,
         )
         self.rank = self._mgr.rank
         self._signature = None
