@@ -24,7 +24,7 @@ from ..engine.restore import open_checkpoint
 from . import reshard, training_state
 from .export import model_description
 from .config import LazyCkptConfig
-from .shards import bucket_shards, collect_shards, inner_optimizers, model_chunks_of
+from .shards import bucket_shards, collect_shards, inner_optimizers, main_params, model_chunks_of, param_buffers
 
 __all__ = ["LazyCheckpointer", "UnsupportedModelError"]
 
@@ -145,22 +145,13 @@ class LazyCheckpointer:
         replaced, optimizer state created or swapped) -- a few hundred ``data_ptr`` calls instead of
         re-walking the model and rebuilding every identity on each save."""
         out: list = []
-        for chunk in self.model:
-            for buf in [
-                *(getattr(chunk, "buffers", None) or []),
-                *(getattr(chunk, "expert_parallel_buffers", None) or []),
-            ]:
-                data = getattr(buf, "param_data", None)
-                out.append(None if data is None else (data.data_ptr(), data.numel(), data.dtype))
-        for inner in inner_optimizers(self.optimizer):
-            state = inner.state
-            out.append((id(inner), id(state), len(state)))
-            for pg in inner.param_groups:
-                for p in pg["params"]:
-                    out.append((p.data_ptr(), p.numel()))
-                    for v in state.get(p, {}).values():
-                        if isinstance(v, torch.Tensor):
-                            out.append((v.data_ptr(), v.numel(), v.dtype))
+        for _c, _name, buf in param_buffers(self.model):
+            data = getattr(buf, "param_data", None)
+            out.append(None if data is None else (data.data_ptr(), data.numel(), data.dtype))
+        out += [(id(inner), id(inner.state), len(inner.state)) for inner in inner_optimizers(self.optimizer)]
+        for m in main_params(self.optimizer):
+            out.append((m.param.data_ptr(), m.param.numel()))
+            out += [(v.data_ptr(), v.numel(), v.dtype) for v in m.state.values()]
         return out
 
     def _gate_hook(self, group: str):
