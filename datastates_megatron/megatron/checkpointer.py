@@ -22,9 +22,16 @@ from ..engine.errors import CheckpointError, EngineClosedError, LayoutMismatchEr
 from ..engine.manager import CheckpointManager
 from ..engine.restore import open_checkpoint
 from . import reshard, training_state
-from .export import model_description
 from .config import LazyCkptConfig
-from .shards import bucket_shards, collect_shards, inner_optimizers, main_params, model_chunks_of, param_buffers
+from .shards import (
+    bucket_shards,
+    collect_shards,
+    inner_optimizers,
+    main_params,
+    model_chunks_of,
+    model_description,
+    param_buffers,
+)
 
 __all__ = ["LazyCheckpointer", "UnsupportedModelError"]
 

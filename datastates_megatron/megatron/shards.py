@@ -59,6 +59,7 @@ __all__ = [
     "main_shards",
     "storage_span",
     "model_parallel_coords",
+    "model_description",
 ]
 
 log = logging.getLogger(__name__)
@@ -344,6 +345,39 @@ def collect_shards(model, optimizer) -> list[ShardRef]:
             meta = {"kind": "optimizer_state", "key": key, **ident}
             refs.append(ShardRef(f"{m.name}.{key}", value.detach(), group, meta))
     return refs
+
+
+def _unwrap(module):
+    while hasattr(module, "module"):
+        module = module.module
+    return module
+
+
+def model_description(model_chunks) -> dict | None:
+    """What :func:`.model_rebuild.rebuild` needs to rebuild this model (stored with every checkpoint);
+    ``None`` when the model does not look like a megatron-core GPT."""
+    chunks = list(model_chunks) if isinstance(model_chunks, (list, tuple)) else [model_chunks]
+    if not chunks:
+        return None
+    config = getattr(chunks[0], "config", None)
+    if config is None or not hasattr(config, "num_layers"):
+        return None
+    shapes = {name: tuple(p.shape) for p, (c, name) in parameter_names(chunks).items() if c == 0}
+    word = shapes.get("embedding.word_embeddings.weight")
+    pos = shapes.get("embedding.position_embeddings.weight")
+    return {
+        "arch": type(_unwrap(chunks[0])).__name__,
+        "num_layers": int(config.num_layers),
+        "hidden_size": int(config.hidden_size),
+        "num_attention_heads": int(config.num_attention_heads),
+        "ffn_hidden_size": int(config.ffn_hidden_size) if getattr(config, "ffn_hidden_size", None) else None,
+        "seq_length": int(pos[0]) if pos else None,
+        "vocab_size": int(word[0]) if word else None,
+        "bf16": bool(getattr(config, "bf16", False)),
+        "fp16": bool(getattr(config, "fp16", False)),
+        "tied_embeddings": "output_layer.weight" not in shapes,
+        "model_chunks": len(chunks),
+    }
 
 
 def state_digest(model, optimizer) -> dict[str, int]:

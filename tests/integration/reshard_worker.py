@@ -138,7 +138,7 @@ def main():
     from datastates_megatron.demo import gpt
 
     if a.scenario == "tp2":
-        from datastates_megatron.demo import cuda_on_cpu
+        from datastates_megatron.megatron import cuda_on_cpu
         from megatron.core import parallel_state
 
         cuda_on_cpu.install()
