@@ -1,10 +1,13 @@
-"""``datastates-ckpt``: list, inspect and verify checkpoints from the shell.  Its ``--help`` is the reference.
+"""``datastates-ckpt``: list, inspect and verify checkpoints, and export one to another format.  Its
+``--help`` is the reference.
 
-Layering: this module reads checkpoints through ``engine`` only (manifest, rank-file reader, restore's
-``open_rank``); it never imports megatron and never writes.  Each subcommand gathers a plain dict (the
-``--json`` document, stable keys) and renders it as text otherwise.  The gathering functions are public
-and raise ``NoCheckpointError`` (path missing / not a checkpoint), ``CorruptCheckpointError`` (damaged
-manifest) or ``CliUsageError``; ``main`` turns those into one line on stderr and an exit status.
+Layering: ``list``, ``inspect`` and ``verify`` read checkpoints through ``engine`` only (manifest,
+rank-file reader, restore's ``open_rank``), import no megatron and never write.  ``export`` hands over
+to :mod:`.megatron.export` (imported only then; ``--format torch_dist`` needs megatron-core), which
+writes only under OUT_DIR.  Each read-only subcommand gathers a plain dict (the ``--json`` document,
+stable keys) and renders it as text otherwise.  The gathering functions are public and raise
+``NoCheckpointError`` (path missing / not a checkpoint), ``CorruptCheckpointError`` (damaged manifest)
+or ``CliUsageError``; ``main`` turns those into one line on stderr and an exit status.
 """
 
 from __future__ import annotations

@@ -65,9 +65,6 @@ from typing import Any
 from collections.abc import Callable
 
 _HERE = Path(__file__).resolve().parent
-# The repository's package first (an editable install made before the package had an
-# __init__.py resolves it as a namespace package from other working directories), then helpers.
-sys.path[:0] = [str(_HERE.parent), str(_HERE)]
 
 import torch  # noqa: E402
 

@@ -30,7 +30,6 @@ import time
 import numpy as np
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_engine import MB, gbps, machine_info, make_out_dir, make_tensors, render_table  # noqa: E402
 
 from datastates_megatron.engine import EngineOptions  # noqa: E402

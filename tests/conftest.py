@@ -1,11 +1,8 @@
 import os
 import shutil
-import sys
 from pathlib import Path
 
 import pytest
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 @pytest.fixture

@@ -20,9 +20,10 @@ from .errors import (
     FormatVersionError,
     LayoutMismatchError,
     NoCheckpointError,
+    OptionsError,
     SaveDirBusyError,
 )
-from .options import EngineOptions
+from .options import EngineOptions, ManagerOptions
 
 if TYPE_CHECKING:
     from .file_format import RankFile, load_file
@@ -33,6 +34,7 @@ __all__ = [
     "SaveHandle",
     "FileReceipt",
     "EngineOptions",
+    "ManagerOptions",
     "RankFile",
     "load_file",
     "CheckpointError",
@@ -47,6 +49,7 @@ __all__ = [
     "FormatVersionError",
     "LayoutMismatchError",
     "NoCheckpointError",
+    "OptionsError",
     "SaveDirBusyError",
 ]
 

@@ -16,6 +16,7 @@ __all__ = [
     "EncodingError",
     "ForeignCheckpointError",
     "SaveDirBusyError",
+    "OptionsError",
 ]
 
 
@@ -70,3 +71,17 @@ class ForeignCheckpointError(CheckpointError, FileExistsError):
 
 class SaveDirBusyError(CheckpointError, RuntimeError):
     """Another job (or another manager in this process) is writing to the same save directory."""
+
+
+class OptionsError(CheckpointError, ValueError):
+    """Invalid options.  ``problems`` lists every one found as ``(field, text)`` pairs, the text
+    reading on from the field name (``("flush_threads", "must be >= 1, got 0")``), so a front end
+    (the ``--lazy-ckpt*`` flags) can name its own spelling of each field."""
+
+    def __init__(self, what: str, problems: list[tuple[str, str]]) -> None:
+        self.what = what
+        self.problems = list(problems)
+        super().__init__(f"invalid {what}: " + "; ".join(f"{field} {text}" for field, text in self.problems))
+
+    def __reduce__(self):
+        return type(self), (self.what, self.problems)

@@ -34,7 +34,7 @@ from .manifest import (
     read_manifest,
     save_id,
 )
-from .options import LOCAL_FALLBACK_CHOICES, RECYCLE_CHOICES, EngineOptions
+from .options import EngineOptions, ManagerOptions
 from .load_plan import LoadPlanner, SameLayoutPlanner
 from .reader import CheckpointReader, RestoreStats, open_checkpoint
 from .safe_io import make_dir
@@ -87,36 +87,28 @@ class CheckpointManager(ClosingContext):
         self,
         root: str,
         options: EngineOptions | None = None,
+        policy: ManagerOptions | None = None,
         *,
-        keep_last: int = 2,
-        keep_every: int = 0,
-        on_error: str = "raise",
         layout: dict | None = None,
         load_root: str | None = None,
-        verify_on_load: bool = True,
-        restore_threads: int = 4,
         local_root: str | None = None,
-        persist_interval: int = 1,
-        local_keep_last: int = 2,
-        local_fallback: str = "all",
-        recycle_files: str = "local",
+        **policy_fields,
     ) -> None:
-        if on_error not in ("raise", "warn"):
-            raise ValueError(f"on_error must be 'raise' or 'warn', got {on_error!r}")
-        if local_fallback not in LOCAL_FALLBACK_CHOICES:
-            raise ValueError(f"local_fallback must be one of {LOCAL_FALLBACK_CHOICES}, got {local_fallback!r}")
-        if recycle_files not in RECYCLE_CHOICES:
-            raise ValueError(f"recycle_files must be one of {RECYCLE_CHOICES}, got {recycle_files!r}")
-        self.local_fallback = local_fallback
+        """``policy_fields`` (``keep_last=0``, ``on_error="warn"``, ...) are a short form of
+        ``policy=ManagerOptions(...)``: give one or the other."""
+        if policy is not None and policy_fields:
+            raise TypeError(f"CheckpointManager: give policy= or {sorted(policy_fields)}, not both")
+        self.policy = policy = policy or ManagerOptions(**policy_fields)
+        self.local_fallback = policy.local_fallback
         dist = _dist()
         self.rank = dist.get_rank() if dist else 0
         self.world_size = dist.get_world_size() if dist else 1
         self.root = os.path.abspath(root)
         self.load_root = os.path.abspath(load_root or root)
         self.layout = dict(layout or {})
-        self.on_error = on_error
-        self.verify_on_load = verify_on_load
-        self.restore_threads = restore_threads
+        self.on_error = policy.on_error
+        self.verify_on_load = policy.verify_on_load
+        self.restore_threads = policy.restore_threads
         opts = dataclasses.replace(options or EngineOptions(), rank=self.rank)
         self._seq = 0
         self._closed = False
@@ -146,10 +138,10 @@ class CheckpointManager(ClosingContext):
                 token=token,
                 layout=self.layout,
                 next_commit_seq=next_seq,
-                keep_last=keep_last,
-                keep_every=keep_every,
+                keep_last=policy.keep_last,
+                keep_every=policy.keep_every,
                 timeout_s=opts.timeout_s,
-                recycle=recycle_files == "all" and not self.local_root,
+                recycle=policy.recycle_files == "all" and not self.local_root,
             )
             self.local_committer = self.promoter = None
             if self.local_root:
@@ -160,7 +152,7 @@ class CheckpointManager(ClosingContext):
                     self.root,
                     rank=self.rank,
                     token=token,
-                    interval=persist_interval,
+                    interval=policy.persist_interval,
                     persistent=self.committer,
                 )
                 self.local_committer = Committer(
@@ -171,14 +163,14 @@ class CheckpointManager(ClosingContext):
                     token=token,
                     layout=self.layout,
                     next_commit_seq=local_seq,
-                    keep_last=local_keep_last,
+                    keep_last=policy.local_keep_last,
                     keep_every=0,
                     timeout_s=opts.timeout_s,
                     tier="local",
                     node_ranks=self.node_ranks,
                     on_commit=self.promoter.on_local_commit,
                     protect=self._promotions_pending,
-                    recycle=recycle_files != "off",
+                    recycle=policy.recycle_files != "off",
                 )
                 self._repromote()
         except BaseException:

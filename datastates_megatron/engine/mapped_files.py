@@ -1,8 +1,8 @@
 """Shared mappings of memory-backed (tmpfs) rank files, kept from one save to the next.
 
 On tmpfs a ``pwrite`` is a memcpy plus per-page work in the kernel (page lookup, locking,
-dirtying): about 25-30 ms per 112 MiB on the development machine, and a separate hash pass adds
-13 ms, against 17 ms to hash and copy in one pass into a mapping whose pages are already there.
+dirtying), and a separate hash pass reads the data again; hashing and copying in one pass into a
+mapping whose pages are already there does neither (figures: docs/BENCHMARKS.md).
 Mapping a file anew on every save gives the gain back (populating and tearing down the page
 tables costs about as much), so a file's mapping is kept while the file lives.  The node-local tier
 recycles its rank files (``recycle_files``): the next save overwrites the same inode through the

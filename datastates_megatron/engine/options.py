@@ -1,17 +1,51 @@
-"""Engine options (frozen, validated on construction)."""
+"""Engine and manager options (frozen, every rule checked once, on construction)."""
 
 from __future__ import annotations
 
 import dataclasses
 
-__all__ = ["EngineOptions", "LOCAL_FALLBACK_CHOICES", "RECYCLE_CHOICES"]
+from .errors import OptionsError
 
+__all__ = ["EngineOptions", "ManagerOptions", "ON_ERROR_CHOICES", "LOCAL_FALLBACK_CHOICES", "RECYCLE_CHOICES"]
+
+ON_ERROR_CHOICES = ("raise", "warn")  # a failed save raises on the training thread, or is logged
 LOCAL_FALLBACK_CHOICES = ("all", "rank")  # who reads the persistent tier when a node lost its local copy
 # where retired rank files are overwritten in place by later saves: the node-local tier only (private
 # to the job), every tier (also the persistent one, when nothing outside the job reads it), or nowhere
 RECYCLE_CHOICES = ("local", "all", "off")
 
 _ALIGN = 4096
+
+
+def _fails(value, test) -> bool:
+    try:
+        return not test(value)
+    except TypeError:  # None or a string where a number belongs
+        return True
+
+
+def _at_least(opts, names, low: int) -> list[tuple[str, str]]:
+    return [
+        (n, f"must be >= {low}, got {getattr(opts, n)}") for n in names if _fails(getattr(opts, n), lambda v: v >= low)
+    ]
+
+
+def _positive(opts, names) -> list[tuple[str, str]]:
+    return [(n, f"must be > 0, got {getattr(opts, n)}") for n in names if _fails(getattr(opts, n), lambda v: v > 0)]
+
+
+def _auto_flags(opts, names) -> list[tuple[str, str]]:
+    return [
+        (n, f"must be True, False or 'auto', got {getattr(opts, n)!r}")
+        for n in names
+        if getattr(opts, n) not in (True, False, "auto")
+    ]
+
+
+def _one_of(opts, name: str, choices: tuple) -> list[tuple[str, str]]:
+    value = getattr(opts, name)
+    ok = isinstance(value, str) and value in choices
+    return [] if ok else [(name, f"must be one of {', '.join(choices)}, got {value!r}")]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,19 +92,15 @@ class EngineOptions:
     rank: int = 0
 
     def __post_init__(self) -> None:
+        problems = []
         if self.cache_bytes < 4 * _ALIGN:
-            raise ValueError(f"cache_bytes must be at least {4 * _ALIGN}, got {self.cache_bytes}")
-        for name in ("flush_threads", "max_inflight", "chunk_bytes", "pack_bytes"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.small_bytes < 0:
-            raise ValueError(f"small_bytes must be >= 0, got {self.small_bytes}")
-        if self.direct_io not in (True, False, "auto"):
-            raise ValueError(f"direct_io must be True, False or 'auto', got {self.direct_io!r}")
-        if self.source_writes not in (True, False, "auto"):
-            raise ValueError(f"source_writes must be True, False or 'auto', got {self.source_writes!r}")
-        if not self.timeout_s > 0:
-            raise ValueError(f"timeout_s must be > 0, got {self.timeout_s}")
+            problems.append(("cache_bytes", f"must be at least {4 * _ALIGN}, got {self.cache_bytes}"))
+        problems += _at_least(self, ("flush_threads", "max_inflight", "chunk_bytes", "pack_bytes"), 1)
+        problems += _at_least(self, ("small_bytes",), 0)
+        problems += _auto_flags(self, ("direct_io", "source_writes"))
+        problems += _positive(self, ("timeout_s",))
+        if problems:
+            raise OptionsError("EngineOptions", problems)
 
     @property
     def effective_chunk_bytes(self) -> int:
@@ -84,3 +114,40 @@ class EngineOptions:
     @property
     def effective_small_bytes(self) -> int:
         return min(self.small_bytes, self.effective_pack_bytes)
+
+
+@dataclasses.dataclass(frozen=True)
+class ManagerOptions:
+    """Policy of :class:`~datastates_megatron.engine.CheckpointManager` (retention, errors, restore,
+    tiers); the engine's own knobs are :class:`EngineOptions`.
+
+    keep_last / keep_every: keep the N newest committed checkpoints (0: all), and every iteration
+                   divisible by ``keep_every`` (0: none).
+    on_error:      ``raise``: a failed save raises on the training thread; ``warn``: it is logged,
+                   nothing is committed for it and the previous checkpoint stays the latest.
+    verify_on_load: re-check every checksum on load.
+    restore_threads: reader threads of a restore.
+    persist_interval / local_keep_last / local_fallback: the node-local tier's promotion interval,
+                   retention, and who reads the persistent tier when a node lost its local copy.
+    recycle_files: where retired rank files are overwritten in place by later saves (see
+                   ``RECYCLE_CHOICES``).
+    """
+
+    keep_last: int = 2
+    keep_every: int = 0
+    on_error: str = "raise"
+    verify_on_load: bool = True
+    restore_threads: int = 4
+    persist_interval: int = 1
+    local_keep_last: int = 2
+    local_fallback: str = "all"
+    recycle_files: str = "local"
+
+    def __post_init__(self) -> None:
+        problems = _at_least(self, ("keep_last", "keep_every", "local_keep_last"), 0)
+        problems += _at_least(self, ("restore_threads", "persist_interval"), 1)
+        problems += _one_of(self, "on_error", ON_ERROR_CHOICES)
+        problems += _one_of(self, "local_fallback", LOCAL_FALLBACK_CHOICES)
+        problems += _one_of(self, "recycle_files", RECYCLE_CHOICES)
+        if problems:
+            raise OptionsError("ManagerOptions", problems)

@@ -6,8 +6,8 @@ directory; a crash half-way leaves a manifest-less directory that start-up clean
 Recycling: instead of unlinking the rank files of a deleted checkpoint, retention may move them
 into ``<root>/.recycle/``, and the next save renames one into place and overwrites it.  At a
 checkpoint every iteration this avoids freeing and re-allocating (and, on tmpfs, zeroing) a whole
-checkpoint's worth of pages or blocks per iteration -- measured as the largest CPU cost of the
-local tier.  Recycled files are never referenced by a manifest; the pool is bounded, emptied at
+checkpoint's worth of pages or blocks per iteration, the largest CPU cost of the local tier
+(docs/BENCHMARKS.md).  Recycled files are never referenced by a manifest; the pool is bounded, emptied at
 start-up and on close.
 
 Only what we wrote is ever deleted (:mod:`.names`): a directory holding anything else keeps it,

@@ -9,7 +9,7 @@ Pipeline of one version (one rank file)::
                                  ``source_writes``: no cache, no copy; the region is handed
                                  over as a view of the tensor itself)
     flush threads (N)            one opens the rank file (recycled file moved into place,
-                                 created; on tmpfs allocated and mapped: ~0.6 s per GiB), the
+                                 created; on tmpfs allocated and mapped), the
                                  others wait for it; wait for the copy, XXH64 each item,
                                  pwrite, release the region
                                  (a memory-backed file: hash and copy in one pass through its

@@ -74,9 +74,8 @@ def _copy_direct(source: np.ndarray, path: str, fd_out: int) -> int:
     O_DIRECT is refused.
 
     Why: a buffered copy (``sendfile``) fills the page cache with a checkpoint nobody reads back,
-    and the kernel's per-page work and dirty-page throttling cost about twice the CPU of the
-    O_DIRECT write (ad hoc, 112 MiB from tmpfs to ext4: 107-111 ms vs 49-57 ms) -- CPU the
-    training threads share on a busy node.  A write the file system refuses (EINVAL) stops here;
+    and the kernel's per-page work and dirty-page throttling cost more CPU than the O_DIRECT
+    write (docs/BENCHMARKS.md) -- CPU the training threads share on a busy node.  A write the file system refuses (EINVAL) stops here;
     the caller copies the rest buffered."""
     aligned = source.nbytes // ALIGN * ALIGN
     if not aligned or not hasattr(os, "O_DIRECT"):

@@ -12,11 +12,11 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
-import os
+import re
 from typing import Any
 
 from ..engine.errors import CheckpointError
-from .config import LOCAL_FALLBACK_CHOICES, ON_ERROR_CHOICES, RECYCLE_CHOICES, LazyCkptConfig
+from .config import LOCAL_FALLBACK_CHOICES, ON_ERROR_CHOICES, RECYCLE_CHOICES, LazyCkptConfig, OptionsError
 
 __all__ = [
     "LazyCkptArgsError",
@@ -296,54 +296,41 @@ def validate_lazy_ckpt_args(args: argparse.Namespace) -> None:
     for attr, flag, hint in UNSUPPORTED_MEGATRON_FLAGS:
         if _given(getattr(args, attr, None)):
             problems.append(f"--lazy-ckpt cannot be combined with {flag}: {hint}")
-
-    def at_least(attr: str, flag: str, field: str, low: float, strict: bool = False) -> None:
-        v = _value(args, attr, field)
-        if v is None or (v <= low if strict else v < low):
-            problems.append(f"{flag} must be {'>' if strict else '>='} {low:g}, got {v}")
-
-    at_least("lazy_ckpt_host_cache_gb", "--lazy-ckpt-host-cache-gb", "host_cache_gb", 0, strict=True)
-    at_least("lazy_ckpt_flush_threads", "--lazy-ckpt-flush-threads", "flush_threads", 1)
-    at_least("lazy_ckpt_max_inflight", "--lazy-ckpt-max-inflight", "max_inflight", 1)
-    at_least("lazy_ckpt_keep_last", "--lazy-ckpt-keep-last", "keep_last", 0)
-    at_least("lazy_ckpt_keep_every", "--lazy-ckpt-keep-every", "keep_every", 0)
-    at_least("lazy_ckpt_timeout_s", "--lazy-ckpt-timeout-s", "timeout_s", 0, strict=True)
-    at_least("lazy_ckpt_persist_interval", "--lazy-ckpt-persist-interval", "persist_interval", 1)
-    at_least("lazy_ckpt_local_keep_last", "--lazy-ckpt-local-keep-last", "local_keep_last", 0)
-
-    on_error = _value(args, "lazy_ckpt_on_error", "on_error")
-    if on_error not in ON_ERROR_CHOICES:
-        problems.append(f"--lazy-ckpt-on-error must be one of {', '.join(ON_ERROR_CHOICES)}, got {on_error!r}")
-    for attr, flag, _ in _AUTO_FLAGS:
-        value = getattr(args, attr, "auto")
-        if value not in DIRECT_IO_CHOICES:
-            problems.append(f"{flag} must be one of {', '.join(DIRECT_IO_CHOICES)}, got {value!r}")
-
-    local_dir = _value(args, "lazy_ckpt_local_dir", "local_dir")
-    if local_dir is None:
+    if _value(args, "lazy_ckpt_local_dir", "local_dir") is None:
         for attr, flag, field in _FLAG_FIELDS:
-            if (
-                field in ("persist_interval", "local_keep_last", "local_fallback")
-                and _value(args, attr, field) != _DEFAULTS[field]
-            ):
+            if field in _LOCAL_TIER_FIELDS and _value(args, attr, field) != _DEFAULTS[field]:
                 problems.append(f"{flag} only applies to a local tier: it requires --lazy-ckpt-local-dir")
-    elif getattr(args, "save", None) and os.path.realpath(local_dir) == os.path.realpath(args.save):
-        problems.append(f"--lazy-ckpt-local-dir and --save must differ, both are {args.save!r}")
-
-    if problems:
-        raise LazyCkptArgsError("invalid --lazy-ckpt arguments:\n  - " + "\n  - ".join(problems))
+    cause = None
     try:
         config_from_args(args)
-    except ValueError as e:  # a LazyCkptConfig check this module does not mirror
-        raise LazyCkptArgsError(f"invalid --lazy-ckpt arguments: {e}") from e
+    except OptionsError as e:  # the config's own checks, reworded with the flags' names
+        cause = e
+        problems += [_with_flags(f"{field} {text}") for field, text in e.problems if field != "save_dir"]
+    if problems:
+        raise LazyCkptArgsError("invalid --lazy-ckpt arguments:\n  - " + "\n  - ".join(problems)) from cause
+
+
+_LOCAL_TIER_FIELDS = ("persist_interval", "local_keep_last", "local_fallback")
+# config field -> its flag, for messages
+_FLAG_OF = {field: flag for _, flag, field in (*_FLAG_FIELDS, *_AUTO_FLAGS)} | {
+    "save_dir": "--save",
+    "load_dir": "--load",
+}
+_FIELD_WORD = re.compile(r"\b(" + "|".join(sorted(_FLAG_OF, key=len, reverse=True)) + r")\b")
+
+
+def _with_flags(message: str) -> str:
+    """``message`` with every config field name outside quotes (values, paths) replaced by its flag."""
+    parts = re.split(r"('[^']*'|\"[^\"]*\")", message)
+    return "".join(p if i % 2 else _FIELD_WORD.sub(lambda m: _FLAG_OF[m.group(1)], p) for i, p in enumerate(parts))
 
 
 def config_from_args(args: argparse.Namespace) -> LazyCkptConfig:
     """Build the :class:`LazyCkptConfig` for parsed ``args`` (``--save``, ``--load``, ``--lazy-ckpt-*``).
 
     Options missing from ``args`` (a parser without the lazy-ckpt group) take the config defaults.
-    Raises ``ValueError`` from the config's own checks; call :func:`validate_lazy_ckpt_args` first
-    for messages that name the flags.
+    Raises :class:`OptionsError` (a ``ValueError``) from the config's checks, naming config fields;
+    :func:`validate_lazy_ckpt_args` reports the same problems under the flags' names.
     """
     fields = {field: _value(args, attr, field) for attr, _, field in _FLAG_FIELDS}
     for attr, _, field in _AUTO_FLAGS:

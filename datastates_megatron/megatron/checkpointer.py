@@ -20,13 +20,19 @@ import torch
 from ..engine.commit import CommitRecord
 from ..engine.errors import CheckpointError, EngineClosedError, NoCheckpointError
 from ..engine.manager import CheckpointManager
-from ..engine.options import EngineOptions
 from ..engine.load_plan import LoadPlan, LoadPlanner, SameLayoutPlanner
 from ..engine.reader import CheckpointReader, open_checkpoint
 from . import reshard, training_state
-from .export import model_description
 from .config import LazyCkptConfig
-from .shards import bucket_shards, collect_shards, inner_optimizers, model_chunks_of
+from .shards import (
+    bucket_shards,
+    collect_shards,
+    inner_optimizers,
+    main_params,
+    model_chunks_of,
+    model_description,
+    param_buffers,
+)
 
 __all__ = ["LazyCheckpointer", "UnsupportedModelError"]
 
@@ -126,30 +132,13 @@ class LazyCheckpointer:
         self.optimizer = optimizer
         self.scheduler = opt_param_scheduler
         self.config = config
-        opts = EngineOptions(
-            cache_bytes=config.host_cache_bytes,
-            flush_threads=config.flush_threads,
-            max_inflight=config.max_inflight,
-            streaming=config.streaming,
-            direct_io=config.direct_io,
-            source_writes=config.source_writes,
-            mapped_writes=config.mapped_writes,
-            timeout_s=config.timeout_s,
-        )
         self._mgr = CheckpointManager(
             config.save_dir,
-            opts,
-            keep_last=config.keep_last,
-            keep_every=config.keep_every,
-            on_error=config.on_error,
+            config.engine_options(),
+            config.manager_options(),
             layout=parallel_layout(self.model),
             load_root=config.effective_load_dir,
-            verify_on_load=config.verify_on_load,
             local_root=config.local_dir,
-            persist_interval=config.persist_interval,
-            local_keep_last=config.local_keep_last,
-            local_fallback=config.local_fallback,
-            recycle_files=config.recycle_files,
         )
         self.rank = self._mgr.rank
         self._signature = None
@@ -185,22 +174,13 @@ class LazyCheckpointer:
         replaced, optimizer state created or swapped) -- a few hundred ``data_ptr`` calls instead of
         re-walking the model and rebuilding every identity on each save."""
         out: list = []
-        for chunk in self.model:
-            for buf in [
-                *(getattr(chunk, "buffers", None) or []),
-                *(getattr(chunk, "expert_parallel_buffers", None) or []),
-            ]:
-                data = getattr(buf, "param_data", None)
-                out.append(None if data is None else (data.data_ptr(), data.numel(), data.dtype))
-        for inner in inner_optimizers(self.optimizer):
-            state = inner.state
-            out.append((id(inner), id(state), len(state)))
-            for pg in inner.param_groups:
-                for p in pg["params"]:
-                    out.append((p.data_ptr(), p.numel()))
-                    for v in state.get(p, {}).values():
-                        if isinstance(v, torch.Tensor):
-                            out.append((v.data_ptr(), v.numel(), v.dtype))
+        for _c, _name, buf in param_buffers(self.model):
+            data = getattr(buf, "param_data", None)
+            out.append(None if data is None else (data.data_ptr(), data.numel(), data.dtype))
+        out += [(id(inner), id(inner.state), len(inner.state)) for inner in inner_optimizers(self.optimizer)]
+        for m in main_params(self.optimizer):
+            out.append((m.param.data_ptr(), m.param.numel()))
+            out += [(v.data_ptr(), v.numel(), v.dtype) for v in m.state.values()]
         return out
 
     def _gate_hook(self, group: str):

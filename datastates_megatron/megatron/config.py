@@ -1,15 +1,25 @@
-"""User-facing options of the lazy checkpointer (one frozen dataclass, validated on construction)."""
+"""User-facing options of the lazy checkpointer (one frozen dataclass, validated on construction).
+
+The config is the only place its options are checked: its own fields (paths, cache size) here,
+the rest by the engine's :class:`EngineOptions` / :class:`ManagerOptions` it builds, whose
+problems are reported under the config's names.
+"""
 
 from __future__ import annotations
 
 import dataclasses
 import os
 
-from ..engine.options import LOCAL_FALLBACK_CHOICES, RECYCLE_CHOICES
+from ..engine.errors import OptionsError
+from ..engine.options import (
+    LOCAL_FALLBACK_CHOICES,
+    ON_ERROR_CHOICES,
+    RECYCLE_CHOICES,
+    EngineOptions,
+    ManagerOptions,
+)
 
-__all__ = ["LazyCkptConfig", "ON_ERROR_CHOICES", "LOCAL_FALLBACK_CHOICES", "RECYCLE_CHOICES"]
-
-ON_ERROR_CHOICES = ("raise", "warn")
+__all__ = ["LazyCkptConfig", "OptionsError", "ON_ERROR_CHOICES", "LOCAL_FALLBACK_CHOICES", "RECYCLE_CHOICES"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,8 +43,7 @@ class LazyCkptConfig:
                      tmpfs/ramfs (a node-local tier in ``/dev/shm``); ``True`` always; ``False`` never.
     mapped_writes:   write rank files on tmpfs/ramfs through shared mappings kept from one save to
                      the next, hashing and copying in one pass instead of hashing, then ``pwrite``
-                     (docs/BENCHMARKS.md: 34-43 ms of background CPU per 112 MiB checkpoint instead
-                     of 58-67 ms); ``False``: ``pwrite``.
+                     (less background CPU: docs/BENCHMARKS.md); ``False``: ``pwrite``.
     timeout_s:       longest wait on cache space, an in-flight slot or a peer rank before erroring.
     local_dir:       optional fast node-local tier (multi-level); ``None`` disables it.
     persist_interval: with ``local_dir``, promote every N-th local checkpoint to ``save_dir`` (and the
@@ -49,6 +58,9 @@ class LazyCkptConfig:
     local_fallback:  when some node lost its local copy: ``"all"`` ranks restore the persistent
                      checkpoint from the persistent tier; ``"rank"``: only the ranks without an
                      intact local copy of it read the persistent tier, the others read locally.
+
+    Invalid values raise :class:`OptionsError` (a ``ValueError``) listing every problem, each under
+    its field name; :meth:`engine_options` and :meth:`manager_options` build what the engine takes.
     """
 
     save_dir: str
@@ -72,32 +84,36 @@ class LazyCkptConfig:
     recycle_files: str = "local"
 
     def __post_init__(self) -> None:
+        problems: list[tuple[str, str]] = []
         if not self.save_dir:
-            raise ValueError("LazyCkptConfig.save_dir is required (Megatron's --save)")
-        object.__setattr__(self, "save_dir", os.fspath(self.save_dir))
-        if self.load_dir is not None:
-            object.__setattr__(self, "load_dir", os.fspath(self.load_dir))
-        if self.local_dir is not None:
-            object.__setattr__(self, "local_dir", os.fspath(self.local_dir))
-        if not self.host_cache_gb > 0:
-            raise ValueError(f"host_cache_gb must be > 0, got {self.host_cache_gb}")
-        for name in ("flush_threads", "max_inflight", "persist_interval"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("keep_last", "keep_every", "local_keep_last"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
-        if self.on_error not in ON_ERROR_CHOICES:
-            raise ValueError(f"on_error must be one of {ON_ERROR_CHOICES}, got {self.on_error!r}")
-        if self.recycle_files not in RECYCLE_CHOICES:
-            raise ValueError(f"recycle_files must be one of {RECYCLE_CHOICES}, got {self.recycle_files!r}")
-        if self.local_fallback not in LOCAL_FALLBACK_CHOICES:
-            raise ValueError(f"local_fallback must be one of {LOCAL_FALLBACK_CHOICES}, got {self.local_fallback!r}")
-        for name in ("direct_io", "source_writes"):
-            if getattr(self, name) not in (True, False, "auto"):
-                raise ValueError(f"{name} must be True, False or 'auto', got {getattr(self, name)!r}")
-        if not self.timeout_s > 0:
-            raise ValueError(f"timeout_s must be > 0, got {self.timeout_s}")
+            problems.append(("save_dir", "is required (Megatron's --save)"))
+        for name in ("save_dir", "load_dir", "local_dir"):
+            if getattr(self, name):
+                object.__setattr__(self, name, os.fspath(getattr(self, name)))
+        if not isinstance(self.host_cache_gb, (int, float)) or not self.host_cache_gb > 0:
+            problems.append(("host_cache_gb", f"must be > 0, got {self.host_cache_gb}"))
+        if self.local_dir and self.save_dir and os.path.realpath(self.local_dir) == os.path.realpath(self.save_dir):
+            problems.append(("local_dir", f"and save_dir must differ, both are {self.save_dir!r}"))
+        for build in (self.engine_options, self.manager_options):
+            try:
+                build()
+            except OptionsError as e:
+                problems += [_config_name(field, text) for field, text in e.problems]
+            except TypeError:  # host_cache_gb is not a number: reported above
+                pass
+        firsts = {}
+        for field, text in problems:  # one problem per field (host_cache_gb = 0 fails twice)
+            firsts.setdefault(field, text)
+        if firsts:
+            raise OptionsError("LazyCkptConfig", list(firsts.items()))
+
+    def engine_options(self) -> EngineOptions:
+        """The :class:`EngineOptions` of the snapshot engine (cache size and writer knobs)."""
+        return EngineOptions(cache_bytes=self.host_cache_bytes, **_fields_for(self, EngineOptions))
+
+    def manager_options(self) -> ManagerOptions:
+        """The :class:`ManagerOptions` of the checkpoint manager (retention, errors, tiers)."""
+        return ManagerOptions(**_fields_for(self, ManagerOptions))
 
     @property
     def host_cache_bytes(self) -> int:
@@ -106,3 +122,18 @@ class LazyCkptConfig:
     @property
     def effective_load_dir(self) -> str:
         return self.load_dir or self.save_dir
+
+
+_CONFIG_FIELDS = frozenset(f.name for f in dataclasses.fields(LazyCkptConfig))
+
+
+def _fields_for(config: LazyCkptConfig, options_type) -> dict:
+    """The config fields ``options_type`` has under the same name (the others keep its defaults)."""
+    return {f.name: getattr(config, f.name) for f in dataclasses.fields(options_type) if f.name in _CONFIG_FIELDS}
+
+
+def _config_name(field: str, text: str) -> tuple[str, str]:
+    """An engine problem under the config's name for it (the cache is sized by ``host_cache_gb``)."""
+    if field == "cache_bytes":
+        return "host_cache_gb", f"is too small: the cache's bytes {text}"
+    return field, text

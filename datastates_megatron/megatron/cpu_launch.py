@@ -8,7 +8,7 @@ For trying the real ``--lazy-ckpt`` path on a laptop or in CI, never for trainin
 
 Before the script runs, in this process only and without editing Megatron-LM:
 
-* the CUDA->CPU shim of :mod:`datastates_megatron.demo.cuda_on_cpu` is installed and
+* the CUDA->CPU shim of :mod:`datastates_megatron.megatron.cuda_on_cpu` is installed and
   ``torch.cuda.is_available()`` answers True (Megatron asserts it);
 * ``megatron.legacy.fused_kernels.load`` (core_v0.16) is a no-op (it builds CUDA extensions);
 * without ``triton``, the one module on the training path that imports it at import time is
@@ -116,7 +116,7 @@ def prepare(script_dir: str) -> bool:
     if torch.cuda.is_available():
         return False
     stub_triton_modules()
-    from ..demo import cuda_on_cpu
+    from . import cuda_on_cpu
 
     cuda_on_cpu.install()
     torch.cuda.is_available = lambda: True  # Megatron's initialize asserts it

@@ -12,7 +12,7 @@ identity metadata (:class:`.reshard.CheckpointIndex`) and writes ``out/iter_NNNN
 
 ``export(ckpt, out, "torch_dist")`` writes ``out/iter_NNNNNNN/`` (a megatron-core ``dist_checkpointing``
 checkpoint) and ``out/latest_checkpointed_iteration.txt``.  It runs one subprocess (1 rank, gloo,
-CPU — no GPU needed) that rebuilds the model with the demo GPT builder (:func:`..demo.gpt.build`),
+CPU — no GPU needed) that rebuilds the model (:func:`.model_rebuild.rebuild`),
 loads the lazy checkpoint into it through the DP-reshard path (DP=N -> 1), and calls megatron-core's
 own ``dist_checkpointing.save`` on ``{"model": ddp.module.sharded_state_dict(metadata=M),
 "optimizer": optimizer.sharded_state_dict(model_sd, metadata=M)}`` plus ``iteration``,
@@ -25,12 +25,12 @@ common state, with ``content_metadata=M`` = :data:`CONTENT_METADATA` (optimizer 
 with ``KeyError: 'step'`` on this format: pop the per-param ``step`` around
 ``load_parameter_state_from_fully_reshardable``, as ``tests/integration/reshard_worker.py`` does.)
 The model shape comes from the ``model`` description every lazy checkpoint stores
-(:func:`model_description`); command-line flags override it (for checkpoints written before it was
+(:func:`.shards.model_description`); command-line flags override it (for checkpoints written before it was
 stored).  The subprocess is killed after ``timeout_s``; the output directory appears whole (staged,
 then renamed) or not at all.  RNG states are not exported.
 
 Limitations: both formats need a checkpoint written with TP=PP=1 (any DP) and without
-expert-parallel buffers; ``torch_dist`` only rebuilds the demo GPT (local layer spec, learned
+expert-parallel buffers; ``torch_dist`` only rebuilds the GPT of :mod:`.model_rebuild` (local layer spec, learned
 absolute positions, tied embeddings, ``ffn_hidden_size = 4 * hidden``): a checkpoint of another
 architecture is refused with the list of parameters that differ.
 
@@ -64,7 +64,6 @@ __all__ = [
     "CONTENT_METADATA",
     "ExportError",
     "OutputExistsError",
-    "model_description",
     "consolidate",
     "export",
     "add_export_arguments",
@@ -88,42 +87,6 @@ class ExportError(CheckpointError, RuntimeError):
 
 class OutputExistsError(CheckpointError, FileExistsError):
     """The export's output is already there; nothing is overwritten."""
-
-
-# ---------------------------------------------------------------------------------------------- model
-def _unwrap(module):
-    while hasattr(module, "module"):
-        module = module.module
-    return module
-
-
-def model_description(model_chunks) -> dict | None:
-    """What :func:`..demo.gpt.build` needs to rebuild this model (stored with every checkpoint);
-    ``None`` when the model does not look like a megatron-core GPT."""
-    chunks = list(model_chunks) if isinstance(model_chunks, (list, tuple)) else [model_chunks]
-    if not chunks:
-        return None
-    config = getattr(chunks[0], "config", None)
-    if config is None or not hasattr(config, "num_layers"):
-        return None
-    from .shards import parameter_names
-
-    shapes = {name: tuple(p.shape) for p, (c, name) in parameter_names(chunks).items() if c == 0}
-    word = shapes.get("embedding.word_embeddings.weight")
-    pos = shapes.get("embedding.position_embeddings.weight")
-    return {
-        "arch": type(_unwrap(chunks[0])).__name__,
-        "num_layers": int(config.num_layers),
-        "hidden_size": int(config.hidden_size),
-        "num_attention_heads": int(config.num_attention_heads),
-        "ffn_hidden_size": int(config.ffn_hidden_size) if getattr(config, "ffn_hidden_size", None) else None,
-        "seq_length": int(pos[0]) if pos else None,
-        "vocab_size": int(word[0]) if word else None,
-        "bf16": bool(getattr(config, "bf16", False)),
-        "fp16": bool(getattr(config, "fp16", False)),
-        "tied_embeddings": "output_layer.weight" not in shapes,
-        "model_chunks": len(chunks),
-    }
 
 
 # ---------------------------------------------------------------------------------------------- locate
@@ -223,7 +186,7 @@ def _resolve_model(stored: dict | None, overrides: dict | None, path: str) -> di
         )
     if desc.get("ffn_hidden_size") not in (None, 4 * int(desc["hidden_size"])):
         raise LayoutMismatchError(
-            f"{path}: ffn_hidden_size {desc['ffn_hidden_size']} != 4 * hidden_size: the demo GPT builder cannot rebuild it"
+            f"{path}: ffn_hidden_size {desc['ffn_hidden_size']} != 4 * hidden_size: model_rebuild cannot rebuild it"
         )
     if desc.get("fp16"):
         raise LayoutMismatchError(f"{path}: fp16 models are not supported by the torch_dist export")
@@ -297,20 +260,12 @@ def _worker(job: dict) -> None:
     """Subprocess body (1 rank, CPU): rebuild, reshard-load, ``dist_checkpointing.save``."""
     from megatron.core import dist_checkpointing
 
-    from ..demo import gpt
+    from . import model_rebuild
     from .checkpointer import LazyCheckpointer
     from .config import LazyCkptConfig
 
-    m = job["model"]
-    gpt.init_distributed(seed=1234)
-    chunks, optimizer = gpt.build(
-        m["num_layers"],
-        m["hidden_size"],
-        m["num_attention_heads"],
-        m["seq_length"],
-        m["vocab_size"],
-        bf16=bool(m["bf16"]),
-    )
+    model_rebuild.init_distributed(seed=1234)
+    chunks, optimizer = model_rebuild.rebuild(job["model"])
     config = LazyCkptConfig(
         save_dir=job["scratch"],
         load_dir=job["ckpt_root"],
@@ -338,7 +293,7 @@ def _worker(job: dict) -> None:
     dist_checkpointing.save(state, job["out"], content_metadata=dict(CONTENT_METADATA))
     torch.distributed.barrier()
     print("EXPORT-OK", flush=True)
-    gpt.destroy_distributed()
+    model_rebuild.destroy_distributed()
 
 
 # ---------------------------------------------------------------------------------------------- entry
@@ -354,7 +309,7 @@ def export(
 ) -> str:
     """Export checkpoint ``ckpt_dir`` (a root: its latest committed or ``iteration``; or an
     ``iter_*`` directory) to ``out_dir`` in ``fmt`` (``torch`` or ``torch_dist``); returns the path
-    written.  ``model`` overrides the stored model description (keys as :func:`model_description`)."""
+    written.  ``model`` overrides the stored model description (keys as :func:`.shards.model_description`)."""
     if fmt not in FORMATS:
         raise ValueError(f"format must be one of {FORMATS}, got {fmt!r}")
     path, it = _locate(ckpt_dir, iteration)

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Iterator
 
 import torch
 
@@ -51,8 +52,14 @@ __all__ = [
     "main_param_owners",
     "BucketShard",
     "bucket_shards",
+    "param_buffers",
+    "MainParam",
+    "main_params",
+    "MainShard",
+    "main_shards",
     "storage_span",
     "model_parallel_coords",
+    "model_description",
 ]
 
 log = logging.getLogger(__name__)
@@ -86,6 +93,13 @@ def _buffers(chunk) -> list[tuple[str, object]]:
     out = [(f"buf{b}", buf) for b, buf in enumerate(getattr(chunk, "buffers", []) or [])]
     out += [(f"ep_buf{b}", buf) for b, buf in enumerate(getattr(chunk, "expert_parallel_buffers", []) or [])]
     return out
+
+
+def param_buffers(model) -> Iterator[tuple[int, str, object]]:
+    """``(chunk index, "buf<b>" or "ep_buf<b>", buffer)`` for every DDP param buffer of every chunk."""
+    for c, chunk in enumerate(model_chunks_of(model)):
+        for bname, buf in _buffers(chunk):
+            yield c, bname, buf
 
 
 def _dp_rank_size(buf) -> tuple[int, int]:
@@ -160,37 +174,76 @@ class BucketShard:
 def bucket_shards(model) -> list[BucketShard]:
     """Every bucket of every DDP param buffer of every chunk, with this rank's shard of it."""
     out = []
-    for c, chunk in enumerate(model_chunks_of(model)):
-        for bname, buf in _buffers(chunk):
-            if getattr(buf, "param_data", None) is None:
+    for c, bname, buf in param_buffers(model):
+        if getattr(buf, "param_data", None) is None:
+            raise ValueError(
+                f"model chunk {c} {bname} has no param_data: lazy checkpointing needs "
+                "DistributedDataParallel(use_distributed_optimizer=True)"
+            )
+        rank, size = _dp_rank_size(buf)
+        for k, bucket in enumerate(buf.buckets):
+            data = bucket.param_data
+            if data.numel() % size:
                 raise ValueError(
-                    f"model chunk {c} {bname} has no param_data: lazy checkpointing needs "
-                    "DistributedDataParallel(use_distributed_optimizer=True)"
+                    f"chunk {c} {bname} bucket {k}: {data.numel()} elements not divisible by DP size {size}"
                 )
-            rank, size = _dp_rank_size(buf)
-            for k, bucket in enumerate(buf.buckets):
-                data = bucket.param_data
-                if data.numel() % size:
-                    raise ValueError(
-                        f"chunk {c} {bname} bucket {k}: {data.numel()} elements not divisible by DP size {size}"
-                    )
-                step = data.numel() // size
-                views = [data[i * step : (i + 1) * step] for i in range(size)]
-                out.append(
-                    BucketShard(
-                        f"model{c}.{bname}.bucket{k}.param_shard",
-                        views[rank],
-                        buf,
-                        views,
-                        c,
-                        bname,
-                        k,
-                        bucket,
-                        rank,
-                        size,
-                    )
-                )
+            step = data.numel() // size
+            views = [data[i * step : (i + 1) * step] for i in range(size)]
+            name = f"model{c}.{bname}.bucket{k}.param_shard"
+            out.append(BucketShard(name, views[rank], buf, views, c, bname, k, bucket, rank, size))
     return out
+
+
+@dataclasses.dataclass(frozen=True)
+class MainParam:
+    """One parameter of an inner (torch) optimizer: its main param and tensor-valued state."""
+
+    opt: int  # index of the inner optimizer in the chain (its gate group is ``opt<opt>``)
+    group: int
+    index: int  # position in the param group
+    param: torch.Tensor  # the main param (fp32 shard, or the model param's buffer slice in fp32 training)
+    state: dict  # tensor-valued optimizer state by key (``exp_avg``, ``step``, ...), sorted
+
+    @property
+    def name(self) -> str:
+        return f"opt{self.opt}.g{self.group}.p{self.index}"
+
+
+def main_params(optimizer) -> Iterator[MainParam]:
+    """Every main param of every inner optimizer, in chain / group / position order (the names
+    ``opt<i>.g<g>.p<j>`` are these positions).  Cheap: no megatron lookups."""
+    for i, inner in enumerate(inner_optimizers(optimizer)):
+        for g, pg in enumerate(inner.param_groups):
+            for j, p in enumerate(pg["params"]):
+                state = inner.state.get(p, {})
+                tensors = {k: state[k] for k in sorted(state) if isinstance(state[k], torch.Tensor)}
+                yield MainParam(i, g, j, p, tensors)
+
+
+@dataclasses.dataclass(frozen=True)
+class MainShard:
+    """A :class:`MainParam` with what the DistributedOptimizer says of it."""
+
+    main: MainParam
+    owner: tuple | None  # (model param, start, end): the flattened elements it holds; None: not a DO shard
+    in_bucket: bool  # a view into this rank's bucket shards (fp32 training): saved with the bucket
+
+
+def main_shards(optimizer, buckets: list[BucketShard]) -> Iterator[MainShard]:
+    """The DistributedOptimizer shard walk: every :func:`main_params` entry with its owning model
+    parameter range and whether it lies inside one of ``buckets`` (from :func:`bucket_shards`)."""
+    # the whole bucket shard counts: an fp32 main param may be a view of any part of this rank's slice
+    spans = [storage_span(b.shard.detach()) for b in buckets if b.shard.numel()]
+    owners = main_param_owners(optimizer)
+    for m in main_params(optimizer):
+        rows = owners[m.opt]
+        owner = rows[m.group][m.index] if m.group < len(rows) else None
+        if m.param.numel():
+            s, e = storage_span(m.param.detach())
+            in_bucket = any(lo <= s and e <= hi for lo, hi in spans)
+        else:
+            in_bucket = True
+        yield MainShard(m, owner, in_bucket)
 
 
 def main_param_owners(optimizer) -> list[list[list]]:
@@ -253,8 +306,8 @@ def collect_shards(model, optimizer) -> list[ShardRef]:
     names = parameter_names(model)
     coords = model_parallel_coords() if names else {}
     refs: list[ShardRef] = []
-    spans = []
-    for b in bucket_shards(model):
+    buckets = bucket_shards(model)
+    for b in buckets:
         group = f"opt{owner.get(id(b.buf), 0)}" if owner else "opt0"
         meta = {"kind": "param_shard", "dtype": str(b.shard.dtype)}
         if names:
@@ -269,40 +322,62 @@ def collect_shards(model, optimizer) -> list[ShardRef]:
                 params=bucket_param_ranges(b.buf, b.bucket, b.dp_rank, b.dp_size, names),
             )
         refs.append(ShardRef(b.name, b.shard, group, meta))
-        spans.append(storage_span(b.shard.detach()) if b.shard.numel() else (0, 0))
-        # the whole bucket counts: an fp32 main param may be a view of any part of this rank's slice
-    owners = main_param_owners(optimizer)
-    for i, inner in enumerate(inner_optimizers(optimizer)):
-        for g, pg in enumerate(inner.param_groups):
-            for j, p in enumerate(pg["params"]):
-                base = f"opt{i}.g{g}.p{j}"
-                ident = {}
-                found = owners[i][g][j] if g < len(owners[i]) else None
-                if found is not None and found[0] in names:
-                    mp, start, end = found
-                    c, pname = names[mp]
-                    ident = {
-                        "identity": IDENTITY_VERSION,
-                        **coords,
-                        "chunk": c,
-                        "param": pname,
-                        "shape": list(mp.shape),
-                        "dtype": _dtype_name(mp.dtype),
-                        "start": start,
-                        "end": end,
-                    }
-                if p.numel():
-                    s, e = storage_span(p.detach())
-                    is_view = any(lo <= s and e <= hi for lo, hi in spans)
-                else:
-                    is_view = True
-                if not is_view:
-                    refs.append(ShardRef(f"{base}.main", p.detach(), f"opt{i}", {"kind": "main_param", **ident}))
-                for key, value in sorted(inner.state.get(p, {}).items()):
-                    if isinstance(value, torch.Tensor):
-                        meta = {"kind": "optimizer_state", "key": key, **ident}
-                        refs.append(ShardRef(f"{base}.{key}", value.detach(), f"opt{i}", meta))
+    for shard in main_shards(optimizer, buckets):
+        m = shard.main
+        ident = {}
+        if shard.owner is not None and shard.owner[0] in names:
+            mp, start, end = shard.owner
+            c, pname = names[mp]
+            ident = {
+                "identity": IDENTITY_VERSION,
+                **coords,
+                "chunk": c,
+                "param": pname,
+                "shape": list(mp.shape),
+                "dtype": _dtype_name(mp.dtype),
+                "start": start,
+                "end": end,
+            }
+        group = f"opt{m.opt}"
+        if not shard.in_bucket:
+            refs.append(ShardRef(f"{m.name}.main", m.param.detach(), group, {"kind": "main_param", **ident}))
+        for key, value in m.state.items():
+            meta = {"kind": "optimizer_state", "key": key, **ident}
+            refs.append(ShardRef(f"{m.name}.{key}", value.detach(), group, meta))
     return refs
+
+
+def _unwrap(module):
+    while hasattr(module, "module"):
+        module = module.module
+    return module
+
+
+def model_description(model_chunks) -> dict | None:
+    """What :func:`.model_rebuild.rebuild` needs to rebuild this model (stored with every checkpoint);
+    ``None`` when the model does not look like a megatron-core GPT."""
+    chunks = list(model_chunks) if isinstance(model_chunks, (list, tuple)) else [model_chunks]
+    if not chunks:
+        return None
+    config = getattr(chunks[0], "config", None)
+    if config is None or not hasattr(config, "num_layers"):
+        return None
+    shapes = {name: tuple(p.shape) for p, (c, name) in parameter_names(chunks).items() if c == 0}
+    word = shapes.get("embedding.word_embeddings.weight")
+    pos = shapes.get("embedding.position_embeddings.weight")
+    return {
+        "arch": type(_unwrap(chunks[0])).__name__,
+        "num_layers": int(config.num_layers),
+        "hidden_size": int(config.hidden_size),
+        "num_attention_heads": int(config.num_attention_heads),
+        "ffn_hidden_size": int(config.ffn_hidden_size) if getattr(config, "ffn_hidden_size", None) else None,
+        "seq_length": int(pos[0]) if pos else None,
+        "vocab_size": int(word[0]) if word else None,
+        "bf16": bool(getattr(config, "bf16", False)),
+        "fp16": bool(getattr(config, "fp16", False)),
+        "tied_embeddings": "output_layer.weight" not in shapes,
+        "model_chunks": len(chunks),
+    }
 
 
 def state_digest(model, optimizer) -> dict[str, int]:

@@ -15,7 +15,7 @@ from datastates_megatron.engine.manifest import (
 
 from .ranks import describe, run_ranks
 
-WORKER = os.path.join(os.path.dirname(__file__), "manager_worker.py")
+WORKER = "tests.workers.manager_worker"
 
 
 def _ok(results):

@@ -9,7 +9,7 @@ from datastates_megatron.engine.dirlock import SaveDirLock
 
 from .ranks import describe, run_ranks
 
-WORKER = os.path.join(os.path.dirname(__file__), "manager_worker.py")
+WORKER = "tests.workers.manager_worker"
 
 
 @pytest.mark.parametrize("refusal", ["SaveDirBusyError", "ForeignCheckpointError"])

@@ -7,7 +7,7 @@ from datastates_megatron.engine.manifest import committed_iterations, iter_dir, 
 
 from .ranks import describe, run_ranks
 
-WORKER = os.path.join(os.path.dirname(__file__), "manager_worker.py")
+WORKER = "tests.workers.manager_worker"
 NODES = {"LOCAL_WORLD_SIZE": "2"}
 
 

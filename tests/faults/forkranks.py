@@ -2,7 +2,7 @@
 ``os.fork()``-ed from the (already warm: torch imported, Numba kernels loaded) calling process and
 calls ``func`` there.
 
-Used by ``scripts/fault_sweep.py`` to afford hundreds of crash/restart runs on two cores (a fresh
+Used by ``tests/faults/sweep.py`` to afford hundreds of crash/restart runs on two cores (a fresh
 interpreter costs ~3.5 CPU-seconds, a fork ~0.1; ``run_ranks`` forks script ranks from a warm
 forkserver for the same reason).  Same contract and result dicts as ``run_ranks``:
 every rank is a real process with its own pid and gloo connections, a crash point is a real SIGKILL,

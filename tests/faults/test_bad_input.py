@@ -31,7 +31,7 @@ from datastates_megatron.engine.manager import CheckpointManager
 from datastates_megatron.engine.manifest import MANIFEST_NAME, iter_dir, read_manifest
 
 from .damage import edit_manifest, flip
-from .fault_worker import fill, is_state_of, make_state
+from tests.workers.fault_worker import fill, is_state_of, make_state
 
 LAYOUT = {"tp": 1, "pp": 1, "dp": 1}
 SENTINEL = -7.0

@@ -138,7 +138,7 @@ def test_interpreter_exit_with_a_save_pending_drains_or_reports(tmp_path):
     root = str(tmp_path / "c")
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
     proc = subprocess.Popen(
-        [sys.executable, os.path.join(HERE, "exit_worker.py"), root],
+        [sys.executable, "-m", "tests.workers.exit_worker", root],
         env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,

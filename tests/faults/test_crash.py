@@ -2,7 +2,7 @@
 a restart loads the newest committed checkpoint (checksums verified), no acknowledged commit is
 lost, start-up cleanup leaves only committed directories, and training resumes bit-exactly.
 
-The exhaustive version (every phase, many points, one rank and all ranks) is scripts/fault_sweep.py;
+The exhaustive version (every phase, many points, one rank and all ranks) is tests/faults/sweep.py;
 this is the CI subset.  Real interpreters via tests/distributed/ranks.py."""
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ import pytest
 from datastates_megatron.engine.manifest import MANIFEST_NAME, committed_iterations, latest_committed, read_tracker
 
 from ..distributed.ranks import describe, run_ranks
-from .fault_worker import acknowledged, read_progress
+from tests.workers.fault_worker import acknowledged, read_progress
 
-WORKER = os.path.join(os.path.dirname(__file__), "fault_worker.py")
+WORKER = "tests.workers.fault_worker"
 
 
 def _crash(root, progress, *extra, env=None, kill_when=None):

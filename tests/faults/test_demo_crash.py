@@ -4,7 +4,7 @@ checkpoint and trains bit-exactly like an uninterrupted run (every loss after th
 final digest of every param shard, main param and Adam state).
 
 tests/integration/test_lazy_checkpointer.py already covers an external kill of all ranks after a
-commit; scripts/fault_sweep.py runs this for every phase."""
+commit; tests/faults/sweep.py runs this for every phase."""
 
 from __future__ import annotations
 

@@ -14,9 +14,9 @@ from datastates_megatron.engine import load_file
 from datastates_megatron.engine.manifest import committed_iterations, iter_dir, read_manifest, read_tracker
 
 from ..distributed.ranks import describe, run_ranks
-from .fault_worker import is_state_of, make_state
+from tests.workers.fault_worker import is_state_of, make_state
 
-WORKER = os.path.join(os.path.dirname(__file__), "fault_worker.py")
+WORKER = "tests.workers.fault_worker"
 BIG = "3000000"  # 12 MB of fp32 per rank
 
 

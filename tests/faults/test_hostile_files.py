@@ -22,7 +22,7 @@ from datastates_megatron.engine import manifest as manifest_mod
 from datastates_megatron.engine.manifest import MANIFEST_NAME, TRACKER_NAME, iter_dir, read_manifest, read_tracker
 
 from .damage import edit_manifest
-from .fault_worker import fill, make_state
+from tests.workers.fault_worker import fill, make_state
 
 
 @pytest.fixture

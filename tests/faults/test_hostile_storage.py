@@ -16,7 +16,7 @@ from datastates_megatron.engine.manager import CheckpointManager
 from datastates_megatron.engine.manifest import MANIFEST_NAME, TRACKER_NAME, iter_dir, rank_file_name, read_manifest
 from datastates_megatron.engine.names import RECYCLE_DIR
 
-from .fault_worker import fill, make_state
+from tests.workers.fault_worker import fill, make_state
 
 
 def _manager(root, **kw):

@@ -4,7 +4,6 @@ model and optimizer are bit-for-bit unchanged (``megatron.shards.state_digest`` 
 
 from __future__ import annotations
 
-import os
 import re
 
 import pytest
@@ -13,7 +12,7 @@ pytest.importorskip("megatron.core")
 
 from ..distributed.ranks import describe, run_ranks  # noqa: E402
 
-WORKER = os.path.join(os.path.dirname(__file__), "lazy_bad_load_worker.py")
+WORKER = "tests.workers.lazy_bad_load_worker"
 
 # what each rank's error must say (rank 1 only for the *_rank1 scenarios: rank 0's file is fine there)
 EXPECT = {

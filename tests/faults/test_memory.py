@@ -21,7 +21,7 @@ CONSTANT = 32 * MiB
 def run_memory_worker(root: str, *args: str, timeout: float = 300) -> dict:
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
     done = subprocess.run(
-        [sys.executable, os.path.join(HERE, "memory_worker.py"), "--root", root, *args],
+        [sys.executable, "-m", "tests.workers.memory_worker", "--root", root, *args],
         env=env,
         capture_output=True,
         text=True,

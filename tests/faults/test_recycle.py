@@ -13,7 +13,7 @@ from datastates_megatron.engine.manager import CheckpointManager
 from datastates_megatron.engine.manifest import iter_dir, read_manifest
 from datastates_megatron.engine.retention import RECYCLE_DIR, take_recycled
 
-from .fault_worker import fill, is_state_of, make_state
+from tests.workers.fault_worker import fill, is_state_of, make_state
 
 
 @pytest.fixture(params=["disk", "tmpfs"])

@@ -9,7 +9,7 @@ from datastates_megatron.engine import EngineOptions
 from datastates_megatron.engine.manager import CheckpointManager
 from datastates_megatron.engine.manifest import iter_dir, rank_file_name, read_manifest
 
-from .fault_worker import fill, make_state
+from tests.workers.fault_worker import fill, make_state
 
 
 def test_commit_removes_older_saves_of_its_iteration_and_keeps_a_newer_one(tmp_path):

@@ -18,7 +18,8 @@ def test_quick_sweep_loses_nothing(tmp_path):
     done = subprocess.run(
         [
             sys.executable,
-            os.path.join(ROOT, "scripts", "fault_sweep.py"),
+            "-m",
+            "tests.faults.sweep",
             "--quick",
             "--no-demo",
             "--dir",
@@ -26,6 +27,7 @@ def test_quick_sweep_loses_nothing(tmp_path):
             "--json",
             str(out),
         ],
+        cwd=ROOT,
         capture_output=True,
         text=True,
         timeout=1200,

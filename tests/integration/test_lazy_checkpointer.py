@@ -2,7 +2,6 @@
 no duplicated bytes across data-parallel ranks, and resuming at another data-parallel size."""
 
 import json
-import os
 
 import pytest
 
@@ -11,7 +10,7 @@ pytest.importorskip("megatron.core")
 from datastates_megatron.engine.manifest import committed_iterations, read_tracker  # noqa: E402
 from tests.distributed.ranks import describe, run_ranks  # noqa: E402
 
-WORKER = os.path.join(os.path.dirname(__file__), "lazy_worker.py")
+WORKER = "tests.workers.lazy_worker"
 DEMO = "datastates_megatron.demo.train"
 MODEL = ["--num-layers", "2", "--hidden-size", "64", "--seq-length", "32", "--vocab-size", "256"]
 SMALL = [*MODEL, "--lazy-ckpt", "--lazy-ckpt-host-cache-gb", "0.01", "--lazy-ckpt-keep-last", "2"]

@@ -25,7 +25,7 @@ from tests.distributed.ranks import describe, run_ranks
 
 needs_megatron = pytest.mark.skipif(importlib.util.find_spec("megatron") is None, reason="needs megatron-core")
 
-WORKER = os.path.join(os.path.dirname(__file__), "reshard_worker.py")
+WORKER = "tests.workers.reshard_worker"
 TOTAL = ["--total", "6"]
 
 

@@ -17,6 +17,8 @@ from datastates_megatron.megatron.args import (
     config_from_args,
     validate_lazy_ckpt_args,
 )
+from datastates_megatron.engine.errors import OptionsError
+from datastates_megatron.engine.options import EngineOptions, ManagerOptions
 from datastates_megatron.megatron.config import LazyCkptConfig
 
 
@@ -146,6 +148,22 @@ def test_recycling_defaults_to_the_local_tier_and_rejects_unknown_values(tmp_pat
     assert "--lazy-ckpt-recycle-files" in capsys.readouterr().err
     with pytest.raises(ValueError, match="recycle_files"):
         LazyCkptConfig(save_dir=str(tmp_path), recycle_files=True)
+
+
+def test_config_reports_every_problem_under_its_own_names(tmp_path):
+    with pytest.raises(OptionsError) as info:
+        LazyCkptConfig(save_dir=str(tmp_path), host_cache_gb=1e-9, flush_threads=0, on_error="ignore")
+    fields = [field for field, _ in info.value.problems]
+    assert fields == ["host_cache_gb", "flush_threads", "on_error"]  # cache_bytes reported as host_cache_gb
+
+
+def test_every_config_field_reaches_the_engine(tmp_path):
+    cfg = LazyCkptConfig(save_dir=str(tmp_path), host_cache_gb=0.5, flush_threads=3, keep_last=7, recycle_files="off")
+    passed = {f.name for f in dataclasses.fields(EngineOptions)} | {f.name for f in dataclasses.fields(ManagerOptions)}
+    paths = {"save_dir", "load_dir", "local_dir", "host_cache_gb"}  # given to the manager as arguments
+    assert {f.name for f in dataclasses.fields(LazyCkptConfig)} - paths <= passed
+    assert cfg.engine_options().cache_bytes == 1 << 29 and cfg.engine_options().flush_threads == 3
+    assert cfg.manager_options() == ManagerOptions(keep_last=7, recycle_files="off")
 
 
 def test_load_defaults_to_save(tmp_path):

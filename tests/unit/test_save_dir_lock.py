@@ -10,9 +10,10 @@ import torch
 
 from datastates_megatron.engine import EngineOptions
 from datastates_megatron.engine.dirlock import SaveDirLock
-from datastates_megatron.engine.errors import CheckpointError, SaveDirBusyError
+from datastates_megatron.engine.errors import CheckpointError, OptionsError, SaveDirBusyError
 from datastates_megatron.engine.manager import CheckpointManager
 from datastates_megatron.engine.names import LOCK_NAME
+from datastates_megatron.engine.options import ManagerOptions
 
 
 def _opts():
@@ -80,3 +81,12 @@ def test_a_symlink_in_place_of_the_lock_file_is_refused_not_followed(tmp_path):
     with pytest.raises(CheckpointError, match="symlink"):
         CheckpointManager(str(root), _opts())
     assert target.read_bytes() == b"precious"
+
+
+def test_bad_options_fail_before_the_directory_is_touched(tmp_path):
+    root = tmp_path / "save"
+    with pytest.raises(OptionsError, match="on_error must be one of raise, warn, got 'ignore'"):
+        CheckpointManager(str(root), _opts(), on_error="ignore")
+    with pytest.raises(TypeError, match="not both"):
+        CheckpointManager(str(root), _opts(), ManagerOptions(), keep_last=0)
+    assert not root.exists()

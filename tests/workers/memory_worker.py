@@ -10,16 +10,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import sys
 import threading
 import time
 
 import psutil
 import torch
 
-if __package__ in (None, ""):
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from datastates_megatron.engine import EngineOptions  # noqa: E402
 from datastates_megatron.engine.manager import CheckpointManager  # noqa: E402
@@ -65,7 +61,7 @@ def main(argv=None) -> dict:
     a = p.parse_args(argv)
     torch.set_num_threads(1)
     if a.slow_write_ms:
-        from tests.faults.fault_worker import slow_writes
+        from tests.workers.fault_worker import slow_writes
 
         slow_writes(a.slow_write_ms)
     n = a.state_mb // a.tensor_mb

@@ -19,8 +19,6 @@ import sys
 
 import torch.distributed as dist
 
-if __package__ in (None, ""):
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from datastates_megatron.engine.file_format import RankFile  # noqa: E402
 from datastates_megatron.engine.manifest import MANIFEST_NAME, iter_dir, read_manifest  # noqa: E402

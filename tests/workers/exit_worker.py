@@ -6,17 +6,14 @@ behind, the exit status and stderr."""
 
 from __future__ import annotations
 
-import os
 import sys
 
 import torch
 
-if __package__ in (None, ""):
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from datastates_megatron.engine import EngineOptions  # noqa: E402
 from datastates_megatron.engine.manager import CheckpointManager  # noqa: E402
-from tests.faults.fault_worker import slow_writes  # noqa: E402
+from tests.workers.fault_worker import slow_writes  # noqa: E402
 
 
 def main() -> None:

@@ -1,7 +1,7 @@
-"""Worker for tests/faults and scripts/fault_sweep.py: CheckpointManager on a deterministic per-rank
+"""Worker for tests/faults and tests/faults/sweep.py: CheckpointManager on a deterministic per-rank
 state, with the faults a test asks for (slow copies, slow restores, timed SIGKILLs, a full disk).
 
-Usable two ways: as a script (``python tests/faults/fault_worker.py MODE ...``, launched by
+Usable two ways: as a script (``python tests/workers/fault_worker.py MODE ...``, launched by
 ``tests/distributed/ranks.py``; prints one ``RESULT <json>`` line) and as a function
 (:func:`run`, called in a forked rank by ``tests/faults/forkranks.py``).
 
@@ -24,8 +24,6 @@ import time
 import torch
 import torch.distributed as dist
 
-if __package__ in (None, ""):
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from datastates_megatron.engine import EngineOptions, NoCheckpointError  # noqa: E402
 from datastates_megatron.engine.manager import CheckpointManager  # noqa: E402

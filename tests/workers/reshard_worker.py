@@ -1,4 +1,4 @@
-"""Worker for test_reshard (and scripts/bench_reshard.py): the demo GPT on CPU gloo ranks, one scenario per run.
+"""Worker for test_reshard (and tests/integration/bench_reshard.py): the demo GPT on CPU gloo ranks, one scenario per run.
 
 The global batch is fixed (``GLOBAL_ROWS`` sequences per iteration, split evenly over the DP ranks),
 so training is the same computation at any DP size up to the order of reductions.
@@ -138,7 +138,7 @@ def main():
     from datastates_megatron.demo import gpt
 
     if a.scenario == "tp2":
-        from datastates_megatron.demo import cuda_on_cpu
+        from datastates_megatron.megatron import cuda_on_cpu
         from megatron.core import parallel_state
 
         cuda_on_cpu.install()

@@ -1,9 +1,9 @@
 #!/usr/bin/env python
 """Restore time of one checkpoint through the same-layout path and through the resharding path.
 
-    python scripts/bench_reshard.py [--layers 4] [--hidden 512] [--bf16] [--with-dp4] [--out DIR] [--json]
+    python -m tests.integration.bench_reshard [--layers 4] [--hidden 512] [--bf16] [--with-dp4] [--out DIR] [--json]
 
-Trains the demo GPT (CPU gloo ranks, ``tests/integration/reshard_worker.py``) for one iteration at
+Trains the demo GPT (CPU gloo ranks, ``tests/workers/reshard_worker.py``) for one iteration at
 DP=2 and checkpoints it, then loads that same checkpoint into fresh processes:
 
   * ``same layout``     DP=2, same buckets: ``CheckpointManager.load`` (whole rank file: verify every
@@ -29,11 +29,9 @@ import shutil
 import sys
 import tempfile
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
 from tests.distributed.ranks import describe, run_ranks  # noqa: E402
 
-WORKER = os.path.join(ROOT, "tests", "integration", "reshard_worker.py")
+WORKER = "tests.workers.reshard_worker"
 
 
 def _run(world: int, args: list[str], timeout: float) -> list[dict]:

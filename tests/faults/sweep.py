@@ -2,9 +2,9 @@
 """Exhaustive fault-injection sweep: kill -9 at every phase, bit flips everywhere, memory pressure,
 a full disk.  Prints what was tried, what survived, and how much data was lost (must be 0).
 
-    python scripts/fault_sweep.py [--quick] [--spawn] [--no-demo] [--no-fulldisk] [--json OUT]
+    python -m tests.faults.sweep [--quick] [--spawn] [--no-demo] [--no-fulldisk] [--json OUT]
 
-Engine level (2 gloo ranks, tests/faults/fault_worker.py; ranks are forked from this warm process,
+Engine level (2 gloo ranks, tests/workers/fault_worker.py; ranks are forked from this warm process,
 or fresh interpreters with ``--spawn``): each injection runs ``save`` of iterations 1-3 with
 ``keep_last=1`` and the fault, then a restart that loads the newest committed checkpoint (checksums
 verified), checks it bit for bit, and saves up to iteration 4.  *Data lost* counts restarts that
@@ -27,7 +27,7 @@ header, objects, manifest), each followed by the load path of every rank: *detec
 tensor touched), *harmless* (bytes nothing reads, e.g. the manifest's ``created``), or *silent*
 (a wrong state or a wrong "latest" loaded without an error).
 
-Memory: tests/faults/memory_worker.py (128 MiB state, 4 MiB cache, 4 saves in flight): RSS growth.
+Memory: tests/workers/memory_worker.py (128 MiB state, 4 MiB cache, 4 saves in flight): RSS growth.
 Full disk: a 64 MiB tmpfs (root only) filled mid-flush and at the manifest.
 """
 
@@ -45,8 +45,7 @@ import sys
 import tempfile
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import torch  # noqa: E402
@@ -64,10 +63,10 @@ from datastates_megatron.engine.manifest import (  # noqa: E402
 from datastates_megatron.engine.load_plan import SameLayoutPlanner  # noqa: E402
 from datastates_megatron.engine.reader import CheckpointReader, open_checkpoint  # noqa: E402
 from tests.distributed.ranks import run_ranks  # noqa: E402
-from tests.faults import fault_worker as fw  # noqa: E402
+from tests.workers import fault_worker as fw  # noqa: E402
 from tests.faults.forkranks import fork_ranks  # noqa: E402
 
-WORKER = os.path.join(ROOT, "tests", "faults", "fault_worker.py")
+WORKER = "tests.workers.fault_worker"
 MiB = 1 << 20
 
 
@@ -413,7 +412,7 @@ class Sweep:
         d = self.fresh("memory")
         env = dict(os.environ, PYTHONPATH=ROOT)
         done = subprocess.run(
-            [sys.executable, os.path.join(ROOT, "tests", "faults", "memory_worker.py"), "--root", os.path.join(d, "c")],
+            [sys.executable, "-m", "tests.workers.memory_worker", "--root", os.path.join(d, "c")],
             env=env,
             capture_output=True,
             text=True,

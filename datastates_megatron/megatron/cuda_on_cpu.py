@@ -1,10 +1,10 @@
-"""TEST/DEMO-ONLY: let megatron-core 0.16.1 run on a CPU-only machine.
+"""Let megatron-core 0.16.1 run on a CPU-only machine (the export's rebuild subprocess, ``cpu_launch``
+and the CPU demo/test harness).
 
 .. warning::
-   This module is a test and demo harness. It monkey-patches ``torch.cuda`` and
-   parts of ``megatron.core`` process-wide. Never import it from library code
-   (``datastates_megatron.engine`` / ``datastates_megatron.megatron``), and never
-   call :func:`install` in a process that has a real GPU (it refuses to: it is a
+   It monkey-patches ``torch.cuda`` and parts of ``megatron.core`` process-wide: install it only in
+   a process of its own that exists to run on CPU (never from the engine or a training job's
+   checkpointer), and never in a process that has a real GPU (it refuses to: :func:`install` is a
    no-op when ``torch.cuda.is_available()`` is True).
 
 Megatron-core assumes CUDA in a few places that matter for a tiny GPT trained

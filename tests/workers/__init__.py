@@ -1,0 +1,1 @@
+"""Worker programs the tests launch as ranks or subprocesses (``python -m tests.workers.<name>``)."""
