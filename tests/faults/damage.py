@@ -6,6 +6,10 @@ import dataclasses
 import json
 import os
 
+import numpy as np
+
+from datastates_megatron.engine.file_format import HEADER_BYTES, INDEX_WORDS, RankFile
+from datastates_megatron.engine.hashing import xxh64
 from datastates_megatron.engine.manifest import MANIFEST_NAME, Manifest, RankRecord, iter_dir
 
 
@@ -49,3 +53,28 @@ def edit_manifest(ckpt_dir: str, edit, *, reseal: bool = True) -> None:
 
 def manifest_path(root: str, iteration: int) -> str:
     return os.path.join(iter_dir(root, iteration), MANIFEST_NAME)
+
+
+def reseal_index_record(path: str, name: str, edit) -> None:
+    """Rewrite the index record of tensor ``name`` (``edit(record words, checksums, file bytes)``
+    changes them in place), then recompute every checksum a hand editor can: the index's, the
+    header's and the manifest's record of both."""
+    with RankFile(path) as rf:
+        h, names = rf.header, list(rf.entries)
+    with open(path, "r+b") as f:
+        raw = bytearray(f.read())
+    n, words = h.n_tensors, INDEX_WORDS
+    index = np.frombuffer(raw, "<u8", n * words, h.index_offset).reshape(n, words).copy()
+    cks = np.frombuffer(raw, "<u8", int(index[:, 15].sum()), h.index_offset + n * words * 8).copy()
+    edit(index[names.index(name)], cks, raw)
+    raw[h.index_offset : h.index_offset + index.nbytes] = index.tobytes()
+    raw[h.index_offset + index.nbytes : h.index_offset + index.nbytes + cks.nbytes] = cks.tobytes()
+    index_xxh64 = xxh64(bytes(raw[h.index_offset : h.index_offset + h.index_bytes]))
+    header = dataclasses.replace(h, index_xxh64=index_xxh64).pack()
+    raw[:HEADER_BYTES] = header
+    with open(path, "wb") as f:
+        f.write(raw)
+    edit_manifest(
+        os.path.dirname(path),
+        lambda b: b["ranks"][0].update(index_xxh64=index_xxh64, header_xxh64=xxh64(header)),
+    )

@@ -29,6 +29,11 @@ tensor touched), *harmless* (bytes nothing reads, e.g. the manifest's ``created`
 
 Memory: tests/workers/memory_worker.py (128 MiB state, 4 MiB cache, 4 saves in flight): RSS growth.
 Full disk: a 64 MiB tmpfs (root only) filled mid-flush and at the manifest.
+
+Hostile storage (tests/faults/attacks.py): symlinks, FIFOs, /dev/zero, huge numbers, deep nesting and
+resealed bad fields planted in a save directory, each followed by what a user or trainer runs on it
+(ls, verify, load, start-up and save) in a forked child: the outcome, its time and peak memory
+growth, and whether any byte outside the save directory changed.
 """
 
 from __future__ import annotations
@@ -407,6 +412,24 @@ class Sweep:
         return outcome
 
     # ------------------------------------------------------------------------------ memory, disk
+    def hostile(self) -> list[dict]:
+        from tests.faults import attacks
+
+        print(f"hostile storage: {len(attacks.ATTACKS)} attacks, each in a forked child (30 s limit)", flush=True)
+        attacks.warm_up(self.fresh("hostile-warm-up"))
+        out = []
+        for attack in attacks.ATTACKS:
+            got = attacks.run_attack(attack, self.fresh("hostile"))
+            got["attack"] = attack.name
+            out.append(got)
+            mark = "ok  " if got["as_specified"] else "FAIL"
+            print(
+                f"  [{mark}] {attack.name:<46} {got['wall_s']:6.2f} s {got['rss_growth'] / MiB:6.1f} MiB  "
+                f"outside {'unchanged' if got['outside_unchanged'] else 'CHANGED'}  {got['outcome'][:90]}",
+                flush=True,
+            )
+        return out
+
     def memory(self) -> dict:
         print("memory: 128 MiB state, 4 MiB host cache, 4 saves in flight, slow storage", flush=True)
         d = self.fresh("memory")
@@ -503,7 +526,9 @@ def _lines(text: bytes):
         start += len(line) + 1
 
 
-def summarize(sweep: Sweep, corruption: dict | None, memory: dict | None, disk: list | None, wall: float) -> dict:
+def summarize(
+    sweep: Sweep, corruption: dict | None, memory: dict | None, disk: list | None, hostile: list | None, wall: float
+) -> dict:
     by_phase: dict = collections.OrderedDict()
     for o in sweep.outcomes:
         row = by_phase.setdefault(o.phase, collections.Counter())
@@ -583,6 +608,18 @@ def summarize(sweep: Sweep, corruption: dict | None, memory: dict | None, disk: 
                         f"{d.get('committed')}, left in iter_0000002: {d.get('partial_left')}"
                     )
         summary["full_disk"] = disk
+    if hostile:
+        bad = [h["attack"] for h in hostile if not h["as_specified"]]
+        summary["hostile_failures"] = len(bad)
+        print(
+            f"\nhostile storage: {len(hostile) - len(bad)} / {len(hostile)} attacks as specified; bytes changed outside "
+            f"the save directory: {sum(not h['outside_unchanged'] for h in hostile)}; slowest "
+            f"{max(h['wall_s'] for h in hostile):.2f} s; largest memory growth "
+            f"{max(h['rss_growth'] for h in hostile) / MiB:.1f} MiB"
+        )
+        for name in bad:
+            print(f"  not as specified: {name}")
+        summary["hostile"] = hostile
     silent = sum(c.get("silent", 0) for c in (corruption or {"by_place": {}})["by_place"].values())
     print(
         f"\ndata lost = {tot['lost']} (restarts that lost an acknowledged commit or could not load); "
@@ -600,7 +637,9 @@ def main(argv=None) -> int:
     p.add_argument("--spawn", action="store_true", help="fresh interpreters per rank instead of forks (slower)")
     p.add_argument("--no-demo", action="store_true", help="skip the demo-trainer (megatron-core) sweep")
     p.add_argument("--no-fulldisk", action="store_true", help="skip the tmpfs full-disk runs")
-    p.add_argument("--only", default=None, help="comma-separated sections: engine,restore,demo,corruption,memory,disk")
+    p.add_argument(
+        "--only", default=None, help="comma-separated sections: engine,restore,demo,corruption,memory,disk,hostile"
+    )
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--dir", default=None, help="where to put the scratch checkpoints (default: $TMPDIR)")
     p.add_argument("--keep", action="store_true", help="keep the scratch checkpoints")
@@ -609,14 +648,14 @@ def main(argv=None) -> int:
     torch.set_num_threads(1)
     for module in (hashing, data_layout, file_format):
         module.warmup()  # forked ranks inherit the loaded kernels
-    sections = set((a.only or "engine,restore,demo,corruption,memory,disk").split(","))
+    sections = set((a.only or "engine,restore,demo,corruption,memory,disk,hostile").split(","))
     if a.no_demo:
         sections.discard("demo")
     if a.no_fulldisk:
         sections.discard("disk")
     sweep = Sweep(a)
     t0 = time.perf_counter()
-    corruption = memory = disk = None
+    corruption = memory = disk = hostile = None
     try:
         if "engine" in sections:
             sweep.engine_sweep()
@@ -628,16 +667,19 @@ def main(argv=None) -> int:
             sweep.demo_sweep()
         if "memory" in sections:
             memory = sweep.memory()
+        if "hostile" in sections:
+            hostile = sweep.hostile()
         if "corruption" in sections:  # last: it runs restore threads in this process
             corruption = sweep.corruption_sweep()
     finally:
         if not a.keep:
             shutil.rmtree(sweep.tmp, ignore_errors=True)
-    summary = summarize(sweep, corruption, memory, disk, time.perf_counter() - t0)
+    summary = summarize(sweep, corruption, memory, disk, hostile, time.perf_counter() - t0)
     if a.json:
         with open(a.json, "w") as f:
             json.dump(summary, f, indent=1, default=str)
-    return 1 if summary["data_lost"] or summary["silent_corruptions"] or summary.get("full_disk_failures") else 0
+    failed = summary.get("full_disk_failures") or summary.get("hostile_failures")
+    return 1 if summary["data_lost"] or summary["silent_corruptions"] or failed else 0
 
 
 if __name__ == "__main__":

@@ -8,12 +8,10 @@ model/optimizer unchanged, compared by ``megatron.shards.state_digest``) is test
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import shutil
 import struct
 
-import numpy as np
 
 import pytest
 import torch
@@ -25,12 +23,12 @@ from datastates_megatron.engine import (
     FormatVersionError,
     LayoutMismatchError,
 )
-from datastates_megatron.engine.file_format import HEADER_BYTES, INDEX_WORDS, Header, RankFile
+from datastates_megatron.engine.file_format import HEADER_BYTES, Header, RankFile
 from datastates_megatron.engine.hashing import xxh64
 from datastates_megatron.engine.manager import CheckpointManager
 from datastates_megatron.engine.manifest import MANIFEST_NAME, iter_dir, read_manifest
 
-from .damage import edit_manifest, flip
+from .damage import edit_manifest, flip, reseal_index_record
 from tests.workers.fault_worker import fill, is_state_of, make_state
 
 LAYOUT = {"tp": 1, "pp": 1, "dp": 1}
@@ -157,31 +155,6 @@ def test_rank_file_replaced_by_a_directory_is_refused(ckpt):
     _expect(root, r"rank 0 file r00000-.*\.dsck is missing")
 
 
-def _reseal(path: str, name: str, edit) -> None:
-    """Rewrite the index record of tensor ``name`` (``edit(record words, checksums, file bytes)``
-    changes them in place), then recompute every checksum a hand editor can: the index's, the
-    header's and the manifest's record of both."""
-    with RankFile(path) as rf:
-        h, names = rf.header, list(rf.entries)
-    with open(path, "r+b") as f:
-        raw = bytearray(f.read())
-    n, words = h.n_tensors, INDEX_WORDS
-    index = np.frombuffer(raw, "<u8", n * words, h.index_offset).reshape(n, words).copy()
-    cks = np.frombuffer(raw, "<u8", int(index[:, 15].sum()), h.index_offset + n * words * 8).copy()
-    edit(index[names.index(name)], cks, raw)
-    raw[h.index_offset : h.index_offset + index.nbytes] = index.tobytes()
-    raw[h.index_offset + index.nbytes : h.index_offset + index.nbytes + cks.nbytes] = cks.tobytes()
-    index_xxh64 = xxh64(bytes(raw[h.index_offset : h.index_offset + h.index_bytes]))
-    header = dataclasses.replace(h, index_xxh64=index_xxh64).pack()
-    raw[:HEADER_BYTES] = header
-    with open(path, "wb") as f:
-        f.write(raw)
-    edit_manifest(
-        os.path.dirname(path),
-        lambda b: b["ranks"][0].update(index_xxh64=index_xxh64, header_xxh64=xxh64(header)),
-    )
-
-
 def test_an_index_declaring_half_a_tensor_is_refused_before_any_tensor_is_copied(tmp_path):
     """A resealed index (every checksum valid) whose record of ``b`` declares half its bytes: the
     load is refused naming the file and tensor, and ``a``, ``b`` and ``c`` keep their bits."""
@@ -198,7 +171,7 @@ def test_an_index_declaring_half_a_tensor_is_refused_before_any_tensor_is_copied
         rec[13] //= 2
         cks[rec[14]] = xxh64(bytes(raw[rec[12] : rec[12] + rec[13]]))  # the half is sealed too
 
-    _reseal(path, "b", halve)
+    reseal_index_record(path, "b", halve)
     live = {n: torch.full((1000,), -float(i + 1)) for i, n in enumerate("abc")}
     before = {n: t.clone() for n, t in live.items()}
     with _manager(root) as mgr:

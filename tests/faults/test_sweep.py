@@ -1,4 +1,5 @@
-"""The quick fault sweep end to end (slow: ~1-2 minutes of two cores; the full sweep is a script)."""
+"""The quick fault sweep end to end (slow: ~1-2 minutes of two cores; the full sweep is a script),
+and its hostile-storage section (a few seconds)."""
 
 from __future__ import annotations
 
@@ -39,4 +40,23 @@ def test_quick_sweep_loses_nothing(tmp_path):
         "total"
     ]
     assert summary["silent_corruptions"] == 0, done.stdout[-3000:]
+    assert done.returncode == 0, done.stdout[-3000:]
+
+
+def test_hostile_storage_section_every_attack_as_specified_nothing_outside_changed(tmp_path):
+    out = tmp_path / "summary.json"
+    done = subprocess.run(
+        [sys.executable, "-m", "tests.faults.sweep", "--only", "hostile", "--dir", str(tmp_path), "--json", str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.exists(), done.stdout[-3000:] + done.stderr[-3000:]
+    hostile = json.loads(out.read_text())["hostile"]
+    assert len(hostile) >= 20
+    for h in hostile:
+        assert h["as_specified"] and h["outside_unchanged"], h
+        assert "TRACEBACK" not in h["outcome"] and h["wall_s"] < 10, h
+        assert h["rss_growth"] < 64 << 20, h  # the stated bound: 64 MiB
     assert done.returncode == 0, done.stdout[-3000:]

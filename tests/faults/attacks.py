@@ -1,0 +1,319 @@
+"""Hostile and broken storage, as a catalogue the fault sweep runs (``--only hostile``): each attack
+plants something in a fresh save directory, then runs what a user or the trainer would (``ls``,
+``verify``, a load, a start-up with retention, a save) in a forked child with a time limit, and
+reports what happened, the child's peak memory growth, and whether any byte outside the save
+directory changed.  The per-attack assertions live in test_hostile_storage.py,
+test_hostile_files.py and test_bad_input.py; this is the same set, measured side by side."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import io
+import json
+import logging
+import math
+import os
+import resource
+import shutil
+import signal
+import time
+
+import torch
+
+from datastates_megatron.cli import main as cli
+from datastates_megatron.engine import CheckpointError, EngineOptions
+from datastates_megatron.engine.hashing import xxh64
+from datastates_megatron.engine.manager import CheckpointManager
+from datastates_megatron.engine.manifest import MANIFEST_NAME, TRACKER_NAME, iter_dir, rank_file_name, read_manifest
+from datastates_megatron.engine.names import RECYCLE_DIR
+from tests.faults.damage import edit_manifest, reseal_index_record
+from tests.workers.fault_worker import fill, make_state
+
+MiB = 1 << 20
+BIG = 5_000  # elements of the big tensor: a tiny state, so memory growth is the attack's
+
+
+def _manager(root: str, **policy) -> CheckpointManager:
+    policy.setdefault("keep_last", 0)
+    return CheckpointManager(root, EngineOptions(cache_bytes=256 << 10, timeout_s=30), **policy)
+
+
+def commit(root: str, iterations=(1, 2), **policy) -> None:
+    """A save directory with ``iterations`` committed (one rank)."""
+    ts = make_state(0, BIG)
+    with _manager(root, **policy) as mgr:
+        for n, t in ts.items():
+            mgr.register(n, t)
+        for it in iterations:
+            fill(ts, 0, it)
+            mgr.save(it, {"iteration": it})
+            mgr.wait()
+
+
+def _rank_file(root: str, it: int) -> str:
+    return os.path.join(iter_dir(root, it), read_manifest(iter_dir(root, it)).ranks[0].file)
+
+
+# ------------------------------------------------------------------------------------------ victims
+def _cli(*argv) -> str:
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = cli([str(a) for a in argv])  # an escaping exception is reported as a traceback
+    why = err.getvalue().strip() or next((x.strip() for x in out.getvalue().splitlines() if "ERROR" in x), "")
+    return f"rc {code}" + (f": {why[:120]}" if code else "")
+
+
+def op_ls(root: str) -> str:
+    return _cli("ls", root)
+
+
+def op_verify(root: str, it: int = 2) -> str:
+    return _cli("verify", iter_dir(root, it))
+
+
+def op_load(root: str, it: int | None = None) -> str:
+    """Load into a live state; a refused load must leave every live tensor as it was."""
+    ts = make_state(0, BIG)
+    for t in ts.values():
+        t.fill_(7)
+    with _manager(root) as mgr:
+        for n, t in ts.items():
+            mgr.register(n, t)
+        try:
+            got = mgr.load(it)
+        except CheckpointError as e:
+            if not all(bool((t == 7).all()) for t in ts.values()):
+                return "PARTIAL RESTORE: " + str(e)[:100]
+            return f"refused: {type(e).__name__}: {str(e)[:100]}"
+    return f"loaded iteration {got.iteration}"
+
+
+def op_start_and_save(root: str) -> str:
+    """A trainer starting on the directory (start-up cleanup), saving iteration 3 with retention."""
+    ts = make_state(0, BIG)
+    try:
+        with _manager(root, keep_last=1, recycle_files="all") as mgr:
+            for n, t in ts.items():
+                mgr.register(n, t)
+            fill(ts, 0, 3)
+            mgr.save(3, {"iteration": 3})
+            mgr.wait()
+    except CheckpointError as e:
+        return f"refused: {type(e).__name__}: {str(e)[:100]}"
+    return "saved iteration 3"
+
+
+# ------------------------------------------------------------------------------------------ attacks
+@dataclasses.dataclass(frozen=True)
+class Attack:
+    name: str
+    plant: object  # plant(root, outside) before the child starts; outside is a directory of files to guard
+    run: object  # run(root) -> str, in the child
+    expect: str  # a substring the outcome must hold
+
+
+def _replace(path: str, make) -> None:
+    os.unlink(path)
+    make(path)
+
+
+def _manifest(root: str, it: int = 2) -> str:
+    return os.path.join(iter_dir(root, it), MANIFEST_NAME)
+
+
+def _fifo_manifest(root, outside):
+    _replace(_manifest(root), os.mkfifo)
+
+
+def _dev_zero_manifest(root, outside):
+    _replace(_manifest(root), lambda p: os.symlink("/dev/zero", p))
+
+
+def _dev_zero_tracker(root, outside):
+    _replace(os.path.join(root, TRACKER_NAME), lambda p: os.symlink("/dev/zero", p))
+
+
+def _raw_manifest(text):
+    def plant(root, outside):
+        with open(_manifest(root), "w") as f:
+            f.write(text)
+
+    return plant
+
+
+def _resealed(edit, reseal=True):
+    def plant(root, outside):
+        edit_manifest(iter_dir(root, 2), edit, reseal=reseal)
+
+    return plant
+
+
+def _manifest_dir(root, outside):
+    _replace(_manifest(root), os.mkdir)
+
+
+def _rank_file_link(root, outside):
+    path = _rank_file(root, 2)
+    copy = os.path.join(outside, "rank-file-copy.dsck")
+    shutil.copy(path, copy)
+    _replace(path, lambda p: os.symlink(copy, p))
+
+
+def _iter_dir_link(root, outside):
+    archive = os.path.join(outside, "archive")
+    shutil.move(iter_dir(root, 2), archive)
+    os.symlink(archive, iter_dir(root, 2))
+
+
+def _half_index(root, outside):
+    """The index record of ``big`` declares half its bytes; index, header and manifest resealed."""
+
+    def halve(rec, cks, raw):
+        rec[13] //= 2
+        cks[rec[14]] = xxh64(bytes(raw[rec[12] : rec[12] + rec[13]]))
+
+    reseal_index_record(_rank_file(root, 2), "big", halve)
+
+
+def _link_at_next_rank_file(root):
+    """In the child: a trainer resumes; a link to an outside file waits at its next rank file name."""
+    ts = make_state(0, BIG)
+    with _manager(root) as mgr:
+        for n, t in ts.items():
+            mgr.register(n, t)
+        os.makedirs(iter_dir(root, 3))
+        os.symlink(_outside_victim(root), os.path.join(iter_dir(root, 3), rank_file_name(0, mgr.token, mgr._seq + 1)))
+        try:
+            mgr.save(3, {"iteration": 3})
+            mgr.wait()
+        except CheckpointError as e:
+            return f"refused: {type(e).__name__}: {str(e)[:100]}"
+    return "saved iteration 3"
+
+
+def _link_at_temp(name_of):
+    def run(root):
+        os.makedirs(iter_dir(root, 3), exist_ok=True)
+        os.symlink(_outside_victim(root), name_of(root, os.getpid()))  # an attacker that guessed our pid
+        return op_start_and_save(root)
+
+    return run
+
+
+def _recycle_links(root, outside):
+    pool = os.path.join(root, RECYCLE_DIR)
+    os.makedirs(pool, exist_ok=True)
+    os.symlink(os.path.join(outside, "precious.bin"), os.path.join(pool, f"{0:07d}-{rank_file_name(0, 'x' * 16, 99)}"))
+    _replace(_rank_file(root, 1), lambda p: os.symlink(os.path.join(outside, "precious.bin"), p))
+
+
+def _outside_victim(root: str) -> str:
+    return os.path.join(os.path.dirname(root), "outside", "precious.bin")
+
+
+def _nothing(root, outside):
+    pass
+
+
+ATTACKS = [
+    Attack("manifest -> /dev/zero: ls", _dev_zero_manifest, op_ls, "rc 0"),
+    Attack("manifest -> /dev/zero: load", _dev_zero_manifest, op_load, "refused"),
+    Attack("manifest is a FIFO: ls", _fifo_manifest, op_ls, "rc 0"),
+    Attack("manifest is a FIFO: verify", _fifo_manifest, op_verify, "rc 1"),
+    Attack("manifest is a FIFO: start-up", _fifo_manifest, op_start_and_save, "saved"),
+    Attack("tracker -> /dev/zero: ls", _dev_zero_tracker, op_ls, "rc 0"),
+    Attack(
+        "world_size 10^12, bad checksum: ls", _resealed(lambda b: b.update(world_size=10**12), False), op_ls, "rc 0"
+    ),
+    Attack("manifest nested 1,500 deep: ls", _raw_manifest("[" * 1500 + "]" * 1500), op_ls, "rc 0"),
+    Attack("manifest nested 1,500 deep: start-up", _raw_manifest("[" * 1500 + "]" * 1500), op_start_and_save, "saved"),
+    Attack("manifest is a directory: start-up", _manifest_dir, op_start_and_save, "saved"),
+    Attack('resealed "file": 123: verify', _resealed(lambda b: b["ranks"][0].update(file=123)), op_verify, "rc 1"),
+    Attack("resealed created NaN: verify", _resealed(lambda b: b.update(created=math.nan)), op_verify, "rc 1"),
+    Attack("resealed world_size 2.7: load", _resealed(lambda b: b.update(world_size=2.7)), op_load, "refused"),
+    Attack("resealed half-size index: load", _half_index, op_load, "refused"),
+    Attack("resealed half-size index: verify", _half_index, op_verify, "rc 1"),
+    Attack("rank file -> copy outside: load", _rank_file_link, op_load, "refused"),
+    Attack("rank file -> copy outside: verify", _rank_file_link, op_verify, "rc 1"),
+    Attack("iter_* -> archive outside: load", _iter_dir_link, op_load, "refused"),
+    Attack("iter_* -> archive outside: start-up", _iter_dir_link, op_start_and_save, "saved"),
+    Attack("link at next rank file name: save", _nothing, _link_at_next_rank_file, "refused"),
+    Attack(
+        "link at manifest temp name: save",
+        _nothing,
+        _link_at_temp(lambda root, pid: os.path.join(iter_dir(root, 3), f"{MANIFEST_NAME}.tmp-{pid}")),
+        "refused",
+    ),
+    Attack(
+        "link at tracker temp name: save",
+        _nothing,
+        _link_at_temp(lambda root, pid: os.path.join(root, f"{TRACKER_NAME}.tmp-{pid}")),
+        "saved",  # the tracker is a hint: its update is skipped, the commit stands
+    ),
+    Attack("links as rank file and in recycle pool: save", _recycle_links, op_start_and_save, "saved"),
+]
+
+
+def _digests(directory: str) -> dict[str, str]:
+    out = {}
+    for dirpath, _, files in os.walk(directory):
+        for name in files:
+            p = os.path.join(dirpath, name)
+            with open(p, "rb") as f:
+                out[os.path.relpath(p, directory)] = hashlib.sha256(f.read()).hexdigest()
+    return out
+
+
+def _in_child(run, root: str, limit_s: float) -> dict:
+    """``run(root)`` in a forked child under SIGALRM; its outcome, time and peak RSS growth."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # child
+        os.close(r)
+        try:
+            logging.disable(logging.WARNING)  # the table says what happened; the engine's log lines would bury it
+            signal.alarm(int(math.ceil(limit_s)))
+            before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+            t0 = time.perf_counter()
+            try:
+                outcome = run(root)
+            except BaseException as e:  # reported: the sweep goes on
+                outcome = f"TRACEBACK {type(e).__name__}: {str(e)[:100]}"
+            wall = time.perf_counter() - t0
+            growth = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) * 1024
+            os.write(w, json.dumps({"outcome": outcome, "wall_s": wall, "rss_growth": growth}).encode())
+        finally:
+            os._exit(0)
+    os.close(w)
+    with os.fdopen(r, "rb") as f:
+        data = f.read()
+    _, status = os.waitpid(pid, 0)
+    if not data:
+        return {"outcome": f"CHILD DIED (wait status {status})", "wall_s": limit_s, "rss_growth": 0}
+    return json.loads(data)
+
+
+def run_attack(attack: Attack, workdir: str, limit_s: float = 30.0) -> dict:
+    """Plant ``attack`` in a fresh save directory under ``workdir`` and run its victim operation."""
+    root, outside = os.path.join(workdir, "ckpt"), os.path.join(workdir, "outside")
+    os.makedirs(outside)
+    with open(os.path.join(outside, "precious.bin"), "wb") as f:
+        f.write(os.urandom(8192))
+    commit(root)
+    attack.plant(root, outside)
+    guarded = _digests(outside)
+    got = _in_child(attack.run, root, limit_s)
+    got["outside_unchanged"] = _digests(outside) == guarded
+    got["as_specified"] = attack.expect in got["outcome"] and got["outside_unchanged"]
+    return got
+
+
+def warm_up(workdir: str) -> None:
+    """Import and JIT everything once in the parent, so children measure the attack, not warm-up."""
+    root = os.path.join(workdir, "ckpt")
+    commit(root)
+    op_ls(root), op_verify(root), op_load(root)
+    shutil.rmtree(root)
+    torch.set_num_threads(1)
