@@ -40,8 +40,9 @@ from .shards import (
     bucket_shards,
     inner_optimizers,
     main_param_owners,
+    main_params,
+    main_shards,
     parameter_names,
-    storage_span,
 )
 
 __all__ = ["EXPORT_HINT", "check_layout", "CheckpointIndex", "ReshardPlanner", "plan_restore"]
@@ -213,8 +214,8 @@ def plan_restore(model, optimizer, index: CheckpointIndex, ckpt: str = "") -> li
     names = parameter_names(model)
     _check_params(index, names, ckpt)
     plan: list[tuple[ElementRange, torch.Tensor]] = []
-    spans = []
-    for b in bucket_shards(model):
+    buckets = bucket_shards(model)
+    for b in buckets:
         if b.buffer.startswith("ep_"):
             raise LayoutMismatchError(f"{ckpt}: expert-parallel buffers cannot be resharded across data-parallel sizes")
         for pname, _shape, _dtype, start, end, offset in bucket_param_ranges(
@@ -222,38 +223,30 @@ def plan_restore(model, optimizer, index: CheckpointIndex, ckpt: str = "") -> li
         ):
             for r, at in index.ranges((b.chunk, pname, "param"), start, end):
                 plan.append((r, b.shard[offset + at : offset + at + r.count]))
-        spans.append(storage_span(b.shard.detach()) if b.shard.numel() else (0, 0))
-    owners = main_param_owners(optimizer)
-    for i, inner in enumerate(inner_optimizers(optimizer)):
-        for g, pg in enumerate(inner.param_groups):
-            for j, main in enumerate(pg["params"]):
-                owner = owners[i][g][j]
-                if owner is None:
-                    raise LayoutMismatchError(
-                        f"optimizer {i} group {g} param {j}: not a DistributedOptimizer shard; cannot reshard"
-                    )
-                mp, start, end = owner
-                c, pname = names[mp]
-                flat = main.detach().view(-1)
-                if main.numel():
-                    s, e = storage_span(main.detach())
-                    if not any(a <= s and e <= z for a, z in spans):  # fp32 model: the main param is the buffer slice
-                        plan += [(r, flat[at : at + r.count]) for r, at in index.ranges((c, pname, "main"), start, end)]
-                for key, value in inner.state.get(main, {}).items():
-                    if not isinstance(value, torch.Tensor):
-                        continue
-                    if value.dim() == 0:
-                        src = index.scalars.get((c, pname, key))
-                        if src is None:
-                            raise LayoutMismatchError(f"{ckpt}: no {key!r} for parameter {pname!r} in the checkpoint")
-                        plan.append((src, value))
-                        continue
-                    if value.numel() != end - start:
-                        raise LayoutMismatchError(
-                            f"optimizer state {key!r} of {pname!r} has {value.numel()} elements, shard has {end - start}"
-                        )
-                    dst = value.view(-1)
-                    plan += [(r, dst[at : at + r.count]) for r, at in index.ranges((c, pname, key), start, end)]
+    for shard in main_shards(optimizer, buckets):
+        m = shard.main
+        if shard.owner is None:
+            raise LayoutMismatchError(
+                f"optimizer {m.opt} group {m.group} param {m.index}: not a DistributedOptimizer shard; cannot reshard"
+            )
+        mp, start, end = shard.owner
+        c, pname = names[mp]
+        if m.param.numel() and not shard.in_bucket:  # fp32 model: the main param is the buffer slice
+            flat = m.param.detach().view(-1)
+            plan += [(r, flat[at : at + r.count]) for r, at in index.ranges((c, pname, "main"), start, end)]
+        for key, value in m.state.items():
+            if value.dim() == 0:
+                src = index.scalars.get((c, pname, key))
+                if src is None:
+                    raise LayoutMismatchError(f"{ckpt}: no {key!r} for parameter {pname!r} in the checkpoint")
+                plan.append((src, value))
+                continue
+            if value.numel() != end - start:
+                raise LayoutMismatchError(
+                    f"optimizer state {key!r} of {pname!r} has {value.numel()} elements, shard has {end - start}"
+                )
+            dst = value.view(-1)
+            plan += [(r, dst[at : at + r.count]) for r, at in index.ranges((c, pname, key), start, end)]
     return plan
 
 
@@ -280,17 +273,13 @@ def _remap_training(reader: CheckpointReader, index: CheckpointIndex, optimizer,
                 by_param.setdefault((i, key), plain)
     names = parameter_names(model)
     owners = main_param_owners(optimizer)
-    optimizers = []
-    for i, (opt_state, inner) in enumerate(zip(training["optimizers"], inner_optimizers(optimizer))):
-        plain = {}
-        for g, pg in enumerate(inner.param_groups):
-            for j in range(len(pg["params"])):
-                owner = owners[i][g][j]
-                found = by_param.get((i, names[owner[0]])) if owner is not None else None
-                if found:
-                    plain[f"g{g}.p{j}"] = found
-        optimizers.append({**opt_state, "plain_state": plain})
-    training["optimizers"] = optimizers
+    plain: list[dict] = [{} for _ in inner_optimizers(optimizer)]
+    for m in main_params(optimizer):
+        owner = owners[m.opt][m.group][m.index]
+        found = by_param.get((m.opt, names[owner[0]])) if owner is not None else None
+        if found:
+            plain[m.opt][f"g{m.group}.p{m.index}"] = found
+    training["optimizers"] = [{**o, "plain_state": p} for o, p in zip(training["optimizers"], plain)]
     return training
 
 
