@@ -1,10 +1,10 @@
 """Asynchronous cross-rank commit: agree that every rank's file is durable, then write the manifest.
 
 One thread per rank (``dsm-commit-r{rank}``) takes tickets in save order.  For each it waits for the
-local file to be durable, then all ranks exchange one small int64 status vector (``all_gather`` on a
-dedicated gloo group that no other code uses, so it never interleaves with training collectives).
+local file to be durable, then all ranks gather one status record (:class:`.collective.Collective`
+on a dedicated gloo group that no other code uses, so it never interleaves with training collectives).
 If every rank succeeded, the tier's writer (rank 0; on the local tier each node's first rank)
-writes ``manifest.json`` (the commit point) and the ranks agree on the outcome (all_reduce MIN);
+writes ``manifest.json`` (the commit point) and the ranks agree on the outcome;
 the tracker follows; otherwise nothing is written and every rank learns which ranks failed.
 Retention runs afterwards on rank 0, on this thread, so deletions never block training.
 
@@ -21,8 +21,7 @@ import os
 import threading
 import time
 
-import torch
-
+from .collective import Collective
 from .errors import CacheTimeoutError, CommitError
 from .faults import crash_point
 from .manifest import (
@@ -40,8 +39,19 @@ from .threads import QueueThread
 __all__ = ["Committer", "Ticket", "CommitRecord"]
 
 log = logging.getLogger(__name__)
-_FIELDS = (
-    11  # ok, iteration, seq, file_bytes, data_bytes, n_tensors, index_xxh64, header_xxh64, copy_us, flush_us, call_us
+# one rank's status of one save, gathered by every rank (checksums as signed int64)
+_STATUS = (
+    "ok",
+    "iteration",
+    "seq",
+    "file_bytes",
+    "data_bytes",
+    "n_tensors",
+    "index_xxh64",
+    "header_xxh64",
+    "copy_us",
+    "flush_us",
+    "call_us",
 )
 
 
@@ -94,7 +104,7 @@ class Committer(QueueThread):
         *,
         rank: int,
         world_size: int,
-        group,
+        collective: Collective,
         token: str,
         layout: dict,
         next_commit_seq: int,
@@ -111,7 +121,7 @@ class Committer(QueueThread):
         self._recycle = recycle  # retention moves rank files to the pool the next saves reuse
         self.rank = rank
         self.world_size = world_size
-        self._group = group
+        self._coll = collective  # this tier's own group: used by the commit thread only
         self._token = token
         self._layout = layout
         self._commit_seq = next_commit_seq
@@ -193,43 +203,35 @@ class Committer(QueueThread):
                 self._outstanding.pop(ticket.seq, None)
                 self._idle.notify_all()
 
-    def _status(self, ticket: Ticket) -> torch.Tensor:
-        status = torch.zeros(_FIELDS, dtype=torch.int64)
-        status[1], status[2] = ticket.iteration, ticket.seq
+    def _status(self, ticket: Ticket) -> dict[str, int]:
+        """This rank's status record of ``ticket`` (zeros after its ``ok`` when its file failed)."""
+        status = dict.fromkeys(_STATUS, 0)
+        status.update(iteration=ticket.iteration, seq=ticket.seq)
         try:
             r = ticket.durable.result(timeout=self._timeout)
         except BaseException:  # noqa: BLE001 - the engine already stored and logged this rank's error
             return status
-        values = [
-            1,
-            ticket.iteration,
-            ticket.seq,
-            r.file_bytes,
-            r.data_bytes,
-            r.n_tensors,
-            _to_i64(r.index_xxh64),
-            _to_i64(r.header_xxh64),
-            int(r.copy_s * 1e6),
-            int(r.flush_s * 1e6),
-            int(r.save_call_s * 1e6),
-        ]
-        return torch.tensor(values, dtype=torch.int64)
+        status.update(
+            ok=1,
+            file_bytes=r.file_bytes,
+            data_bytes=r.data_bytes,
+            n_tensors=r.n_tensors,
+            index_xxh64=_to_i64(r.index_xxh64),
+            header_xxh64=_to_i64(r.header_xxh64),
+            copy_us=int(r.copy_s * 1e6),
+            flush_us=int(r.flush_s * 1e6),
+            call_us=int(r.save_call_s * 1e6),
+        )
+        return status
 
     def _commit(self, ticket: Ticket) -> None:
-        import torch.distributed as dist
-
-        mine = self._status(ticket)
-        if self.world_size > 1:
-            rows = [torch.zeros_like(mine) for _ in range(self.world_size)]
-            dist.all_gather(rows, mine, group=self._group)
-        else:
-            rows = [mine]
-        if any(int(r[1]) != ticket.iteration or int(r[2]) != ticket.seq for r in rows):
+        rows = self._coll.gather(self._status(ticket))
+        if any(r["iteration"] != ticket.iteration or r["seq"] != ticket.seq for r in rows):
             raise CommitError(
                 f"rank {self.rank}: ranks are out of step: saving "
-                f"{[(int(r[1]), int(r[2])) for r in rows]} (iteration, sequence) per rank; nothing committed"
+                f"{[(r['iteration'], r['seq']) for r in rows]} (iteration, sequence) per rank; nothing committed"
             )
-        failed = [i for i, r in enumerate(rows) if int(r[0]) != 1]
+        failed = [i for i, r in enumerate(rows) if r["ok"] != 1]
         if failed:
             if self._writes:
                 self._discard(ticket)
@@ -239,7 +241,7 @@ class Committer(QueueThread):
                 f"rank {self.rank}: iteration {ticket.iteration}: rank(s) {failed} failed to write their files; "
                 f"nothing committed, latest stays {self.latest}"
             )
-        ok = torch.ones(1, dtype=torch.int64)
+        ok = True
         if self._writes:
             try:
                 manifest = Manifest(
@@ -250,11 +252,11 @@ class Committer(QueueThread):
                         RankRecord(
                             i,
                             rank_file_name(i, ticket.token or self._token, ticket.seq),
-                            int(r[3]),
-                            int(r[4]),
-                            int(r[5]),
-                            _to_u64(int(r[6])),
-                            _to_u64(int(r[7])),
+                            r["file_bytes"],
+                            r["data_bytes"],
+                            r["n_tensors"],
+                            _to_u64(r["index_xxh64"]),
+                            _to_u64(r["header_xxh64"]),
                         )
                         for i, r in enumerate(rows)
                         if i in self._writes
@@ -267,15 +269,13 @@ class Committer(QueueThread):
                 crash_point("before_manifest", self.rank)
                 write_manifest(self.root, manifest)
             except OSError as e:
-                ok.zero_()
+                ok = False
                 err = CommitError(
                     f"rank {self.rank}: iteration {ticket.iteration}: writing the {self.tier} manifest in {self.root} failed: {e}"
                 )
                 err.__cause__ = e
                 self._errors.append(err)
-        if self.world_size > 1:
-            dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=self._group)
-        if not int(ok):
+        if self._coll.agree(ok):
             if self._writes:
                 self._discard(ticket)
             if not self._writes:
@@ -299,14 +299,14 @@ class Committer(QueueThread):
                     self.root,
                     e,
                 )
-        bytes_per_rank = tuple(int(r[4]) for r in rows)
+        bytes_per_rank = tuple(r["data_bytes"] for r in rows)
         record = CommitRecord(
             iteration=ticket.iteration,
             total_bytes=sum(bytes_per_rank),
             bytes_per_rank=bytes_per_rank,
-            save_call_s=max(int(r[10]) for r in rows) / 1e6,
-            copy_s=max(int(r[8]) for r in rows) / 1e6,
-            flush_s=max(int(r[9]) for r in rows) / 1e6,
+            save_call_s=max(r["call_us"] for r in rows) / 1e6,
+            copy_s=max(r["copy_us"] for r in rows) / 1e6,
+            flush_s=max(r["flush_us"] for r in rows) / 1e6,
             commit_s=time.perf_counter() - ticket.t_save,
             tier=self.tier,
         )

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 import logging
 import os
 import secrets
@@ -18,7 +17,7 @@ import time
 
 import torch
 
-from . import errors
+from .collective import Collective
 from .commit import CommitRecord, Committer, Ticket
 from .dirlock import SaveDirLock
 from .errors import CheckpointError, NoCheckpointError
@@ -55,13 +54,6 @@ class LoadResult:
     stats: RestoreStats
     root: str  # the tier it was restored from
     plan_kind: str = SameLayoutPlanner.kind  # the planner that made the plan (``LoadPlanner.kind``)
-
-
-def _error_class(docs: list[dict]) -> type:
-    """The error class the failed ranks share (by name, from :mod:`.errors`), else CheckpointError."""
-    names = {d.get("error") for d in docs}
-    cls = getattr(errors, names.pop(), None) if len(names) == 1 else None
-    return cls if isinstance(cls, type) and issubclass(cls, CheckpointError) else CheckpointError
 
 
 def _dist():
@@ -113,8 +105,8 @@ class CheckpointManager(ClosingContext):
         self._seq = 0
         self._closed = False
         self.last_commit: CommitRecord | None = None
-        self._dist = dist
-        self.token = token = self._agree_token(dist)
+        self._world = Collective()  # the default group: start-up, restore and tier agreements
+        self.token = token = self._agree_token()
         # node of this rank (torchrun's LOCAL_WORLD_SIZE); "{node}" in local_root names a per-node dir
         per_node = int(os.environ.get("LOCAL_WORLD_SIZE", self.world_size)) or self.world_size
         self.node = self.rank // per_node
@@ -134,7 +126,7 @@ class CheckpointManager(ClosingContext):
                 self.root,
                 rank=self.rank,
                 world_size=self.world_size,
-                group=self._persist_group,
+                collective=Collective(self._persist_group),
                 token=token,
                 layout=self.layout,
                 next_commit_seq=next_seq,
@@ -159,7 +151,7 @@ class CheckpointManager(ClosingContext):
                     self.local_root,
                     rank=self.rank,
                     world_size=self.world_size,
-                    group=self._group,
+                    collective=Collective(self._group),
                     token=token,
                     layout=self.layout,
                     next_commit_seq=local_seq,
@@ -214,51 +206,31 @@ class CheckpointManager(ClosingContext):
 
     def _agree_start(self, err: BaseException | None) -> None:
         """Make one rank's start-up error every rank's (a rank failing alone would leave the others
-        waiting in the next collective): one agreement, then the first failed rank's error class
-        and message, broadcast as a JSON line (named fields, no pickle)."""
-        failed = self._agree(err is None)
-        if not failed:
+        waiting in the next collective): the first failed rank's error class and message reach
+        every rank (:meth:`.Collective.agree_error`)."""
+        failure = self._world.agree_error(err)
+        if failure is None:
             return
         self._release_lock()
-        src = failed[0]
-        doc = self._broadcast_json({"error": type(err).__name__, "message": str(err)} if err is not None else {}, src)
         if err is not None:
             return  # the caller re-raises its own error
-        raise _error_class([doc])(
-            f"rank {self.rank}: start-up failed on rank {src} (ranks {failed} failed): {doc.get('message')}"
+        raise failure.error_class()(
+            f"rank {self.rank}: start-up failed on rank {failure.rank} (ranks {list(failure.ranks)} failed): "
+            f"{failure.message}"
         )
-
-    def _broadcast_json(self, doc: dict, src: int) -> dict:
-        """``doc`` of rank ``src`` on every rank: one JSON line in a 4 KiB broadcast (named fields, no
-        pickle; a longer message is shortened)."""
-        if not self._dist or self.world_size == 1:
-            return doc
-        doc = doc if self.rank == src else {}
-        raw = json.dumps(doc).encode("utf-8")
-        while len(raw) > 4096:  # keep the JSON whole: shorten the message
-            doc["message"] = doc["message"][: len(doc["message"]) // 2] + " ..."
-            raw = json.dumps(doc).encode("utf-8")
-        buf = torch.zeros(4096, dtype=torch.uint8)
-        buf[: len(raw)] = torch.tensor(list(raw), dtype=torch.uint8)
-        if self._dist.get_backend() == "nccl":
-            buf = buf.cuda()
-        self._dist.broadcast(buf, src=src)
-        return json.loads(bytes(buf.cpu().tolist()).rstrip(b"\0").decode("utf-8"))
 
     def _agree_error(self, err: BaseException | None) -> None:
         """The load's one agreement (a collective on every path): when any rank failed, every rank
         raises the same error -- the failed ranks' messages (the first four), each naming its file,
         rank and tensor, under their common error class.  One process: ``err`` itself."""
-        failed = self._agree(err is None)
-        if not failed:
+        failure = self._world.agree_error(err, report=4)
+        if failure is None:
             return
-        if not self._dist or self.world_size == 1:
+        if not self._world.active:
             raise err
-        mine = {"error": type(err).__name__, "message": str(err)} if err is not None else {}
-        docs = [self._broadcast_json(mine, src) for src in failed[:4]]
-        more = f"; and {len(failed) - 4} more rank(s)" if len(failed) > 4 else ""
-        message = "; ".join(f"[rank {src}] {d.get('message')}" for src, d in zip(failed, docs))
-        raise _error_class(docs)(f"load failed on rank(s) {failed}: {message}{more}") from err
+        more = f"; and {len(failure.ranks) - 4} more rank(s)" if len(failure.ranks) > 4 else ""
+        message = "; ".join(f"[rank {src}] {text}" for src, _, text in failure.errors)
+        raise failure.error_class()(f"load failed on rank(s) {list(failure.ranks)}: {message}{more}") from err
 
     def _release_lock(self) -> None:
         lock, self._lock = getattr(self, "_lock", None), None
@@ -283,13 +255,9 @@ class CheckpointManager(ClosingContext):
             )
         return max((m.commit_seq for m in found.values()), default=-1) + 1
 
-    def _agree_token(self, dist) -> str:
-        value = torch.tensor([secrets.randbits(62)], dtype=torch.int64)
-        if dist and self.world_size > 1:
-            if dist.get_backend() == "nccl":
-                value = value.cuda()
-            dist.broadcast(value, src=0)
-        return f"{int(value.item()):016x}"
+    def _agree_token(self) -> str:
+        """The run token: rank 0's random 62-bit number, on every rank."""
+        return f"{self._world.broadcast(secrets.randbits(62), src=0):016x}"
 
     # ------------------------------------------------------------------ registration
     def register(self, name: str, tensor: torch.Tensor, *, group: str = "default", meta: dict | None = None) -> None:
@@ -477,14 +445,7 @@ class CheckpointManager(ClosingContext):
 
     def _agree(self, ok: bool) -> list[int]:
         """Every rank says whether its file validated; returns the ranks that failed (default group)."""
-        if not self._dist or self.world_size == 1:
-            return [] if ok else [self.rank]
-        flag = torch.tensor([1 if ok else 0], dtype=torch.int64)
-        if self._dist.get_backend() == "nccl":
-            flag = flag.cuda()
-        flags = [torch.zeros_like(flag) for _ in range(self.world_size)]
-        self._dist.all_gather(flags, flag)
-        return [r for r, f in enumerate(flags) if not int(f.item())]
+        return self._world.agree(ok)
 
     def committed(self) -> list[int]:
         return committed_iterations(self.root)
@@ -505,17 +466,14 @@ class CheckpointManager(ClosingContext):
         """Local iterations every rank has from the same save (one small all_gather on the default
         group): two nodes holding the same iteration from different runs -- one node's manifest of a
         re-save lost in a crash -- must not be restored together."""
-        mine = dict(list(self._local_committed().items())[-64:])
-        if not self._dist or self.world_size == 1:
-            return sorted(mine)
-        row = torch.full((64, 3), -1, dtype=torch.int64)  # (iteration, token, sequence) per checkpoint
-        if mine:
-            row[: len(mine)] = torch.tensor([(it, *save) for it, save in mine.items()], dtype=torch.int64)
-        rows = [torch.empty_like(row) for _ in range(self.world_size)]
-        self._dist.all_gather(rows, row)
-        common = {(it, *save) for it, save in mine.items()}
-        for r in rows:
-            common &= {tuple(x) for x in r.tolist() if x[0] >= 0}
+        mine = [
+            {"iteration": it, "token": token, "seq": seq}
+            for it, (token, seq) in list(self._local_committed().items())[-64:]
+        ]
+        every = self._world.gather_many(mine, fields=("iteration", "token", "seq"), capacity=64)
+        common = {(r["iteration"], r["token"], r["seq"]) for r in mine}
+        for theirs in every:
+            common &= {(r["iteration"], r["token"], r["seq"]) for r in theirs}
         return sorted(it for it, _, _ in common)
 
     def _choose_tier(self, iteration: int | None) -> tuple[str, int | None]:
