@@ -444,17 +444,46 @@ def _check_chunk(rf: RankFile, entry, c: int) -> tuple[bool, int]:
         return False, len(rf.raw(entry)[c * cb : (c + 1) * cb])
 
 
-def _check_all(opened: list[tuple], fail, workers: int, progress: bool) -> tuple[int, int]:
+class _ProgressLines:
+    """Progress for a log file (Slurm output, CI): a line on stderr every ``every_s`` seconds with
+    bytes done, GB/s and an ETA -- what a bar drawn with carriage returns cannot give there."""
+
+    def __init__(self, total: int, every_s: float) -> None:
+        self.total, self.every_s, self.done = total, every_s, 0
+        self.t0 = self.last = time.monotonic()
+
+    def update(self, nbytes: int) -> None:
+        self.done += nbytes
+        now = time.monotonic()
+        if now - self.last >= self.every_s:  # a verify shorter than that prints nothing
+            self.last = now
+            rate = self.done / max(now - self.t0, 1e-9)
+            eta = (self.total - self.done) / rate if rate else float("inf")
+            print(
+                f"verify: {self.done / 2**30:.2f} / {self.total / 2**30:.2f} GiB "
+                f"({100 * self.done / max(self.total, 1):.0f}%), {rate / 1e9:.2f} GB/s, ETA {eta:.0f} s",
+                file=sys.stderr,
+                flush=True,
+            )
+
+    def close(self) -> None:
+        pass
+
+
+def _check_all(opened: list[tuple], fail, workers: int, progress: bool | float) -> tuple[int, int]:
     """Hash every chunk of the opened rank files in a thread pool; ``fail`` once per bad tensor.
+    ``progress``: True draws a bar (a terminal), a number of seconds prints a line that often.
     Returns ``(tensors, bytes)`` checked."""
     total = sum(e.nbytes for _, rf in opened for e in rf.entries.values())
     bar = None
-    if progress:
+    if progress is True:
         from tqdm import tqdm
 
         bar = tqdm(
             total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="verify", file=sys.stderr, leave=False
         )
+    elif progress is not False and progress is not None:
+        bar = _ProgressLines(total, float(progress))
     bad: dict[tuple, list[int]] = {}
     try:
         with cf.ThreadPoolExecutor(workers, thread_name_prefix="dsm-verify") as pool:
@@ -493,9 +522,10 @@ def _check_all(opened: list[tuple], fail, workers: int, progress: bool) -> tuple
 
 
 def verify_checkpoint(
-    ckpt: str, *, threads: int | None = None, rank: int | None = None, progress: bool = False
+    ckpt: str, *, threads: int | None = None, rank: int | None = None, progress: bool | float = False
 ) -> dict:
-    """Re-check every checksum and the manifest<->file agreement; the ``verify --json`` document."""
+    """Re-check every checksum and the manifest<->file agreement; the ``verify --json`` document.
+    ``progress``: False, True (a bar) or seconds between progress lines (a log)."""
     import numpy as np
 
     from .engine.reader import open_rank
@@ -702,14 +732,22 @@ def _build_parser() -> argparse.ArgumentParser:
             "checksum, index checksum, tag and iteration the manifest committed, that tensor count and bytes\n"
             "match, then every per-chunk XXH64 of every tensor (in parallel: the kernel releases the GIL).\n"
             "Prints one ERROR line per bad tensor (or per unusable file) naming rank, file and tensor, then a\n"
-            "summary; exit 0 when clean, 1 otherwise.  A progress bar (bytes) goes to stderr when it is a\n"
-            "terminal.  Alignment padding between tensors is not covered by checksums (it holds no data)."
+            "summary; exit 0 when clean, 1 otherwise.  Progress goes to stderr: a bar on a terminal, else\n"
+            "a line every --progress-every seconds (bytes, GB/s, ETA: for Slurm logs).  Alignment padding\n"
+            "between tensors is not covered by checksums (it holds no data)."
         ),
     )
     ver.add_argument("ckpt_dir", metavar="CKPT_DIR", help="one checkpoint directory, e.g. SAVE_DIR/iter_0000100")
     ver.add_argument("--rank", type=int, metavar="N", help="only rank N (default: every rank)")
     ver.add_argument("--threads", type=int, metavar="N", help="hashing threads (default: min(8, CPUs))")
-    ver.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    ver.add_argument("-q", "--quiet", action="store_true", help="no progress")
+    ver.add_argument(
+        "--progress-every",
+        type=float,
+        default=30.0,
+        metavar="S",
+        help="seconds between progress lines when stderr is not a terminal (default: 30)",
+    )
     ver.add_argument(
         "--json",
         action="store_true",
@@ -761,7 +799,9 @@ def main(argv: list[str] | None = None) -> int:
             return EXIT_DAMAGED if any(r["error"] for r in doc["ranks"]) else EXIT_OK
         if args.threads is not None and args.threads < 1:
             raise CliUsageError(f"--threads must be >= 1, got {args.threads}")
-        show = not args.quiet and sys.stderr.isatty()
+        if args.progress_every <= 0:
+            raise CliUsageError(f"--progress-every must be > 0, got {args.progress_every}")
+        show = False if args.quiet else (True if sys.stderr.isatty() else args.progress_every)
         doc = verify_checkpoint(args.ckpt_dir, threads=args.threads, rank=args.rank, progress=show)
         _emit(doc) if args.json else _render_verify(doc)
         return EXIT_OK if doc["ok"] else EXIT_DAMAGED

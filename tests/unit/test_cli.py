@@ -182,7 +182,12 @@ def test_inspect_errors_are_one_line(save_dir, capsys):
 def test_verify_clean_checkpoint(save_dir, capsys):
     code, out, err = _run(capsys, "verify", save_dir / "iter_0000200", "--threads", "2")
     assert code == EXIT_OK and "ERROR" not in out and out.splitlines()[-1].startswith("OK iter_0000200")
-    assert err == ""  # no progress bar when stderr is not a terminal
+    assert err == ""  # no bar when stderr is not a terminal, and no line in under --progress-every
+    code, out, err = _run(capsys, "verify", save_dir / "iter_0000200", "--progress-every", "1e-9")
+    lines = err.splitlines()
+    assert code == EXIT_OK and lines and all(x.startswith("verify: ") and "GB/s, ETA" in x for x in lines), err
+    assert "(100%)" in lines[-1] and "\r" not in err  # log lines for a Slurm log, not a redrawn bar
+    assert _run(capsys, "verify", save_dir / "iter_0000200", "--progress-every", "0")[0] == EXIT_USAGE
     doc = json.loads(_run(capsys, "verify", save_dir / "iter_0000200", "--json")[1])
     assert doc["ok"] and doc["errors"] == [] and doc["tensors_checked"] == 9 and doc["bytes_checked"] > 2_400_000
 
