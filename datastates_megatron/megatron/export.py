@@ -40,6 +40,7 @@ Thread-safety: plain functions; ``export`` blocks the calling thread.
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import logging
 import math
@@ -50,6 +51,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 
 import torch
 
@@ -232,23 +234,40 @@ def _export_torch_dist(path: str, it: int, out_dir: str, overrides: dict | None,
         [sys.executable, "-m", __name__, "--worker", json.dumps(job)],
         env=env,
         stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
         text=True,
+        bufsize=1,
         start_new_session=True,
     )
+    tail: collections.deque[str] = collections.deque(maxlen=60)
+    done = threading.Event()
+
+    def relay() -> None:  # the worker's output as it comes (a long export is not silent), prefixed
+        for line in proc.stdout:
+            if line.strip() == "EXPORT-OK":
+                done.set()
+                continue
+            tail.append(line)
+            sys.stderr.write(f"export worker: {line}")
+            sys.stderr.flush()
+
+    relay_thread = threading.Thread(target=relay, name="dsm-export-output", daemon=True)
+    relay_thread.start()
     try:
-        stdout, stderr = proc.communicate(timeout=timeout_s)
+        proc.wait(timeout=timeout_s)
     except subprocess.TimeoutExpired as e:
         os.killpg(proc.pid, signal.SIGKILL)
-        proc.communicate()
+        proc.wait()
+        relay_thread.join(timeout=10)
         shutil.rmtree(staging, ignore_errors=True)
         raise ExportError(
             f"{path}: torch_dist export of iteration {it} did not finish within {timeout_s:.0f} s (killed)"
         ) from e
-    if proc.returncode != 0 or "EXPORT-OK" not in stdout:
+    relay_thread.join(timeout=10)
+    if proc.returncode != 0 or not done.is_set():
         shutil.rmtree(staging, ignore_errors=True)
         raise ExportError(
-            f"{path}: torch_dist export of iteration {it} failed (exit {proc.returncode}):\n{stderr[-3000:]}"
+            f"{path}: torch_dist export of iteration {it} failed (exit {proc.returncode}):\n{''.join(tail)[-3000:]}"
         )
     os.replace(job["out"], target)  # the directory appears whole, or not at all
     shutil.rmtree(staging, ignore_errors=True)
@@ -266,6 +285,7 @@ def _worker(job: dict) -> None:
 
     model_rebuild.init_distributed(seed=1234)
     chunks, optimizer = model_rebuild.rebuild(job["model"])
+    print(f"rebuilt the model ({job['model']}); loading iteration {job['iteration']}", flush=True)
     config = LazyCkptConfig(
         save_dir=job["scratch"],
         load_dir=job["ckpt_root"],
@@ -290,6 +310,7 @@ def _worker(job: dict) -> None:
         "num_floating_point_operations_so_far": (megatron_lm or {}).get("num_floating_point_operations_so_far", 0),
     }
     os.makedirs(job["out"], exist_ok=True)
+    print(f"loaded iteration {it}; saving torch_dist", flush=True)
     dist_checkpointing.save(state, job["out"], content_metadata=dict(CONTENT_METADATA))
     torch.distributed.barrier()
     print("EXPORT-OK", flush=True)
@@ -342,7 +363,12 @@ def run_export(args: argparse.Namespace) -> int:
         timeout_s=args.timeout_s,
         verify=not args.no_verify,
     )
-    print(path)
+    if getattr(args, "json", False):
+        iteration = int(os.path.basename(path).split("_")[1].split(".")[0])
+        json.dump({"path": path, "format": args.format, "iteration": iteration}, sys.stdout, sort_keys=True)
+        sys.stdout.write("\n")
+    else:
+        print(path)
     return 0
 
 

@@ -30,6 +30,9 @@ def add_export_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
         "--timeout-s", type=float, default=600.0, help="kill the torch_dist rebuild/save subprocess after this"
     )
     parser.add_argument("--no-verify", action="store_true", help="skip checksum verification of the data read")
+    parser.add_argument(
+        "--json", action="store_true", help='print {"path", "format", "iteration"} as JSON instead of the path'
+    )
     g = parser.add_argument_group("model (torch_dist; default: the description stored in the checkpoint)")
     g.add_argument("--num-layers", type=int, default=None)
     g.add_argument("--hidden-size", type=int, default=None)

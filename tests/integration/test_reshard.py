@@ -181,7 +181,8 @@ def test_changed_tensor_parallel_size_is_refused_naming_the_export(dp2):
 
 
 @needs_megatron
-def test_export_torch_and_torch_dist(dp2, tmp_path):
+def test_export_torch_and_torch_dist(dp2, tmp_path, capfd):
+    from datastates_megatron.cli import main
     from datastates_megatron.megatron.export import export
 
     d, _ = dp2
@@ -199,8 +200,14 @@ def test_export_torch_and_torch_dist(dp2, tmp_path):
                 assert float(state["optimizer"][name]["step"]) == float(st["step"])
     assert state["iteration"] == 3 and state["model"]["num_layers"] == 2 and state["layout"]["dp"] == 2
     # torch_dist: megatron-core's own loader fills a fresh model + optimizer with the same values
-    out = export(str(d / "ckpt"), str(tmp_path / "dist"), "torch_dist", iteration=3, timeout_s=240)
-    assert out == str(tmp_path / "dist" / "iter_0000003")
+    # through the CLI: --json on stdout, the worker's output streamed to stderr as it runs
+    code = main(["export", str(d / "ckpt"), str(tmp_path / "dist"), "--iteration", "3", "--timeout-s", "240", "--json"])
+    got, err = capfd.readouterr()
+    assert code == 0, err[-3000:]
+    doc = json.loads(got)
+    out = doc["path"]
+    assert doc == {"path": str(tmp_path / "dist" / "iter_0000003"), "format": "torch_dist", "iteration": 3}
+    assert "export worker: rebuilt the model" in err and "export worker: loaded iteration 3" in err, err[-3000:]
     assert open(tmp_path / "dist" / "latest_checkpointed_iteration.txt").read().strip() == "3"
     (loaded,) = _ok(run_ranks(WORKER, 1, ["load_dist", "--load", out, "--ref-in", str(d / "ref")], timeout=240))
     assert loaded["mismatches"] == [] and loaded["iteration"] == 3, json.dumps(loaded)
