@@ -1,5 +1,6 @@
-"""cpu_launch's pieces that need no Megatron-LM: the triton stand-in and the python3 tools on PATH
-(the launcher itself runs in tests/integration/test_pretrain_gpt.py)."""
+"""cpu_launch's and run's pieces that need no Megatron-LM: the triton stand-in, the python3 tools on
+PATH and the usage errors (the launcher itself runs in tests/integration/test_pretrain_gpt.py and
+test_runtime_hook.py)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import sysconfig
 
 import pytest
 
-from datastates_megatron.megatron import cpu_launch
+from datastates_megatron.megatron import cpu_launch, run
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is not None, reason="triton is installed")
@@ -29,7 +30,7 @@ def test_the_triton_modules_import_and_raise_when_used(monkeypatch):
 
 def test_python_tools_on_path_are_this_interpreter(monkeypatch):
     monkeypatch.setenv("PATH", os.environ.get("PATH", ""))
-    tools = cpu_launch._python_on_path()
+    tools = run._python_on_path()
     try:
         assert os.environ["PATH"].split(os.pathsep)[0] == tools
         config = subprocess.run(["python3-config", "--extension-suffix"], capture_output=True, text=True, check=True)
@@ -44,10 +45,16 @@ def test_python_tools_on_path_are_this_interpreter(monkeypatch):
         os.rmdir(tools)
 
 
-def test_usage_errors_exit_2(tmp_path, capsys):
+@pytest.mark.parametrize("main", [cpu_launch.main, run.main], ids=["cpu_launch", "run"])
+def test_usage_errors_exit_2(tmp_path, capsys, main):
     with pytest.raises(SystemExit) as e:
-        cpu_launch.main([])
+        main([])
     assert e.value.code == 2
     with pytest.raises(SystemExit) as e:
-        cpu_launch.main([str(tmp_path / "missing.py")])
-    assert e.value.code == 2 and "is not a file" in capsys.readouterr().err
+        main([str(tmp_path / "missing.py")])
+    err = capsys.readouterr().err
+    assert (
+        e.value.code == 2
+        and "is not a file" in err
+        and f"-m datastates_megatron.megatron.{main.__module__.split('.')[-1]} " in err
+    )
