@@ -51,13 +51,12 @@ def _name(d: str | None) -> str:
     return os.path.basename(d.rstrip("/")) if d else "none"
 
 
-# Runs in a Megatron-LM copy: python driver.py MODE OUT_JSON TMP
+# Runs in a Megatron-LM copy: python driver.py TMP MODE... ; each mode runs in a forked child (one
+# Megatron import for all, no shared state) and writes TMP/MODE.json.
 DRIVER = r"""
-import inspect, json, sys, traceback, types
+import json, os, sys, traceback
 from datastates_megatron.megatron import cpu_launch, hook, megatron_lm
 
-mode, out_path, tmp = sys.argv[1:4]
-out = {}
 MARK = "__datastates_megatron_hook__"
 
 
@@ -171,13 +170,21 @@ def patched(out):
 
 
 cpu_launch.prepare()  # typing.override on Python 3.11, no triton: what the launcher does
-try:
-    {"route": route, "refuse": refuse, "patched": patched}[mode](out)
-    payload = {"out": out}
-except BaseException:
-    payload = {"error": traceback.format_exc()}
-with open(out_path, "w") as f:
-    json.dump(payload, f)
+import megatron.training.arguments, megatron.training.checkpointing, megatron.training.async_utils  # noqa
+tmp = sys.argv[1]
+for mode in sys.argv[2:]:
+    pid = os.fork()
+    if pid == 0:
+        out = {}
+        try:
+            {"route": route, "refuse": refuse, "patched": patched}[mode](out)
+            payload = {"out": out}
+        except BaseException:
+            payload = {"error": traceback.format_exc()}
+        with open(os.path.join(tmp, mode + ".json"), "w") as f:
+            json.dump(payload, f)
+        os._exit(0)
+    os.waitpid(pid, 0)
 """
 
 
@@ -185,26 +192,30 @@ def _apply(where: Path, *extra: str) -> subprocess.CompletedProcess:
     return subprocess.run(["bash", str(APPLY), str(where), *extra], capture_output=True, text=True, timeout=120)
 
 
-def _drive(tree: Path, mode: str, tmp: Path) -> dict:
+def _drive(tree: Path, tmp: Path, *modes: str) -> dict[str, dict]:
+    """Run ``modes`` in one driver process in ``tree``: {mode: its ``out``} (a failed mode fails the test)."""
     tmp.mkdir(parents=True, exist_ok=True)
     driver = tmp / "driver.py"
     driver.write_text(textwrap.dedent(DRIVER))
-    out = tmp / f"{mode}.json"
     env = dict(
         os.environ, PYTHONPATH=os.pathsep.join([str(tree), str(REPO)]), CUDA_VISIBLE_DEVICES="", PYTHONWARNINGS="ignore"
     )
     proc = subprocess.run(
-        [sys.executable, str(driver), mode, str(out), str(tmp)],
+        [sys.executable, str(driver), str(tmp), *modes],
         cwd=tree,
         env=env,
         capture_output=True,
         text=True,
         timeout=TIMEOUT_S,
     )
-    assert out.exists(), f"driver rc={proc.returncode}:\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
-    got = json.loads(out.read_text())
-    assert "error" not in got, f"driver {mode} failed:\n{got['error']}"
-    return got["out"]
+    results = {}
+    for mode in modes:
+        path = tmp / f"{mode}.json"
+        assert path.exists(), f"driver rc={proc.returncode}:\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
+        got = json.loads(path.read_text())
+        assert "error" not in got, f"driver {mode} failed:\n{got['error']}"
+        results[mode] = got["out"]
+    return results
 
 
 @pytest.fixture(scope="module", params=TREES or [None], ids=_name)
@@ -225,9 +236,14 @@ def unpatched_copy(request, tmp_path_factory):
     return Path(request.param), copy
 
 
-def test_the_hook_routes_an_unpatched_tree(unpatched_copy, tmp_path):
+@pytest.fixture(scope="module")
+def driven(unpatched_copy, tmp_path_factory):
     _, copy = unpatched_copy
-    out = _drive(copy, "route", tmp_path)
+    return _drive(copy, tmp_path_factory.mktemp("driver"), "route", "refuse")
+
+
+def test_the_hook_routes_an_unpatched_tree(driven):
+    out = driven["route"]
     assert out["install"] == ["hooked", "already"]
     assert all(out["sites"].values()), out["sites"]
     assert out["wrapped_once"]
@@ -242,9 +258,8 @@ def test_the_hook_routes_an_unpatched_tree(unpatched_copy, tmp_path):
     ]
 
 
-def test_a_mismatch_or_a_partial_patch_is_refused_before_anything_is_replaced(unpatched_copy, tmp_path):
-    _, copy = unpatched_copy
-    out = _drive(copy, "refuse", tmp_path)
+def test_a_mismatch_or_a_partial_patch_is_refused_before_anything_is_replaced(driven):
+    out = driven["refuse"]
     missing, required, partial = out["errors"]
     where = f"Megatron-LM {out['version']}: megatron.training.checkpointing.save_checkpoint("
     assert missing.startswith(where) and "(no parameter release)" in missing and "\n" not in missing, missing
@@ -257,7 +272,7 @@ def test_a_patched_tree_is_left_alone(unpatched_copy, tmp_path):
     tree, _ = unpatched_copy
     if _apply(tree, "--check").stdout.startswith("applies cleanly:"):
         pytest.skip(f"{tree} is not patched")
-    out = _drive(tree, "patched", tmp_path)
+    out = _drive(tree, tmp_path, "patched")["patched"]
     assert out["install"] == "patched"
     assert not any(out["sites"].values()), out["sites"]
 
