@@ -58,3 +58,38 @@ def test_usage_errors_exit_2(tmp_path, capsys, main):
         and "is not a file" in err
         and f"-m datastates_megatron.megatron.{main.__module__.split('.')[-1]} " in err
     )
+
+
+def test_a_megatron_whose_signatures_do_not_match_exits_2_with_one_line(tmp_path):
+    """A stand-in Megatron-LM 0.99.0 (the fault: save_checkpoint lost its parameters): the hook
+    refuses before the script runs."""
+    files = {
+        "megatron/__init__.py": "",
+        "megatron/core/__init__.py": "",
+        "megatron/core/package_info.py": "__version__ = '0.99.0'\n",
+        "megatron/training/__init__.py": "",
+        "megatron/training/checkpointing.py": "def save_checkpoint(iteration, model):\n    pass\n"
+        "def load_checkpoint(ddp_model, optimizer, opt_param_scheduler, load_arg='load', strict=True,\n"
+        "                    checkpointing_context=None, skip_load_to_model_and_opt=False):\n    pass\n",
+        "megatron/training/async_utils.py": "def maybe_finalize_async_save(blocking=False, terminate=False):\n    pass\n",
+        "megatron/training/arguments.py": "def parse_args(extra_args_provider=None, ignore_unknown_args=False):\n    pass\n",
+        "script.py": "open(__file__ + '.ran', 'w').close()\n",
+    }
+    for rel, text in files.items():
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text(text)
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    res = subprocess.run(
+        [sys.executable, "-m", "datastates_megatron.megatron.run", str(tmp_path / "script.py")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), repo]), PYTHONWARNINGS="ignore"),
+    )
+    assert res.returncode == 2, res.stderr
+    (line,) = res.stderr.strip().splitlines()
+    assert line.startswith(
+        "error: Megatron-LM 0.99.0: megatron.training.checkpointing.save_checkpoint(iteration, model)"
+    )
+    assert "no parameter optimizer, opt_param_scheduler," in line and "scripts/apply_patches.sh" in line
+    assert not (tmp_path / "script.py.ran").exists()
