@@ -1,12 +1,15 @@
 #!/usr/bin/env bash
 # Unpack a fresh copy of an unmodified Megatron-LM tree from ../shared/megatron-lm into DEST, check
-# it against SHA256SUMS, apply our patch, and print the tree's path (DEST/core_vVERSION).
+# it against SHA256SUMS, apply our patch (not with --no-patch: a tree for the runtime hook), and
+# print the tree's path (DEST/core_vVERSION).
 #
-#   scripts/megatron_lm_tree.sh VERSION DEST      e.g. 0.16.1 /tmp/mlm
+#   scripts/megatron_lm_tree.sh [--no-patch] VERSION DEST      e.g. 0.16.1 /tmp/mlm
 #
 # Exit status: 0 done, 1 checksum or patch failure, 2 usage or no such tarball.
 set -euo pipefail
-[[ $# -eq 2 ]] || { echo "usage: $0 VERSION DEST" >&2; exit 2; }
+patch=1
+[[ ${1:-} != --no-patch ]] || { patch=0; shift; }
+[[ $# -eq 2 ]] || { echo "usage: $0 [--no-patch] VERSION DEST" >&2; exit 2; }
 version=$1 dest=$2
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 shared=${DSM_SHARED_DIR:-$repo/../shared}/megatron-lm
@@ -18,5 +21,5 @@ mkdir -p "$dest"
 tree=$dest/core_v$version
 [[ ! -e $tree ]] || { echo "error: $tree exists; pass an empty DEST" >&2; exit 2; }
 tar -xzf "$shared/$tarball" -C "$dest"
-bash "$repo/scripts/apply_patches.sh" "$tree" >&2
+[[ $patch == 0 ]] || bash "$repo/scripts/apply_patches.sh" "$tree" >&2
 echo "$tree"

@@ -6,21 +6,19 @@ For trying the real ``--lazy-ckpt`` path on a laptop or in CI, never for trainin
         $MEGATRON_LM_DIR/pretrain_gpt.py --distributed-backend gloo --transformer-impl local \\
         --no-gradient-accumulation-fusion --no-persist-layer-norm ... --lazy-ckpt --save DIR
 
-Before the script runs, in this process only and without editing Megatron-LM:
+This is :mod:`.run` (the runtime hook: a patched or unpatched Megatron-LM tree both work) with,
+before Megatron-LM is first imported, in this process only and without editing Megatron-LM:
 
 * the CUDA->CPU shim of :mod:`datastates_megatron.megatron.cuda_on_cpu` is installed and
   ``torch.cuda.is_available()`` answers True (Megatron asserts it);
 * ``megatron.legacy.fused_kernels.load`` (core_v0.16) is a no-op (it builds CUDA extensions);
 * without ``triton``, the one module on the training path that imports it at import time is
   replaced by a stand-in whose functions raise;
+* on Python < 3.12, ``typing.override`` is ``typing_extensions.override``: core_v0.19 declares
+  Python >= 3.12, and this decorator is the one thing it needs from 3.12 to run here.
 
-With ``DSM_TRAINING_RECORD=PREFIX`` each rank also writes an exact per-iteration record
-(:mod:`.training_record`), which the end-to-end tests compare across runs.
-
-With a real GPU present none of that is patched, so the same command line (and the tests built on
-it) runs on CUDA too. In both cases ``python3`` and ``python3-config`` on ``PATH`` are this
-interpreter's, so that Megatron's ``compile_helpers`` (``make`` in ``megatron/core/datasets``) builds
-the dataset helpers for it (some GPU images have no ``python3-config``).
+With a real GPU present only the last one applies, so the same command line (and the tests built
+on it) runs on CUDA too.
 """
 
 from __future__ import annotations
@@ -28,20 +26,13 @@ from __future__ import annotations
 import functools
 import importlib.abc
 import importlib.machinery
-import os
-import runpy
-import shlex
-import shutil
 import sys
-import sysconfig
-import tempfile
 import types
+import typing
 
-from . import training_record
+from . import run
 
 __all__ = ["main", "prepare", "stub_triton_modules"]
-
-_USAGE = "usage: python -m datastates_megatron.megatron.cpu_launch PRETRAIN_SCRIPT [ARGS...]"
 
 
 # The modules on pretrain_gpt's import path that import triton unguarded (core_v0.16: the first;
@@ -88,29 +79,16 @@ def stub_triton_modules() -> None:
         sys.meta_path.insert(0, _TritonFreeStub())
 
 
-def _python_on_path() -> str:
-    """A directory (ours, made here) with ``python3`` and ``python3-config`` for this interpreter,
-    put first on ``PATH``; returned so the caller can remove it at exit."""
-    tools = tempfile.mkdtemp(prefix="dsm-cpu-launch-")
-    scripts = {  # a script, not a symlink: a venv's interpreter finds its site-packages by its path
-        "python3": f'exec {shlex.quote(sys.executable)} "$@"',
-        "python3-config": f"echo {shlex.quote(sysconfig.get_config_var('EXT_SUFFIX'))}",
-    }
-    for name, body in scripts.items():
-        path = os.path.join(tools, name)
-        with open(path, "x") as f:
-            f.write(f"#!/bin/sh\n{body}\n")
-        os.chmod(path, 0o755)
-    os.environ["PATH"] = tools + os.pathsep + os.environ.get("PATH", "")
-    return tools
+def prepare() -> bool:
+    """Make Megatron-LM runnable here: without a GPU, on CPU (call before Megatron is imported).
 
-
-def prepare(script_dir: str) -> bool:
-    """Make ``script_dir``'s Megatron-LM importable and, without a GPU, runnable on CPU.
-
-    Returns True when the CPU shim was installed (False: a GPU is present, nothing patched).
+    Returns True when the CPU shim was installed (False: a GPU is present, only ``typing.override``
+    may have been added).
     """
-    sys.path.insert(0, script_dir)  # as `python script.py` does; before anything imports megatron
+    if not hasattr(typing, "override"):
+        import typing_extensions
+
+        typing.override = typing_extensions.override
     import torch
 
     if torch.cuda.is_available():
@@ -130,23 +108,7 @@ def prepare(script_dir: str) -> bool:
 
 
 def main(argv: list[str] | None = None) -> None:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] in ("-h", "--help"):
-        print(_USAGE, file=sys.stderr)
-        raise SystemExit(0 if argv else 2)
-    script = os.path.abspath(argv[0])
-    if not os.path.isfile(script):
-        print(f"{_USAGE}\nerror: {argv[0]} is not a file", file=sys.stderr)
-        raise SystemExit(2)
-    prepare(os.path.dirname(script))
-    tools = _python_on_path()  # with a GPU too: some images have no python3-config
-    if os.environ.get(training_record.ENV):
-        training_record.install(os.environ[training_record.ENV])
-    sys.argv = [script, *argv[1:]]
-    try:
-        runpy.run_path(script, run_name="__main__")
-    finally:
-        shutil.rmtree(tools, ignore_errors=True)
+    run.main(argv, prog="datastates_megatron.megatron.cpu_launch", prepare=prepare)
 
 
 if __name__ == "__main__":

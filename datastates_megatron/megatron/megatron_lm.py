@@ -1,6 +1,7 @@
-"""Glue called by a patched Megatron-LM (``patches/megatron-lm-*.patch``) when ``--lazy-ckpt`` is on.
+"""Glue called by a patched Megatron-LM (``patches/megatron-lm-*.patch``), or one routed at run time
+by :mod:`.hook`, when ``--lazy-ckpt`` is on.
 
-The patch only forwards calls; every decision lives here:
+The patch (or the hook) only forwards calls; every decision lives here:
 
 * ``megatron.training.checkpointing.save_checkpoint`` -> :func:`save_checkpoint`
 * ``megatron.training.checkpointing.load_checkpoint`` -> :func:`load_checkpoint`

@@ -8,7 +8,8 @@ Lines are flushed one by one, so a run killed with ``kill -9`` keeps every itera
 :func:`install` wraps ``megatron.training.training.training_log`` (called once per iteration, on
 every rank) and ``train`` in this process; arguments are taken by name, so core_v0.16 and core_v0.19
 (whose signatures differ in trailing parameters) are both served. Used by
-:mod:`~datastates_megatron.megatron.cpu_launch` when ``DSM_TRAINING_RECORD`` names a path prefix.
+:mod:`~datastates_megatron.megatron.run` (and so ``cpu_launch``) when ``DSM_TRAINING_RECORD`` names a
+path prefix.
 """
 
 from __future__ import annotations

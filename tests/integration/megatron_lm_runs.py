@@ -2,7 +2,8 @@
 ``datastates_megatron.megatron.cpu_launch``, and compare runs exactly.
 
 The tree comes from ``MEGATRON_LM_DIR`` (patched with scripts/apply_patches.sh; scripts/test.sh
-unpacks and patches a fresh one from ../shared/megatron-lm). Without a GPU the ranks use gloo and
+unpacks and patches a fresh one from ../shared/megatron-lm) unless ``launch`` is given another one
+(an unpatched tree runs through the launcher's runtime hook). Without a GPU the ranks use gloo and
 the CPU-only flags; with one, NCCL and the same model, so the same test bodies run on both.
 """
 
@@ -96,8 +97,8 @@ class Run:
         return f"rc={self.returncode}\n{self.log[-6000:]}"
 
 
-def command(nproc: int, args: list[str], port: int) -> list[str]:
-    script = os.path.join(MEGATRON_LM_DIR, "pretrain_gpt.py")
+def command(nproc: int, args: list[str], port: int, megatron_lm_dir: str | None = None) -> list[str]:
+    script = os.path.join(megatron_lm_dir or MEGATRON_LM_DIR, "pretrain_gpt.py")
     return [
         sys.executable,
         "-m",
@@ -116,9 +117,17 @@ def command(nproc: int, args: list[str], port: int) -> list[str]:
 
 
 def launch(
-    tmp: Path, name: str, args: list[str], *, nproc: int = RANKS, timeout: float = 300.0, kill_when=None, term_when=None
+    tmp: Path,
+    name: str,
+    args: list[str],
+    *,
+    nproc: int = RANKS,
+    timeout: float = 300.0,
+    kill_when=None,
+    term_when=None,
+    megatron_lm_dir: str | None = None,
 ) -> Run:
-    """Run ``pretrain_gpt.py`` with ``args`` to the end, or until ``kill_when()`` (then every rank and
+    """Run ``pretrain_gpt.py`` (of ``megatron_lm_dir``, default MEGATRON_LM_DIR) with ``args`` to the end, or until ``kill_when()`` (then every rank and
     torchrun get SIGKILL) or ``term_when()`` (then every rank gets SIGTERM, as ``srun`` delivers a
     pre-emption, and the run is left to finish). Both are polled every 50 ms."""
     record = str(tmp / f"{name}-record")  # see logged()
@@ -126,7 +135,11 @@ def launch(
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", **{training_record.ENV: record})
     with open(log_path, "w") as log:
         proc = subprocess.Popen(
-            command(nproc, args, free_port()), stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+            command(nproc, args, free_port(), megatron_lm_dir),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
         )
         deadline = time.monotonic() + timeout
         try:

@@ -82,3 +82,27 @@ def test_wandb_only_when_a_project_is_named(tmp_path):
     assert _value(argv, "--wandb-save-dir") == str(tmp_path / "save" / "wandb")
     argv = _megatron_args(tmp_path, WANDB_PROJECT="lazy", WANDB_EXP_NAME="run-3", WANDB_SAVE_DIR="/scratch/wb")
     assert _value(argv, "--wandb-exp-name") == "run-3" and _value(argv, "--wandb-save-dir") == "/scratch/wb"
+
+
+@pytest.mark.parametrize(
+    "env, module",
+    [({}, None), ({"DSM_RUNTIME_HOOK": "1"}, "run"), ({"DSM_CPU": "1"}, "cpu_launch")],
+    ids=["patched", "runtime-hook", "cpu"],
+)
+def test_pretrain_entry_picks_the_runner(tmp_path, env, module):
+    if shutil.which("bash") is None:
+        pytest.skip("needs bash")
+    script = 'source launch/lib.sh >/dev/null; dsm_pretrain_entry; printf "%s\\n" "${PRETRAIN_ENTRY[@]}"'
+    inherited = {k: v for k, v in os.environ.items() if not k.startswith("DSM_")}
+    out = subprocess.run(
+        ["bash", "-c", script],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**inherited, "MEGATRON_LM_DIR": "/mlm", **env},
+    )
+    assert out.returncode == 0, out.stderr
+    script_path = "/mlm/pretrain_gpt.py"
+    want = [script_path] if module is None else ["-m", f"datastates_megatron.megatron.{module}", script_path]
+    assert out.stdout.splitlines() == want
