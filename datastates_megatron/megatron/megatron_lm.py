@@ -38,7 +38,7 @@ from typing import Any
 from collections.abc import Iterator
 
 from ..engine.errors import CheckpointError, FormatVersionError, LayoutMismatchError, NoCheckpointError
-from .args import LazyCkptArgsError, check_host_cache_fits, config_from_args
+from .args import LazyCkptArgsError, check_host_cache_fits, config_from_args, validate_lazy_ckpt_args
 
 __all__ = [
     "EXTRA_STATE_KEY",
@@ -191,6 +191,7 @@ def _session_for(args: Any, model: Any, optimizer: Any, scheduler: Any) -> _Sess
                     "model-only load with optimizer=None), which lazy checkpoints do not support"
                 )
             return _session
+        validate_lazy_ckpt_args(args)  # the patch's parse-time check, again: problems named by flag
         config = config_from_args(args)
         if not config.streaming:
             check_host_cache_fits(config, largest_tensor_bytes(model), what="largest model tensor")

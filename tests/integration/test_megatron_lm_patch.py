@@ -227,7 +227,10 @@ def test_non_persistent_and_release_saves_are_refused(tmp_path, recording):
 
 def test_no_streaming_with_a_too_small_cache_fails_when_the_checkpointer_starts(tmp_path, recording):
     model = [torch.nn.Linear(100, 100)]  # 40000-byte weight
-    args = _args(tmp_path, "--lazy-ckpt-no-streaming", "--lazy-ckpt-host-cache-gb", "0.00001")
+    args = _args(tmp_path, "--lazy-ckpt-no-streaming", "--lazy-ckpt-host-cache-gb", "0.00003")  # 32212 bytes
+    with pytest.raises(LazyCkptArgsError, match="--lazy-ckpt-no-streaming needs the host cache.*40000 bytes"):
+        megatron_lm.save_checkpoint(1, model, object(), None, 0, args=args)
+    args = _args(tmp_path, "--lazy-ckpt-host-cache-gb", "0.00001")  # below the engine's minimum cache
     with pytest.raises(LazyCkptArgsError, match="--lazy-ckpt-host-cache-gb"):
         megatron_lm.save_checkpoint(1, model, object(), None, 0, args=args)
     assert megatron_lm.largest_tensor_bytes(model) == 40000

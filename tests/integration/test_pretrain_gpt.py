@@ -66,10 +66,11 @@ def test_kill_9_after_a_commit_then_resume_is_bit_exact(tmp_path, reference, pre
         "2",
         *LAZY,
     ]
-    killed = launch(tmp_path, "killed", args, kill_when=committed_at_least(save, 4))
+    # killed at the first commit: the rest of the run (6 iterations) is the margin for the kill to land
+    killed = launch(tmp_path, "killed", args, kill_when=committed_at_least(save, 2))
     assert killed.returncode != 0, "the run ended before it was killed:\n" + killed.describe()
     resume_from = latest(save)
-    assert resume_from is not None and 4 <= resume_from < ITERS, resume_from
+    assert resume_from is not None and 2 <= resume_from < ITERS, resume_from
     resumed = launch(tmp_path, "resumed", args)
     assert resumed.returncode == 0, resumed.describe()
     assert f"loaded lazy checkpoint of iteration {resume_from}" in resumed.log
