@@ -92,15 +92,9 @@ class Committer(QueueThread):
     """Owns the commit thread of one rank; a context manager, ``close()`` idempotent."""
 
     def __init__(
-        self,
-        tier,  # the :class:`.tier.Tier` whose manifests this thread writes
-        *,
-        world_size: int,
-        collective: Collective,
-        layout: dict,
-        next_commit_seq: int,
-        timeout_s: float,
+        self, tier, collective: Collective, world_size: int, layout: dict, next_commit_seq: int, timeout_s: float
     ) -> None:
+        """``tier``: the :class:`.tier.Tier` whose manifests this thread writes."""
         self.tier = tier
         self.root = tier.root
         self.rank = rank = tier.rank
@@ -123,10 +117,6 @@ class Committer(QueueThread):
         with self._lock:
             self._outstanding[ticket.seq] = ticket
         self.put(ticket)
-
-    def pending_iterations(self) -> set[int]:
-        with self._lock:
-            return {t.iteration for t in self._outstanding.values()}
 
     def poll(self) -> list[CommitRecord]:
         """Commits completed since the last call; re-raises one stored error (once)."""
@@ -274,20 +264,21 @@ class Committer(QueueThread):
             tier=self.tier.name,
         )
         self._records.append(record)
-        self.tier.after_commit(ticket, self._snapshot_outstanding())
+        self.tier.after_commit(ticket)
 
     def _discard(self, ticket: Ticket) -> None:
         """Remove the files of a save that was not committed (and its directory if nothing else is there)."""
         d = iter_dir(self.root, ticket.iteration)
         for r in self._writes:
             unlink_ours(os.path.join(d, rank_file_name(r, ticket.token or self._token, ticket.seq)))
-        others = [t for t in self._snapshot_outstanding() if t.iteration == ticket.iteration and t.seq != ticket.seq]
+        others = [t for t in self.outstanding() if t.iteration == ticket.iteration and t.seq != ticket.seq]
         if not others:
             try:
                 os.rmdir(d)  # only succeeds when empty: a committed manifest keeps it
             except OSError:
                 pass
 
-    def _snapshot_outstanding(self) -> list[Ticket]:
+    def outstanding(self) -> list[Ticket]:
+        """The tickets submitted and not processed yet (any thread)."""
         with self._lock:
             return list(self._outstanding.values())

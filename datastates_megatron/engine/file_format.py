@@ -179,24 +179,15 @@ class FileReceipt:
     n_tensors: int
     index_xxh64: int
     header_xxh64: int
-    save_call_s: float
-    copy_s: float
-    flush_s: float
+    save_call_s: float = 0.0
+    copy_s: float = 0.0
+    flush_s: float = 0.0
 
     @classmethod
     def of(cls, header: Header, data_bytes: int, version: int, path: str, **seconds: float) -> "FileReceipt":
         """The receipt of the file whose (written, verified) header is ``header``."""
-        seconds.setdefault("save_call_s", 0.0)
-        return cls(
-            version,
-            path,
-            header.file_bytes,
-            data_bytes,
-            header.n_tensors,
-            header.index_xxh64,
-            xxh64(header.pack()),
-            **seconds,
-        )
+        h = header
+        return cls(version, path, h.file_bytes, data_bytes, h.n_tensors, h.index_xxh64, xxh64(h.pack()), **seconds)
 
 
 @dataclasses.dataclass(frozen=True)

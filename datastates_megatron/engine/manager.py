@@ -124,6 +124,7 @@ class CheckpointManager(ClosingContext):
                 keep_last=policy.local_keep_last,
                 recycle=policy.recycle_files != "off",
             )
+        self._first_tier = self.local or self.persistent  # where a save is committed first
         self._start_tiers()
         try:
             group = dist.new_group(backend="gloo") if dist and self.world_size > 1 else None
@@ -131,21 +132,12 @@ class CheckpointManager(ClosingContext):
             if dist:
                 dist.barrier(group=group)
             self.engine = SnapshotEngine(opts)
-            self.persistent.open(
-                collective=Collective(persist_group),
-                world_size=self.world_size,
-                layout=self.layout,
-                timeout_s=opts.timeout_s,
-            )
+            for tier, tier_group in ((self.persistent, persist_group), (self.local, group)):
+                if tier:
+                    tier.open(Collective(tier_group), self.world_size, self.layout, opts.timeout_s)
             if self.local:
                 from .promotion import Promotion
 
-                self.local.open(
-                    collective=Collective(group),
-                    world_size=self.world_size,
-                    layout=self.layout,
-                    timeout_s=opts.timeout_s,
-                )
                 self.promotion = Promotion(self.local, self.persistent, interval=policy.persist_interval)
                 common = self._common_local()
                 self.promotion.resume(common[-1] if common else None)
@@ -155,30 +147,22 @@ class CheckpointManager(ClosingContext):
         close_at_exit(self)
 
     def _start_tiers(self) -> None:
-        """Start-up of the tiers' writers (agreed: a failure on any rank raises on every rank)."""
+        """Start-up of the tiers' writers (agreed: a failure on any rank raises on every rank).  The
+        save directory's writer first refuses a checkpoint we did not write that a resume would skip,
+        then takes the directory's one-writer lock, before cleaning our own leftovers."""
         try:
             if self.persistent.is_writer:
-                self._start_writer()
+                os.makedirs(self.root, exist_ok=True)
+                found = survey(self.root)
+                refuse_newer_foreign(self.root, found.newest, option="--save")  # read-only: before the lock
+                self._lock = SaveDirLock(self.root).acquire()
+                self.persistent.clean(found)
             if self.local:
                 self.local.clean()
         except Exception as e:  # noqa: BLE001 - every rank must hear it, not only this one
             self._agree_start(e)
             raise
         self._agree_start(None)
-
-    @property
-    def _first_tier(self) -> Tier:
-        """Where a save is committed first: the local tier when there is one."""
-        return self.local or self.persistent
-
-    def _start_writer(self) -> None:
-        """Start-up of the save directory's writer (rank 0): refuse a checkpoint we did not write
-        that a resume would skip, take the directory's one-writer lock, then clean our own leftovers."""
-        os.makedirs(self.root, exist_ok=True)
-        found = survey(self.root)
-        refuse_newer_foreign(self.root, found.newest, option="--save")  # read-only: refused before the lock exists
-        self._lock = SaveDirLock(self.root).acquire()
-        self.persistent.clean(found)
 
     def _agree_start(self, err: BaseException | None) -> None:
         """Make one rank's start-up error every rank's (a rank failing alone would leave the others

@@ -159,7 +159,7 @@ class Promotion(QueueThread):
         """Source iterations the source tier's retention must keep: those this rank is copying and
         those whose commit on ``dst`` is still open -- the latter covers the other ranks of the node,
         still copying their own files of it, since that commit waits for every rank's copy."""
-        return self.in_flight() | self.dst.committer.pending_iterations()
+        return self.in_flight() | {t.iteration for t in self.dst.committer.outstanding()}
 
     def offer(self, ticket: Ticket) -> None:
         """``src`` committed ``ticket``'s checkpoint: promote every ``interval``-th one."""

@@ -18,6 +18,7 @@ import dataclasses
 import logging
 import os
 
+from .commit import Committer
 from .errors import CorruptCheckpointError, NoCheckpointError
 from .faults import crash_point
 from .manifest import (
@@ -63,8 +64,7 @@ class Survey:
 
     @property
     def newest(self) -> int | None:
-        order = self.order
-        return order[-1] if order else None
+        return max(self.committed, key=lambda it: (self.committed[it].commit_seq, it), default=None)
 
     def latest(self) -> int:
         """The latest committed iteration.  A damaged manifest raises (its own class: a
@@ -177,37 +177,22 @@ class Tier:
         removed += remove_stale_tracker_temps(self.root)
         trim_recycled(self.root, keep=0)
         if removed:
-            log.info(
-                "rank %d: removed %d leftover(s) of uncommitted checkpoints under %s",
-                self.rank,
-                len(removed),
-                self.root,
-            )
+            log.info("rank %d: removed %d leftover(s) of ours under %s", self.rank, len(removed), self.root)
         self._next_seq = max((m.commit_seq for m in found.committed.values()), default=-1) + 1
 
-    def open(self, *, collective, world_size: int, layout: dict, timeout_s: float):
+    def open(self, collective, world_size: int, layout: dict, timeout_s: float):
         """Start the tier's commit thread (:class:`.commit.Committer`, on its own ``collective``)."""
-        from .commit import Committer
-
-        self.committer = Committer(
-            self,
-            collective=collective,
-            world_size=world_size,
-            layout=layout,
-            next_commit_seq=self._next_seq,
-            timeout_s=timeout_s,
-        )
-        return self.committer
+        self.committer = Committer(self, collective, world_size, layout, self._next_seq, timeout_s)
 
     def take_recycled(self, dst: str) -> bool:
         """Move a retired rank file of the pool to ``dst`` (:func:`.retention.take_recycled`)."""
         return take_recycled(self.root, dst)
 
-    def after_commit(self, ticket, outstanding: list) -> None:
+    def after_commit(self, ticket) -> None:
         """Commit thread, once ``ticket``'s save is committed: the writer applies retention and
         removes the superseded files of that iteration; then the promotion, if any, is offered it."""
         if self.is_writer:
-            self._retain(ticket, outstanding)
+            self._retain(ticket, self.committer.outstanding())
         if self.promotion is not None:
             self.promotion.offer(ticket)
 
