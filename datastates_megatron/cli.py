@@ -135,7 +135,8 @@ def _objects_summary(objects) -> dict[str, str]:
 
 
 def _load_manifest(ckpt: str) -> Manifest:
-    from .engine.manifest import MANIFEST_NAME, list_iterations, read_manifest
+    from .engine.manifest import MANIFEST_NAME, read_manifest
+    from .engine.tier import list_iterations
 
     try:
         is_dir = stat.S_ISDIR(os.stat(ckpt).st_mode)
@@ -161,7 +162,8 @@ def _load_manifest(ckpt: str) -> Manifest:
 def _retention_hint(ckpt: str) -> str:
     """When ``ckpt`` is an ``iter_*`` older than the newest checkpoint committed beside it, it was most
     likely removed by the trainer's retention after it was listed (a reader racing a saving run)."""
-    from .engine.manifest import iteration_of, latest_committed
+    from .engine.manifest import iteration_of
+    from .engine.tier import latest_committed
 
     iteration = iteration_of(ckpt)
     try:
@@ -195,15 +197,8 @@ def _select_ranks(ckpt: str, m: Manifest, rank: int | None) -> list:
 def list_checkpoints(save_dir: str) -> dict:
     """Every ``iter_*`` directory of ``save_dir`` with its state; the ``ls --json`` document."""
     from .engine.foreign import find_foreign
-    from .engine.manifest import (
-        TRACKER_NAME,
-        iter_dir,
-        latest_committed,
-        list_iterations,
-        parse_tracker,
-        read_manifest,
-        read_tracker_text,
-    )
+    from .engine.manifest import TRACKER_NAME, iter_dir, parse_tracker, read_manifest, read_tracker_text
+    from .engine.tier import latest_committed, list_iterations
 
     if not os.path.isdir(save_dir):
         raise NoCheckpointError(f"{save_dir}: no such directory")

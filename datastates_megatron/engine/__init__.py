@@ -26,8 +26,8 @@ from .errors import (
 from .options import EngineOptions, ManagerOptions
 
 if TYPE_CHECKING:
-    from .file_format import RankFile, load_file
-    from .snapshot import FileReceipt, SaveHandle, SnapshotEngine
+    from .file_format import FileReceipt, RankFile, load_file
+    from .snapshot import SaveHandle, SnapshotEngine
 
 __all__ = [
     "SnapshotEngine",
@@ -56,7 +56,7 @@ __all__ = [
 _LAZY = {
     "RankFile": "file_format",
     "load_file": "file_format",
-    "FileReceipt": "snapshot",
+    "FileReceipt": "file_format",
     "SaveHandle": "snapshot",
     "SnapshotEngine": "snapshot",
 }

@@ -6,7 +6,8 @@ on a dedicated gloo group that no other code uses, so it never interleaves with 
 If every rank succeeded, the tier's writer (rank 0; on the local tier each node's first rank)
 writes ``manifest.json`` (the commit point) and the ranks agree on the outcome;
 the tracker follows; otherwise nothing is written and every rank learns which ranks failed.
-Retention runs afterwards on rank 0, on this thread, so deletions never block training.
+Then the tier's retention runs, on this thread, so deletions never block training, and the tier's
+promotion, if any, is offered the checkpoint (:meth:`.tier.Tier.after_commit`).
 
 Thread-safety: ``submit``/``poll``/``drain``/``close`` are called from the training thread; the
 commit thread owns the process group and the manifest writes.
@@ -24,16 +25,8 @@ import time
 from .collective import Collective
 from .errors import CacheTimeoutError, CommitError
 from .faults import crash_point
-from .manifest import (
-    Manifest,
-    RankRecord,
-    iter_dir,
-    parse_rank_file_name,
-    rank_file_name,
-    write_manifest,
-    write_tracker,
-)
-from .retention import delete_checkpoint, select_deletions, trim_recycled, unlink_ours
+from .manifest import Manifest, RankRecord, iter_dir, rank_file_name, write_manifest, write_tracker
+from .retention import unlink_ours
 from .threads import QueueThread
 
 __all__ = ["Committer", "Ticket", "CommitRecord"]
@@ -67,7 +60,7 @@ def _to_u64(i: int) -> int:
 class Ticket:
     iteration: int
     seq: int
-    durable: object  # concurrent.futures.Future[FileReceipt]
+    durable: object  # concurrent.futures.Future[FileReceipt]: a save's, or a promotion's copy
     metadata: dict
     t_save: float
     token: str | None = None  # run token in the file names (a re-promotion carries an earlier run's)
@@ -99,71 +92,31 @@ class Committer(QueueThread):
     """Owns the commit thread of one rank; a context manager, ``close()`` idempotent."""
 
     def __init__(
-        self,
-        root: str,  # the tier's root directory (node-local for the local tier)
-        *,
-        rank: int,
-        world_size: int,
-        collective: Collective,
-        token: str,
-        layout: dict,
-        next_commit_seq: int,
-        keep_last: int,
-        keep_every: int,
-        timeout_s: float,
-        tier: str = "persistent",
-        node_ranks: list[int] | None = None,
-        on_commit=None,
-        protect=None,
-        recycle: bool = False,
+        self, tier, collective: Collective, world_size: int, layout: dict, next_commit_seq: int, timeout_s: float
     ) -> None:
-        self.root = root
-        self._recycle = recycle  # retention moves rank files to the pool the next saves reuse
-        self.rank = rank
+        """``tier``: the :class:`.tier.Tier` whose manifests this thread writes."""
+        self.tier = tier
+        self.root = tier.root
+        self.rank = rank = tier.rank
         self.world_size = world_size
         self._coll = collective  # this tier's own group: used by the commit thread only
-        self._token = token
+        self._token = tier.token
         self._layout = layout
         self._commit_seq = next_commit_seq
-        self._keep_last = keep_last
-        self._keep_every = keep_every
         self._timeout = timeout_s
-        self.tier = tier
-        # which ranks' files this rank describes in a manifest: all of them on rank 0 for the
-        # persistent tier; its node's ranks on each node's first rank for the local tier
-        if tier == "persistent":
-            self._writes = list(range(world_size)) if rank == 0 else []
-        else:
-            nodes = node_ranks or list(range(world_size))
-            self._writes = nodes if rank == min(nodes) else []
-        self._on_commit = on_commit  # called on the commit thread with (ticket, record)
-        self._protect = protect  # () -> iterations retention must keep (e.g. being promoted)
+        self._writes = tier.writes  # the ranks whose files this rank describes in a manifest
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)
         self._outstanding: dict[int, Ticket] = {}  # seq -> ticket not yet processed
         self._records: collections.deque[CommitRecord] = collections.deque()
         self._errors: collections.deque[BaseException] = collections.deque()
         self.latest: int | None = None
-        super().__init__(f"dsm-commit-r{rank}" + ("-local" if tier == "local" else ""))
-
-    @property
-    def is_writer(self) -> bool:
-        """Whether this rank writes this tier's manifests (and so runs its retention)."""
-        return bool(self._writes)
+        super().__init__(f"dsm-commit-r{rank}" + ("-local" if tier.name == "local" else ""))
 
     def submit(self, ticket: Ticket) -> None:
         with self._lock:
             self._outstanding[ticket.seq] = ticket
         self.put(ticket)
-
-    @property
-    def recycles(self) -> bool:
-        """Whether this tier's retention recycles rank files (so saves should take from the pool)."""
-        return self._recycle
-
-    def pending_iterations(self) -> set[int]:
-        with self._lock:
-            return {t.iteration for t in self._outstanding.values()}
 
     def poll(self) -> list[CommitRecord]:
         """Commits completed since the last call; re-raises one stored error (once)."""
@@ -264,14 +217,14 @@ class Committer(QueueThread):
                     layout=self._layout,
                     metadata=ticket.metadata,
                     commit_seq=self._commit_seq,
-                    tier=self.tier,
+                    tier=self.tier.name,
                 )
                 crash_point("before_manifest", self.rank)
                 write_manifest(self.root, manifest)
             except OSError as e:
                 ok = False
                 err = CommitError(
-                    f"rank {self.rank}: iteration {ticket.iteration}: writing the {self.tier} manifest in {self.root} failed: {e}"
+                    f"rank {self.rank}: iteration {ticket.iteration}: writing the {self.tier.name} manifest in {self.root} failed: {e}"
                 )
                 err.__cause__ = e
                 self._errors.append(err)
@@ -280,7 +233,7 @@ class Committer(QueueThread):
                 self._discard(ticket)
             if not self._writes:
                 raise CommitError(
-                    f"rank {self.rank}: iteration {ticket.iteration}: a {self.tier} manifest could not be written; "
+                    f"rank {self.rank}: iteration {ticket.iteration}: a {self.tier.name} manifest could not be written; "
                     "nothing committed"
                 )
             return
@@ -308,59 +261,24 @@ class Committer(QueueThread):
             copy_s=max(r["copy_us"] for r in rows) / 1e6,
             flush_s=max(r["flush_us"] for r in rows) / 1e6,
             commit_s=time.perf_counter() - ticket.t_save,
-            tier=self.tier,
+            tier=self.tier.name,
         )
         self._records.append(record)
-        if self._writes:
-            self._retain(ticket)
-        if self._on_commit is not None:
-            self._on_commit(ticket, record)
-
-    def _retain(self, just_committed: Ticket) -> None:
-        from .manifest import committed_iterations
-
-        protected = self.pending_iterations() | {just_committed.iteration}
-        if self._protect is not None:
-            protected |= self._protect()
-        for it in select_deletions(committed_iterations(self.root), self._keep_last, self._keep_every, protected):
-            crash_point("retention", self.rank)
-            delete_checkpoint(self.root, it, recycle=self._recycle)
-            log.info("rank %d: retention deleted %s (%s tier)", self.rank, iter_dir(self.root, it), self.tier)
-        if self._recycle:
-            trim_recycled(self.root, keep=2 * len(self._writes))  # two checkpoints' worth
-        # files of an older save of the same iteration, now superseded by this manifest
-        d = iter_dir(self.root, just_committed.iteration)
-        pending_names = {
-            rank_file_name(r, t.token or self._token, t.seq) for t in self._snapshot_outstanding() for r in self._writes
-        }
-        current = {rank_file_name(r, just_committed.token or self._token, just_committed.seq) for r in self._writes}
-        for name in os.listdir(d):
-            if (
-                parse_rank_file_name(name) is not None
-                and name not in current
-                and name not in pending_names
-                and not self._newer_save_of_this_run(name, just_committed.seq)
-            ):
-                unlink_ours(os.path.join(d, name))
-
-    def _newer_save_of_this_run(self, name: str, seq: int) -> bool:
-        """A file of a later save of the same iteration that another rank may have started before
-        this (writer) rank submitted it: it is not superseded, it supersedes."""
-        parsed = parse_rank_file_name(name)
-        return parsed is not None and parsed[1] == self._token and parsed[2] > seq
+        self.tier.after_commit(ticket)
 
     def _discard(self, ticket: Ticket) -> None:
         """Remove the files of a save that was not committed (and its directory if nothing else is there)."""
         d = iter_dir(self.root, ticket.iteration)
         for r in self._writes:
             unlink_ours(os.path.join(d, rank_file_name(r, ticket.token or self._token, ticket.seq)))
-        others = [t for t in self._snapshot_outstanding() if t.iteration == ticket.iteration and t.seq != ticket.seq]
+        others = [t for t in self.outstanding() if t.iteration == ticket.iteration and t.seq != ticket.seq]
         if not others:
             try:
                 os.rmdir(d)  # only succeeds when empty: a committed manifest keeps it
             except OSError:
                 pass
 
-    def _snapshot_outstanding(self) -> list[Ticket]:
+    def outstanding(self) -> list[Ticket]:
+        """The tickets submitted and not processed yet (any thread)."""
         with self._lock:
             return list(self._outstanding.values())

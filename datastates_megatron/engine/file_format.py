@@ -32,6 +32,7 @@ __all__ = [
     "FORMAT_VERSION",
     "HEADER_BYTES",
     "Header",
+    "FileReceipt",
     "TensorEntry",
     "RankFile",
     "dtype_code",
@@ -163,6 +164,30 @@ class Header:
         if stored != xxh64(raw[: _HEADER.size]):
             raise CorruptCheckpointError(f"{path}: header checksum mismatch")
         return cls(fields[1], *fields[3:])
+
+
+@dataclasses.dataclass(frozen=True)
+class FileReceipt:
+    """A durable (fsynced) rank file as its manifest entry describes it -- the committer's input --
+    with the seconds its making took: ``copy_s`` until its bytes were copied from their source (the
+    device for a save, the local file for a promotion), ``flush_s`` until it was durable."""
+
+    version: int
+    path: str
+    file_bytes: int
+    data_bytes: int
+    n_tensors: int
+    index_xxh64: int
+    header_xxh64: int
+    save_call_s: float = 0.0
+    copy_s: float = 0.0
+    flush_s: float = 0.0
+
+    @classmethod
+    def of(cls, header: Header, data_bytes: int, version: int, path: str, **seconds: float) -> "FileReceipt":
+        """The receipt of the file whose (written, verified) header is ``header``."""
+        h = header
+        return cls(version, path, h.file_bytes, data_bytes, h.n_tensors, h.index_xxh64, xxh64(h.pack()), **seconds)
 
 
 @dataclasses.dataclass(frozen=True)

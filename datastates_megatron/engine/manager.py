@@ -18,28 +18,18 @@ import time
 import torch
 
 from .collective import Collective
-from .commit import CommitRecord, Committer, Ticket
+from .commit import CommitRecord, Ticket
 from .dirlock import SaveDirLock
 from .errors import CheckpointError, NoCheckpointError
 from .foreign import refuse_newer_foreign
-from .manifest import (
-    committed_iterations,
-    committed_manifests,
-    iter_dir,
-    latest_committed,
-    list_iterations,
-    parse_rank_file_name,
-    rank_file_name,
-    read_manifest,
-    save_id,
-)
+from .manifest import iter_dir, rank_file_name, read_manifest, save_id
 from .options import EngineOptions, ManagerOptions
 from .load_plan import LoadPlanner, SameLayoutPlanner
 from .reader import CheckpointReader, RestoreStats, open_checkpoint
 from .safe_io import make_dir
-from .retention import remove_stale_tracker_temps, remove_uncommitted, take_recycled, trim_recycled
 from .snapshot import SnapshotEngine
 from .threads import ClosingContext, close_at_exit, forget
+from .tier import Tier, committed_iterations, latest_committed, survey
 
 __all__ = ["CheckpointManager", "LoadResult"]
 
@@ -113,96 +103,66 @@ class CheckpointManager(ClosingContext):
         self.node_ranks = [r for r in range(self.world_size) if r // per_node == self.node]
         self.local_root = os.path.abspath(local_root.format(node=self.node)) if local_root else None
         self._lock: SaveDirLock | None = None
-        next_seq, local_seq = self._start_tiers()
-        try:
-            self._group = dist.new_group(backend="gloo") if dist and self.world_size > 1 else None
-            self._persist_group = (
-                dist.new_group(backend="gloo") if dist and self.world_size > 1 and self.local_root else self._group
-            )
-            if dist:
-                dist.barrier(group=self._group)
-            self.engine = SnapshotEngine(opts)
-            self.committer = Committer(
-                self.root,
+        self.persistent = Tier(
+            "persistent",
+            self.root,
+            rank=self.rank,
+            token=token,
+            writes=list(range(self.world_size)) if self.rank == 0 else [],
+            keep_last=policy.keep_last,
+            keep_every=policy.keep_every,
+            recycle=policy.recycle_files == "all" and not self.local_root,
+        )
+        self.local = self.promotion = None
+        if self.local_root:
+            self.local = Tier(
+                "local",
+                self.local_root,
                 rank=self.rank,
-                world_size=self.world_size,
-                collective=Collective(self._persist_group),
                 token=token,
-                layout=self.layout,
-                next_commit_seq=next_seq,
-                keep_last=policy.keep_last,
-                keep_every=policy.keep_every,
-                timeout_s=opts.timeout_s,
-                recycle=policy.recycle_files == "all" and not self.local_root,
+                writes=self.node_ranks if self.rank == min(self.node_ranks) else [],
+                keep_last=policy.local_keep_last,
+                recycle=policy.recycle_files != "off",
             )
-            self.local_committer = self.promoter = None
-            if self.local_root:
-                from .tiers import Promoter
+        self._first_tier = self.local or self.persistent  # where a save is committed first
+        self._start_tiers()
+        try:
+            group = dist.new_group(backend="gloo") if dist and self.world_size > 1 else None
+            persist_group = dist.new_group(backend="gloo") if dist and self.world_size > 1 and self.local else group
+            if dist:
+                dist.barrier(group=group)
+            self.engine = SnapshotEngine(opts)
+            for tier, tier_group in ((self.persistent, persist_group), (self.local, group)):
+                if tier:
+                    tier.open(Collective(tier_group), self.world_size, self.layout, opts.timeout_s)
+            if self.local:
+                from .promotion import Promotion
 
-                self.promoter = Promoter(
-                    self.local_root,
-                    self.root,
-                    rank=self.rank,
-                    token=token,
-                    interval=policy.persist_interval,
-                    persistent=self.committer,
-                )
-                self.local_committer = Committer(
-                    self.local_root,
-                    rank=self.rank,
-                    world_size=self.world_size,
-                    collective=Collective(self._group),
-                    token=token,
-                    layout=self.layout,
-                    next_commit_seq=local_seq,
-                    keep_last=policy.local_keep_last,
-                    keep_every=0,
-                    timeout_s=opts.timeout_s,
-                    tier="local",
-                    node_ranks=self.node_ranks,
-                    on_commit=self.promoter.on_local_commit,
-                    protect=self._promotions_pending,
-                    recycle=policy.recycle_files != "off",
-                )
-                self._repromote()
+                self.promotion = Promotion(self.local, self.persistent, interval=policy.persist_interval)
+                common = self._common_local()
+                self.promotion.resume(common[-1] if common else None)
         except BaseException:
             self._release_lock()
             raise
         close_at_exit(self)
 
-    def _start_tiers(self) -> tuple[int, int]:
-        """Start-up of the tiers' writers (agreed: a failure on any rank raises on every rank).
-        Returns the next commit sequence numbers of the persistent and local tiers."""
+    def _start_tiers(self) -> None:
+        """Start-up of the tiers' writers (agreed: a failure on any rank raises on every rank).  The
+        save directory's writer first refuses a checkpoint we did not write that a resume would skip,
+        then takes the directory's one-writer lock, before cleaning our own leftovers."""
         try:
-            next_seq = self._start_writer() if self.rank == 0 else 0
-            local_seq = self._clean(self.local_root, self.rank == min(self.node_ranks)) if self.local_root else 0
+            if self.persistent.is_writer:
+                os.makedirs(self.root, exist_ok=True)
+                found = survey(self.root)
+                refuse_newer_foreign(self.root, found.newest, option="--save")  # read-only: before the lock
+                self._lock = SaveDirLock(self.root).acquire()
+                self.persistent.clean(found)
+            if self.local:
+                self.local.clean()
         except Exception as e:  # noqa: BLE001 - every rank must hear it, not only this one
             self._agree_start(e)
             raise
         self._agree_start(None)
-        return next_seq, local_seq
-
-    def _promotions_pending(self) -> set[int]:
-        """Local iterations the local tier's retention must keep: those this rank is copying and those
-        whose persistent commit is still open -- the latter covers the other ranks of the node, still
-        copying their own files of it, since that commit waits for every rank's copy."""
-        return self.promoter.in_flight() | self.committer.pending_iterations()
-
-    @property
-    def _first_tier(self) -> Committer:
-        """Where a save is committed first: the local tier when there is one."""
-        return self.local_committer or self.committer
-
-    def _start_writer(self) -> int:
-        """Start-up of the save directory's writer (rank 0): refuse a checkpoint we did not write
-        that a resume would skip, take the directory's one-writer lock, then clean our own leftovers.
-        Returns the next commit sequence number."""
-        os.makedirs(self.root, exist_ok=True)
-        found = committed_manifests(self.root)
-        latest = max(found, key=lambda it: (found[it].commit_seq, it), default=None)
-        refuse_newer_foreign(self.root, latest, option="--save")  # read-only: refused before the lock file exists
-        self._lock = SaveDirLock(self.root).acquire()
-        return self._clean(self.root, True)
 
     def _agree_start(self, err: BaseException | None) -> None:
         """Make one rank's start-up error every rank's (a rank failing alone would leave the others
@@ -237,24 +197,6 @@ class CheckpointManager(ClosingContext):
         if lock is not None:
             lock.release()
 
-    def _clean(self, root: str, writer: bool) -> int:
-        """Start-up cleanup of one tier (by its writer rank); returns the next commit sequence number.
-        Only what we wrote is removed (:mod:`.retention`)."""
-        if not writer:
-            return 0
-        os.makedirs(root, exist_ok=True)
-        found = committed_manifests(root)
-        removed = remove_uncommitted(
-            root, list_iterations(root), {it: {r.file for r in m.ranks} for it, m in found.items()}, set()
-        )
-        removed += remove_stale_tracker_temps(root)
-        trim_recycled(root, keep=0)
-        if removed:
-            log.info(
-                "rank %d: removed %d leftover(s) of uncommitted checkpoints under %s", self.rank, len(removed), root
-            )
-        return max((m.commit_seq for m in found.values()), default=-1) + 1
-
     def _agree_token(self) -> str:
         """The run token: rank 0's random 62-bit number, on every rank."""
         return f"{self._world.broadcast(secrets.randbits(62), src=0):016x}"
@@ -274,15 +216,15 @@ class CheckpointManager(ClosingContext):
         self._check_open()
         self._surface_errors()
         self._seq += 1
-        tier_root = self.local_root or self.root
-        d = iter_dir(tier_root, iteration)
+        tier = self._first_tier
+        d = iter_dir(tier.root, iteration)
         try:
             make_dir(d)  # an iter_* symlink is refused (FlushError): we never write through a link
             name = rank_file_name(self.rank, self.token, self._seq)
             path = os.path.join(d, name)
             # overwrite a retired rank file in place when there is one (a listdir and a rename: done on
             # a flush thread just before the file is opened, not here on the training thread)
-            recycle = functools.partial(take_recycled, tier_root, path) if self._first_tier.recycles else None
+            recycle = functools.partial(tier.take_recycled, path) if tier.recycle else None
             handle = self.engine.save(iteration, path, objects, tag=name, before_open=recycle)
         except CheckpointError as e:
             self._handle(e)
@@ -294,9 +236,9 @@ class CheckpointManager(ClosingContext):
 
             failed: cf.Future = cf.Future()
             failed.set_exception(CheckpointError("save did not start"))
-            self._first_tier.submit(Ticket(iteration, self._seq, failed, dict(metadata or {}), t_save))
+            tier.committer.submit(Ticket(iteration, self._seq, failed, dict(metadata or {}), t_save))
             return False
-        self._first_tier.submit(Ticket(iteration, self._seq, handle.durable, dict(metadata or {}), t_save))
+        tier.committer.submit(Ticket(iteration, self._seq, handle.durable, dict(metadata or {}), t_save))
         return True
 
     def wait_for_snapshot(self, group: str | None = None) -> None:
@@ -307,7 +249,7 @@ class CheckpointManager(ClosingContext):
         """Non-blocking: checkpoints committed since the last call (raises or logs failures)."""
         self._surface_errors()
         out = []
-        for committer in filter(None, (self.local_committer, self.committer)):
+        for committer in (t.committer for t in (self.local, self.persistent) if t):
             while True:
                 try:
                     got = committer.poll()
@@ -333,16 +275,16 @@ class CheckpointManager(ClosingContext):
             self.engine.wait(timeout)
         except CheckpointError as e:
             self._handle(e)
-        self._first_tier.drain(timeout)
+        self._first_tier.committer.drain(timeout)
         if persist:
-            if promote_newest and self.promoter is not None:
-                self.promoter.promote_newest()
-            self.committer.drain(timeout)
+            if promote_newest and self.promotion is not None:
+                self.promotion.promote_newest()
+            self.persistent.committer.drain(timeout)
         return self.poll()
 
     @property
     def latest_committed(self) -> int | None:
-        return self._first_tier.latest
+        return self._first_tier.committer.latest
 
     def _surface_errors(self) -> None:
         while True:
@@ -455,7 +397,7 @@ class CheckpointManager(ClosingContext):
         """Local-tier iterations whose node manifest is readable and names this rank's file, each
         with the save that wrote it: (run token as an integer, save sequence)."""
         out = {}
-        for it, m in sorted(committed_manifests(self.local_root).items()):
+        for it, m in sorted(survey(self.local_root).committed.items()):
             rec = m.record(self.rank)
             save = save_id(rec.file) if rec is not None else None
             if save is not None:
@@ -507,22 +449,6 @@ class CheckpointManager(ClosingContext):
             return False
         return local is not None and local == persistent
 
-    def _repromote(self) -> None:
-        """After a restart, promote the newest local checkpoint if the persistent tier lacks it."""
-        common = self._common_local()
-        if not common:
-            return
-        try:
-            persistent = latest_committed(self.root)
-        except NoCheckpointError:
-            persistent = None
-        newest = common[-1]
-        if persistent is None or newest > persistent:
-            m = read_manifest(iter_dir(self.local_root, newest))
-            _, token, seq = parse_rank_file_name(m.record(self.rank).file)
-            log.info("rank %d: promoting local checkpoint %d left unpromoted by the previous run", self.rank, newest)
-            self.promoter.schedule(newest, seq, dict(m.metadata), token=token)
-
     # ------------------------------------------------------------------ lifecycle
     def close(self, timeout: float | None = None) -> None:
         """Drain (commit what is pending and promote the newest local checkpoint), then stop every
@@ -538,20 +464,11 @@ class CheckpointManager(ClosingContext):
                 self.engine.close(timeout)
             finally:
                 try:
-                    for part in (self.local_committer, self.promoter, self.committer):
+                    for part in (self.local, self.promotion, self.persistent):
                         if part is not None:
                             part.close()
-                    self._empty_recycle_pool()
                 finally:
                     self._release_lock()
-
-    def _empty_recycle_pool(self) -> None:
-        """Training is over: the pool's retired files only hold space (the tier's writer rank)."""
-        if self._first_tier.is_writer:
-            try:
-                trim_recycled(self.local_root or self.root, keep=0)
-            except OSError as e:
-                log.warning("rank %d: could not empty the recycle pool: %s", self.rank, e)
 
     def _check_open(self) -> None:
         if self._closed:

@@ -2,7 +2,8 @@
 
 ``<root>/iter_0000100/manifest.json`` names every rank file of iteration 100 with its size and
 checksums; it is written with temp file + fsync + ``os.replace`` + directory fsync, so it either
-exists whole or not at all.  A directory without a valid manifest is not a checkpoint.
+exists whole or not at all.  A directory without a valid manifest is not a checkpoint (what a whole
+directory holds is :func:`.tier.survey`'s to say).
 ``<root>/latest_checkpointed_iteration.txt`` is replaced the same way right after the manifest.
 """
 
@@ -37,11 +38,7 @@ __all__ = [
     "read_tracker_text",
     "parse_tracker",
     "write_tracker",
-    "list_iterations",
     "iteration_of",
-    "committed_manifests",
-    "committed_iterations",
-    "latest_committed",
 ]
 
 MANIFEST_NAME = "manifest.json"
@@ -359,48 +356,3 @@ def read_tracker(root: str) -> int | None:
 
 def write_tracker(root: str, iteration: int) -> None:
     atomic_write(os.path.join(root, TRACKER_NAME), f"{iteration}".encode())
-
-
-def list_iterations(root: str) -> list[int]:
-    """Every ``iter_*`` directory under ``root``, committed or not, ascending."""
-    try:
-        names = os.listdir(root)
-    except FileNotFoundError:
-        return []
-    return sorted(int(m.group(1)) for n in names if (m := _ITER_RE.match(n)) and os.path.isdir(os.path.join(root, n)))
-
-
-def committed_manifests(root: str, damaged: list | None = None) -> dict[int, Manifest]:
-    """Iteration -> manifest, for every directory whose manifest exists and parses.  Manifests that
-    exist but do not parse are appended to ``damaged`` as errors."""
-    out = {}
-    for it in list_iterations(root):
-        try:
-            out[it] = read_manifest(iter_dir(root, it))
-        except NoCheckpointError:
-            continue
-        except CorruptCheckpointError as e:
-            if damaged is not None:
-                damaged.append(e)
-    return out
-
-
-def committed_iterations(root: str) -> list[int]:
-    """Committed iterations in commit order (oldest commit first)."""
-    found = committed_manifests(root)
-    return sorted(found, key=lambda it: (found[it].commit_seq, it))
-
-
-def latest_committed(root: str) -> int:
-    """The most recently committed iteration (by commit sequence, so a run that resumed from an older
-    checkpoint and committed again supersedes higher iteration numbers left by an earlier run)."""
-    damaged: list = []
-    found = committed_manifests(root, damaged)
-    if damaged:
-        # manifests are written atomically, so a damaged one means corruption, not a crash: say so
-        # rather than silently falling back to an older checkpoint
-        first = damaged[0]  # keep its class: FormatVersionError says "upgrade", not "damaged"
-        raise type(first)(f"{first} (pass an explicit iteration to load another checkpoint)") from first
-    if not found:
-        raise NoCheckpointError(f"{root}: no committed checkpoint (no iter_*/{MANIFEST_NAME})")
-    return max(found, key=lambda it: (found[it].commit_seq, it))

@@ -1,4 +1,5 @@
-"""Retention: which committed checkpoints to delete, and deleting one so a crash never leaves a trap.
+"""Deleting what we wrote: retention's choice, one checkpoint (in an order a crash cannot turn into a trap),
+the recycle pool's files.  Their one caller is the tier that owns the directory (:mod:`.tier`).
 
 A checkpoint is deleted manifest first (then it is no longer committed), then its files, then the
 directory; a crash half-way leaves a manifest-less directory that start-up cleanup removes.
@@ -28,7 +29,7 @@ from .writer import fsync_dir
 __all__ = [
     "select_deletions",
     "delete_checkpoint",
-    "remove_uncommitted",
+    "remove_ours",
     "remove_stale_tracker_temps",
     "RECYCLE_DIR",
     "take_recycled",
@@ -82,7 +83,9 @@ def _remove_our_files(d: str) -> list[str]:
     return left
 
 
-def _rmdir(d: str, left: list[str]) -> bool:
+def remove_ours(d: str) -> bool:
+    """Unlink the entries of ``d`` we wrote, then ``d`` itself if nothing else is left in it."""
+    left = _remove_our_files(d)
     if left:
         log.warning(
             "%s: keeps %d entr%s not written by us (%s); the directory stays",
@@ -133,7 +136,7 @@ def delete_checkpoint(root: str, iteration: int, recycle: bool = False) -> None:
                     os.rename(src, os.path.join(pool, f"{iteration:07d}-{name}"))
         except OSError as e:  # recycling is an optimisation: fall back to deleting
             log.warning("%s: could not recycle rank files (%s); deleting them", d, e)
-    _rmdir(d, _remove_our_files(d))
+    remove_ours(d)
 
 
 def _retired_by(pool_name: str) -> int | None:
@@ -179,38 +182,6 @@ def trim_recycled(root: str, keep: int) -> None:
     names = sorted(n for n in os.listdir(pool) if is_recycled_name(n))
     for name in names[: max(0, len(names) - keep)]:
         unlink_ours(os.path.join(pool, name))
-
-
-def remove_uncommitted(
-    root: str, iterations: list[int], referenced: dict[int, set[str]], keep_names: set[str]
-) -> list[str]:
-    """Start-up cleanup: remove directories that never got a manifest, and files in committed
-    directories that their manifest does not name (a crashed re-save).  Only our names go: a
-    manifest-less directory holding anything else (a Megatron checkpoint, a user's file) is left
-    whole.  A directory whose manifest exists but is unreadable is kept (and logged): it may be
-    repairable, and it is never loaded."""
-    removed = []
-    for it in iterations:
-        d = iter_dir(root, it)
-        if not _real_dir(d):
-            continue
-        if it not in referenced:
-            if os.path.lexists(os.path.join(d, MANIFEST_NAME)):
-                log.warning("%s: manifest is unreadable; leaving the directory alone (it is not loadable)", d)
-                continue
-            names = os.listdir(d)
-            if any(not is_ours_in_iteration(n) for n in names):
-                continue  # not (only) ours: :mod:`.foreign` reports it
-            if _rmdir(d, _remove_our_files(d)):
-                removed.append(d)
-            continue
-        for name in os.listdir(d):
-            if name == MANIFEST_NAME or name in referenced[it] or name in keep_names or not is_ours_in_iteration(name):
-                continue
-            path = os.path.join(d, name)
-            if unlink_ours(path):
-                removed.append(path)
-    return removed
 
 
 def remove_stale_tracker_temps(root: str) -> list[str]:

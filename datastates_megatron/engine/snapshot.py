@@ -42,7 +42,7 @@ from . import data_layout, file_format, hashing
 from .device_copy import Completion, DeviceCopier, as_bytes
 from .faults import crash_point
 from .errors import CacheTimeoutError, CheckpointError, CopyError, EngineClosedError, FlushError
-from .file_format import FORMAT_VERSION, HEADER_BYTES, Header, build_index
+from .file_format import FORMAT_VERSION, HEADER_BYTES, FileReceipt, Header, build_index
 from .host_cache import HostCache
 from .mapped_files import MappedFiles
 from .objects import encode_objects
@@ -52,27 +52,11 @@ from .safe_io import open_dir
 from .threads import ClosingContext, close_at_exit, forget
 from .writer import ALIGN, RankFileWriter
 
-__all__ = ["SnapshotEngine", "SaveHandle", "FileReceipt"]
+__all__ = ["SnapshotEngine", "SaveHandle"]
 
 log = logging.getLogger(__name__)
 _SMALL_ALIGN = 64
 _ZEROS = np.zeros(ALIGN, np.uint8)  # padding after a region written from its source
-
-
-@dataclasses.dataclass(frozen=True)
-class FileReceipt:
-    """What a durable rank file looks like; the commit layer puts this in the manifest."""
-
-    version: int
-    path: str
-    file_bytes: int
-    data_bytes: int
-    n_tensors: int
-    index_xxh64: int
-    header_xxh64: int
-    save_call_s: float
-    copy_s: float
-    flush_s: float
 
 
 @dataclasses.dataclass
@@ -603,19 +587,14 @@ class SnapshotEngine(ClosingContext):
             raise FlushError(
                 f"rank {self.options.rank}: version {job.version}: finishing {job.path} failed: {e}"
             ) from e
-        now = time.perf_counter()
-        packed = header.pack()
-        return FileReceipt(
-            version=job.version,
-            path=job.path,
-            file_bytes=header.file_bytes,
-            data_bytes=layout.total_bytes,
-            n_tensors=header.n_tensors,
-            index_xxh64=header.index_xxh64,
-            header_xxh64=hashing.xxh64(packed),
+        return FileReceipt.of(
+            header,
+            layout.total_bytes,
+            job.version,
+            job.path,
             save_call_s=job.t_call,
             copy_s=job.t_copied - job.t_save,
-            flush_s=now - job.t_save,
+            flush_s=time.perf_counter() - job.t_save,
         )
 
     def _fail(self, job: _Job, exc: BaseException, stage: str) -> None:

@@ -56,7 +56,8 @@ import threading
 import torch
 
 from ..engine.errors import CheckpointError, LayoutMismatchError, NoCheckpointError
-from ..engine.manifest import MANIFEST_NAME, iter_dir, latest_committed, read_manifest, write_tracker
+from ..engine.manifest import MANIFEST_NAME, iter_dir, read_manifest, write_tracker
+from ..engine.tier import latest_committed
 from ..engine.load_plan import LoadPlan, ReadItem
 from ..engine.reader import CheckpointReader
 from .export_args import FORMATS, MODEL_KEYS as _MODEL_KEYS, add_export_arguments

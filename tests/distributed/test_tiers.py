@@ -3,7 +3,8 @@
 import os
 import shutil
 
-from datastates_megatron.engine.manifest import committed_iterations, iter_dir, read_manifest
+from datastates_megatron.engine.manifest import iter_dir, read_manifest
+from datastates_megatron.engine.tier import committed_iterations
 
 from .ranks import describe, run_ranks
 

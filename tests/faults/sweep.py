@@ -57,14 +57,8 @@ import torch  # noqa: E402
 
 from datastates_megatron.engine import CheckpointError, data_layout, file_format, hashing  # noqa: E402
 from datastates_megatron.engine.file_format import RankFile  # noqa: E402
-from datastates_megatron.engine.manifest import (  # noqa: E402
-    MANIFEST_NAME,
-    committed_iterations,
-    iter_dir,
-    latest_committed,
-    read_manifest,
-    read_tracker,
-)
+from datastates_megatron.engine.manifest import MANIFEST_NAME, iter_dir, read_manifest, read_tracker  # noqa: E402
+from datastates_megatron.engine.tier import committed_iterations, latest_committed  # noqa: E402
 from datastates_megatron.engine.load_plan import SameLayoutPlanner  # noqa: E402
 from datastates_megatron.engine.reader import CheckpointReader, open_checkpoint  # noqa: E402
 from tests.distributed.ranks import run_ranks  # noqa: E402

@@ -12,7 +12,8 @@ import os
 
 import pytest
 
-from datastates_megatron.engine.manifest import MANIFEST_NAME, committed_iterations, latest_committed, read_tracker
+from datastates_megatron.engine.manifest import MANIFEST_NAME, read_tracker
+from datastates_megatron.engine.tier import committed_iterations, latest_committed
 
 from ..distributed.ranks import describe, run_ranks
 from tests.workers.fault_worker import acknowledged, read_progress

@@ -11,7 +11,8 @@ import os
 import pytest
 
 from datastates_megatron.engine import load_file
-from datastates_megatron.engine.manifest import committed_iterations, iter_dir, read_manifest, read_tracker
+from datastates_megatron.engine.manifest import iter_dir, read_manifest, read_tracker
+from datastates_megatron.engine.tier import committed_iterations
 
 from ..distributed.ranks import describe, run_ranks
 from tests.workers.fault_worker import is_state_of, make_state
@@ -112,7 +113,8 @@ def test_tracker_that_cannot_be_written_after_the_manifest_is_reported_consisten
 
     from datastates_megatron.engine import EngineOptions, commit
     from datastates_megatron.engine.manager import CheckpointManager
-    from datastates_megatron.engine.manifest import latest_committed, read_manifest
+    from datastates_megatron.engine.manifest import read_manifest
+    from datastates_megatron.engine.tier import latest_committed
 
     real = commit.write_tracker
 

@@ -18,7 +18,7 @@ import pytest
 from datastates_megatron.cli import EXIT_DAMAGED, EXIT_OK, list_checkpoints, main
 from datastates_megatron.engine import CorruptCheckpointError, EngineOptions
 from datastates_megatron.engine.manager import CheckpointManager
-from datastates_megatron.engine import manifest as manifest_mod
+from datastates_megatron.engine import manifest as manifest_mod, tier as tier_mod
 from datastates_megatron.engine.manifest import MANIFEST_NAME, TRACKER_NAME, iter_dir, read_manifest, read_tracker
 
 from .damage import edit_manifest
@@ -259,9 +259,9 @@ def test_an_iteration_directory_that_is_a_symlink_is_damaged_not_committed(root,
     os.rename(iter_dir(str(root), 2), archive)
     before = {p.name: p.read_bytes() for p in archive.iterdir()}
     os.symlink(archive, iter_dir(str(root), 3))
-    assert manifest_mod.committed_iterations(str(root)) == [1]
+    assert tier_mod.committed_iterations(str(root)) == [1]
     with pytest.raises(CorruptCheckpointError, match="symlink") as e:
-        manifest_mod.latest_committed(str(root))
+        tier_mod.latest_committed(str(root))
     assert iter_dir(str(root), 3) in str(e.value)
     assert "symlink" in _ls_damaged(root, 3)
     assert _cli(capsys, "ls", root)[0] == EXIT_OK

@@ -8,7 +8,7 @@ import threading
 
 import pytest
 
-from datastates_megatron.engine import EngineOptions, manager as manager_mod
+from datastates_megatron.engine import EngineOptions, tier as tier_mod
 from datastates_megatron.engine.manager import CheckpointManager
 from datastates_megatron.engine.manifest import iter_dir, read_manifest
 from datastates_megatron.engine.retention import RECYCLE_DIR, take_recycled
@@ -66,14 +66,14 @@ def test_retired_rank_file_is_overwritten_in_place_and_loads_exactly(base):
 
 def test_the_pool_is_read_on_a_flush_thread_not_in_save(tmp_path, monkeypatch):
     taken = []
-    real = manager_mod.take_recycled
+    real = tier_mod.take_recycled
 
     def spy(root, dst):
         ok = real(root, dst)
         taken.append((threading.current_thread().name, ok))
         return ok
 
-    monkeypatch.setattr(manager_mod, "take_recycled", spy)
+    monkeypatch.setattr(tier_mod, "take_recycled", spy)
     root = tmp_path / "ckpt"
     ts = make_state(0, 50_000)
     with _manager(root, keep_last=1) as mgr:
@@ -146,14 +146,14 @@ def test_local_retention_keeps_a_checkpoint_until_its_persistent_commit_is_done(
     the persistent commit thread; world size 1."""
     import threading
 
-    from datastates_megatron.engine.manifest import committed_iterations
+    from datastates_megatron.engine.tier import committed_iterations
 
     local, persistent = tmp_path / "local", tmp_path / "persistent"
     ts = make_state(0, 50_000)
     hold = threading.Event()
     with _manager(persistent, keep_last=0, local_root=str(local), persist_interval=1, local_keep_last=1) as mgr:
-        real = mgr.committer._handle
-        mgr.committer._handle = lambda ticket: (hold.wait(30), real(ticket))
+        real = mgr.persistent.committer._handle
+        mgr.persistent.committer._handle = lambda ticket: (hold.wait(30), real(ticket))
         for n, t in ts.items():
             mgr.register(n, t)
         try:
@@ -161,7 +161,7 @@ def test_local_retention_keeps_a_checkpoint_until_its_persistent_commit_is_done(
                 fill(ts, 0, it)
                 mgr.save(it, {"iteration": it})
                 mgr.wait(persist=False)  # committed locally; promotions copied or queued
-            assert not mgr.promoter.in_flight() - {2, 3}  # this rank is done copying 1 ...
+            assert not mgr.promotion.in_flight() - {2, 3}  # this rank is done copying 1 ...
             assert committed_iterations(str(persistent)) == []  # ... but its persistent commit waits
             assert committed_iterations(str(local)) == [1, 2, 3]  # so local_keep_last=1 kept 1 (and 2)
             path, size = _rank_file(local, 1)

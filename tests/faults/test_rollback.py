@@ -8,7 +8,7 @@ import torch
 
 from datastates_megatron.engine import EngineOptions
 from datastates_megatron.engine.manager import CheckpointManager
-from datastates_megatron.engine.tiers import Promoter
+from datastates_megatron.engine.promotion import Promotion
 
 
 def _manager(tmp_path, w):
@@ -50,7 +50,7 @@ def test_rollback_sticks_from_the_new_runs_first_persistent_commit(tmp_path):
 def test_before_that_commit_a_restart_resumes_the_abandoned_timeline(tmp_path, monkeypatch):
     _run(tmp_path, range(1, 11), float)
     with monkeypatch.context() as m:  # run B is killed before its end-of-run promotion
-        m.setattr(Promoter, "promote_newest", lambda self: False)
+        m.setattr(Promotion, "promote_newest", lambda self: False)
         _run(tmp_path, (5, 6), lambda it: 100.0 + it, load=4)  # nothing of run B reached the persistent tier
     assert _restart(tmp_path) == (10, 10.0)  # as Megatron's own tracker file does before its first save
 

@@ -15,7 +15,7 @@ import torch
 
 from datastates_megatron.engine import CacheTimeoutError, EngineOptions, writer
 from datastates_megatron.engine.manager import CheckpointManager
-from datastates_megatron.engine.manifest import committed_iterations
+from datastates_megatron.engine.tier import committed_iterations
 
 MiB = 1 << 20
 

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from datastates_megatron.demo.run_demo import kill_tree, signal_ranks
-from datastates_megatron.engine.manifest import committed_iterations, latest_committed
+from datastates_megatron.engine.tier import committed_iterations, latest_committed
 from datastates_megatron.megatron import training_record
 from tests.distributed.ranks import free_port
 

@@ -1,13 +1,13 @@
-"""Multi-level tiers: promote committed node-local checkpoints to persistent storage in the background.
+"""Promotion: the link from the node-local tier to the persistent one.
 
-A checkpoint is first committed on the fast node-local tier (per-node manifests).  Every
-``persist_interval``-th one is then promoted: each rank verifies its local file's checksums, copies
-the verified bytes to the persistent tier and fsyncs, and the persistent tier's own committer agrees
-across ranks and writes the persistent manifest.  The local copy is never removed by a promotion —
-only by the local tier's retention, which skips checkpoints still being promoted.
+Fed by the local tier's commits (:meth:`.tier.Tier.after_commit`), every ``interval``-th committed
+checkpoint is promoted: each rank verifies its local file's checksums, copies the verified bytes to
+the persistent tier and fsyncs, and the persistent tier's committer agrees across ranks and writes
+the persistent manifest.  The local copy is never removed by a promotion -- only by the local tier's
+retention, which keeps what the link reports :meth:`Promotion.pending`.
 
-Thread-safety: ``schedule`` may be called from any thread (the local commit thread calls it);
-the copies run on the owned thread ``dsm-promote-r{rank}``.
+Thread-safety: ``offer``/``schedule`` may be called from any thread (the local commit thread calls
+``offer``); the copies run on the owned thread ``dsm-promote-r{rank}``.
 """
 
 from __future__ import annotations
@@ -21,19 +21,18 @@ import time
 
 import numpy as np
 
-from .commit import Committer, Ticket
-from .errors import FlushError
+from .commit import Ticket
+from .errors import FlushError, NoCheckpointError
 from .faults import crash_point
-from .file_format import HEADER_BYTES, RankFile
-from .manifest import iter_dir, rank_file_name
+from .file_format import HEADER_BYTES, FileReceipt, RankFile
+from .manifest import iter_dir, parse_rank_file_name, rank_file_name, read_manifest
 from .names import PROMOTING_SUFFIX
-from .hashing import xxh64
-from .snapshot import FileReceipt
 from .safe_io import create_temp, make_dir, reopen_same
 from .threads import QueueThread
+from .tier import Tier, survey
 from .writer import ALIGN, fsync_dir, pwrite_direct
 
-__all__ = ["Promoter", "copy_verified"]
+__all__ = ["Promotion", "copy_verified"]
 
 log = logging.getLogger(__name__)
 _COPY_BLOCK = 16 << 20
@@ -133,45 +132,37 @@ def copy_verified(src: str, dst: str, version: int) -> FileReceipt:
     os.replace(tmp, dst)
     fsync_dir(os.path.dirname(dst))
     dt = time.perf_counter() - t0
-    return FileReceipt(
-        version=version,
-        path=dst,
-        file_bytes=header.file_bytes,
-        data_bytes=data_bytes,
-        n_tensors=header.n_tensors,
-        index_xxh64=header.index_xxh64,
-        header_xxh64=xxh64(header.pack()),
-        save_call_s=0.0,
-        copy_s=dt,
-        flush_s=dt,
-    )
+    return FileReceipt.of(header, data_bytes, version, dst, copy_s=dt, flush_s=dt)
 
 
-class Promoter(QueueThread):
-    """Owns the promotion thread of one rank.  ``close()`` is idempotent and joins it."""
+class Promotion(QueueThread):
+    """The link ``src`` -> ``dst`` of one rank, owning its copy thread; ``close()`` is idempotent
+    and joins it.  ``interval``: every how many of ``src``'s commits one is promoted."""
 
-    def __init__(
-        self, local_root: str, persist_root: str, *, rank: int, token: str, interval: int, persistent: Committer
-    ) -> None:
-        self.local_root = local_root
-        self.persist_root = persist_root
-        self.rank = rank
-        self._token = token
+    def __init__(self, src: Tier, dst: Tier, *, interval: int) -> None:
+        self.src, self.dst = src, dst
+        self.rank = src.rank
         self._interval = interval
-        self._persistent = persistent
         self._count = 0
         self._lock = threading.Lock()
         self._in_flight: set[int] = set()
         self._newest: Ticket | None = None  # this run's newest local commit when it is not promoted yet
-        super().__init__(f"dsm-promote-r{rank}")
+        src.promotion = self
+        super().__init__(f"dsm-promote-r{self.rank}")
 
     def in_flight(self) -> set[int]:
-        """Local iterations being promoted (the local tier's retention must keep them)."""
+        """Source iterations this rank is copying."""
         with self._lock:
             return set(self._in_flight)
 
-    def on_local_commit(self, ticket: Ticket, _record) -> None:
-        """Local committer callback: promote every ``interval``-th committed checkpoint."""
+    def pending(self) -> set[int]:
+        """Source iterations the source tier's retention must keep: those this rank is copying and
+        those whose commit on ``dst`` is still open -- the latter covers the other ranks of the node,
+        still copying their own files of it, since that commit waits for every rank's copy."""
+        return self.in_flight() | {t.iteration for t in self.dst.committer.outstanding()}
+
+    def offer(self, ticket: Ticket) -> None:
+        """``src`` committed ``ticket``'s checkpoint: promote every ``interval``-th one."""
         self._count += 1
         due = self._count % self._interval == 0
         with self._lock:
@@ -191,20 +182,37 @@ class Promoter(QueueThread):
         self.schedule(ticket.iteration, ticket.seq, ticket.metadata)
         return True
 
+    def resume(self, newest_common: int | None) -> None:
+        """After a restart (collective): promote ``newest_common`` -- the newest source checkpoint
+        every rank has -- if ``dst`` lacks it (a run killed before its end-of-run promotion)."""
+        if newest_common is None:
+            return
+        try:
+            latest = survey(self.dst.root).latest()  # a damaged manifest raises, as on a load
+        except NoCheckpointError:
+            latest = None
+        if latest is None or newest_common > latest:
+            m = read_manifest(iter_dir(self.src.root, newest_common))
+            _, token, seq = parse_rank_file_name(m.record(self.rank).file)
+            log.info(
+                "rank %d: promoting local checkpoint %d left unpromoted by the previous run", self.rank, newest_common
+            )
+            self.schedule(newest_common, seq, dict(m.metadata), token=token)
+
     def schedule(self, iteration: int, seq: int, metadata: dict, token: str | None = None) -> None:
-        """Promote local checkpoint ``iteration`` (collective: every rank schedules the same ones, in
+        """Promote ``src`` checkpoint ``iteration`` (collective: every rank schedules the same ones, in
         order).  ``token``: the run token in its file names, when an earlier run wrote it."""
         future: cf.Future = cf.Future()
         with self._lock:
             self._in_flight.add(iteration)
-        self._persistent.submit(Ticket(iteration, seq, future, dict(metadata), time.perf_counter(), token))
-        self.put((iteration, seq, token or self._token, future))
+        self.dst.committer.submit(Ticket(iteration, seq, future, dict(metadata), time.perf_counter(), token))
+        self.put((iteration, seq, token or self.src.token, future))
 
     def _handle(self, item) -> None:
         iteration, seq, token, future = item
         name = rank_file_name(self.rank, token, seq)
-        src = os.path.join(iter_dir(self.local_root, iteration), name)
-        dst_dir = iter_dir(self.persist_root, iteration)
+        src = os.path.join(iter_dir(self.src.root, iteration), name)
+        dst_dir = iter_dir(self.dst.root, iteration)
         try:
             make_dir(dst_dir)  # never into a directory reached through a symlink
             future.set_result(copy_verified(src, os.path.join(dst_dir, name), iteration))

@@ -1,0 +1,229 @@
+"""A tier: one checkpoint directory and its one owner -- commit, retention, recycle pool, start-up cleanup.
+
+``persistent`` is the save directory; ``local`` a node-local one (per-node manifests), linked to the
+persistent tier by a :class:`.promotion.Promotion`.  What a tier directory holds is decided in one
+place, :func:`survey`: an ``iter_*`` directory whose manifest reads back is committed; one whose
+manifest exists but does not read is damaged (never loaded, never removed); one without a manifest
+holding only names we write (:mod:`.names`) is our leftover; anything else is not ours and is left
+alone (:mod:`.foreign` reports it).  Deleting and recycling follow :mod:`.retention`'s rules.
+
+Thread-safety: :meth:`Tier.clean` runs at start-up, before the commit thread exists;
+:meth:`Tier.after_commit` runs on the tier's commit thread; :meth:`Tier.take_recycled` on a flush
+thread (the pool is shared by the node's ranks: each take is one atomic rename).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+
+from .commit import Committer
+from .errors import CorruptCheckpointError, NoCheckpointError
+from .faults import crash_point
+from .manifest import (
+    MANIFEST_NAME,
+    Manifest,
+    iter_dir,
+    iteration_of,
+    parse_rank_file_name,
+    rank_file_name,
+    read_manifest,
+)
+from .names import is_ours_in_iteration
+from .retention import (
+    delete_checkpoint,
+    remove_ours,
+    remove_stale_tracker_temps,
+    select_deletions,
+    take_recycled,
+    trim_recycled,
+    unlink_ours,
+)
+from .safe_io import real_dir
+
+__all__ = ["Tier", "Survey", "survey", "list_iterations", "committed_iterations", "latest_committed"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class Survey:
+    """What a tier directory holds, read once (manifests validated, nothing followed through a link)."""
+
+    root: str
+    iterations: tuple[int, ...]  # every ``iter_*`` directory, committed or not, ascending
+    committed: dict[int, Manifest]
+    damaged: dict[int, CorruptCheckpointError]  # a manifest is there but does not read back
+
+    @property
+    def order(self) -> list[int]:
+        """Committed iterations in commit order (oldest commit first): a run that resumed from an
+        older checkpoint and committed again supersedes higher iterations left by an earlier run."""
+        return sorted(self.committed, key=lambda it: (self.committed[it].commit_seq, it))
+
+    @property
+    def newest(self) -> int | None:
+        return max(self.committed, key=lambda it: (self.committed[it].commit_seq, it), default=None)
+
+    def latest(self) -> int:
+        """The latest committed iteration.  A damaged manifest raises (its own class: a
+        ``FormatVersionError`` says "upgrade"): manifests are written atomically, so damage means
+        corruption, not a crash, and silently loading an older checkpoint would hide it."""
+        if self.damaged:
+            first = next(iter(self.damaged.values()))
+            raise type(first)(f"{first} (pass an explicit iteration to load another checkpoint)") from first
+        if not self.committed:
+            raise NoCheckpointError(f"{self.root}: no committed checkpoint (no iter_*/{MANIFEST_NAME})")
+        return self.newest
+
+    def leftovers(self) -> list[int]:
+        """Uncommitted directories of ours: no manifest, and every entry a name we write."""
+        out = []
+        for it in self.iterations:
+            d = iter_dir(self.root, it)
+            if it in self.committed or it in self.damaged or not real_dir(d):
+                continue
+            if all(is_ours_in_iteration(n) for n in os.listdir(d)):
+                out.append(it)
+        return out
+
+    def strays(self, iteration: int) -> list[str]:
+        """Entries of committed ``iteration``'s directory that we wrote and its manifest does not name."""
+        named = {MANIFEST_NAME, *(r.file for r in self.committed[iteration].ranks)}
+        return [n for n in os.listdir(iter_dir(self.root, iteration)) if n not in named and is_ours_in_iteration(n)]
+
+
+def list_iterations(root: str) -> list[int]:
+    """Every ``iter_*`` directory under ``root``, committed or not, ascending."""
+    try:
+        names = os.listdir(root)
+    except FileNotFoundError:
+        return []
+    return sorted(it for n in names if (it := iteration_of(n)) is not None and os.path.isdir(os.path.join(root, n)))
+
+
+def survey(root: str) -> Survey:
+    """The one answer to "what is committed, ours, not ours" in the tier directory ``root``."""
+    iterations = list_iterations(root)
+    committed, damaged = {}, {}
+    for it in iterations:
+        try:
+            committed[it] = read_manifest(iter_dir(root, it))
+        except NoCheckpointError:
+            continue
+        except CorruptCheckpointError as e:
+            damaged[it] = e
+    return Survey(root, tuple(iterations), committed, damaged)
+
+
+def committed_iterations(root: str) -> list[int]:
+    return survey(root).order
+
+
+def latest_committed(root: str) -> int:
+    return survey(root).latest()
+
+
+class Tier:
+    """One tier of one rank: its directory, its committer (:meth:`open`), its retention
+    (``keep_last``/``keep_every``; 0 keeps everything), its recycle pool and its start-up cleanup.
+    ``writes``: the ranks whose files this rank describes in the tier's manifests (empty on the
+    ranks that are not the tier's writer); only the writer deletes.  ``promotion``: the link from
+    this tier to the next one, set by :class:`.promotion.Promotion`."""
+
+    def __init__(
+        self,
+        name: str,
+        root: str,
+        *,
+        rank: int,
+        token: str,
+        writes: list[int],
+        keep_last: int = 0,
+        keep_every: int = 0,
+        recycle: bool = False,
+    ) -> None:
+        self.name = name
+        self.root = os.path.abspath(root)
+        self.rank = rank
+        self.token = token  # this run's token, in the names of the files it writes
+        self.writes = writes
+        self.keep_last = keep_last
+        self.keep_every = keep_every
+        self.recycle = recycle  # retention moves rank files to the pool that the next saves overwrite
+        self.committer = None
+        self.promotion = None
+        self._next_seq = 0
+
+    @property
+    def is_writer(self) -> bool:
+        return bool(self.writes)
+
+    def clean(self, found: Survey | None = None) -> None:
+        """Start-up (the writer): remove our leftovers -- uncommitted directories, files a committed
+        manifest does not name (a crashed re-save), stale tracker temps, the recycle pool.  A damaged
+        manifest's directory is kept (it may be repairable) and logged; what is not ours stays."""
+        if not self.is_writer:
+            return
+        os.makedirs(self.root, exist_ok=True)
+        found = found or survey(self.root)
+        for it, err in found.damaged.items():
+            log.warning("%s: manifest is unreadable (%s); leaving the directory alone", iter_dir(self.root, it), err)
+        removed = [iter_dir(self.root, it) for it in found.leftovers() if remove_ours(iter_dir(self.root, it))]
+        for it in found.committed:
+            d = iter_dir(self.root, it)
+            removed += [os.path.join(d, n) for n in found.strays(it) if unlink_ours(os.path.join(d, n))]
+        removed += remove_stale_tracker_temps(self.root)
+        trim_recycled(self.root, keep=0)
+        if removed:
+            log.info("rank %d: removed %d leftover(s) of ours under %s", self.rank, len(removed), self.root)
+        self._next_seq = max((m.commit_seq for m in found.committed.values()), default=-1) + 1
+
+    def open(self, collective, world_size: int, layout: dict, timeout_s: float):
+        """Start the tier's commit thread (:class:`.commit.Committer`, on its own ``collective``)."""
+        self.committer = Committer(self, collective, world_size, layout, self._next_seq, timeout_s)
+
+    def take_recycled(self, dst: str) -> bool:
+        """Move a retired rank file of the pool to ``dst`` (:func:`.retention.take_recycled`)."""
+        return take_recycled(self.root, dst)
+
+    def after_commit(self, ticket) -> None:
+        """Commit thread, once ``ticket``'s save is committed: the writer applies retention and
+        removes the superseded files of that iteration; then the promotion, if any, is offered it."""
+        if self.is_writer:
+            self._retain(ticket, self.committer.outstanding())
+        if self.promotion is not None:
+            self.promotion.offer(ticket)
+
+    def _retain(self, just, outstanding: list) -> None:
+        protected = {t.iteration for t in outstanding} | {just.iteration}
+        if self.promotion is not None:
+            protected |= self.promotion.pending()  # still being copied or committed on the next tier
+        found = survey(self.root)
+        for it in select_deletions(found.order, self.keep_last, self.keep_every, protected):
+            crash_point("retention", self.rank)
+            delete_checkpoint(self.root, it, recycle=self.recycle)
+            log.info("rank %d: retention deleted %s (%s tier)", self.rank, iter_dir(self.root, it), self.name)
+        if self.recycle:
+            trim_recycled(self.root, keep=2 * len(self.writes))  # two checkpoints' worth
+        # files of older saves of this iteration, superseded by its manifest -- not those of a save
+        # still pending, nor of a later save of this run another rank may have started before this
+        # (writer) rank submitted it: it supersedes
+        keep = {rank_file_name(r, t.token or self.token, t.seq) for t in (just, *outstanding) for r in self.writes}
+        d = iter_dir(self.root, just.iteration)
+        for name in found.strays(just.iteration) if just.iteration in found.committed else ():
+            parsed = parse_rank_file_name(name)
+            if parsed and name not in keep and not (parsed[1] == self.token and parsed[2] > just.seq):
+                unlink_ours(os.path.join(d, name))
+
+    def close(self) -> None:
+        """Join the commit thread; then (the writer) empty the pool: training is over, its retired
+        files only hold space."""
+        if self.committer is not None:
+            self.committer.close()
+        if self.is_writer:
+            try:
+                trim_recycled(self.root, keep=0)
+            except OSError as e:
+                log.warning("rank %d: could not empty the recycle pool of %s: %s", self.rank, self.root, e)
