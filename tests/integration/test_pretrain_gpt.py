@@ -159,12 +159,13 @@ def test_node_local_tier_promotes_and_a_lost_node_resumes_from_save(tmp_path, re
         "--lazy-ckpt-local-dir",
         str(local),
         "--lazy-ckpt-persist-interval",
-        "3",
+        "2",
     ]
-    killed = launch(tmp_path, "killed", args, kill_when=committed_at_least(save, 3))
+    # killed at the first promotion: the rest of the run (6 iterations) is the margin for the kill to land
+    killed = launch(tmp_path, "killed", args, kill_when=committed_at_least(save, 2))
     assert killed.returncode != 0, "the run ended before it was killed:\n" + killed.describe()
     promoted = latest(save)
-    assert promoted is not None and promoted % 3 == 0, promoted
+    assert promoted is not None and promoted % 2 == 0 and promoted < ITERS, promoted
     shutil.rmtree(local)  # the node is gone: only --save is left
     resumed = launch(tmp_path, "resumed", args)
     assert resumed.returncode == 0, resumed.describe()
