@@ -34,7 +34,15 @@ LAYOUTS = {
     # PP=2 x DP=2 with 4 experts on EP=2 (expert DP=1): pipeline stages, dense buffers sharded over
     # DP and expert-parallel buffers in one run (MoE with TP needs sequence parallelism, which
     # megatron-core's local LayerNorm refuses: TE or apex only)
-    "pp2_dp2_ep2": ["--pipeline-model-parallel-size", "2", *MOE],
+    # the aux-loss-free router keeps expert_bias in a persistent buffer, updated outside the step
+    "pp2_dp2_ep2": [
+        "--pipeline-model-parallel-size",
+        "2",
+        *MOE,
+        "--moe-router-enable-expert-bias",
+        "--moe-router-score-function",
+        "sigmoid",
+    ],
     "tp2_dp2": ["--tensor-model-parallel-size", "2"],
     "pp2_dp2": ["--pipeline-model-parallel-size", "2"],
     # interleaved schedule: 2 model chunks per rank (4 layers over PP=2 x VP=2)
