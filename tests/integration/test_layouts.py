@@ -94,8 +94,7 @@ def test_layout_kill_9_then_resume_is_bit_exact(tmp_path, reference, layout):
         "2",
         *LAZY,
     ]
-    # the tracker, not committed_at_least: listing verified manifests every 50 ms on 2 busy cores lags
-    # seconds behind a 4-rank run that trains an iteration in 0.3 s
+    # the tracker: the first commit a run makes is written after the iteration-2 save
     committed = lambda: (read_tracker(str(save)) or 0) >= 2  # noqa: E731
     killed = launch(tmp_path, "killed", args, nproc=RANKS, kill_when=committed)
     assert killed.returncode != 0, "the run ended before it was killed:\n" + killed.describe()
