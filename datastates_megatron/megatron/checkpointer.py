@@ -22,7 +22,7 @@ from ..engine.errors import CheckpointError, EngineClosedError, NoCheckpointErro
 from ..engine.manager import CheckpointManager
 from ..engine.load_plan import LoadPlan, LoadPlanner, SameLayoutPlanner
 from ..engine.reader import CheckpointReader, open_checkpoint
-from . import reshard, training_state
+from . import model_state, reshard, training_state
 from .config import LazyCkptConfig
 from .shards import (
     bucket_shards,
@@ -209,6 +209,7 @@ class LazyCheckpointer:
             "iteration": int(iteration),
             "extra_state": extra_state,
             "training": training_state.capture(self.optimizer, self.scheduler),
+            "model_state": model_state.capture(self.model),
             "model": self._model_description,
         }
         started = self._mgr.save(iteration, objects, metadata={"iteration": int(iteration)})
@@ -266,7 +267,8 @@ class LazyCheckpointer:
     # ------------------------------------------------------------------ load path
     def load(self, iteration: int | None = None):
         """Restore the latest committed checkpoint (or ``iteration``) in place: model shards (then
-        all-gathered across data-parallel ranks), main params, optimizer state, scheduler, RNG.
+        all-gathered across data-parallel ranks), model buffers and extra state, main params,
+        optimizer state, scheduler, RNG.
 
         A checkpoint written at another data-parallel size (TP=PP=1, same model) is resharded on the
         fly (:mod:`.reshard`); any other layout change raises ``LayoutMismatchError`` naming
@@ -295,6 +297,8 @@ class LazyCheckpointer:
             self._refresh()
             raise
         self._gather_params()
+        where = f"rank {self.rank}: iteration {result.iteration}"
+        model_state.restore(result.objects.get("model_state"), self.model, where=where)
         training_state.restore(result.objects["training"], self.optimizer, self.scheduler)
         log.info(
             "rank %d: restored iteration %d (%s plan, %.1f MB, %.1f MB verified, read-ahead %.2f s, verify %.2f s, "

@@ -54,6 +54,7 @@ import logging
 import os
 import sys
 import threading
+import types
 from typing import Any
 
 import torch
@@ -214,6 +215,10 @@ def _patch_torch_cuda() -> None:
     c.memory_stats = lambda device=None: {}
     c.reset_peak_memory_stats = _noop_fn("reset_peak_memory_stats")
     c.get_device_capability = lambda device=None: (0, 0)
+    # Megatron-LM reads ``.major`` to decide on CUDA_DEVICE_MAX_CONNECTIONS advice at TP/CP > 1
+    c.get_device_properties = lambda device=None: types.SimpleNamespace(
+        name="cpu", major=0, minor=0, total_memory=0, multi_processor_count=1
+    )
     # A CUDA build of torch on a machine without a GPU still names CUDA as its accelerator; with
     # is_available patched, torch itself (DataLoader's pin-memory thread) would then initialise it.
     torch.accelerator.current_accelerator = lambda check_available=False: None
@@ -329,13 +334,14 @@ def _push_mode() -> None:
     _MODE.__enter__()  # never exited: stays on this thread's torch-function mode stack
 
 
-class _JitFuserOff(importlib.abc.MetaPathFinder):
-    """Switches megatron's ``jit_fuser`` (``torch.compile``) off the moment ``megatron.core.jit`` is
-    executed, before the modules that decorate with it at import time: otherwise each process
-    imports torch._dynamo and inductor for seconds, to compile nothing (compile is disabled)."""
+class _AfterImport(importlib.abc.MetaPathFinder):
+    """Runs ``fix(module)`` the moment module ``name`` has executed, before anything imports from it."""
+
+    def __init__(self, name: str, fix) -> None:
+        self.name, self.fix = name, fix
 
     def find_spec(self, name, path=None, target=None):
-        if name != "megatron.core.jit":
+        if name != self.name:
             return None
         for finder in sys.meta_path:
             if finder is self or not hasattr(finder, "find_spec"):
@@ -346,11 +352,26 @@ class _JitFuserOff(importlib.abc.MetaPathFinder):
 
                 def exec_module(module, run=run):
                     run(module)
-                    module.disable_jit_fuser()
+                    self.fix(module)
 
                 spec.loader.exec_module = exec_module
                 return spec
         return None
+
+
+def _after_import(name: str, fix) -> None:
+    module = sys.modules.get(name)
+    if module is not None:
+        fix(module)
+    else:
+        sys.meta_path.insert(0, _AfterImport(name, fix))
+
+
+def _no_te_general_gemm(moe_utils: types.ModuleType) -> None:
+    """megatron-core 0.16.1's ``moe_utils`` binds ``te_general_gemm`` only when Transformer Engine
+    imports, then tests it for ``None``: without TE every MoE router forward is a ``NameError``."""
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
 
 
 def _disable_compile() -> None:
@@ -359,11 +380,10 @@ def _disable_compile() -> None:
     os.environ["TORCH_COMPILE_DISABLE"] = "1"
     if "torch._dynamo" in sys.modules:
         sys.modules["torch._dynamo"].config.disable = True
-    mjit = sys.modules.get("megatron.core.jit")
-    if mjit is not None:
-        mjit.disable_jit_fuser()  # for modules imported from now on
-    else:
-        sys.meta_path.insert(0, _JitFuserOff())
+    # megatron's jit_fuser (torch.compile) off the moment megatron.core.jit is executed, before the
+    # modules that decorate with it at import time: otherwise each process imports torch._dynamo
+    # and inductor for seconds, to compile nothing (compile is disabled)
+    _after_import("megatron.core.jit", lambda mjit: mjit.disable_jit_fuser())
 
 
 # --------------------------------------------------------------------------- #
@@ -388,6 +408,7 @@ def install() -> bool:
         _disable_compile()
         _patch_torch_cuda()
         _patch_rng()
+        _after_import("megatron.core.transformer.moe.moe_utils", _no_te_general_gemm)
         _push_mode()
         _INSTALLED = True
         return True

@@ -132,7 +132,14 @@ def launch(
     pre-emption, and the run is left to finish). Both are polled every 50 ms."""
     record = str(tmp / f"{name}-record")  # see logged()
     log_path = tmp / f"{name}.log"
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", **{training_record.ENV: record})
+    # Megatron-LM asserts CUDA_DEVICE_MAX_CONNECTIONS=1 at TP or CP > 1 (GPU launch scripts set it)
+    env = dict(
+        os.environ,
+        OMP_NUM_THREADS="1",
+        PYTHONWARNINGS="ignore",
+        CUDA_DEVICE_MAX_CONNECTIONS="1",
+        **{training_record.ENV: record},
+    )
     with open(log_path, "w") as log:
         proc = subprocess.Popen(
             command(nproc, args, free_port(), megatron_lm_dir),

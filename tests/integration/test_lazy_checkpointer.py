@@ -43,9 +43,11 @@ def test_resume_after_kill_9_is_bit_exact(tmp_path, precision):
         assert a["digest"] == b["digest"]  # every param shard, main param and Adam state
 
 
-@pytest.mark.parametrize("mode", ["copy", "source_writes"])
+@pytest.mark.parametrize("mode", ["copy", "source_writes", "optimizer_subclass"])
 def test_step_waits_for_slow_snapshot_copies(tmp_path, mode):
-    extra = ["--source-writes"] if mode == "source_writes" else []
+    """``optimizer_subclass``: the inner optimizer is a subclass with its own ``step`` and extra
+    per-parameter state (held_state.MasterWeightAdam, as TE's FusedAdam): its step waits too."""
+    extra = {"source_writes": ["--source-writes"], "optimizer_subclass": ["--master-weight-adam"]}.get(mode, [])
     res = run_ranks(WORKER, 2, ["slow_copy", *extra, "--save", str(tmp_path / "a")])
     assert all(r["returncode"] == 0 for r in res), describe(res)
     for r in res:
@@ -81,3 +83,22 @@ def test_load_into_a_different_dp_size_reshards(tmp_path):
     assert all(r["returncode"] == 0 for r in ok), describe(ok)
     one = run_ranks(DEMO, 1, [*SMALL, "--train-iters", "3", "--save", save])
     assert one[0]["returncode"] == 0 and "resumed from iteration 2" in one[0]["stdout"], describe(one)
+
+
+def test_extra_state_buffers_and_subclass_optimizer_state_resume_exactly(tmp_path):
+    """A module's ``get_extra_state()`` (a TE-like FP8 amax history in a uint8 tensor), a persistent
+    buffer, and an inner optimizer subclass's own state (a float64 ``master_param`` and an int
+    ``step``) are saved at 3 and resumed: at 6 everything equals a run that never stopped."""
+    common = ["held_state", "--master-weight-adam"]
+    straight = run_ranks(WORKER, 2, [*common, "--phase", "straight", "--save", str(tmp_path / "unused")])
+    assert all(r["returncode"] == 0 for r in straight), describe(straight)
+    save = str(tmp_path / "ckpt")
+    saved = run_ranks(WORKER, 2, [*common, "--phase", "save", "--save", save])
+    assert all(r["returncode"] == 0 for r in saved), describe(saved)
+    resumed = run_ranks(WORKER, 2, [*common, "--phase", "resume", "--save", save])
+    assert all(r["returncode"] == 0 for r in resumed), describe(resumed)
+    for want, got in zip((r["result"] for r in straight), (r["result"] for r in resumed)):
+        assert got["state_keys"] == ["exp_avg", "exp_avg_sq", "master_param", "step"], got["state_keys"]
+        assert got["plain_step"] == want["plain_step"] == [6]
+        assert got["probe"] == want["probe"] and want["probe"]["forwards"] == 6, (got["probe"], want["probe"])
+        assert got["digest"] == want["digest"]

@@ -10,7 +10,7 @@ import torch
 
 def main():
     p = argparse.ArgumentParser()
-    p.add_argument("scenario", choices=["slow_copy", "replicated", "local_tier"])
+    p.add_argument("scenario", choices=["slow_copy", "replicated", "local_tier", "held_state"])
     p.add_argument("--save", required=True)
     p.add_argument("--local", default=None, help="local_tier: the node-local tier")
     p.add_argument("--no-hooks", action="store_true", help="control: remove the gate to show the test can fail")
@@ -18,6 +18,16 @@ def main():
         "--source-writes",
         action="store_true",
         help="slow_copy: shards written straight from their memory; the writes are the slow part",
+    )
+    p.add_argument(
+        "--master-weight-adam",
+        action="store_true",
+        help="the inner optimizer keeps a float64 master_param and an int step (held_state.MasterWeightAdam)",
+    )
+    p.add_argument(
+        "--phase",
+        choices=["straight", "save", "resume"],
+        help="held_state: train 1..6 / train 1..3 and save 3 / load 3 and train 4..6",
     )
     a = p.parse_args()
     from datastates_megatron import LazyCheckpointer, LazyCkptConfig
@@ -34,12 +44,41 @@ def main():
     hidden = 128 if a.source_writes else 64  # a param shard above small_bytes: written from its memory
     chunks, opt = gpt.build(2, hidden, 4, 32, 256, bf16=a.scenario == "slow_copy", seed=7)
     data = lambda it: gpt.batch(it, gpt.dp_rank(), seed=7, seq_len=32, vocab=256)  # noqa: E731
+    probe = None
+    if a.scenario == "held_state":
+        from tests.workers.held_state import attach_probe
+
+        probe = attach_probe(chunks)
+    if a.master_weight_adam:
+        from tests.workers.held_state import use_master_weight_adam
+
+        use_master_weight_adam(opt)
     tier = {"local_dir": a.local, "persist_interval": 3} if a.local else {}
     if a.source_writes:
         tier["source_writes"] = True
     ckpt = LazyCheckpointer(chunks, opt, LazyCkptConfig(save_dir=a.save, host_cache_gb=1 / 1024, keep_last=0, **tier))
-    gpt.train_step(chunks, opt, data(1))
     result = {"rank": rank}
+    if a.scenario == "held_state":
+        first = 1
+        if a.phase == "resume":
+            first = ckpt.load()[0] + 1
+        for it in range(first, 7 if a.phase != "save" else 4):
+            gpt.train_step(chunks, opt, data(it))
+        if a.phase == "save":
+            ckpt.save(3)
+            ckpt.wait()
+        inner = opt.chained_optimizers[0].optimizer if hasattr(opt, "chained_optimizers") else opt.optimizer
+        result.update(
+            digest=state_digest(chunks, opt),
+            probe=probe.report(),
+            state_keys=sorted({k for st in inner.state.values() for k in st}),
+            plain_step=sorted({st["step"] for st in inner.state.values() if isinstance(st.get("step"), int)}),
+        )
+        ckpt.close()
+        print("RESULT " + json.dumps(result), flush=True)
+        gpt.destroy_distributed()
+        return
+    gpt.train_step(chunks, opt, data(1))
     if a.scenario == "local_tier":  # iterations 1-4 saved locally, 3 promoted; load() in the same run
         ckpt.save(1)
         for it in range(2, 5):
@@ -70,7 +109,7 @@ def main():
         if a.no_hooks:
             ckpt._remove_hooks()
             ckpt._refresh = lambda: None
-        at_save = state_digest(chunks, opt)
+        at_save = {k: v for k, v in state_digest(chunks, opt).items() if not k.startswith("model_state.")}
         t0 = time.perf_counter()
         ckpt.save(1)
         result["save_call_s"] = time.perf_counter() - t0
