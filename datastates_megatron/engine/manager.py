@@ -1,4 +1,4 @@
-"""CheckpointManager: per-rank engine + cross-rank commit + retention + restore, framework-agnostic.
+"""CheckpointManager: one rank's snapshot engine, its tiers and their promotion, and the load path.
 
 It turns "save these registered tensors as iteration N" into a Megatron-style checkpoint directory
 that either exists whole (committed manifest) or not at all, and loads the latest one back in place.
