@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import os
 import re
 from typing import Any
 
@@ -237,6 +238,15 @@ def add_lazy_ckpt_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
         "when nothing outside this job reads checkpoints while it trains); 'off' "
         "(default: %(default)s).",
     )
+    g.add_argument(
+        "--lazy-ckpt-convert-to",
+        type=str,
+        default=None,
+        metavar="DIR",
+        help="Load the checkpoint under --load, write it to DIR (new or empty) in Megatron's torch_dist "
+        "format with Megatron-LM's own save (optimizer state fully reshardable: megatron-core loads it "
+        "at any TP/PP/DP), then exit. Run with the layout that wrote the checkpoint.",
+    )
     return parser
 
 
@@ -296,6 +306,15 @@ def validate_lazy_ckpt_args(args: argparse.Namespace) -> None:
     for attr, flag, hint in UNSUPPORTED_MEGATRON_FLAGS:
         if _given(getattr(args, attr, None)):
             problems.append(f"--lazy-ckpt cannot be combined with {flag}: {hint}")
+    convert_to = getattr(args, "lazy_ckpt_convert_to", None)
+    if convert_to is not None:
+        if not getattr(args, "load", None):
+            problems.append("--lazy-ckpt-convert-to requires --load (the checkpoint to convert)")
+        same = [
+            f for f, d in (("--save", args.save), ("--load", getattr(args, "load", None))) if d and _same(d, convert_to)
+        ]
+        if same:
+            problems.append(f"--lazy-ckpt-convert-to must be another directory than {' and '.join(same)}")
     if _value(args, "lazy_ckpt_local_dir", "local_dir") is None:
         for attr, flag, field in _FLAG_FIELDS:
             if field in _LOCAL_TIER_FIELDS and _value(args, attr, field) != _DEFAULTS[field]:
@@ -308,6 +327,10 @@ def validate_lazy_ckpt_args(args: argparse.Namespace) -> None:
         problems += [_with_flags(f"{field} {text}") for field, text in e.problems if field != "save_dir"]
     if problems:
         raise LazyCkptArgsError("invalid --lazy-ckpt arguments:\n  - " + "\n  - ".join(problems)) from cause
+
+
+def _same(a: str, b: str) -> bool:
+    return os.path.abspath(a) == os.path.abspath(b)
 
 
 _LOCAL_TIER_FIELDS = ("persist_interval", "local_keep_last", "local_fallback")

@@ -14,6 +14,9 @@ before Megatron-LM is first imported, in this process only and without editing M
 * ``megatron.legacy.fused_kernels.load`` (core_v0.16) is a no-op (it builds CUDA extensions);
 * without ``triton``, the one module on the training path that imports it at import time is
   replaced by a stand-in whose functions raise;
+* ``multiprocessing`` children started by *spawn* (Megatron's ``torch_dist`` writer starts a
+  ``Manager``) import this module as their main module instead of re-running the script's imports,
+  which would need triton again without the stand-in;
 * on Python < 3.12, ``typing.override`` is ``typing_extensions.override``: core_v0.19 declares
   Python >= 3.12, and this decorator is the one thing it needs from 3.12 to run here.
 
@@ -32,7 +35,9 @@ import typing
 
 from . import run
 
-__all__ = ["main", "prepare", "stub_triton_modules"]
+__all__ = ["main", "prepare", "stub_triton_modules", "spawn_children_import_the_launcher"]
+
+_MODULE = "datastates_megatron.megatron.cpu_launch"  # this module's name also when run with -m
 
 
 # The modules on pretrain_gpt's import path that import triton unguarded (core_v0.16: the first;
@@ -79,6 +84,25 @@ def stub_triton_modules() -> None:
         sys.meta_path.insert(0, _TritonFreeStub())
 
 
+def spawn_children_import_the_launcher() -> None:
+    """Spawned children re-import ``__main__`` by path: for ``run_path`` that is the training
+    script, whose imports reach the triton modules before any stand-in exists in the child."""
+    import multiprocessing.spawn as spawn
+
+    if getattr(spawn.get_preparation_data, "_dsm_launcher", False):
+        return
+    original = spawn.get_preparation_data
+
+    def get_preparation_data(name):
+        data = original(name)
+        if data.pop("init_main_from_path", None) is not None:
+            data["init_main_from_name"] = _MODULE
+        return data
+
+    get_preparation_data._dsm_launcher = True  # type: ignore[attr-defined]
+    spawn.get_preparation_data = get_preparation_data
+
+
 def prepare() -> bool:
     """Make Megatron-LM runnable here: without a GPU, on CPU (call before Megatron is imported).
 
@@ -94,6 +118,7 @@ def prepare() -> bool:
     if torch.cuda.is_available():
         return False
     stub_triton_modules()
+    spawn_children_import_the_launcher()
     from . import cuda_on_cpu
 
     cuda_on_cpu.install()

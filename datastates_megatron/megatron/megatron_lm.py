@@ -25,7 +25,6 @@ the ``atexit`` hook and the training thread never finalize it twice.
 from __future__ import annotations
 
 import atexit
-import contextlib
 import enum
 import itertools
 import logging
@@ -35,9 +34,9 @@ import threading
 import time
 import types
 from typing import Any
-from collections.abc import Iterator
 
 from ..engine.errors import CheckpointError, FormatVersionError, LayoutMismatchError, NoCheckpointError
+from . import torch_dist
 from .args import LazyCkptArgsError, check_host_cache_fits, config_from_args, validate_lazy_ckpt_args
 
 __all__ = [
@@ -330,22 +329,6 @@ def _after_load(args: Any, iteration: int, optimizer: Any) -> None:
             group.setdefault("default_config", True)
 
 
-@contextlib.contextmanager
-def _native_megatron(args: Any) -> Iterator[types.ModuleType]:
-    """Megatron's own checkpointing with ``--lazy-ckpt`` switched off for the duration."""
-    mcp = _megatron_checkpointing()
-    if mcp is None:
-        raise MegatronIntegrationError(
-            "loading a Megatron-format checkpoint needs Megatron-LM's megatron.training on the path"
-        )
-    before = args.lazy_ckpt
-    args.lazy_ckpt = False
-    try:
-        yield mcp
-    finally:
-        args.lazy_ckpt = before
-
-
 # --------------------------------------------------------------------------- #
 # the entry points the patch calls
 # --------------------------------------------------------------------------- #
@@ -432,48 +415,66 @@ def load_checkpoint(
             _rank(),
             load_arg.replace("_", "-"),
         )
-        with _native_megatron(args) as mcp:
+        with torch_dist.native_megatron(args) as mcp:
             return mcp.load_checkpoint(ddp_model, optimizer, opt_param_scheduler, **native_kwargs)
     pretrained = getattr(args, "pretrained_checkpoint", None)
     if getattr(args, "load", None) is None:
         if pretrained is None:
             return 0, 0
-        with _native_megatron(args) as mcp:
+        with torch_dist.native_megatron(args) as mcp:
             return mcp.load_checkpoint(ddp_model, optimizer, opt_param_scheduler, **native_kwargs)
 
     session = _session_for(args, ddp_model, optimizer, opt_param_scheduler)
     requested = getattr(args, "ckpt_step", None) or None  # Megatron treats 0 as unset
-    try:
-        if requested is None:
-            iteration, extra_state = session.ckpt.load()
-        else:
-            iteration, extra_state = session.ckpt.load(iteration=requested)
-    except NoCheckpointError:
-        if requested is not None:
-            raise
-        if pretrained is not None:
-            _info(
-                "rank %d: no lazy checkpoint under --load %s; loading --pretrained-checkpoint %s "
-                "with Megatron's loader",
-                _rank(),
-                args.load,
-                pretrained,
-            )
-            with _native_megatron(args) as mcp:
-                return mcp.load_checkpoint(ddp_model, optimizer, opt_param_scheduler, **native_kwargs)
-        if getattr(args, "exit_on_missing_checkpoint", False):
-            logger.error(
-                "rank %d: no lazy checkpoint under --load %s and --exit-on-missing-checkpoint is set: exiting",
-                _rank(),
-                args.load,
-            )
-            sys.exit()
-        _info("rank %d: no lazy checkpoint under --load %s; starting from scratch", _rank(), args.load)
-        return 0, 0
-    where = f" under {args.load}"
-    num_flops = apply_extra_state(args, iteration, extra_state, where=where)
-    _after_load(args, iteration, optimizer)
-    _info("rank %d: loaded lazy checkpoint of iteration %d%s", _rank(), iteration, where)
+    convert_to = getattr(args, "lazy_ckpt_convert_to", None)
+    found = torch_dist.importable(args.load, requested)
+    if found is not None:
+        iteration, num_flops = torch_dist.import_checkpoint(
+            args, found, ddp_model, optimizer, opt_param_scheduler, **native_kwargs
+        )
+        _info(
+            "rank %d: imported Megatron %s checkpoint of iteration %d from %s",
+            _rank(),
+            found.format,
+            iteration,
+            found.path,
+        )
+    else:
+        try:
+            if requested is None:
+                iteration, extra_state = session.ckpt.load()
+            else:
+                iteration, extra_state = session.ckpt.load(iteration=requested)
+        except NoCheckpointError:
+            if requested is not None or convert_to:
+                raise
+            if pretrained is not None:
+                _info(
+                    "rank %d: no lazy checkpoint under --load %s; loading --pretrained-checkpoint %s "
+                    "with Megatron's loader",
+                    _rank(),
+                    args.load,
+                    pretrained,
+                )
+                with torch_dist.native_megatron(args) as mcp:
+                    return mcp.load_checkpoint(ddp_model, optimizer, opt_param_scheduler, **native_kwargs)
+            if getattr(args, "exit_on_missing_checkpoint", False):
+                logger.error(
+                    "rank %d: no lazy checkpoint under --load %s and --exit-on-missing-checkpoint is set: exiting",
+                    _rank(),
+                    args.load,
+                )
+                sys.exit()
+            _info("rank %d: no lazy checkpoint under --load %s; starting from scratch", _rank(), args.load)
+            return 0, 0
+        where = f" under {args.load}"
+        num_flops = apply_extra_state(args, iteration, extra_state, where=where)
+        _after_load(args, iteration, optimizer)
+        _info("rank %d: loaded lazy checkpoint of iteration %d%s", _rank(), iteration, where)
+    if convert_to:
+        torch_dist.export(args, convert_to, iteration, ddp_model, optimizer, opt_param_scheduler, num_flops)
+        finalize_at_exit()
+        torch_dist.exit_after_export()
     return iteration, num_flops
 
 

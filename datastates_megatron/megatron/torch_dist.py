@@ -1,0 +1,262 @@
+"""The two-way bridge to Megatron-LM's own checkpoint formats, run inside a Megatron-LM process.
+
+The live model's ``sharded_state_dict`` defines the mapping both ways, so it holds for any model and
+any TP/PP/VP/EP layout Megatron-LM itself saves (nothing here rebuilds an architecture):
+
+* **export** (``--lazy-ckpt-convert-to DIR``): after the lazy checkpoint under ``--load`` is
+  restored, Megatron-LM's own ``save_checkpoint`` writes it to ``DIR`` in ``torch_dist`` format
+  with the optimizer state ``fully_reshardable``, so megatron-core loads it at any TP/PP/DP; then
+  the process exits.
+* **import**: a ``--load`` that holds a Megatron checkpoint (``torch_dist`` or legacy ``torch``) and
+  no lazy one is loaded by Megatron-LM's own ``load_checkpoint`` (iteration, optimizer, scheduler,
+  RNG and consumed samples, as a native resume); later saves are lazy, to ``--save``.
+
+Without TE or apex the inner optimizer is torch's Adam, which keeps ``step`` per parameter (their
+fused Adams keep it per param group), and Megatron-LM's ``torch_dist`` optimizer load fails or
+resumes differently with it in three ways (:func:`_torch_adam_load` works around each); GPU stacks
+without TE/apex have the same torch Adam.
+
+Thread-safety: called from the training thread; every function is collective over all ranks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import sys
+import types
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from ..engine.collective import Collective
+from ..engine.errors import CheckpointError, ForeignCheckpointError
+from ..engine.foreign import ForeignCheckpoint, find_foreign
+from ..engine.manifest import read_tracker_text
+from ..engine.tier import committed_iterations
+from .shards import distributed_optimizers
+
+__all__ = [
+    "IMPORTABLE_FORMATS",
+    "ConversionError",
+    "native_megatron",
+    "importable",
+    "prime_optimizer_state",
+    "import_checkpoint",
+    "export",
+]
+
+log = logging.getLogger(__name__)
+
+IMPORTABLE_FORMATS = ("torch_dist", "torch")  # what Megatron-LM's own loader reads
+
+
+class ConversionError(CheckpointError, RuntimeError):
+    """An import or export that cannot be done as asked (the message says why and what to do)."""
+
+
+@contextlib.contextmanager
+def native_megatron(args: Any, **overrides: Any) -> Iterator[types.ModuleType]:
+    """Megatron-LM's ``checkpointing`` module with ``--lazy-ckpt`` off and ``overrides`` set on
+    ``args`` for the duration (every attribute restored after)."""
+    try:
+        from megatron.training import checkpointing
+    except ImportError as e:
+        raise ConversionError("a Megatron-format checkpoint needs Megatron-LM's megatron.training on the path") from e
+    overrides = {"lazy_ckpt": False, **overrides}
+    missing = object()
+    before = {k: getattr(args, k, missing) for k in overrides}
+    for k, v in overrides.items():
+        setattr(args, k, v)
+    try:
+        yield checkpointing
+    finally:
+        for k, v in before.items():
+            if v is missing:
+                delattr(args, k)
+            else:
+                setattr(args, k, v)
+
+
+def _tracker(root: str) -> str | None:
+    try:
+        return read_tracker_text(root)
+    except CheckpointError:
+        return None
+
+
+def importable(load_dir: str, ckpt_step: int | None = None) -> ForeignCheckpoint | None:
+    """The Megatron checkpoint a native load of ``load_dir`` would read (the ``--ckpt-step`` one, else
+    the one the tracker file names), when ``load_dir`` holds no committed lazy checkpoint; else None.
+    A named directory in a format Megatron-LM cannot read raises :class:`ForeignCheckpointError`."""
+    if not load_dir or not os.path.isdir(load_dir) or committed_iterations(load_dir):
+        return None
+    found = find_foreign(load_dir)
+    if not found:
+        return None
+    wanted = str(ckpt_step) if ckpt_step else _tracker(load_dir)
+    for f in found:
+        if wanted == ("release" if f.iteration is None else str(f.iteration)):
+            if f.format not in IMPORTABLE_FORMATS:
+                raise ForeignCheckpointError(
+                    f"{f.path}: Megatron-LM checkpoint directory in an unknown format; it cannot be loaded"
+                )
+            return f
+    return None
+
+
+def _lazy_checkpoints_elsewhere(args: Any, load_dir: str) -> list[str]:
+    """Where this run already has lazy checkpoints an import would ignore (``--save`` and the
+    node-local tier, when they are not ``--load``)."""
+    out = []
+    for flag, root in (("--save", args.save), ("--lazy-ckpt-local-dir", getattr(args, "lazy_ckpt_local_dir", None))):
+        if root and os.path.abspath(root) != os.path.abspath(load_dir) and os.path.isdir(root):
+            its = committed_iterations(root)
+            if its:
+                out.append(f"{flag} {root} (iteration {its[-1]})")
+    return out
+
+
+def _torch_adams(optimizer: Any) -> list[Any]:
+    """The DistributedOptimizers whose inner optimizer keeps ``step`` per parameter (torch's Adam:
+    neither TE nor apex is installed)."""
+    try:
+        from megatron.core.optimizer import distrib_optimizer
+    except ImportError:
+        return []
+    if getattr(distrib_optimizer, "HAVE_APEX_OR_TE", False):
+        return []
+    return [d for d in distributed_optimizers(optimizer) if hasattr(d, "_init_optimizer_states_with_dummy_values")]
+
+
+def prime_optimizer_state(optimizer: Any) -> int:
+    """Create torch Adam's per-parameter state where it does not exist yet, by Megatron's own dummy
+    step with learning rate and weight decay at 0; returns how many inner optimizers were primed."""
+    primed = 0
+    for dopt in _torch_adams(optimizer):
+        if len(dopt.optimizer.state) > 0:
+            continue
+        saved = [(g, g.get("lr"), g.get("weight_decay")) for g in dopt.optimizer.param_groups]
+        for g, _, _ in saved:
+            g["lr"] = 0.0
+            if "weight_decay" in g:
+                g["weight_decay"] = 0.0
+        try:
+            dopt._init_optimizer_states_with_dummy_values()
+        finally:
+            for g, lr, wd in saved:
+                g["lr"] = lr
+                if wd is not None:
+                    g["weight_decay"] = wd
+        primed += 1
+    return primed
+
+
+@contextlib.contextmanager
+def _torch_adam_load(optimizer: Any) -> Iterator[int]:
+    """Megatron-LM's ``torch_dist`` optimizer load, made to work with torch's Adam (yields how many
+    optimizers were primed):
+
+    * its ``state_dict()`` needs every ``step`` to exist: :func:`prime_optimizer_state`;
+    * its ``fully_reshardable`` load copies every per-parameter state entry from the checkpoint,
+      which holds no per-parameter ``step`` (``KeyError: 'step'``): ``step`` is set aside around it;
+    * the checkpoint's ``step`` is in each param group's ``"step"``; per parameter, the load keeps
+      the value the state had before (the primer's 1), in one tensor shared by every parameter
+      (which torch's Adam would then increment once per parameter): after the load each parameter
+      gets its own ``step`` tensor holding its group's.
+    """
+    dopts = _torch_adams(optimizer)
+    primed = prime_optimizer_state(optimizer)
+    originals = {}
+    for dopt in dopts:
+        original = dopt.load_parameter_state_from_fully_reshardable
+
+        def without_step(state_dict, _dopt=dopt, _original=original):
+            steps = {p: s.pop("step") for p, s in _dopt.optimizer.state.items() if "step" in s}
+            try:
+                return _original(state_dict)
+            finally:
+                for p, step in steps.items():
+                    _dopt.optimizer.state[p]["step"] = step
+
+        originals[dopt] = original
+        dopt.load_parameter_state_from_fully_reshardable = without_step
+    try:
+        yield primed
+    finally:
+        for dopt in originals:
+            del dopt.load_parameter_state_from_fully_reshardable  # the class's method again
+    for dopt in dopts:
+        for group in dopt.optimizer.param_groups:
+            if "step" not in group:
+                continue
+            for p in group["params"]:
+                state = dopt.optimizer.state.get(p)
+                if state and isinstance(state.get("step"), torch.Tensor):
+                    state["step"] = torch.full_like(state["step"], float(group["step"]))
+
+
+def import_checkpoint(
+    args: Any, found: ForeignCheckpoint, model: Any, optimizer: Any, scheduler: Any, **native_kwargs: Any
+) -> tuple[int, Any]:
+    """Load ``found`` (from :func:`importable`) with Megatron-LM's own loader, as a native resume;
+    returns ``(iteration, num_floating_point_operations_so_far)``."""
+    collective = Collective()
+    elsewhere = _lazy_checkpoints_elsewhere(args, args.load)
+    failed = collective.agree(not elsewhere)
+    if failed:
+        where = "; ".join(elsewhere) or f"the same directories on rank {failed[0]}"
+        raise ConversionError(
+            f"--load {args.load} holds a Megatron {found.format} checkpoint and no lazy one, but this run "
+            f"already has lazy checkpoints in {where}: importing again would ignore them. To resume the "
+            f"lazy run, pass its --save as --load. Nothing was loaded"
+        )
+    log.info("importing Megatron %s checkpoint %s with Megatron-LM's loader", found.format, found.path)
+    # no autograd: in fp32 the DistributedOptimizer's main params are views of the model's leaf
+    # parameters, and Megatron-LM copies into them in place (an error with grad mode on)
+    with native_megatron(args) as checkpointing, _torch_adam_load(optimizer), torch.no_grad():
+        return checkpointing.load_checkpoint(model, optimizer, scheduler, **native_kwargs)
+
+
+def _check_target(target: str) -> str | None:
+    """Why ``target`` cannot receive an export (None: it can): it must be new or an empty directory,
+    so that nothing we did not write is overwritten (Megatron rewrites its tracker file)."""
+    if os.path.islink(target):
+        return "is a symbolic link"
+    if not os.path.lexists(target):
+        return None
+    if not os.path.isdir(target):
+        return "exists and is not a directory"
+    try:
+        names = os.listdir(target)
+    except OSError as e:
+        return f"cannot be listed ({e.strerror})"
+    return f"is not empty ({len(names)} entries, e.g. {sorted(names)[0]!r})" if names else None
+
+
+def export(args: Any, target: str, iteration: int, model: Any, optimizer: Any, scheduler: Any, num_flops: Any) -> None:
+    """Write the state just loaded as Megatron's ``torch_dist`` checkpoint of ``iteration`` under
+    ``target`` (a new or empty directory), optimizer state ``fully_reshardable``."""
+    collective = Collective()
+    problem = _check_target(target)
+    failed = collective.agree(problem is None)  # every rank checks before any rank's save creates it
+    if failed:
+        raise ConversionError(
+            f"--lazy-ckpt-convert-to {target}: {problem or f'refused on rank {failed[0]}'}; give a new or empty "
+            "directory. Nothing was written"
+        )
+    overrides = dict(save=target, ckpt_format="torch_dist", use_dist_ckpt=True, async_save=False)
+    if hasattr(args, "dist_ckpt_optim_fully_reshardable"):
+        overrides.update(dist_ckpt_optim_fully_reshardable=True, distrib_optim_fully_reshardable_mem_efficient=False)
+    with native_megatron(args, **overrides) as checkpointing:
+        checkpointing.save_checkpoint(iteration, model, optimizer, scheduler, num_flops, checkpointing_context={})
+    collective.agree(True)
+    if collective.rank == 0:
+        log.info("exported iteration %d to %s in torch_dist format", iteration, target)
+
+
+def exit_after_export() -> None:
+    """End the process after an export, as Megatron-LM ends after ``--exit-interval``."""
+    sys.exit(0)
