@@ -63,6 +63,13 @@ def _tracker_text(root: str) -> str | None:
         return None
 
 
+# how a Megatron-LM run continues from such a checkpoint as a lazy run (docs/megatron.md, "Layouts and migration")
+_HOW_TO_CONTINUE = {
+    "--save": "; to continue that run with lazy checkpoints, pass this directory as --load and a new one as --save",
+    "--load": "; a --load holding only Megatron-LM checkpoints (no lazy one) is imported with Megatron-LM's loader",
+}
+
+
 def find_foreign(root: str) -> list[ForeignCheckpoint]:
     """Every foreign checkpoint directory directly under ``root`` (``release`` first, then by iteration)."""
     try:
@@ -113,7 +120,7 @@ def refuse_newer_foreign(
             f"{root}: holds a checkpoint not written by datastates-megatron: {what} in format {f.format} "
             f"({f.path}), newer than ours ({ours}); refusing to start, which would ignore it and train from "
             f"{'scratch' if latest_ours is None else f'iteration {latest_ours}'}. Nothing was changed. Use another "
-            f"{option} directory, or convert/import it first (not yet supported)"
+            f"{option} directory{_HOW_TO_CONTINUE.get(option, '')}"
         )
     if warn:
         for f in found:

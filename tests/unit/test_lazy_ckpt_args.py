@@ -329,3 +329,13 @@ def test_commit_telemetry_goes_to_megatron_writers(monkeypatch):
     names = {n for n, _, step in got["tb"] if step == 7}
     assert {"lazy-ckpt/stall-ms", "lazy-ckpt/flush-GBps", "lazy-ckpt/bytes-total"} <= names
     assert got["wb"][0][1] == 7 and got["wb"][0][0]["lazy-ckpt/d2h-GBps"] == 2_000_000 / 0.01 / 1e9
+
+
+def test_convert_to_needs_a_load_and_a_directory_of_its_own(tmp_path):
+    save, out = str(tmp_path / "save"), str(tmp_path / "out")
+    assert "--lazy-ckpt-convert-to requires --load" in _error(
+        "--lazy-ckpt", "--save", save, "--lazy-ckpt-convert-to", out
+    )
+    message = _error("--lazy-ckpt", "--save", save, "--load", save, "--lazy-ckpt-convert-to", save + "/")
+    assert "--lazy-ckpt-convert-to must be another directory than --save and --load" in message
+    validate_lazy_ckpt_args(_parse("--lazy-ckpt", "--save", save, "--load", save, "--lazy-ckpt-convert-to", out))

@@ -1,0 +1,155 @@
+"""Megatron-LM's own ``torch_dist`` format, both ways, in the real ``pretrain_gpt.py`` on CPU ranks.
+
+* A checkpoint Megatron-LM saved itself is continued as a lazy run, exported back to ``torch_dist``
+  (``--lazy-ckpt-convert-to``) and continued again: every iteration and the final state equal a run
+  that never stopped, to the bit.
+* A lazy checkpoint of a TP=2 x PP=2 run, exported, is loaded by megatron-core at TP=1 PP=1 (and
+  that one back at TP=2 PP=2): both hold the same full tensors, model and optimizer state.
+
+Megatron-LM cannot resume its own ``torch_dist`` checkpoint on CPU (torch's Adam: see
+:mod:`datastates_megatron.megatron.torch_dist`), so "resumed natively" is the uninterrupted run.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import pytest
+import torch
+
+from datastates_megatron.engine.foreign import foreign_format
+from datastates_megatron.engine.manifest import read_tracker_text
+from tests.integration.megatron_lm_runs import LAZY, MEGATRON_LM_DIR, assert_same_training, latest, launch
+
+pytestmark = pytest.mark.skipif(
+    not MEGATRON_LM_DIR,
+    reason="MEGATRON_LM_DIR is not set (scripts/test.sh unpacks and patches one from ../shared/megatron-lm)",
+)
+
+ITERS = 8
+NATIVE = ["--ckpt-format", "torch_dist"]  # Megatron-LM's own checkpointing, without --lazy-ckpt
+
+
+def _file_hashes(root: Path) -> dict[str, str]:
+    return {
+        str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(root.rglob("*"))
+        if p.is_file()
+    }
+
+
+def _export(tmp: Path, name: str, load: Path, target: Path, layout: list[str], nproc: int):
+    run = launch(
+        tmp,
+        name,
+        [
+            "--train-iters",
+            str(ITERS),
+            *layout,
+            "--load",
+            str(load),
+            "--save",
+            str(tmp / f"{name}-save"),
+            "--save-interval",
+            "2",
+            "--lazy-ckpt-convert-to",
+            str(target),
+            *LAZY,
+        ],
+        nproc=nproc,
+    )
+    assert run.returncode == 0, run.describe()
+    return run
+
+
+def test_megatron_checkpoint_continued_lazily_then_exported_and_continued_is_bit_exact(tmp_path):
+    reference = launch(tmp_path, "reference", ["--train-iters", str(ITERS)])
+    assert reference.returncode == 0, reference.describe()
+
+    native = tmp_path / "native"
+    saved = launch(
+        tmp_path,
+        "native",
+        ["--train-iters", str(ITERS), "--exit-interval", "4", "--save", str(native), "--save-interval", "100", *NATIVE],
+    )
+    assert saved.returncode == 0, saved.describe()
+    assert foreign_format(str(native / "iter_0000004")) == "torch_dist"
+    before = _file_hashes(native)
+
+    lazy = tmp_path / "lazy"
+    common = ["--train-iters", str(ITERS), "--save-interval", "2", *LAZY]
+    imported = launch(
+        tmp_path, "imported", [*common, "--exit-interval", "6", "--load", str(native), "--save", str(lazy)]
+    )
+    assert imported.returncode == 0, imported.describe()
+    assert "imported Megatron torch_dist checkpoint of iteration 4" in imported.log
+    assert latest(lazy) == 6  # its saves are lazy
+    assert _file_hashes(native) == before  # the imported checkpoint is only read
+    assert_same_training(imported, reference, range(5, 7))
+
+    exported = tmp_path / "exported"
+    _export(tmp_path, "export", lazy, exported, [], nproc=2)
+    assert read_tracker_text(str(exported)) == "6"
+    assert foreign_format(str(exported / "iter_0000006")) == "torch_dist"
+
+    again = launch(tmp_path, "again", [*common, "--load", str(exported), "--save", str(tmp_path / "lazy2")])
+    assert again.returncode == 0, again.describe()
+    assert "imported Megatron torch_dist checkpoint of iteration 6" in again.log
+    assert_same_training(again, reference, range(7, ITERS + 1))
+
+
+def _full_tensors(checkpoint: Path, out: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a ``torch_dist`` checkpoint, whole (megatron's sharded objects left out)."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    dcp_to_torch_save(str(checkpoint), str(out))
+    flat = {}
+
+    def walk(d, prefix):
+        for k, v in d.items():
+            if isinstance(v, dict):
+                walk(v, f"{prefix}{k}.")
+            elif isinstance(v, torch.Tensor):
+                flat[prefix + k] = v
+
+    walk(torch.load(out, weights_only=False), "")
+    return flat
+
+
+def _assert_same_tensors(got: dict, want: dict, what: str) -> None:
+    assert sorted(got) == sorted(want), what
+    assert any(k.startswith("optimizer.") for k in got) and any(not k.startswith("optimizer.") for k in got)
+    differ = [k for k in want if got[k].dtype != want[k].dtype or not torch.equal(got[k], want[k])]
+    assert not differ, f"{what}: {len(differ)} tensors differ, e.g. {differ[:3]}"
+
+
+TP2_PP2 = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]
+# 511 + the NullTokenizer's EOD = 512 rows: padded alike at TP=1 (multiple of 128) and TP=2 (of 256)
+SAME_PADDING = ["--vocab-size", "511"]
+
+
+def test_tp2_pp2_lazy_checkpoint_loads_at_tp1_pp1_through_the_export_and_back(tmp_path):
+    lazy = tmp_path / "lazy"
+    trained = launch(
+        tmp_path,
+        "trained",
+        ["--train-iters", str(ITERS), "--exit-interval", "4", *TP2_PP2, *SAME_PADDING, "--save", str(lazy)]
+        + ["--save-interval", "4", *LAZY],
+        nproc=4,
+    )
+    assert trained.returncode == 0, trained.describe()
+    assert latest(lazy) == 4
+
+    at_tp2_pp2 = tmp_path / "tp2_pp2"
+    _export(tmp_path, "export", lazy, at_tp2_pp2, [*TP2_PP2, *SAME_PADDING], nproc=4)
+    # megatron-core loads it at TP=1 PP=1 (DP=2), and writes what it loaded
+    at_tp1 = tmp_path / "tp1"
+    run = _export(tmp_path, "to_tp1", at_tp2_pp2, at_tp1, SAME_PADDING, nproc=2)
+    assert "imported Megatron torch_dist checkpoint of iteration 4" in run.log
+    want = _full_tensors(at_tp2_pp2 / "iter_0000004", tmp_path / "want.pt")
+    _assert_same_tensors(_full_tensors(at_tp1 / "iter_0000004", tmp_path / "tp1.pt"), want, "TP2 PP2 -> TP1 PP1")
+    # and back: the TP=1 PP=1 checkpoint loaded at TP=2 PP=2
+    back = tmp_path / "back"
+    _export(tmp_path, "back", at_tp1, back, [*TP2_PP2, *SAME_PADDING], nproc=4)
+    _assert_same_tensors(_full_tensors(back / "iter_0000004", tmp_path / "back.pt"), want, "TP1 PP1 -> TP2 PP2")
