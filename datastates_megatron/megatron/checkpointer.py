@@ -272,7 +272,7 @@ class LazyCheckpointer:
 
         A checkpoint written at another data-parallel size (TP=PP=1, same model) is resharded on the
         fly (:mod:`.reshard`); any other layout change raises ``LayoutMismatchError`` naming
-        ``datastates-ckpt export ... --format torch_dist``.
+        the conversion (``--lazy-ckpt-convert-to``, :mod:`.torch_dist`).
         Returns ``(iteration, extra_state)``; raises ``NoCheckpointError`` when there is none."""
         self._check_open()
         self._mgr.wait()

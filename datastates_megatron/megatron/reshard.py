@@ -45,11 +45,12 @@ from .shards import (
     parameter_names,
 )
 
-__all__ = ["EXPORT_HINT", "check_layout", "CheckpointIndex", "ReshardPlanner", "plan_restore"]
+__all__ = ["EXPORT_HINT", "CONVERT_HINT", "check_layout", "CheckpointIndex", "ReshardPlanner", "plan_restore"]
 
 log = logging.getLogger(__name__)
 
 EXPORT_HINT = "datastates-ckpt export {ckpt} OUT_DIR --format torch_dist"
+CONVERT_HINT = "--load {ckpt} --lazy-ckpt-convert-to OUT_DIR"  # in a Megatron-LM run with the checkpoint's layout
 _RESHARDABLE_ONLY_DP = ("tp", "pp", "cp", "ep")  # must be 1 (and equal) for a DP reshard
 _OPT_NAME = re.compile(r"^opt(\d+)\.g(\d+)\.p(\d+)\.")
 
@@ -81,15 +82,13 @@ def check_layout(manifest: Manifest, ckpt: str, world_size: int, layout: dict) -
     elif any(layout.get(k, 1) != 1 for k in _RESHARDABLE_ONLY_DP):
         reasons.append("resharding across data-parallel sizes needs TP=PP=CP=EP=1")
     if reasons:
-        caveat = ""
-        if any(manifest.layout.get(k, 1) != 1 for k in _RESHARDABLE_ONLY_DP):
-            caveat = (
-                " (the export itself needs a checkpoint written with TP=PP=CP=EP=1; else load it with its own layout)"
-            )
+        simple = not any(manifest.layout.get(k, 1) != 1 for k in _RESHARDABLE_ONLY_DP)
         raise LayoutMismatchError(
             f"{ckpt}: checkpoint layout differs from this run: {'; '.join(diffs)}. {reasons[0].capitalize()}; "
-            f"to change the parallel layout, convert the checkpoint with `{hint}` and load that with "
-            f"megatron-core dist_checkpointing (e.g. Megatron-LM --ckpt-format torch_dist){caveat}"
+            f"to change the parallel layout, convert the checkpoint to Megatron's torch_dist format in a "
+            f"Megatron-LM run with the checkpoint's own layout (`{CONVERT_HINT.format(ckpt=_root_of(ckpt))}`), "
+            f"then start this layout with `--load OUT_DIR` (megatron-core reshards it; later saves are lazy)"
+            + (f"; without Megatron-LM: `{hint}`" if simple else "")
         )
     return True
 

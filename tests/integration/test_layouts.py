@@ -106,3 +106,25 @@ def test_layout_kill_9_then_resume_is_bit_exact(tmp_path, reference, layout):
     want = reference(layout)
     assert_same_training(killed, want, None, ranks=RANKS)
     assert_same_training(resumed, want, range(resume_from + 1, ITERS + 1), ranks=RANKS)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_layout_exported_to_torch_dist_then_imported_is_bit_exact(tmp_path, reference, layout):
+    """Our checkpoint -> Megatron's torch_dist (``--lazy-ckpt-convert-to``, Megatron's own save) ->
+    imported by Megatron's own loader into a lazy run: the same training as a run that never stopped."""
+    lazy, exported = tmp_path / "lazy", tmp_path / "exported"
+    common = ["--train-iters", str(ITERS), *LAYOUTS[layout], "--save-interval", "4", *LAZY]
+    first = launch(tmp_path, "first", [*common, "--exit-interval", "4", "--save", str(lazy)], nproc=RANKS)
+    assert first.returncode == 0 and latest(lazy) == 4, first.describe()
+    convert = [*common, "--load", str(lazy), "--save", str(lazy), "--lazy-ckpt-convert-to", str(exported)]
+    converted = launch(tmp_path, "export", convert, nproc=RANKS)
+    assert converted.returncode == 0, converted.describe()
+    resumed = launch(
+        tmp_path, "resumed", [*common, "--load", str(exported), "--save", str(tmp_path / "lazy2")], nproc=RANKS
+    )
+    assert resumed.returncode == 0, resumed.describe()
+    assert "imported Megatron torch_dist checkpoint of iteration 4" in resumed.log
+    want = reference(layout)
+    assert_same_training(first, want, range(1, 5), ranks=RANKS)
+    assert_same_training(resumed, want, range(5, ITERS + 1), ranks=RANKS)

@@ -172,11 +172,12 @@ def test_dp4_to_dp2_bf16(tmp_path):
 
 
 @needs_megatron
-def test_changed_tensor_parallel_size_is_refused_naming_the_export(dp2):
+def test_changed_tensor_parallel_size_is_refused_naming_the_conversions(dp2):
     d, _ = dp2
     for r in _ok(run_ranks(WORKER, 2, ["tp2", "--load", str(d / "ckpt"), "--load-at", "3"], timeout=240)):
         err = r["error"]
         assert err.startswith("LayoutMismatchError") and "tp=1 in checkpoint, 2 now" in err, err
+        assert f"--load {d / 'ckpt'} --lazy-ckpt-convert-to OUT_DIR" in err, err
         assert f"datastates-ckpt export {d / 'ckpt'} OUT_DIR --format torch_dist" in err, err
 
 
