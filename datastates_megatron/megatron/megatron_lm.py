@@ -399,8 +399,10 @@ def load_checkpoint(
     ``skipped_train_samples`` / ``consumed_valid_samples``, updates the micro-batch calculator and
     Megatron's loaded-iteration record. Returns ``(0, 0)`` when there is none, as Megatron does.
     Falls back to Megatron's own loader for ``load_arg != "load"`` and for ``--pretrained-checkpoint``
-    when ``--load`` holds no lazy checkpoint yet. ``strict`` and ``skip_load_to_model_and_opt`` do
-    not apply (tensors are always restored in place, all of them).
+    when ``--load`` holds no lazy checkpoint yet. A ``--load`` holding only a Megatron checkpoint is
+    imported with Megatron's own loader, and ``--lazy-ckpt-convert-to`` writes what was loaded in
+    ``torch_dist`` format and exits (:mod:`.torch_dist`). ``strict`` and
+    ``skip_load_to_model_and_opt`` do not apply (tensors are always restored in place, all of them).
     """
     args = _get_args(args)
     native_kwargs = dict(
