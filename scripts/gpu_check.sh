@@ -11,7 +11,9 @@
 #   2. the demo on 1 GPU, bf16, killed with kill -9 mid-run and resumed bit-exactly;
 #   3. Megatron-LM's pretrain_gpt.py: kill -9 / resume (fp32, bf16), SIGTERM final save, a native
 #      checkpoint refused (tests/integration/test_pretrain_gpt.py, on CUDA);
-#   4. bench_peers.py on the GPU workload of docs/BENCHMARKS.md (every engine, one round);
+#   4. the torch_dist bridge: Megatron's own checkpoint imported, exported and imported again,
+#      bit-exact (tests/integration/test_torch_dist_bridge.py, fp32, 1 GPU, torch Adam: no TE);
+#   5. bench_peers.py on the GPU workload of docs/BENCHMARKS.md (every engine, one round);
 # and prints one summary: a PASS/FAIL line per step and the benchmark table. Logs and the benchmark
 # JSON go to $OUT (the device tool brings them back), or to .gpu/out.
 set -uo pipefail
@@ -66,6 +68,8 @@ step demo 150 python3 -m datastates_megatron.demo.run_demo --nproc 1 --bf16 --it
     --workdir /tmp/dsm-demo
 step megatron 210 python3 -m pytest -q -p no:cacheprovider tests/integration/test_pretrain_gpt.py \
     -k "kill_9 or sigterm or native"
+step bridge 120 python3 -m pytest -q -p no:cacheprovider tests/integration/test_torch_dist_bridge.py \
+    -k "bit_exact and fp32"
 step bench 240 torchrun --nproc-per-node 1 scripts/bench_peers.py --layers 24 --hidden 1024 --heads 16 \
     --seq-len 1024 --vocab 32000 --micro-batch 8 --bf16 --iters 20 --warmup 2 --rounds 1 --interval 10 \
     --sweep-engines '' --restore-repeats 1 --host-cache-gb 12 --dir /tmp/bench \

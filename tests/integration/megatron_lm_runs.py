@@ -9,6 +9,7 @@ the CPU-only flags; with one, NCCL and the same model, so the same test bodies r
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import signal
 import subprocess
@@ -79,6 +80,8 @@ TINY = [
     "1234",
 ]
 LAZY = ["--lazy-ckpt", "--lazy-ckpt-host-cache-gb", "0.05"]
+# a GPU without Transformer Engine (the device image): megatron-core's own layers, as on CPU
+NO_TE = [] if importlib.util.find_spec("transformer_engine") else ["--transformer-impl", "local"]
 
 
 @dataclass
@@ -110,7 +113,7 @@ def command(nproc: int, args: list[str], port: int, megatron_lm_dir: str | None 
         "-m",
         "datastates_megatron.megatron.cpu_launch",
         script,
-        *([] if CUDA else CPU_ONLY),
+        *(NO_TE if CUDA else CPU_ONLY),
         *TINY,
         *args,
     ]
