@@ -220,6 +220,51 @@ def import_checkpoint(
         return checkpointing.load_checkpoint(model, optimizer, scheduler, **native_kwargs)
 
 
+def _in_buffer_coordinates(dopt: Any, state: Any) -> Any:
+    """``get_parameter_state_dp_zero``'s gathered state with each bucket put back at its offset in
+    the param buffer (zeros in the padding between buckets), the coordinates ``param_index_map``
+    gives and the ``fully_reshardable`` save slices by."""
+    if state is None:
+        return state
+    for gbuf_idx, by_dtype in state.items():
+        if not isinstance(gbuf_idx, int):  # "buckets_coalesced"
+            continue
+        buffer = dopt.buffers[gbuf_idx]
+        for world in by_dtype.values():
+            for key, packed in list(world.items()):
+                if not isinstance(packed, torch.Tensor):  # "numel_unpadded"
+                    continue
+                placed = torch.zeros(buffer.numel, dtype=packed.dtype, device=packed.device)
+                src = 0
+                for bucket in buffer.buckets:
+                    n = bucket.numel_unpadded
+                    placed[bucket.offset : bucket.offset + n].copy_(packed[src : src + n])
+                    src += n
+                world[key] = placed
+    return state
+
+
+@contextlib.contextmanager
+def _fully_reshardable_save(optimizer: Any) -> Iterator[None]:
+    """Megatron-LM's ``fully_reshardable`` save (core 0.16 and 0.19) gathers each param buffer with
+    the padding between its buckets removed, then slices it by buffer coordinates: every parameter
+    after a padded bucket gets another parameter's optimizer state (with PP > 1 the tied embedding
+    has a bucket of its own, so every PP run is hit). The gathered state is re-placed for the save."""
+    dopts = [d for d in distributed_optimizers(optimizer) if hasattr(d, "get_parameter_state_dp_zero")]
+    for dopt in dopts:
+        original = dopt.get_parameter_state_dp_zero
+
+        def placed(*a: Any, _dopt: Any = dopt, _original: Any = original, **kw: Any) -> Any:
+            return _in_buffer_coordinates(_dopt, _original(*a, **kw))
+
+        dopt.get_parameter_state_dp_zero = placed
+    try:
+        yield
+    finally:
+        for dopt in dopts:
+            del dopt.get_parameter_state_dp_zero  # the class's method again
+
+
 def _check_target(target: str) -> str | None:
     """Why ``target`` cannot receive an export (None: it can): it must be new or an empty directory,
     so that nothing we did not write is overwritten (Megatron rewrites its tracker file)."""
@@ -250,7 +295,7 @@ def export(args: Any, target: str, iteration: int, model: Any, optimizer: Any, s
     overrides = dict(save=target, ckpt_format="torch_dist", use_dist_ckpt=True, async_save=False)
     if hasattr(args, "dist_ckpt_optim_fully_reshardable"):
         overrides.update(dist_ckpt_optim_fully_reshardable=True, distrib_optim_fully_reshardable_mem_efficient=False)
-    with native_megatron(args, **overrides) as checkpointing:
+    with native_megatron(args, **overrides) as checkpointing, _fully_reshardable_save(optimizer):
         checkpointing.save_checkpoint(iteration, model, optimizer, scheduler, num_flops, checkpointing_context={})
     collective.agree(True)
     if collective.rank == 0:
