@@ -84,7 +84,7 @@ def test_native_checkpoint_newer_than_ours_is_refused_and_survives_byte_for_byte
         CheckpointManager(str(root), _opts())
     msg = str(err.value)
     assert str(root) in msg and "500" in msg and "torch_dist" in msg
-    assert "another --save directory" in msg and "convert" in msg
+    assert "another --save directory" in msg and "pass this directory as --load and a new one as --save" in msg
     assert isinstance(err.value, CheckpointError)
     assert _hashes(root, lock=True) == before  # every byte of every file, the tracker included; nothing added
 
