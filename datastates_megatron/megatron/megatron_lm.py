@@ -429,7 +429,7 @@ def load_checkpoint(
     session = _session_for(args, ddp_model, optimizer, opt_param_scheduler)
     requested = getattr(args, "ckpt_step", None) or None  # Megatron treats 0 as unset
     convert_to = getattr(args, "lazy_ckpt_convert_to", None)
-    found = torch_dist.importable(args.load, requested)
+    found = torch_dist.importable_on_every_rank(args.load, requested)
     if found is not None:
         iteration, num_flops = torch_dist.import_checkpoint(
             args, found, ddp_model, optimizer, opt_param_scheduler, **native_kwargs

@@ -43,6 +43,7 @@ __all__ = [
     "ConversionError",
     "native_megatron",
     "importable",
+    "importable_on_every_rank",
     "prime_optimizer_state",
     "import_checkpoint",
     "export",
@@ -105,6 +106,31 @@ def importable(load_dir: str, ckpt_step: int | None = None) -> ForeignCheckpoint
                 )
             return f
     return None
+
+
+def importable_on_every_rank(load_dir: str, ckpt_step: int | None = None) -> ForeignCheckpoint | None:
+    """:func:`importable`, decided alike on every rank (a rank that imported alone would wait in
+    Megatron's collective load for ranks that took the lazy path): one rank's error, or ranks that
+    see different checkpoints, raise on every rank."""
+    collective = Collective()
+    found, err = None, None
+    try:
+        found = importable(load_dir, ckpt_step)
+    except CheckpointError as e:
+        err = e
+    failure = collective.agree_error(err)
+    if failure is not None:
+        if err is not None:
+            raise err
+        raise failure.error_class()(f"rank {failure.rank}: {failure.message}")
+    mine = -2 if found is None else (-1 if found.iteration is None else found.iteration)
+    seen = {rec["it"] for rec in collective.gather({"it": mine})}
+    if len(seen) > 1:
+        raise ConversionError(
+            f"--load {load_dir}: the ranks see different checkpoints to import (iterations "
+            f"{sorted(i for i in seen if i >= 0)}, none on some ranks); is the directory being written?"
+        )
+    return found
 
 
 def _lazy_checkpoints_elsewhere(args: Any, load_dir: str) -> list[str]:
