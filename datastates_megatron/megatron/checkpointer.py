@@ -252,6 +252,11 @@ class LazyCheckpointer:
         return [r.iteration for r in records]
 
     @property
+    def local_dir(self) -> str | None:
+        """This rank's node-local tier directory (``{node}`` resolved), or None without one."""
+        return self._mgr.local_root
+
+    @property
     def stats(self) -> dict:
         """Telemetry of this rank: cache peak, waits, and the last commit record."""
         eng = self._mgr.engine

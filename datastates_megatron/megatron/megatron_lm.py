@@ -432,7 +432,7 @@ def load_checkpoint(
     found = torch_dist.importable_on_every_rank(args.load, requested)
     if found is not None:
         iteration, num_flops = torch_dist.import_checkpoint(
-            args, found, ddp_model, optimizer, opt_param_scheduler, **native_kwargs
+            args, found, ddp_model, optimizer, opt_param_scheduler, local_root=session.ckpt.local_dir, **native_kwargs
         )
         _info(
             "rank %d: imported Megatron %s checkpoint of iteration %d from %s",

@@ -81,6 +81,24 @@ def native_megatron(args: Any, **overrides: Any) -> Iterator[types.ModuleType]:
                 setattr(args, k, v)
 
 
+@contextlib.contextmanager
+def _patched(objs: list, name: str, make: Any) -> Iterator[None]:
+    """``obj.<name> = make(obj, current method)`` on each object for the duration; what the instance
+    had before (nothing, or another wrapper) is put back after, also on an error."""
+    missing = object()
+    before = [(obj, vars(obj).get(name, missing)) for obj in objs]
+    for obj in objs:
+        setattr(obj, name, make(obj, getattr(obj, name)))
+    try:
+        yield
+    finally:
+        for obj, old in before:
+            if old is missing:
+                delattr(obj, name)
+            else:
+                setattr(obj, name, old)
+
+
 def _tracker(root: str) -> str | None:
     try:
         return read_tracker_text(root)
@@ -97,7 +115,20 @@ def importable(load_dir: str, ckpt_step: int | None = None) -> ForeignCheckpoint
     found = find_foreign(load_dir)
     if not found:
         return None
-    wanted = str(ckpt_step) if ckpt_step else _tracker(load_dir)
+    tracker = _tracker(load_dir)
+    wanted = str(ckpt_step) if ckpt_step else tracker
+    if (
+        ckpt_step
+        and tracker not in (None, wanted)
+        and (tracker == "release" or _format_named(found, tracker) == "torch")
+    ):
+        # Megatron-LM's loader takes parts of such a checkpoint from the tracker's iteration anyway
+        # (release: everything; legacy format: the distributed optimizer's parameter state)
+        raise ConversionError(
+            f"{load_dir}: --ckpt-step {ckpt_step} but the tracker file names {tracker!r}; Megatron-LM's loader "
+            "would mix the two. Load the tracker's iteration, or copy the checkpoint wanted into a directory "
+            "of its own with a tracker naming it"
+        )
     for f in found:
         if wanted == ("release" if f.iteration is None else str(f.iteration)):
             if f.format not in IMPORTABLE_FORMATS:
@@ -105,6 +136,13 @@ def importable(load_dir: str, ckpt_step: int | None = None) -> ForeignCheckpoint
                     f"{f.path}: Megatron-LM checkpoint directory in an unknown format; it cannot be loaded"
                 )
             return f
+    return None
+
+
+def _format_named(found: list[ForeignCheckpoint], name: str | None) -> str | None:
+    for f in found:
+        if name == ("release" if f.iteration is None else str(f.iteration)):
+            return f.format
     return None
 
 
@@ -118,6 +156,8 @@ def importable_on_every_rank(load_dir: str, ckpt_step: int | None = None) -> For
         found = importable(load_dir, ckpt_step)
     except CheckpointError as e:
         err = e
+    except OSError as e:
+        err = ConversionError(f"rank {collective.rank}: --load {load_dir} cannot be read: {e}")
     failure = collective.agree_error(err)
     if failure is not None:
         if err is not None:
@@ -133,11 +173,11 @@ def importable_on_every_rank(load_dir: str, ckpt_step: int | None = None) -> For
     return found
 
 
-def _lazy_checkpoints_elsewhere(args: Any, load_dir: str) -> list[str]:
-    """Where this run already has lazy checkpoints an import would ignore (``--save`` and the
-    node-local tier, when they are not ``--load``)."""
+def _lazy_checkpoints_elsewhere(args: Any, load_dir: str, local_root: str | None) -> list[str]:
+    """Where this run already has lazy checkpoints an import would ignore (``--save`` and this
+    node's local tier, ``{node}`` resolved, when they are not ``--load``)."""
     out = []
-    for flag, root in (("--save", args.save), ("--lazy-ckpt-local-dir", getattr(args, "lazy_ckpt_local_dir", None))):
+    for flag, root in (("--save", args.save), ("--lazy-ckpt-local-dir", local_root)):
         if root and os.path.abspath(root) != os.path.abspath(load_dir) and os.path.isdir(root):
             its = committed_iterations(root)
             if its:
@@ -182,40 +222,47 @@ def prime_optimizer_state(optimizer: Any) -> int:
 
 @contextlib.contextmanager
 def _torch_adam_load(optimizer: Any) -> Iterator[int]:
-    """Megatron-LM's ``torch_dist`` optimizer load, made to work with torch's Adam (yields how many
-    optimizers were primed):
+    """Megatron-LM's optimizer load, made to work with torch's Adam (yields how many optimizers
+    were primed):
 
     * its ``state_dict()`` needs every ``step`` to exist: :func:`prime_optimizer_state`;
-    * its ``fully_reshardable`` load copies every per-parameter state entry from the checkpoint,
-      which holds no per-parameter ``step`` (``KeyError: 'step'``): ``step`` is set aside around it;
+    * its loaders (every sharding type, and the legacy format) copy each entry of a parameter's
+      live state from the checkpoint's, which holds no per-parameter ``step`` (``KeyError: 'step'``):
+      a ``step`` the source lacks is left out of the copy;
     * the checkpoint's ``step`` is in each param group's ``"step"``; per parameter, the load keeps
       the value the state had before (the primer's 1), in one tensor shared by every parameter
       (which torch's Adam would then increment once per parameter): after the load each parameter
-      gets its own ``step`` tensor holding its group's.
+      gets its own ``step`` tensor holding its group's;
+    * when Megatron loads no optimizer state (a ``release`` checkpoint, one saved with
+      ``--no-save-optim``), the primer's state is dropped: the optimizer starts fresh, as natively.
     """
     dopts = _torch_adams(optimizer)
-    primed = prime_optimizer_state(optimizer)
-    originals = {}
-    for dopt in dopts:
-        original = dopt.load_parameter_state_from_fully_reshardable
+    primed = [d for d in dopts if len(d.optimizer.state) == 0]
+    prime_optimizer_state(optimizer)
 
-        def without_step(state_dict, _dopt=dopt, _original=original):
-            steps = {p: s.pop("step") for p, s in _dopt.optimizer.state.items() if "step" in s}
+    def copy_what_the_source_has(dopt: Any, original: Any) -> Any:
+        def set_states(model_param: Any, tensors: dict) -> Any:
+            if "step" in tensors or getattr(dopt.config, "use_precision_aware_optimizer_no_fp8_or_ds_fp8", False):
+                return original(model_param, tensors)
+            group_index, group_order = dopt.model_param_group_index_map[model_param]
+            state = dopt.optimizer.state[dopt.optimizer.param_groups[group_index]["params"][group_order]]
+            step = state.pop("step", None)
             try:
-                return _original(state_dict)
+                return original(model_param, tensors)
             finally:
-                for p, step in steps.items():
-                    _dopt.optimizer.state[p]["step"] = step
+                if step is not None:
+                    state["step"] = step
 
-        originals[dopt] = original
-        dopt.load_parameter_state_from_fully_reshardable = without_step
-    try:
-        yield primed
-    finally:
-        for dopt in originals:
-            del dopt.load_parameter_state_from_fully_reshardable  # the class's method again
+        return set_states
+
+    with _patched(dopts, "_set_main_param_and_optimizer_states", copy_what_the_source_has):
+        yield len(primed)
     for dopt in dopts:
-        for group in dopt.optimizer.param_groups:
+        groups = dopt.optimizer.param_groups
+        if dopt in primed and not any("step" in g for g in groups):
+            dopt.optimizer.state.clear()  # nothing was loaded: no primer state may stay
+            continue
+        for group in groups:
             if "step" not in group:
                 continue
             for p in group["params"]:
@@ -225,12 +272,23 @@ def _torch_adam_load(optimizer: Any) -> Iterator[int]:
 
 
 def import_checkpoint(
-    args: Any, found: ForeignCheckpoint, model: Any, optimizer: Any, scheduler: Any, **native_kwargs: Any
+    args: Any,
+    found: ForeignCheckpoint,
+    model: Any,
+    optimizer: Any,
+    scheduler: Any,
+    *,
+    local_root: str | None = None,
+    **native_kwargs: Any,
 ) -> tuple[int, Any]:
     """Load ``found`` (from :func:`importable`) with Megatron-LM's own loader, as a native resume;
-    returns ``(iteration, num_floating_point_operations_so_far)``."""
+    returns ``(iteration, num_floating_point_operations_so_far)``. ``local_root``: this rank's
+    node-local tier directory, if any."""
     collective = Collective()
-    elsewhere = _lazy_checkpoints_elsewhere(args, args.load)
+    try:
+        elsewhere = _lazy_checkpoints_elsewhere(args, args.load, local_root)
+    except OSError as e:
+        elsewhere = [f"(rank {collective.rank} cannot list them: {e})"]
     failed = collective.agree(not elsewhere)
     if failed:
         where = "; ".join(elsewhere) or f"the same directories on rank {failed[0]}"
@@ -270,25 +328,17 @@ def _in_buffer_coordinates(dopt: Any, state: Any) -> Any:
     return state
 
 
-@contextlib.contextmanager
-def _fully_reshardable_save(optimizer: Any) -> Iterator[None]:
+def _fully_reshardable_save(optimizer: Any) -> contextlib.AbstractContextManager:
     """Megatron-LM's ``fully_reshardable`` save (core 0.16 and 0.19) gathers each param buffer with
     the padding between its buckets removed, then slices it by buffer coordinates: every parameter
     after a padded bucket gets another parameter's optimizer state (with PP > 1 the tied embedding
-    has a bucket of its own, so every PP run is hit). The gathered state is re-placed for the save."""
+    has a bucket of its own). The gathered state is re-placed for the save."""
     dopts = [d for d in distributed_optimizers(optimizer) if hasattr(d, "get_parameter_state_dp_zero")]
-    for dopt in dopts:
-        original = dopt.get_parameter_state_dp_zero
 
-        def placed(*a: Any, _dopt: Any = dopt, _original: Any = original, **kw: Any) -> Any:
-            return _in_buffer_coordinates(_dopt, _original(*a, **kw))
+    def placed(dopt: Any, original: Any) -> Any:
+        return lambda *a, **kw: _in_buffer_coordinates(dopt, original(*a, **kw))
 
-        dopt.get_parameter_state_dp_zero = placed
-    try:
-        yield
-    finally:
-        for dopt in dopts:
-            del dopt.get_parameter_state_dp_zero  # the class's method again
+    return _patched(dopts, "get_parameter_state_dp_zero", placed)
 
 
 def _check_target(target: str) -> str | None:
@@ -310,6 +360,7 @@ def _check_target(target: str) -> str | None:
 def export(args: Any, target: str, iteration: int, model: Any, optimizer: Any, scheduler: Any, num_flops: Any) -> None:
     """Write the state just loaded as Megatron's ``torch_dist`` checkpoint of ``iteration`` under
     ``target`` (a new or empty directory), optimizer state ``fully_reshardable``."""
+    target = os.path.normpath(target)  # "link/" would make lstat follow the link
     collective = Collective()
     problem = _check_target(target)
     failed = collective.agree(problem is None)  # every rank checks before any rank's save creates it
@@ -318,9 +369,13 @@ def export(args: Any, target: str, iteration: int, model: Any, optimizer: Any, s
             f"--lazy-ckpt-convert-to {target}: {problem or f'refused on rank {failed[0]}'}; give a new or empty "
             "directory. Nothing was written"
         )
+    if not hasattr(args, "dist_ckpt_optim_fully_reshardable"):
+        raise ConversionError(
+            "--lazy-ckpt-convert-to needs a Megatron-LM with --dist-ckpt-optim-fully-reshardable (core 0.16 "
+            "or later): without it the optimizer state would not load at another layout. Nothing was written"
+        )
     overrides = dict(save=target, ckpt_format="torch_dist", use_dist_ckpt=True, async_save=False)
-    if hasattr(args, "dist_ckpt_optim_fully_reshardable"):
-        overrides.update(dist_ckpt_optim_fully_reshardable=True, distrib_optim_fully_reshardable_mem_efficient=False)
+    overrides.update(dist_ckpt_optim_fully_reshardable=True, distrib_optim_fully_reshardable_mem_efficient=False)
     with native_megatron(args, **overrides) as checkpointing, _fully_reshardable_save(optimizer):
         checkpointing.save_checkpoint(iteration, model, optimizer, scheduler, num_flops, checkpointing_context={})
     collective.agree(True)

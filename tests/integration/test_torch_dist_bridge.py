@@ -174,3 +174,26 @@ def test_tp2_pp2_lazy_checkpoint_loads_at_tp1_pp1_through_the_export_and_back(tm
     back = tmp_path / "back"
     _export(tmp_path, "back", at_tp1, back, [*TP2_PP2, *SAME_PADDING], nproc=4)
     _assert_same_tensors(_full_tensors(back / "iter_0000004"), want, "TP1 PP1 -> TP2 PP2")
+
+
+@pytest.mark.slow
+def test_a_legacy_torch_format_checkpoint_is_continued_lazily_bit_exact(tmp_path):
+    """Megatron-LM's legacy ``--ckpt-format torch`` (``distrib_optim.pt`` beside the model files):
+    its loader fills the optimizer through the same per-parameter copy as ``torch_dist``."""
+    flags = [*CHAIN_LAYOUT]
+    reference = launch(tmp_path, "reference", ["--train-iters", str(ITERS), *flags])
+    assert reference.returncode == 0, reference.describe()
+    native = tmp_path / "native"
+    saved = launch(
+        tmp_path,
+        "native",
+        ["--train-iters", str(ITERS), *flags, "--exit-interval", "4", "--save", str(native)]
+        + ["--save-interval", "100", "--ckpt-format", "torch"],
+    )
+    assert saved.returncode == 0, saved.describe()
+    assert foreign_format(str(native / "iter_0000004")) == "torch"
+    common = ["--train-iters", str(ITERS), *flags, "--save-interval", "4", *LAZY]
+    imported = launch(tmp_path, "imported", [*common, "--load", str(native), "--save", str(tmp_path / "lazy")])
+    assert imported.returncode == 0, imported.describe()
+    assert "imported Megatron torch checkpoint of iteration 4" in imported.log
+    assert_same_training(imported, reference, range(5, ITERS + 1))

@@ -5,6 +5,7 @@ checkpoints from being skipped.  (The conversions themselves: tests/integration/
 from __future__ import annotations
 
 import os
+import re
 import types
 
 import pytest
@@ -54,14 +55,53 @@ def test_no_import_when_the_run_already_has_lazy_checkpoints(tmp_path):
     _native_torch_dist(load, 100)
     _save(save, [120])
     found = torch_dist.importable(str(load))
-    args = types.SimpleNamespace(load=str(load), save=str(save), lazy_ckpt_local_dir=None)
+    args = types.SimpleNamespace(load=str(load), save=str(save))
     before = _hashes(load), _hashes(save)
     with pytest.raises(torch_dist.ConversionError, match=r"--save .*save \(iteration 120\).*pass its --save as --load"):
         torch_dist.import_checkpoint(args, found, model=None, optimizer=None, scheduler=None)
     assert (_hashes(load), _hashes(save)) == before
 
 
-@pytest.mark.parametrize("kind", ["not empty", "a file", "a symlink"])
+def test_no_import_when_this_nodes_local_tier_has_lazy_checkpoints(tmp_path):
+    load, save, local = tmp_path / "native", tmp_path / "save", tmp_path / "local-node0"
+    _native_torch_dist(load, 100)
+    _save(local, [130])  # committed locally, killed before its promotion to --save
+    args = types.SimpleNamespace(load=str(load), save=str(save))
+    found = torch_dist.importable(str(load))
+    with pytest.raises(torch_dist.ConversionError, match=r"--lazy-ckpt-local-dir .*local-node0 \(iteration 130\)"):
+        torch_dist.import_checkpoint(args, found, None, None, None, local_root=str(local))
+
+
+@pytest.mark.parametrize("tracker", ["release", "legacy"])
+def test_a_ckpt_step_megatron_would_mix_with_the_tracked_checkpoint_is_refused(tmp_path, tracker):
+    _native_torch_dist(tmp_path, 100)
+    if tracker == "release":
+        _native_torch_dist(tmp_path, 300)
+        os.rename(iter_dir(str(tmp_path), 300), os.path.join(str(tmp_path), "release"))
+        _track(tmp_path, "release")
+    else:
+        _native_legacy(tmp_path, 200)
+        _track(tmp_path, "200")
+    with pytest.raises(torch_dist.ConversionError, match="--ckpt-step 100 but the tracker file names"):
+        torch_dist.importable(str(tmp_path), ckpt_step=100)
+
+
+def test_instance_patches_are_undone_and_earlier_ones_kept():
+    class Opt:
+        def step(self):
+            return "class"
+
+    plain, wrapped = Opt(), Opt()
+    wrapped.step = lambda: "earlier wrapper"
+    with pytest.raises(RuntimeError):
+        with torch_dist._patched([plain, wrapped], "step", lambda obj, orig: lambda: "ours " + orig()):
+            assert (plain.step(), wrapped.step()) == ("ours class", "ours earlier wrapper")
+            raise RuntimeError("a failing load")
+    assert (plain.step(), wrapped.step()) == ("class", "earlier wrapper")
+    assert "step" not in vars(plain)
+
+
+@pytest.mark.parametrize("kind", ["not empty", "a file", "a symlink", "a symlink, trailing slash"])
 def test_an_export_never_writes_into_a_directory_it_did_not_create(tmp_path, kind):
     target = tmp_path / "out"
     if kind == "not empty":
@@ -70,9 +110,11 @@ def test_an_export_never_writes_into_a_directory_it_did_not_create(tmp_path, kin
     elif kind == "a file":
         target.write_text("mine")
     else:
-        (tmp_path / "elsewhere").mkdir()
+        (tmp_path / "elsewhere").mkdir()  # empty: only the link makes it a refusal
         target.symlink_to(tmp_path / "elsewhere")
     before = _hashes(tmp_path)
-    with pytest.raises(torch_dist.ConversionError, match="--lazy-ckpt-convert-to .*out.*Nothing was written"):
-        torch_dist.export(types.SimpleNamespace(), str(target), 5, None, None, None, 0)
+    given = str(target) + ("/" if kind.endswith("trailing slash") else "")
+    refused = f"--lazy-ckpt-convert-to {re.escape(str(target))}: (is|exists).*Nothing was written"
+    with pytest.raises(torch_dist.ConversionError, match=refused):
+        torch_dist.export(types.SimpleNamespace(), given, 5, None, None, None, 0)
     assert _hashes(tmp_path) == before
