@@ -28,7 +28,6 @@ pytestmark = pytest.mark.skipif(
 )
 
 ITERS = 8
-NATIVE = ["--ckpt-format", "torch_dist"]  # Megatron-LM's own checkpointing, without --lazy-ckpt
 
 
 def _file_hashes(root: Path) -> dict[str, str]:
@@ -63,6 +62,23 @@ def _export(tmp: Path, name: str, load: Path, target: Path, layout: list[str], n
     return run
 
 
+def _reference_and_megatrons_own_save(tmp: Path, flags: list[str], fmt: str):
+    """An uninterrupted run, and Megatron-LM's own checkpoint (format ``fmt``) of iteration 4 of the
+    same run (``--exit-interval``: the schedule is that of the full run)."""
+    reference = launch(tmp, "reference", ["--train-iters", str(ITERS), *flags])
+    assert reference.returncode == 0, reference.describe()
+    native = tmp / "native"
+    saved = launch(
+        tmp,
+        "native",
+        ["--train-iters", str(ITERS), *flags, "--exit-interval", "4", "--save", str(native)]
+        + ["--save-interval", "100", "--ckpt-format", fmt],
+    )
+    assert saved.returncode == 0, saved.describe()
+    assert foreign_format(str(native / "iter_0000004")) == fmt
+    return reference, native
+
+
 # fp32: the DistributedOptimizer's main params are views of the model's; bf16: separate fp32 copies
 PRECISIONS = {"fp32": [], "bf16": ["--bf16"]}
 # PP=2 on 2 ranks: the tied embedding gets a param-buffer bucket of its own, after a padded one
@@ -72,18 +88,7 @@ CHAIN_LAYOUT = ["--pipeline-model-parallel-size", "2"] if RANKS == 2 else []
 @pytest.mark.parametrize("precision", ["fp32", pytest.param("bf16", marks=pytest.mark.slow)])
 def test_megatron_checkpoint_continued_lazily_then_exported_and_continued_is_bit_exact(tmp_path, precision):
     flags = [*CHAIN_LAYOUT, *PRECISIONS[precision]]
-    reference = launch(tmp_path, "reference", ["--train-iters", str(ITERS), *flags])
-    assert reference.returncode == 0, reference.describe()
-
-    native = tmp_path / "native"
-    saved = launch(
-        tmp_path,
-        "native",
-        ["--train-iters", str(ITERS), *flags, "--exit-interval", "4", "--save", str(native)]
-        + ["--save-interval", "100", *NATIVE],
-    )
-    assert saved.returncode == 0, saved.describe()
-    assert foreign_format(str(native / "iter_0000004")) == "torch_dist"
+    reference, native = _reference_and_megatrons_own_save(tmp_path, flags, "torch_dist")
     before = _file_hashes(native)
 
     lazy = tmp_path / "lazy"
@@ -181,17 +186,7 @@ def test_a_legacy_torch_format_checkpoint_is_continued_lazily_bit_exact(tmp_path
     """Megatron-LM's legacy ``--ckpt-format torch`` (``distrib_optim.pt`` beside the model files):
     its loader fills the optimizer through the same per-parameter copy as ``torch_dist``."""
     flags = [*CHAIN_LAYOUT]
-    reference = launch(tmp_path, "reference", ["--train-iters", str(ITERS), *flags])
-    assert reference.returncode == 0, reference.describe()
-    native = tmp_path / "native"
-    saved = launch(
-        tmp_path,
-        "native",
-        ["--train-iters", str(ITERS), *flags, "--exit-interval", "4", "--save", str(native)]
-        + ["--save-interval", "100", "--ckpt-format", "torch"],
-    )
-    assert saved.returncode == 0, saved.describe()
-    assert foreign_format(str(native / "iter_0000004")) == "torch"
+    reference, native = _reference_and_megatrons_own_save(tmp_path, flags, "torch")
     common = ["--train-iters", str(ITERS), *flags, "--save-interval", "4", *LAZY]
     imported = launch(tmp_path, "imported", [*common, "--load", str(native), "--save", str(tmp_path / "lazy")])
     assert imported.returncode == 0, imported.describe()
