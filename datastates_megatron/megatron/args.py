@@ -88,6 +88,15 @@ def _option_strings(parser: argparse.ArgumentParser) -> set[str]:
     return {s for action in parser._actions for s in action.option_strings}
 
 
+class _ConvertTo(argparse.Action):
+    """``--lazy-ckpt-convert-to`` turns ``--lazy-ckpt`` on: without it a patched Megatron-LM would
+    ignore the flag and train instead of converting."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        setattr(namespace, self.dest, values)
+        namespace.lazy_ckpt = True
+
+
 def add_lazy_ckpt_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add the ``lazy-ckpt`` argument group to ``parser`` and return it (``extra_args_provider`` style).
 
@@ -242,10 +251,11 @@ def add_lazy_ckpt_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
         "--lazy-ckpt-convert-to",
         type=str,
         default=None,
+        action=_ConvertTo,
         metavar="DIR",
         help="Load the checkpoint under --load, write it to DIR (new or empty) in Megatron's torch_dist "
         "format with Megatron-LM's own save (optimizer state fully reshardable: megatron-core loads it "
-        "at any TP/PP/DP), then exit. Run with the layout that wrote the checkpoint.",
+        "at any TP/PP/DP), then exit. Run with the layout that wrote the checkpoint. Implies --lazy-ckpt.",
     )
     return parser
 

@@ -339,3 +339,10 @@ def test_convert_to_needs_a_load_and_a_directory_of_its_own(tmp_path):
     message = _error("--lazy-ckpt", "--save", save, "--load", save, "--lazy-ckpt-convert-to", save + "/")
     assert "--lazy-ckpt-convert-to must be another directory than --save and --load" in message
     validate_lazy_ckpt_args(_parse("--lazy-ckpt", "--save", save, "--load", save, "--lazy-ckpt-convert-to", out))
+
+
+def test_convert_to_implies_lazy_ckpt(tmp_path):
+    """Without --lazy-ckpt a patched Megatron-LM never reaches our glue: it would train instead."""
+    args = _parse("--save", str(tmp_path), "--load", str(tmp_path), "--lazy-ckpt-convert-to", str(tmp_path / "out"))
+    assert args.lazy_ckpt is True and args.lazy_ckpt_convert_to == str(tmp_path / "out")
+    assert _parse("--save", str(tmp_path)).lazy_ckpt is False
