@@ -23,7 +23,7 @@ from .errors import CheckpointError, ForeignCheckpointError
 from .manifest import MANIFEST_NAME, read_tracker_text
 from .names import is_ours_in_iteration
 
-__all__ = ["FORMATS", "ForeignCheckpoint", "find_foreign", "foreign_format", "refuse_newer_foreign"]
+__all__ = ["FORMATS", "ForeignCheckpoint", "find_foreign", "foreign_format", "refuse_newer_foreign", "tracker_text"]
 
 log = logging.getLogger(__name__)
 FORMATS = ("torch_dist", "torch", "unknown")
@@ -35,6 +35,11 @@ class ForeignCheckpoint(NamedTuple):
     iteration: int | None  # None: Megatron's ``release`` directory
     format: str  # one of FORMATS
     path: str
+
+    @property
+    def tracker_name(self) -> str:
+        """What Megatron's tracker file holds to name this checkpoint."""
+        return "release" if self.iteration is None else str(self.iteration)
 
 
 def foreign_format(d: str) -> str | None:
@@ -56,7 +61,8 @@ def foreign_format(d: str) -> str | None:
     return "unknown"
 
 
-def _tracker_text(root: str) -> str | None:
+def tracker_text(root: str) -> str | None:
+    """The tracker file's text, or None when it is missing or not a file we can trust."""
     try:
         return read_tracker_text(root)  # O_NOFOLLOW, regular file, size-capped (:mod:`.safe_io`)
     except CheckpointError:
@@ -93,7 +99,7 @@ def find_foreign(root: str) -> list[ForeignCheckpoint]:
 def _newer(f: ForeignCheckpoint, latest_ours: int | None, tracker: str | None) -> bool:
     """Whether a run resuming here would skip ``f``: Megatron would have loaded it instead of ours.
     An ``unknown`` directory counts only when the tracker names it (stray files are not a checkpoint)."""
-    named = tracker == ("release" if f.iteration is None else str(f.iteration))
+    named = tracker == f.tracker_name
     if f.format == "unknown" and not named:
         return False
     if f.iteration is None:
@@ -110,7 +116,7 @@ def refuse_newer_foreign(
     found = find_foreign(root)
     if not found:
         return found
-    tracker = _tracker_text(root)
+    tracker = tracker_text(root)
     newer = [f for f in found if _newer(f, latest_ours, tracker)]
     if newer:
         f = newer[-1]

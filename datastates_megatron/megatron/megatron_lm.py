@@ -476,7 +476,7 @@ def load_checkpoint(
     if convert_to:
         torch_dist.export(args, convert_to, iteration, ddp_model, optimizer, opt_param_scheduler, num_flops)
         finalize_at_exit()
-        torch_dist.exit_after_export()
+        sys.exit(0)  # converted, as asked: no training (as Megatron-LM ends after --exit-interval)
     return iteration, num_flops
 
 

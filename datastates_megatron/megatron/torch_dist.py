@@ -12,9 +12,10 @@ any TP/PP/VP/EP layout Megatron-LM itself saves (nothing here rebuilds an archit
   RNG and consumed samples, as a native resume); later saves are lazy, to ``--save``.
 
 Without TE or apex the inner optimizer is torch's Adam, which keeps ``step`` per parameter (their
-fused Adams keep it per param group), and Megatron-LM's ``torch_dist`` optimizer load fails or
-resumes differently with it in three ways (:func:`_torch_adam_load` works around each); GPU stacks
-without TE/apex have the same torch Adam.
+fused Adams keep it per param group), and Megatron-LM's optimizer load fails or resumes differently
+with it in the ways :func:`_torch_adam_load` lists and works around; GPU stacks without TE/apex
+have the same torch Adam.  Its ``fully_reshardable`` save misplaces optimizer state whatever the
+optimizer (:func:`_fully_reshardable_save`).
 
 Thread-safety: called from the training thread; every function is collective over all ranks.
 """
@@ -24,7 +25,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import sys
 import types
 from collections.abc import Iterator
 from typing import Any
@@ -33,8 +33,7 @@ import torch
 
 from ..engine.collective import Collective
 from ..engine.errors import CheckpointError, ForeignCheckpointError
-from ..engine.foreign import ForeignCheckpoint, find_foreign
-from ..engine.manifest import read_tracker_text
+from ..engine.foreign import ForeignCheckpoint, find_foreign, tracker_text
 from ..engine.tier import committed_iterations
 from .shards import distributed_optimizers
 
@@ -59,51 +58,42 @@ class ConversionError(CheckpointError, RuntimeError):
 
 
 @contextlib.contextmanager
+def _attributes(obj: Any, values: dict) -> Iterator[None]:
+    """``values`` set as attributes of ``obj`` for the duration; what the instance held before
+    (nothing, or its own value) is put back after, also on an error."""
+    missing = object()
+    before = {k: vars(obj).get(k, missing) for k in values}
+    for k, v in values.items():
+        setattr(obj, k, v)
+    try:
+        yield
+    finally:
+        for k, old in before.items():
+            if old is missing:
+                delattr(obj, k)
+            else:
+                setattr(obj, k, old)
+
+
+@contextlib.contextmanager
 def native_megatron(args: Any, **overrides: Any) -> Iterator[types.ModuleType]:
     """Megatron-LM's ``checkpointing`` module with ``--lazy-ckpt`` off and ``overrides`` set on
-    ``args`` for the duration (every attribute restored after)."""
+    ``args`` for the duration."""
     try:
         from megatron.training import checkpointing
     except ImportError as e:
         raise ConversionError("a Megatron-format checkpoint needs Megatron-LM's megatron.training on the path") from e
-    overrides = {"lazy_ckpt": False, **overrides}
-    missing = object()
-    before = {k: getattr(args, k, missing) for k in overrides}
-    for k, v in overrides.items():
-        setattr(args, k, v)
-    try:
+    with _attributes(args, {"lazy_ckpt": False, **overrides}):
         yield checkpointing
-    finally:
-        for k, v in before.items():
-            if v is missing:
-                delattr(args, k)
-            else:
-                setattr(args, k, v)
 
 
 @contextlib.contextmanager
 def _patched(objs: list, name: str, make: Any) -> Iterator[None]:
-    """``obj.<name> = make(obj, current method)`` on each object for the duration; what the instance
-    had before (nothing, or another wrapper) is put back after, also on an error."""
-    missing = object()
-    before = [(obj, vars(obj).get(name, missing)) for obj in objs]
-    for obj in objs:
-        setattr(obj, name, make(obj, getattr(obj, name)))
-    try:
+    """``obj.<name> = make(obj, current method)`` on each object for the duration."""
+    with contextlib.ExitStack() as stack:
+        for obj in objs:
+            stack.enter_context(_attributes(obj, {name: make(obj, getattr(obj, name))}))
         yield
-    finally:
-        for obj, old in before:
-            if old is missing:
-                delattr(obj, name)
-            else:
-                setattr(obj, name, old)
-
-
-def _tracker(root: str) -> str | None:
-    try:
-        return read_tracker_text(root)
-    except CheckpointError:
-        return None
 
 
 def importable(load_dir: str, ckpt_step: int | None = None) -> ForeignCheckpoint | None:
@@ -115,12 +105,12 @@ def importable(load_dir: str, ckpt_step: int | None = None) -> ForeignCheckpoint
     found = find_foreign(load_dir)
     if not found:
         return None
-    tracker = _tracker(load_dir)
+    tracker = tracker_text(load_dir)
     wanted = str(ckpt_step) if ckpt_step else tracker
     if (
         ckpt_step
         and tracker not in (None, wanted)
-        and (tracker == "release" or _format_named(found, tracker) == "torch")
+        and (tracker == "release" or any(f.tracker_name == tracker and f.format == "torch" for f in found))
     ):
         # Megatron-LM's loader takes parts of such a checkpoint from the tracker's iteration anyway
         # (release: everything; legacy format: the distributed optimizer's parameter state)
@@ -130,19 +120,12 @@ def importable(load_dir: str, ckpt_step: int | None = None) -> ForeignCheckpoint
             "of its own with a tracker naming it"
         )
     for f in found:
-        if wanted == ("release" if f.iteration is None else str(f.iteration)):
+        if wanted == f.tracker_name:
             if f.format not in IMPORTABLE_FORMATS:
                 raise ForeignCheckpointError(
                     f"{f.path}: Megatron-LM checkpoint directory in an unknown format; it cannot be loaded"
                 )
             return f
-    return None
-
-
-def _format_named(found: list[ForeignCheckpoint], name: str | None) -> str | None:
-    for f in found:
-        if name == ("release" if f.iteration is None else str(f.iteration)):
-            return f.format
     return None
 
 
@@ -197,33 +180,26 @@ def _torch_adams(optimizer: Any) -> list[Any]:
     return [d for d in distributed_optimizers(optimizer) if hasattr(d, "_init_optimizer_states_with_dummy_values")]
 
 
-def prime_optimizer_state(optimizer: Any) -> int:
+def prime_optimizer_state(optimizer: Any) -> list[Any]:
     """Create torch Adam's per-parameter state where it does not exist yet, by Megatron's own dummy
-    step with learning rate and weight decay at 0; returns how many inner optimizers were primed."""
-    primed = 0
-    for dopt in _torch_adams(optimizer):
-        if len(dopt.optimizer.state) > 0:
-            continue
-        saved = [(g, g.get("lr"), g.get("weight_decay")) for g in dopt.optimizer.param_groups]
-        for g, _, _ in saved:
-            g["lr"] = 0.0
-            if "weight_decay" in g:
-                g["weight_decay"] = 0.0
+    step with learning rate and weight decay at 0; returns the DistributedOptimizers primed."""
+    primed = [d for d in _torch_adams(optimizer) if len(d.optimizer.state) == 0]
+    for dopt in primed:
+        groups = dopt.optimizer.param_groups
+        saved = [{k: g[k] for k in ("lr", "weight_decay") if k in g} for g in groups]
+        for g, keys in zip(groups, saved):
+            g.update(dict.fromkeys(keys, 0.0))
         try:
             dopt._init_optimizer_states_with_dummy_values()
         finally:
-            for g, lr, wd in saved:
-                g["lr"] = lr
-                if wd is not None:
-                    g["weight_decay"] = wd
-        primed += 1
+            for g, values in zip(groups, saved):
+                g.update(values)
     return primed
 
 
 @contextlib.contextmanager
-def _torch_adam_load(optimizer: Any) -> Iterator[int]:
-    """Megatron-LM's optimizer load, made to work with torch's Adam (yields how many optimizers
-    were primed):
+def _torch_adam_load(optimizer: Any) -> Iterator[None]:
+    """Megatron-LM's optimizer load, made to work with torch's Adam:
 
     * its ``state_dict()`` needs every ``step`` to exist: :func:`prime_optimizer_state`;
     * its loaders (every sharding type, and the legacy format) copy each entry of a parameter's
@@ -237,8 +213,7 @@ def _torch_adam_load(optimizer: Any) -> Iterator[int]:
       ``--no-save-optim``), the primer's state is dropped: the optimizer starts fresh, as natively.
     """
     dopts = _torch_adams(optimizer)
-    primed = [d for d in dopts if len(d.optimizer.state) == 0]
-    prime_optimizer_state(optimizer)
+    primed = prime_optimizer_state(optimizer)
 
     def copy_what_the_source_has(dopt: Any, original: Any) -> Any:
         def set_states(model_param: Any, tensors: dict) -> Any:
@@ -256,7 +231,7 @@ def _torch_adam_load(optimizer: Any) -> Iterator[int]:
         return set_states
 
     with _patched(dopts, "_set_main_param_and_optimizer_states", copy_what_the_source_has):
-        yield len(primed)
+        yield
     for dopt in dopts:
         groups = dopt.optimizer.param_groups
         if dopt in primed and not any("step" in g for g in groups):
@@ -381,8 +356,3 @@ def export(args: Any, target: str, iteration: int, model: Any, optimizer: Any, s
     collective.agree(True)
     if collective.rank == 0:
         log.info("exported iteration %d to %s in torch_dist format", iteration, target)
-
-
-def exit_after_export() -> None:
-    """End the process after an export, as Megatron-LM ends after ``--exit-interval``."""
-    sys.exit(0)
