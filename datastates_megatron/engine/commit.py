@@ -137,8 +137,9 @@ class Committer(QueueThread):
 
     # ------------------------------------------------------------------ commit thread
     def _handle(self, ticket: Ticket) -> None:
+        committed = False
         try:
-            self._commit(ticket)
+            committed = self._commit(ticket)
         except BaseException as e:  # noqa: BLE001 - stored, re-raised on the training thread
             err = (
                 e
@@ -151,10 +152,28 @@ class Committer(QueueThread):
                 err.__cause__ = e
             log.error("%s", err)
             self._errors.append(err)
+        try:
+            if committed:
+                self._after_commit(ticket)
         finally:
             with self._idle:
                 self._outstanding.pop(ticket.seq, None)
                 self._idle.notify_all()
+
+    def _after_commit(self, ticket: Ticket) -> None:
+        """Retention and promotion of a committed checkpoint: outside the commit's ``try``, so that
+        nothing they raise can turn a commit into "nothing committed" (the tier logs its own
+        failures; this is the last guard)."""
+        try:
+            self.tier.after_commit(ticket)
+        except Exception as e:  # noqa: BLE001 - the checkpoint is committed whatever happens here
+            log.error(
+                "rank %d: iteration %d is committed (%s tier), but what follows its commit failed: %r",
+                self.rank,
+                ticket.iteration,
+                self.tier.name,
+                e,
+            )
 
     def _status(self, ticket: Ticket) -> dict[str, int]:
         """This rank's status record of ``ticket`` (zeros after its ``ok`` when its file failed)."""
@@ -177,7 +196,8 @@ class Committer(QueueThread):
         )
         return status
 
-    def _commit(self, ticket: Ticket) -> None:
+    def _commit(self, ticket: Ticket) -> bool:
+        """Whether ``ticket``'s checkpoint was committed (False or an error: it was not)."""
         rows = self._coll.gather(self._status(ticket))
         if any(r["iteration"] != ticket.iteration or r["seq"] != ticket.seq for r in rows):
             raise CommitError(
@@ -189,7 +209,7 @@ class Committer(QueueThread):
             if self._writes:
                 self._discard(ticket)
             if self.rank in failed:
-                return  # this rank's own error is already stored by the engine
+                return False  # this rank's own error is already stored by the engine
             raise CommitError(
                 f"rank {self.rank}: iteration {ticket.iteration}: rank(s) {failed} failed to write their files; "
                 f"nothing committed, latest stays {self.latest}"
@@ -236,7 +256,7 @@ class Committer(QueueThread):
                     f"rank {self.rank}: iteration {ticket.iteration}: a {self.tier.name} manifest could not be written; "
                     "nothing committed"
                 )
-            return
+            return False
         self._commit_seq += 1
         self.latest = ticket.iteration
         if self._writes:
@@ -264,7 +284,7 @@ class Committer(QueueThread):
             tier=self.tier.name,
         )
         self._records.append(record)
-        self.tier.after_commit(ticket)
+        return True
 
     def _discard(self, ticket: Ticket) -> None:
         """Remove the files of a save that was not committed (and its directory if nothing else is there)."""

@@ -75,10 +75,17 @@ def unlink_ours(path: str) -> bool:
 
 
 def _remove_our_files(d: str) -> list[str]:
-    """Unlink the entries of ``d`` we wrote; returns those left (not ours, or not plain files)."""
+    """Unlink the entries of ``d`` we wrote; returns those left (not ours, not plain files, or whose
+    unlink the file system refused: logged with the path, left for the next cleanup)."""
     left = []
     for name in os.listdir(d):
-        if not (is_ours_in_iteration(name) and unlink_ours(os.path.join(d, name))):
+        path = os.path.join(d, name)
+        try:
+            removed = is_ours_in_iteration(name) and unlink_ours(path)
+        except OSError as e:
+            log.warning("%s: could not delete: %s", path, e)
+            removed = False
+        if not removed:
             left.append(name)
     return left
 

@@ -190,9 +190,21 @@ class Tier:
 
     def after_commit(self, ticket) -> None:
         """Commit thread, once ``ticket``'s save is committed: the writer applies retention and
-        removes the superseded files of that iteration; then the promotion, if any, is offered it."""
+        removes the superseded files of that iteration; then the promotion, if any, is offered it.
+        A deletion that fails is logged with its path and retried at the next commit: it never
+        uncommits anything nor holds back the promotion."""
         if self.is_writer:
-            self._retain(ticket, self.committer.outstanding())
+            try:
+                self._retain(ticket, self.committer.outstanding())
+            except OSError as e:
+                log.warning(
+                    "rank %d: retention of the %s tier after iteration %d failed (%s); nothing committed "
+                    "is lost, it is tried again at the next commit",
+                    self.rank,
+                    self.name,
+                    ticket.iteration,
+                    e,
+                )
         if self.promotion is not None:
             self.promotion.offer(ticket)
 
@@ -203,7 +215,11 @@ class Tier:
         found = survey(self.root)
         for it in select_deletions(found.order, self.keep_last, self.keep_every, protected):
             crash_point("retention", self.rank)
-            delete_checkpoint(self.root, it, recycle=self.recycle)
+            try:
+                delete_checkpoint(self.root, it, recycle=self.recycle)
+            except OSError as e:  # the next ones may still go; this one is tried again next time
+                log.warning("rank %d: retention could not delete %s: %s", self.rank, iter_dir(self.root, it), e)
+                continue
             log.info("rank %d: retention deleted %s (%s tier)", self.rank, iter_dir(self.root, it), self.name)
         if self.recycle:
             trim_recycled(self.root, keep=2 * len(self.writes))  # two checkpoints' worth
