@@ -238,6 +238,7 @@ class Committer(QueueThread):
                     metadata=ticket.metadata,
                     commit_seq=self._commit_seq,
                     tier=self.tier.name,
+                    run_id=self.tier.run_id,
                 )
                 crash_point("before_manifest", self.rank)
                 write_manifest(self.root, manifest)

@@ -20,16 +20,17 @@ import torch
 from .collective import Collective
 from .commit import CommitRecord, Ticket
 from .dirlock import SaveDirLock
-from .errors import CheckpointError, NoCheckpointError
+from .errors import CheckpointError, NoCheckpointError, SaveDirBusyError
 from .foreign import refuse_newer_foreign
 from .manifest import iter_dir, rank_file_name, read_manifest, save_id
 from .options import EngineOptions, ManagerOptions
 from .load_plan import LoadPlanner, SameLayoutPlanner
 from .reader import CheckpointReader, RestoreStats, open_checkpoint
+from .run_id import ensure_run_id, run_subdir
 from .safe_io import make_dir
 from .snapshot import SnapshotEngine
 from .threads import ClosingContext, close_at_exit, forget
-from .tier import Tier, committed_iterations, latest_committed, survey
+from .tier import Tier, committed_iterations, latest_committed, report_other_runs, survey
 
 __all__ = ["CheckpointManager", "LoadResult"]
 
@@ -101,8 +102,12 @@ class CheckpointManager(ClosingContext):
         per_node = int(os.environ.get("LOCAL_WORLD_SIZE", self.world_size)) or self.world_size
         self.node = self.rank // per_node
         self.node_ranks = [r for r in range(self.world_size) if r // per_node == self.node]
-        self.local_root = os.path.abspath(local_root.format(node=self.node)) if local_root else None
+        # the node-local root several runs may share; this run's tier is its run-<id> subdirectory
+        self.local_base = os.path.abspath(local_root.format(node=self.node)) if local_root else None
+        self.local_root: str | None = None  # set once the run id is agreed (_start_tiers)
+        self.run_id = ""
         self._lock: SaveDirLock | None = None
+        self._local_lock: SaveDirLock | None = None
         self.persistent = Tier(
             "persistent",
             self.root,
@@ -111,21 +116,11 @@ class CheckpointManager(ClosingContext):
             writes=list(range(self.world_size)) if self.rank == 0 else [],
             keep_last=policy.keep_last,
             keep_every=policy.keep_every,
-            recycle=policy.recycle_files == "all" and not self.local_root,
+            recycle=policy.recycle_files == "all" and not self.local_base,
         )
         self.local = self.promotion = None
-        if self.local_root:
-            self.local = Tier(
-                "local",
-                self.local_root,
-                rank=self.rank,
-                token=token,
-                writes=self.node_ranks if self.rank == min(self.node_ranks) else [],
-                keep_last=policy.local_keep_last,
-                recycle=policy.recycle_files != "off",
-            )
-        self._first_tier = self.local or self.persistent  # where a save is committed first
         self._start_tiers()
+        self._first_tier = self.local or self.persistent  # where a save is committed first
         try:
             group = dist.new_group(backend="gloo") if dist and self.world_size > 1 else None
             persist_group = dist.new_group(backend="gloo") if dist and self.world_size > 1 and self.local else group
@@ -149,7 +144,10 @@ class CheckpointManager(ClosingContext):
     def _start_tiers(self) -> None:
         """Start-up of the tiers' writers (agreed: a failure on any rank raises on every rank).  The
         save directory's writer first refuses a checkpoint we did not write that a resume would skip,
-        then takes the directory's one-writer lock, before cleaning our own leftovers."""
+        then takes the directory's one-writer lock, cleans our own leftovers and reads (or, at the
+        run's first start, creates) the run id.  With it every rank knows its node-local tier:
+        ``<local root>/run-<id>``, whose writer takes that directory's lock before cleaning it."""
+        run_id = 0
         try:
             if self.persistent.is_writer:
                 os.makedirs(self.root, exist_ok=True)
@@ -157,7 +155,37 @@ class CheckpointManager(ClosingContext):
                 refuse_newer_foreign(self.root, found.newest, option="--save")  # read-only: before the lock
                 self._lock = SaveDirLock(self.root).acquire()
                 self.persistent.clean(found)
-            if self.local:
+                run_id = int(ensure_run_id(self.root), 16)
+        except Exception as e:  # noqa: BLE001 - every rank must hear it, not only this one
+            self._agree_start(e)
+            raise
+        self._agree_start(None)
+        self.run_id = self.persistent.run_id = f"{self._world.broadcast(run_id, src=0):016x}"
+        if not self.local_base:
+            return
+        self.local_root = run_subdir(self.local_base, self.run_id)
+        self.local = Tier(
+            "local",
+            self.local_root,
+            rank=self.rank,
+            token=self.token,
+            writes=self.node_ranks if self.rank == min(self.node_ranks) else [],
+            keep_last=self.policy.local_keep_last,
+            recycle=self.policy.recycle_files != "off",
+            run_id=self.run_id,
+        )
+        try:
+            if self.local.is_writer:
+                os.makedirs(self.local_root, exist_ok=True)
+                try:
+                    self._local_lock = SaveDirLock(self.local_root).acquire()
+                except SaveDirBusyError as e:
+                    raise SaveDirBusyError(
+                        f"{self.local_root}: this run's node-local directory is in use by another writer ({e}). "
+                        "On one machine running several nodes, give each its own directory with {node} in "
+                        "--lazy-ckpt-local-dir"
+                    ) from None
+                report_other_runs(self.local_base, self.run_id)
                 self.local.clean()
         except Exception as e:  # noqa: BLE001 - every rank must hear it, not only this one
             self._agree_start(e)
@@ -193,9 +221,11 @@ class CheckpointManager(ClosingContext):
         raise failure.error_class()(f"load failed on rank(s) {list(failure.ranks)}: {message}{more}") from err
 
     def _release_lock(self) -> None:
-        lock, self._lock = getattr(self, "_lock", None), None
-        if lock is not None:
-            lock.release()
+        for attr in ("_local_lock", "_lock"):
+            lock = getattr(self, attr, None)
+            setattr(self, attr, None)
+            if lock is not None:
+                lock.release()
 
     def _agree_token(self) -> str:
         """The run token: rank 0's random 62-bit number, on every rank."""
@@ -398,6 +428,14 @@ class CheckpointManager(ClosingContext):
         with the save that wrote it: (run token as an integer, save sequence)."""
         out = {}
         for it, m in sorted(survey(self.local_root).committed.items()):
+            if m.run_id != self.run_id:  # copied in from elsewhere: never this run's
+                log.warning(
+                    "rank %d: %s belongs to run %r, not this run; not loaded",
+                    self.rank,
+                    iter_dir(self.local_root, it),
+                    m.run_id,
+                )
+                continue
             rec = m.record(self.rank)
             save = save_id(rec.file) if rec is not None else None
             if save is not None:

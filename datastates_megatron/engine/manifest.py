@@ -122,6 +122,7 @@ class Manifest:
     commit_seq: int = 0  # orders commits across runs: the newest commit is the latest checkpoint
     created: float = dataclasses.field(default_factory=time.time)
     tier: str = "persistent"
+    run_id: str = ""  # the run (:mod:`.run_id`) whose save directory this checkpoint belongs to; "" before it existed
 
     @property
     def total_bytes(self) -> int:
@@ -148,6 +149,8 @@ class Manifest:
             "metadata": self.metadata,
             "ranks": [dataclasses.asdict(r) for r in self.ranks],
         }
+        if self.run_id:
+            body["run_id"] = self.run_id
         body["checksum"] = _body_xxh64(body)
         return json.dumps(body, indent=1, sort_keys=True).encode("utf-8")
 
@@ -196,7 +199,11 @@ class Manifest:
         token = _field(body, "run_token", str)
         if not _TOKEN.match(token):
             raise _FieldError(f"manifest field 'run_token' {token!r:.80} is not a run token")
+        run_id = body.get("run_id", "")
+        if not isinstance(run_id, str) or (run_id and not _TOKEN.match(run_id)):
+            raise _FieldError(f"manifest field 'run_id' {run_id!r:.80} is not a run id")
         m = cls(
+            run_id=run_id,
             iteration=_int(body, "iteration", 0, _U64 >> 1),
             world_size=world_size,
             run_token=token,

@@ -14,6 +14,7 @@ from .manifest import MANIFEST_NAME, TRACKER_NAME, parse_rank_file_name
 
 __all__ = [
     "LOCK_NAME",
+    "RUN_ID_NAME",
     "RECYCLE_DIR",
     "PROMOTING_SUFFIX",
     "is_ours_in_iteration",
@@ -22,6 +23,7 @@ __all__ = [
 ]
 
 LOCK_NAME = ".datastates.lock"  # the one-writer lock of a save directory (:mod:`.dirlock`)
+RUN_ID_NAME = ".datastates.run"  # the id of the run a save directory belongs to (:mod:`.run_id`)
 RECYCLE_DIR = ".recycle"  # retired rank files waiting to be overwritten (:mod:`.retention`)
 PROMOTING_SUFFIX = ".promoting"  # a rank file being copied to the persistent tier (:mod:`.tiers`)
 _TMP = re.compile(r"\.tmp-\d+$")  # :func:`.manifest.atomic_write`'s temp file: ``<name>.tmp-<pid>``
@@ -56,5 +58,6 @@ def is_recycled_name(name: str) -> bool:
 
 
 def is_tracker_temp(name: str) -> bool:
-    """A temp file of a tracker update a crash interrupted (``<tracker>.tmp-<pid>``)."""
-    return _is_temp_of(name, TRACKER_NAME)
+    """A temp file a crash interrupted in a tier's root: of a tracker update (``<tracker>.tmp-<pid>``)
+    or of the run id's creation (``.datastates.run.tmp-<pid>``)."""
+    return _is_temp_of(name, TRACKER_NAME) or _is_temp_of(name, RUN_ID_NAME)

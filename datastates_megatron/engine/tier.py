@@ -40,9 +40,18 @@ from .retention import (
     trim_recycled,
     unlink_ours,
 )
+from .run_id import RUN_SUBDIR_PREFIX
 from .safe_io import real_dir
 
-__all__ = ["Tier", "Survey", "survey", "list_iterations", "committed_iterations", "latest_committed"]
+__all__ = [
+    "Tier",
+    "Survey",
+    "survey",
+    "list_iterations",
+    "committed_iterations",
+    "latest_committed",
+    "report_other_runs",
+]
 
 log = logging.getLogger(__name__)
 
@@ -125,6 +134,28 @@ def latest_committed(root: str) -> int:
     return survey(root).latest()
 
 
+def report_other_runs(local_base: str, run_id: str) -> list[str]:
+    """Name, in one warning, what a shared node-local root holds of other runs: their ``run-<id>``
+    directories and checkpoints written directly under the root (before local tiers were bound to
+    their run).  Read only: they are never loaded, promoted or deleted by this run."""
+    try:
+        names = os.listdir(local_base)
+    except FileNotFoundError:
+        return []
+    ours = RUN_SUBDIR_PREFIX + run_id
+    others = sorted(n for n in names if n != ours and (n.startswith(RUN_SUBDIR_PREFIX) or iteration_of(n) is not None))
+    if others:
+        shown = ", ".join(others[:5]) + (f" and {len(others) - 5} more" if len(others) > 5 else "")
+        log.warning(
+            "%s: holds node-local checkpoints of other runs (%s); this run (%s) never loads, promotes or "
+            "deletes them -- remove them when those runs are over",
+            local_base,
+            shown,
+            run_id,
+        )
+    return others
+
+
 class Tier:
     """One tier of one rank: its directory, its committer (:meth:`open`), its retention
     (``keep_last``/``keep_every``; 0 keeps everything), its recycle pool and its start-up cleanup.
@@ -143,8 +174,10 @@ class Tier:
         keep_last: int = 0,
         keep_every: int = 0,
         recycle: bool = False,
+        run_id: str = "",
     ) -> None:
         self.name = name
+        self.run_id = run_id  # the run this tier's manifests belong to (:mod:`.run_id`)
         self.root = os.path.abspath(root)
         self.rank = rank
         self.token = token  # this run's token, in the names of the files it writes

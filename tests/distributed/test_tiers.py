@@ -4,6 +4,7 @@ import os
 import shutil
 
 from datastates_megatron.engine.manifest import iter_dir, read_manifest
+from datastates_megatron.engine.run_id import local_tier_dir
 from datastates_megatron.engine.tier import committed_iterations
 
 from .ranks import describe, run_ranks
@@ -15,6 +16,11 @@ NODES = {"LOCAL_WORLD_SIZE": "2"}
 def _ok(results):
     assert all(r["returncode"] == 0 and r["result"] for r in results), describe(results)
     return [r["result"] for r in results]
+
+
+def _local(tmp_path, node):
+    """Node ``node``'s local tier of the run whose --save is ``persistent``."""
+    return local_tier_dir(str(tmp_path / f"local{node}"), str(tmp_path / "persistent"))
 
 
 def _args(tmp_path, *extra):
@@ -38,7 +44,7 @@ def test_promotion_interval_retention_per_tier_and_restore_preference(tmp_path):
     )
     assert committed_iterations(persistent) == [4, 6]  # every 2nd local checkpoint, keep_last=2
     for node, ranks in ((0, [0, 1]), (1, [2, 3])):
-        local = str(tmp_path / f"local{node}")
+        local = _local(tmp_path, node)
         assert committed_iterations(local) == [5, 6]  # local_keep_last=2
         m = read_manifest(iter_dir(local, 6))
         assert m.tier == "local" and [r.rank for r in m.ranks] == ranks and m.world_size == 4
@@ -59,7 +65,7 @@ def test_local_fallback_rank_reads_only_the_missing_node_from_persistent(tmp_pat
     loaded = _ok(run_ranks(WORKER, 4, ["load", *_args(tmp_path, "--local-fallback", "rank")], env=NODES))
     assert all(r["iteration"] == 6 and r["exact"] for r in loaded), loaded
     roots = {r["rank"]: r["root"] for r in loaded}
-    assert roots[0] == roots[1] == str(tmp_path / "local0"), roots
+    assert roots[0] == roots[1] == _local(tmp_path, 0), roots
     assert roots[2] == roots[3] == persistent, roots
 
     # a local copy that is not the persistent file is never read: a new run re-saves 6 locally and
@@ -113,7 +119,7 @@ def test_crash_during_promotion_keeps_local_copy_and_is_redone(tmp_path):
     )
     assert any(r["returncode"] == -9 for r in crashed), describe(crashed)
     assert committed_iterations(persistent) == []  # promotion of 2 never committed
-    assert committed_iterations(str(tmp_path / "local1")) == [1, 2]  # the local copies are intact
+    assert committed_iterations(_local(tmp_path, 1)) == [1, 2]  # the local copies are intact
     resumed = _ok(
         run_ranks(WORKER, 4, ["resume", *_args(tmp_path, "--iters", "1", "--persist-interval", "9")], env=NODES)
     )
@@ -136,8 +142,8 @@ def test_nodes_holding_the_same_iteration_from_different_saves_are_never_restore
     )
     shutil.rmtree(tmp_path / "local1")
     shutil.copytree(first_run_node1, tmp_path / "local1")
-    node0 = read_manifest(iter_dir(str(tmp_path / "local0"), 6)).run_token
-    node1 = read_manifest(iter_dir(str(tmp_path / "local1"), 6)).run_token
+    node0 = read_manifest(iter_dir(_local(tmp_path, 0), 6)).run_token
+    node1 = read_manifest(iter_dir(_local(tmp_path, 1), 6)).run_token
     assert node0 != node1  # the setup: same iteration, two runs
     loaded = _ok(run_ranks(WORKER, 4, ["load", *_args(tmp_path)], env=NODES))
     persistent = str(tmp_path / "persistent")
@@ -147,7 +153,7 @@ def test_nodes_holding_the_same_iteration_from_different_saves_are_never_restore
 def test_a_corrupt_local_file_on_one_rank_falls_back_to_the_intact_persistent_checkpoint(tmp_path):
     persistent = str(tmp_path / "persistent")
     _ok(run_ranks(WORKER, 4, ["save", *_args(tmp_path, "--iters", "6", "--persist-interval", "2")], env=NODES))
-    local1 = iter_dir(str(tmp_path / "local1"), 6)
+    local1 = iter_dir(_local(tmp_path, 1), 6)
     record = read_manifest(local1).record(3)
     with open(os.path.join(local1, record.file), "r+b") as f:  # one bit flipped in rank 3's tensor data
         f.seek(record.file_bytes // 2)

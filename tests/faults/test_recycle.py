@@ -4,6 +4,7 @@ the next save overwrites one in place, and nothing of the old contents can pass 
 from __future__ import annotations
 
 import os
+import pathlib
 import threading
 
 import pytest
@@ -154,6 +155,7 @@ def test_local_retention_keeps_a_checkpoint_until_its_persistent_commit_is_done(
     with _manager(persistent, keep_last=0, local_root=str(local), persist_interval=1, local_keep_last=1) as mgr:
         real = mgr.persistent.committer._handle
         mgr.persistent.committer._handle = lambda ticket: (hold.wait(30), real(ticket))
+        local = pathlib.Path(mgr.local_root)  # this run's directory under the node-local root
         for n, t in ts.items():
             mgr.register(n, t)
         try:

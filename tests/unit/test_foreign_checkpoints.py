@@ -13,7 +13,7 @@ from datastates_megatron.engine.errors import CheckpointError, ForeignCheckpoint
 from datastates_megatron.engine.foreign import find_foreign
 from datastates_megatron.engine.manager import CheckpointManager
 from datastates_megatron.engine.manifest import TRACKER_NAME, iter_dir
-from datastates_megatron.engine.names import LOCK_NAME
+from datastates_megatron.engine.names import LOCK_NAME, RUN_ID_NAME
 
 
 def _opts():
@@ -53,6 +53,7 @@ def _hashes(root, lock=False):
                     out[os.path.relpath(path, root)] = hashlib.sha256(f.read()).hexdigest()
     if not lock:
         out.pop(LOCK_NAME, None)
+        out.pop(RUN_ID_NAME, None)  # ours too: the run id, created at the first start
     return out
 
 
