@@ -26,6 +26,7 @@ from .manifest import iter_dir, rank_file_name, read_manifest, save_id
 from .options import EngineOptions, ManagerOptions
 from .load_plan import LoadPlanner, SameLayoutPlanner
 from .reader import CheckpointReader, RestoreStats, open_checkpoint
+from .replication import Replication, clique_of, replication_plan
 from .run_id import ensure_run_id, run_subdir
 from .safe_io import make_dir
 from .snapshot import SnapshotEngine
@@ -35,6 +36,23 @@ from .tier import Tier, committed_iterations, latest_committed, report_other_run
 __all__ = ["CheckpointManager", "LoadResult"]
 
 log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Restorable:
+    saves: dict  # iteration -> (run token as an int, save sequence)
+    how: dict  # iteration -> "local" (this node's copy) or "replica" (a clique member holds it)
+    table: dict  # the clique's replica table (:meth:`.replication.Replication.holdings`)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Source:
+    """Where one rank's state comes from, and why (the one log line of a restore)."""
+
+    how: str  # "local", "replica" or "persistent"
+    save: tuple | None  # the local save restored (None: persistent)
+    table: dict
+    why: str
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,7 +117,7 @@ class CheckpointManager(ClosingContext):
         self._world = Collective()  # the default group: start-up, restore and tier agreements
         self.token = token = self._agree_token()
         # node of this rank (torchrun's LOCAL_WORLD_SIZE); "{node}" in local_root names a per-node dir
-        per_node = int(os.environ.get("LOCAL_WORLD_SIZE", self.world_size)) or self.world_size
+        self.per_node = per_node = int(os.environ.get("LOCAL_WORLD_SIZE", self.world_size)) or self.world_size
         self.node = self.rank // per_node
         self.node_ranks = [r for r in range(self.world_size) if r // per_node == self.node]
         # the node-local root several runs may share; this run's tier is its run-<id> subdirectory
@@ -118,7 +136,7 @@ class CheckpointManager(ClosingContext):
             keep_every=policy.keep_every,
             recycle=policy.recycle_files == "all" and not self.local_base,
         )
-        self.local = self.promotion = None
+        self.local = self.promotion = self.replication = None
         self._start_tiers()
         self._first_tier = self.local or self.persistent  # where a save is committed first
         try:
@@ -134,8 +152,16 @@ class CheckpointManager(ClosingContext):
                 from .promotion import Promotion
 
                 self.promotion = Promotion(self.local, self.persistent, interval=policy.persist_interval)
-                common = self._common_local()
+                common = self._common_local(self._local_committed())
                 self.promotion.resume(common[-1] if common else None)
+                jump, factor = replication_plan(self.world_size, per_node, policy.replicas, policy.replication_jump)
+                if factor > 1:
+                    self.replication = self.local.replication = Replication(
+                        self.local,
+                        clique_of(self.rank, jump, factor),
+                        keep_last=policy.local_keep_last,
+                        timeout_s=opts.timeout_s,
+                    )
         except BaseException:
             self._release_lock()
             raise
@@ -335,7 +361,7 @@ class CheckpointManager(ClosingContext):
         rank can read (local or persistent; collective then); raises ``NoCheckpointError``."""
         root = os.path.abspath(root or self.load_root)
         if self.local_root and root == self.root:
-            root, iteration = self._choose_tier(None)
+            root, iteration, _ = self._choose_tier(None)
             if iteration is not None:
                 return iteration
         return self._latest_in(root)
@@ -368,7 +394,14 @@ class CheckpointManager(ClosingContext):
         root = os.path.abspath(root or self.load_root)
         if (planner is not None and planner.reads_all_ranks) or not (self.local_root and root == self.root):
             return self._load_from(root, iteration, verify, planner)
-        chosen_root, chosen = self._choose_tier(iteration)
+        chosen_root, chosen, source = self._choose_tier(iteration)
+        if self.replication is not None:  # collective of the clique: ranks whose node lost its copy fetch theirs
+            need = chosen_root == self.local_root and source.save is not None and source.how == "replica"
+            fetched, holder = self.replication.fetch(chosen, source.save, need, source.table)
+            if need:
+                chosen_root = fetched or self.replication.own_root  # none: the load fails and falls back
+                source = dataclasses.replace(source, why=f"the replica held by rank {holder} ({source.why})")
+        log.info("rank %d: restoring iteration %s from %s: %s", self.rank, chosen, chosen_root, source.why)
         try:
             return self._load_from(chosen_root, chosen, verify, planner)
         except CheckpointError as e:
@@ -442,40 +475,62 @@ class CheckpointManager(ClosingContext):
                 out[it] = save
         return out
 
-    def _common_local(self) -> list[int]:
+    def _restorable(self) -> _Restorable:
+        """This rank's local-tier checkpoints: its node's, else (with replication) a replica its
+        clique holds for it (a collective of the clique)."""
+        local = self._local_committed()
+        saves, how, table = dict(local), dict.fromkeys(local, "local"), {}
+        if self.replication is not None:
+            replica, table = self.replication.holdings(local)
+            for it, save in replica.items():
+                if it not in saves:
+                    saves[it], how[it] = save, "replica"
+        return _Restorable(dict(sorted(saves.items())), how, table)
+
+    def _common_local(self, saves: dict[int, tuple[int, int]]) -> list[int]:
         """Local iterations every rank has from the same save (one small all_gather on the default
         group): two nodes holding the same iteration from different runs -- one node's manifest of a
         re-save lost in a crash -- must not be restored together."""
-        mine = [
-            {"iteration": it, "token": token, "seq": seq}
-            for it, (token, seq) in list(self._local_committed().items())[-64:]
-        ]
+        mine = [{"iteration": it, "token": token, "seq": seq} for it, (token, seq) in list(saves.items())[-64:]]
         every = self._world.gather_many(mine, fields=("iteration", "token", "seq"), capacity=64)
         common = {(r["iteration"], r["token"], r["seq"]) for r in mine}
         for theirs in every:
             common &= {(r["iteration"], r["token"], r["seq"]) for r in theirs}
         return sorted(it for it, _, _ in common)
 
-    def _choose_tier(self, iteration: int | None) -> tuple[str, int | None]:
-        """Restore from the local tier when every rank has the checkpoint there, else persistent
-        (a replaced node's empty local dir makes everyone fall back).  With
-        ``local_fallback="rank"`` a rank whose local copy of the persistent checkpoint is intact
-        reads it locally and only the others read the persistent tier."""
-        common = self._common_local()
+    def _choose_tier(self, iteration: int | None) -> tuple[str, int | None, _Source]:
+        """Restore from the local tier when every rank has the checkpoint there (its node's copy, or
+        a partner's replica), else persistent (a node lost without a replica makes everyone fall
+        back).  With ``local_fallback="rank"`` a rank whose local copy of the persistent checkpoint
+        is intact reads it locally and only the others read the persistent tier."""
+        found = self._restorable()
+        common = self._common_local(found.saves)
+
+        def local(it: int, why: str) -> tuple[str, int, _Source]:
+            how = found.how[it]
+            what = "this node's copy" if how == "local" else "its node-local copy is missing"
+            return self.local_root, it, _Source(how, found.saves[it], found.table, f"{why}; {what}")
+
+        persistent_why = "no node-local checkpoint every rank has"
         if iteration is not None:
-            chosen = (self.local_root, iteration) if iteration in common else (self.root, iteration)
+            if iteration in common:
+                return local(iteration, f"iteration {iteration} asked for, on every node")
+            chosen = (self.root, iteration)
+            persistent_why = f"iteration {iteration} asked for, not on every node"
         else:
             try:
                 persistent = latest_committed(self.root)
             except NoCheckpointError:
                 persistent = None
             if common and (persistent is None or common[-1] >= persistent):
-                return self.local_root, common[-1]
+                return local(common[-1], "the newest checkpoint every rank has")
             chosen = (self.root, persistent)
+            if common:
+                persistent_why = f"newer than the newest node-local checkpoint every rank has ({common[-1]})"
         root, it = chosen
         if root == self.root and it is not None and self.local_fallback == "rank" and self._local_copy_of(it):
-            return self.local_root, it
-        return chosen
+            return self.local_root, it, _Source("local", None, found.table, "this node's copy of the persistent file")
+        return root, it, _Source("persistent", None, found.table, persistent_why)
 
     def _local_copy_of(self, iteration: int) -> bool:
         """This rank's local file of ``iteration`` is the very file the persistent manifest lists

@@ -131,6 +131,9 @@ class ManagerOptions:
                    retention, and who reads the persistent tier when a node lost its local copy.
     recycle_files: where retired rank files are overwritten in place by later saves (see
                    ``RECYCLE_CHOICES``).
+    replicas / replication_jump: each rank's node-local file is also kept by ``replicas`` partner
+                   ranks, ``replication_jump`` ranks apart (:mod:`.replication`; None: 1 partner when
+                   the nodes pair up, ranks per node apart; 0 partners: off).
     """
 
     keep_last: int = 2
@@ -142,9 +145,15 @@ class ManagerOptions:
     local_keep_last: int = 2
     local_fallback: str = "all"
     recycle_files: str = "local"
+    replicas: int | None = None
+    replication_jump: int | None = None
 
     def __post_init__(self) -> None:
         problems = _at_least(self, ("keep_last", "keep_every", "local_keep_last"), 0)
+        for name, low in (("replicas", 0), ("replication_jump", 1)):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < low):
+                problems.append((name, f"must be None or an int >= {low}, got {value!r}"))
         problems += _at_least(self, ("restore_threads", "persist_interval"), 1)
         problems += _one_of(self, "on_error", ON_ERROR_CHOICES)
         problems += _one_of(self, "local_fallback", LOCAL_FALLBACK_CHOICES)

@@ -187,6 +187,7 @@ class Tier:
         self.recycle = recycle  # retention moves rank files to the pool that the next saves overwrite
         self.committer = None
         self.promotion = None
+        self.replication = None  # set by the manager: copies each local commit to partner ranks
         self._next_seq = 0
 
     @property
@@ -240,6 +241,11 @@ class Tier:
                 )
         if self.promotion is not None:
             self.promotion.offer(ticket)
+        if self.replication is not None:  # on this thread: the next commit's retention waits for it
+            try:
+                self.replication.replicate(ticket)
+            except Exception as e:  # noqa: BLE001 - a lost replica never uncommits the local checkpoint
+                log.error("rank %d: replicating iteration %d failed: %r", self.rank, ticket.iteration, e)
 
     def _retain(self, just, outstanding: list) -> None:
         protected = {t.iteration for t in outstanding} | {just.iteration}

@@ -24,7 +24,16 @@ def _local(tmp_path, node):
 
 
 def _args(tmp_path, *extra):
-    return ["--root", str(tmp_path / "persistent"), "--local-root", str(tmp_path / "local{node}"), *extra]
+    """Without replicas: these tests are about a node-local tier alone (test_replication has them)."""
+    return [
+        "--root",
+        str(tmp_path / "persistent"),
+        "--local-root",
+        str(tmp_path / "local{node}"),
+        "--replicas",
+        "0",
+        *extra,
+    ]
 
 
 def test_promotion_interval_retention_per_tier_and_restore_preference(tmp_path):

@@ -43,6 +43,8 @@ def main():
     p.add_argument("--persist-interval", type=int, default=1)
     p.add_argument("--local-keep-last", type=int, default=2)
     p.add_argument("--local-fallback", default="all")
+    p.add_argument("--replicas", type=int, default=None, help="partner replicas (default: the manager's)")
+    p.add_argument("--abandon", action="store_true", help="save: exit without close() (as a kill -9 would)")
     a = p.parse_args()
     dist.init_process_group("gloo")
     rank = dist.get_rank()
@@ -59,6 +61,7 @@ def main():
         persist_interval=a.persist_interval,
         local_keep_last=a.local_keep_last,
         local_fallback=a.local_fallback,
+        replicas=a.replicas,
     )
     for n, t in ts.items():
         mgr.register(n, t)
@@ -92,6 +95,10 @@ def main():
                 committed += [r.iteration for r in mgr.wait()]
             except Exception as e:  # noqa: BLE001
                 errors.append(f"{type(e).__name__}: {e}")
+        if a.abandon:  # every local commit (and its replicas) is done; no end-of-run promotion
+            result.update(committed=committed, errors=errors)
+            print("RESULT " + json.dumps(result), flush=True)
+            os._exit(0)
         try:
             mgr.close()
         except Exception as e:  # noqa: BLE001

@@ -1,0 +1,74 @@
+"""Partner replication on 4 CPU ranks as 2 "nodes" (LOCAL_WORLD_SIZE=2, a local dir per node): each
+rank's local file is kept by its clique partner on the other node, so a lost node restores from its
+partner's replica -- bit-exact, newer than the persistent tier -- and only a node lost together with
+its partner falls back to the persistent tier."""
+
+import shutil
+
+from datastates_megatron.engine.run_id import local_tier_dir
+from datastates_megatron.engine.tier import committed_iterations
+
+from .ranks import describe, run_ranks
+
+WORKER = "tests.workers.manager_worker"
+NODES = {"LOCAL_WORLD_SIZE": "2"}
+
+
+def _ok(results):
+    assert all(r["returncode"] == 0 and r["result"] for r in results), describe(results)
+    return [r["result"] for r in results]
+
+
+def _args(tmp_path, *extra):
+    return ["--root", str(tmp_path / "persistent"), "--local-root", str(tmp_path / "local{node}"), *extra]
+
+
+def _local(tmp_path, node):
+    return local_tier_dir(str(tmp_path / f"local{node}"), str(tmp_path / "persistent"))
+
+
+def test_a_lost_node_restores_from_its_partners_replica(tmp_path):
+    persistent = str(tmp_path / "persistent")
+    # local checkpoint every iteration, persisted every 4th; killed after 6 (no end-of-run promotion)
+    _ok(
+        run_ranks(
+            WORKER, 4, ["save", *_args(tmp_path, "--iters", "6", "--persist-interval", "4", "--abandon")], env=NODES
+        )
+    )
+    assert committed_iterations(persistent) == [4]
+    for node, partners in ((0, [2, 3]), (1, [0, 1])):  # rank r's partner is r+2 (mod 4): the other node
+        for src in partners:
+            assert committed_iterations(f"{_local(tmp_path, node)}/replicas/r{src:05d}") == [5, 6]
+    shutil.rmtree(tmp_path / "local1")  # node 1 is replaced: an empty node-local directory
+    loaded = _ok(run_ranks(WORKER, 4, ["load", *_args(tmp_path)], env=NODES))
+    assert all(r["iteration"] == 6 and r["exact"] for r in loaded), loaded
+    roots = {r["rank"]: r["root"] for r in loaded}
+    assert roots[0] == roots[1] == _local(tmp_path, 0), roots
+    for rank in (2, 3):  # fetched back from rank 0 / 1, into this node's own replicas/r<self>
+        assert roots[rank] == f"{_local(tmp_path, 1)}/replicas/r{rank:05d}", roots
+
+    # the run goes on from there; its later checkpoints are replicated again
+    resumed = _ok(
+        run_ranks(WORKER, 4, ["resume", *_args(tmp_path, "--iters", "2", "--persist-interval", "4")], env=NODES)
+    )
+    assert all(r["iteration"] == 6 and r["exact"] and not r["errors"] for r in resumed), resumed
+    assert committed_iterations(f"{_local(tmp_path, 0)}/replicas/r00002") == [7, 8]
+
+
+def test_a_node_lost_with_its_partner_falls_back_to_persistent(tmp_path):
+    persistent = str(tmp_path / "persistent")
+    _ok(
+        run_ranks(
+            WORKER, 4, ["save", *_args(tmp_path, "--iters", "6", "--persist-interval", "4", "--abandon")], env=NODES
+        )
+    )
+    shutil.rmtree(tmp_path / "local0")
+    shutil.rmtree(tmp_path / "local1")
+    loaded = _ok(run_ranks(WORKER, 4, ["load", *_args(tmp_path)], env=NODES))
+    assert all(r["iteration"] == 4 and r["exact"] and r["root"] == persistent for r in loaded), loaded
+
+
+def test_replication_off_keeps_no_replica(tmp_path):
+    _ok(run_ranks(WORKER, 4, ["save", *_args(tmp_path, "--iters", "2", "--replicas", "0")], env=NODES))
+    for node in (0, 1):
+        assert not (tmp_path / f"local{node}").joinpath(_local(tmp_path, node), "replicas").exists()
