@@ -102,6 +102,7 @@ def main(argv=None) -> int:
         try:
             start, _extra = ckpt.load()
             records["resumed_from"] = start
+            records["restored_from"] = ckpt.restored_from
             if rank == 0:
                 print(f"resumed from iteration {start}", flush=True)
         except NoCheckpointError:

@@ -5,6 +5,10 @@ Points: ``flush`` (after a region is written), ``before_finish`` (data written, 
 ``before_manifest`` (all ranks durable, manifest not written), ``before_tracker`` (manifest written),
 ``retention`` / ``retention_files`` (while deleting an old checkpoint), ``promote`` (a local file
 copied to the persistent tier, not yet renamed into place).
+
+``DSM_HOLD_AT=<point>[:<n>]`` instead blocks the calling thread for good the n-th time: a job stalled
+at a known place (``save``: the start of a save), for a test to kill once the background work it
+waits for is done.
 """
 
 from __future__ import annotations
@@ -13,7 +17,7 @@ import os
 import signal
 import threading
 
-__all__ = ["crash_point"]
+__all__ = ["crash_point", "hold_point"]
 
 _counts: dict[str, int] = {}
 _lock = threading.Lock()
@@ -34,3 +38,18 @@ def crash_point(point: str, rank: int | None = None) -> None:
         hit = _counts[point] == int(nth or 1)
     if hit:
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+def hold_point(point: str) -> None:
+    spec = os.environ.get("DSM_HOLD_AT")
+    if not spec:
+        return
+    name, _, nth = spec.partition(":")
+    if name != point:
+        return
+    key = "hold:" + point
+    with _lock:
+        _counts[key] = _counts.get(key, 0) + 1
+        hit = _counts[key] == int(nth or 1)
+    if hit:
+        threading.Event().wait()

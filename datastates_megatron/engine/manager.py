@@ -21,6 +21,7 @@ from .collective import Collective
 from .commit import CommitRecord, Ticket
 from .dirlock import SaveDirLock
 from .errors import CheckpointError, NoCheckpointError, SaveDirBusyError
+from .faults import hold_point
 from .foreign import refuse_newer_foreign
 from .manifest import iter_dir, rank_file_name, read_manifest, save_id
 from .options import EngineOptions, ManagerOptions
@@ -270,6 +271,7 @@ class CheckpointManager(ClosingContext):
 
         Returns at once; ``False`` if it could not start and ``on_error="warn"``."""
         self._check_open()
+        hold_point("save")
         self._surface_errors()
         self._seq += 1
         tier = self._first_tier
@@ -401,7 +403,15 @@ class CheckpointManager(ClosingContext):
             if need:
                 chosen_root = fetched or self.replication.own_root  # none: the load fails and falls back
                 source = dataclasses.replace(source, why=f"the replica held by rank {holder} ({source.why})")
-        log.info("rank %d: restoring iteration %s from %s: %s", self.rank, chosen, chosen_root, source.why)
+        # a replica in use means a node lost its copy: worth a warning
+        log.log(
+            logging.WARNING if source.how == "replica" else logging.INFO,
+            "rank %d: restoring iteration %s from %s: %s",
+            self.rank,
+            chosen,
+            chosen_root,
+            source.why,
+        )
         try:
             return self._load_from(chosen_root, chosen, verify, planner)
         except CheckpointError as e:

@@ -239,6 +239,16 @@ def add_lazy_ckpt_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
         "local copy read --save, the others read locally (default: %(default)s).",
     )
     g.add_argument(
+        "--lazy-ckpt-replicas",
+        type=int,
+        default=d["replicas"],
+        metavar="K",
+        help="With --lazy-ckpt-local-dir, K partner ranks on other nodes also keep each rank's local "
+        "checkpoint, so a lost node resumes from them instead of --save; 0: off (default: 1 when the "
+        "nodes pair up, else 0). Megatron-LM's --replication --replication-jump J --replication-factor F "
+        "mean the same (K = F-1, partners J ranks apart).",
+    )
+    g.add_argument(
         "--lazy-ckpt-recycle-files",
         choices=RECYCLE_CHOICES,
         default=d["recycle_files"],
@@ -281,6 +291,7 @@ _FLAG_FIELDS: tuple[tuple[str, str, str], ...] = (
     ("lazy_ckpt_local_keep_last", "--lazy-ckpt-local-keep-last", "local_keep_last"),
     ("lazy_ckpt_local_fallback", "--lazy-ckpt-local-fallback", "local_fallback"),
     ("lazy_ckpt_recycle_files", "--lazy-ckpt-recycle-files", "recycle_files"),
+    ("lazy_ckpt_replicas", "--lazy-ckpt-replicas", "replicas"),
 )
 
 
@@ -343,7 +354,7 @@ def _same(a: str, b: str) -> bool:
     return os.path.abspath(a) == os.path.abspath(b)
 
 
-_LOCAL_TIER_FIELDS = ("persist_interval", "local_keep_last", "local_fallback")
+_LOCAL_TIER_FIELDS = ("persist_interval", "local_keep_last", "local_fallback", "replicas")
 # config field -> its flag, for messages
 _FLAG_OF = {field: flag for _, flag, field in (*_FLAG_FIELDS, *_AUTO_FLAGS)} | {
     "save_dir": "--save",
@@ -369,7 +380,22 @@ def config_from_args(args: argparse.Namespace) -> LazyCkptConfig:
     for attr, _, field in _AUTO_FLAGS:
         value = getattr(args, attr, "auto")
         fields[field] = DIRECT_IO_CHOICES.get(value, value)
+    fields.update(_megatron_replication(args, fields["replicas"]))
     return LazyCkptConfig(save_dir=getattr(args, "save", None), load_dir=getattr(args, "load", None), **fields)
+
+
+def _megatron_replication(args: argparse.Namespace, replicas: int | None) -> dict:
+    """Megatron-LM's own ``--replication --replication-jump J --replication-factor F`` (its local
+    checkpoints' cliques) as our partner replication: ``replicas = F - 1``, ``J`` ranks apart."""
+    if not getattr(args, "replication", False):
+        return {}
+    factor = getattr(args, "replication_factor", None) or 2
+    if replicas is not None and replicas != factor - 1:
+        raise OptionsError(
+            "LazyCkptConfig",
+            [("replicas", f"is {replicas} but --replication-factor {factor} means {factor - 1}: give one of them")],
+        )
+    return {"replicas": factor - 1, "replication_jump": getattr(args, "replication_jump", None)}
 
 
 def check_host_cache_fits(config: LazyCkptConfig, largest_shard_bytes: int, *, what: str = "largest tensor") -> None:

@@ -141,6 +141,7 @@ class LazyCheckpointer:
             local_root=config.local_dir,
         )
         self.rank = self._mgr.rank
+        self.restored_from: str | None = None  # the tier directory the last load read this rank's state from
         self._signature = None
         self._hooked: list[int] = []
         self._hook_handles: list = []
@@ -305,6 +306,7 @@ class LazyCheckpointer:
         where = f"rank {self.rank}: iteration {result.iteration}"
         model_state.restore(result.objects.get("model_state"), self.model, where=where)
         training_state.restore(result.objects["training"], self.optimizer, self.scheduler)
+        self.restored_from = result.root
         log.info(
             "rank %d: restored iteration %d (%s plan, %.1f MB, %.1f MB verified, read-ahead %.2f s, verify %.2f s, "
             "copy %.2f s)",

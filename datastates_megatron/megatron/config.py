@@ -58,6 +58,11 @@ class LazyCkptConfig:
     local_fallback:  when some node lost its local copy: ``"all"`` ranks restore the persistent
                      checkpoint from the persistent tier; ``"rank"``: only the ranks without an
                      intact local copy of it read the persistent tier, the others read locally.
+    replicas:        with ``local_dir``, how many partner ranks (on other nodes) keep a copy of each
+                     rank's local file, so that a lost node restores from them (None: 1 when the
+                     nodes pair up; 0: off).  ``replication_jump``: ranks between partners (None:
+                     ranks per node).  Megatron-LM's ``--replication-factor F --replication-jump J``
+                     mean ``replicas = F - 1`` and the same jump.
 
     Invalid values raise :class:`OptionsError` (a ``ValueError``) listing every problem, each under
     its field name; :meth:`engine_options` and :meth:`manager_options` build what the engine takes.
@@ -82,6 +87,8 @@ class LazyCkptConfig:
     local_keep_last: int = 2
     local_fallback: str = "all"
     recycle_files: str = "local"
+    replicas: int | None = None
+    replication_jump: int | None = None
 
     def __post_init__(self) -> None:
         problems: list[tuple[str, str]] = []
