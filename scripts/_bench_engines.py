@@ -390,6 +390,10 @@ class Engine:
     def last_dir(self) -> Path | None:
         return None if self.last_iteration is None else iter_dir(self.w.root, self.last_iteration)
 
+    def extras(self) -> dict:
+        """Engine-specific figures of this rank (summed or maximised over ranks by the report)."""
+        return {}
+
     def close(self) -> None:
         """Release threads, processes and hooks (idempotent)."""
 
@@ -678,13 +682,84 @@ class LazyLocalEngine(LazyEngine):
     def last_dir(self) -> Path | None:
         if self.last_iteration is None:
             return None
+        from datastates_megatron.engine.run_id import local_tier_dir
+
         nodes = sorted(p for p in self._local.iterdir() if p.is_dir()) if self._local.is_dir() else []
-        return iter_dir(nodes[0], self.last_iteration) if nodes else None
+        run_dir = local_tier_dir(str(nodes[0]), str(self.w.root)) if nodes else None
+        return iter_dir(Path(run_dir), self.last_iteration) if run_dir else None
 
     def close(self) -> None:
         super().close()
         if self.w.rank == 0:
             shutil.rmtree(self._local, ignore_errors=True)
+
+
+class LazyReplicatedEngine(LazyLocalEngine):
+    """``ours_local`` with one partner replica per rank, every rank its own "node" (its own local
+    directory; ``LOCAL_WORLD_SIZE=1`` while the checkpointer starts): each local checkpoint is also
+    streamed to the partner rank over a gloo group of the pair after its local commit.
+
+    :meth:`recover` measures a node loss after the run: the last rank's node-local directory is
+    deleted and the newest checkpoint restored (the lost ranks' files fetched from their partners),
+    then every node-local directory is deleted and the last checkpoint the promotion interval
+    persisted is restored from ``root`` -- what a restart would load without replicas."""
+
+    name = "ours_replicated"
+
+    def __init__(self, w: Workload, opts: BenchOptions) -> None:
+        saved = os.environ.get("LOCAL_WORLD_SIZE")
+        os.environ["LOCAL_WORLD_SIZE"] = "1"
+        try:
+            super().__init__(w, opts)
+        finally:
+            if saved is None:
+                os.environ.pop("LOCAL_WORLD_SIZE", None)
+            else:
+                os.environ["LOCAL_WORLD_SIZE"] = saved
+        self.persisted_by_interval: int | None = None
+
+    def _tier_options(self, w: Workload, opts: BenchOptions) -> dict:
+        return {**super()._tier_options(w, opts), "replicas": 1}
+
+    def drain(self) -> None:
+        from datastates_megatron.engine.tier import committed_iterations
+
+        self._ckpt.wait(persist=True)  # the interval's promotions, not yet the end-of-run one
+        persisted = committed_iterations(str(self.w.root)) if self.w.rank == 0 else []
+        box = [max(persisted, default=None)]
+        torch.distributed.broadcast_object_list(box, src=0)
+        self.persisted_by_interval = box[0]
+        super().drain()
+
+    def extras(self) -> dict:
+        r = self._ckpt._mgr.replication
+        return {"replication_bytes": r.stats.bytes_sent, "replication_s": r.stats.seconds} if r else {}
+
+    def recover(self, check: Callable[[], list[str]]) -> dict:
+        """Collective: seconds, bytes and iterations lost restoring after a lost node, from the
+        partner replica and from ``root``; ``check()`` (the mismatches against the last saved
+        state) runs right after the partner restore."""
+        out = {}
+        nodes = sorted(p for p in self._local.iterdir() if p.is_dir())
+        for source, lost in (("partner", nodes[-1:]), ("persistent", nodes)):
+            torch.distributed.barrier()
+            if self.w.rank == 0:
+                for node in lost:
+                    shutil.rmtree(node)
+            torch.distributed.barrier()
+            evict_page_cache(self.w.root)
+            t0 = time.perf_counter()
+            it = self._ckpt.load(None if source == "partner" else self.persisted_by_interval)[0]
+            out[source] = {
+                "s": time.perf_counter() - t0,
+                "iteration": it,
+                "lost_iterations": self.last_iteration - it,
+                "bytes": self._ckpt.restored_bytes,
+                "from": self._ckpt.restored_from,
+            }
+            if source == "partner":
+                out[source]["mismatch"] = check()
+        return out
 
 
 ENGINES: dict[str, Callable[[Workload, BenchOptions], Engine]] = {
@@ -698,5 +773,6 @@ ENGINES: dict[str, Callable[[Workload, BenchOptions], Engine]] = {
         DcpAsyncEngine,
         LazyEngine,
         LazyLocalEngine,
+        LazyReplicatedEngine,
     )
 }

@@ -48,6 +48,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import faulthandler
+import functools
 import gc
 import json
 import logging
@@ -72,14 +73,24 @@ import _bench_engines as be  # noqa: E402
 
 log = logging.getLogger("bench_peers")
 
-ALL_ENGINES = ("baseline", "torch_save", "dcp_async", "ours", "ours_local", "mcore_sync", "mcore_async", "control")
+ALL_ENGINES = (
+    "baseline",
+    "torch_save",
+    "dcp_async",
+    "ours",
+    "ours_local",
+    "ours_replicated",
+    "mcore_sync",
+    "mcore_async",
+    "control",
+)
 DEFAULT_ENGINES = [e for e in ALL_ENGINES if e != "control"]
 RISKY = ("mcore_sync", "mcore_async")  # hung once on a small model: run them last
 # run order of a round: the engine nearest the target sits next to the baseline (its ratio is the
 # one a drift of this machine's speed between the two would bend most); megatron-core last; the
 # A/A control one further from the baseline than ours_local (so its spread is at least that of
 # ours_local's ratio)
-RUN_ORDER = ("baseline", "ours_local", "control", "ours", "torch_save", "dcp_async", *RISKY)
+RUN_ORDER = ("baseline", "ours_local", "control", "ours", "ours_replicated", "torch_save", "dcp_async", *RISKY)
 if sorted(RUN_ORDER) != sorted(ALL_ENGINES):  # an engine missing here would silently never run
     raise RuntimeError(f"RUN_ORDER {RUN_ORDER} does not list the engines of ALL_ENGINES {ALL_ENGINES}")
 ENGINE_KEYS = (
@@ -108,6 +119,10 @@ ENGINE_KEYS = (
     "restore_ok",
     "restore_iteration",
     "restore_mismatches",
+    "replication_gbps",
+    "replication_bytes_per_rank",
+    "node_loss",
+    "node_loss_ok",
     "foreign_cores",
     "steal_cores",
     "ratio_e2e_rounds",
@@ -574,7 +589,12 @@ def run_engine(
                 _barrier()
                 local["mismatch"] += be.compare_state(chunks, optimizer, ref)
             local["expected_iteration"] = engine.last_iteration
+            if hasattr(engine, "recover"):  # a lost node: from the partner's replica vs from --dir
+                be.scramble_state(chunks, optimizer)
+                local["node_loss"] = engine.recover(check=functools.partial(be.compare_state, chunks, optimizer, ref))
+                local["node_loss_mismatch"] = local["node_loss"]["partner"].pop("mismatch")
             del ref
+        local["extras"] = engine.extras()
     finally:
         engine.close()
         gate.close()
@@ -617,6 +637,24 @@ def _summarise(name: str, interval: int, ranks: list[dict]) -> dict:
         steal_cores=r0.get("steal_cores"),
         rank_state_bytes=max(r.get("state_bytes", 0) for r in ranks),
     )
+    extras = [r.get("extras") or {} for r in ranks]
+    if any("replication_bytes" in e for e in extras):
+        res["replication_gbps"] = min(
+            e["replication_bytes"] / e["replication_s"] / 1e9 for e in extras if e.get("replication_s")
+        )
+        res["replication_bytes_per_rank"] = max(e["replication_bytes"] for e in extras)
+    if any("node_loss" in r for r in ranks):
+        res["node_loss"] = {
+            src: {
+                "s": max(r["node_loss"][src]["s"] for r in ranks),
+                "iteration": ranks[0]["node_loss"][src]["iteration"],
+                "lost_iterations": ranks[0]["node_loss"][src]["lost_iterations"],
+                "bytes": sum(r["node_loss"][src]["bytes"] for r in ranks),
+                "from": [r["node_loss"][src]["from"] for r in ranks],
+            }
+            for src in ranks[0]["node_loss"]
+        }
+        res["node_loss_ok"] = not any(r.get("node_loss_mismatch") for r in ranks)
     if any("restore" in r for r in ranks):
         mism = sorted({m for r in ranks for m in r.get("mismatch", [])})
         its = {r.get("restore_iteration") for r in ranks}
@@ -745,6 +783,7 @@ def render(doc: dict) -> str:
             f"WARNING: other processes used up to {max(loads):.2f} of {doc['config']['cpus']} "
             "cores during the measurements ('other load'); ratios are not trustworthy."
         )
+    lines += _node_loss_lines(doc)
     sweep = sweep_view(doc)
     if sweep:
         lines.append("")
@@ -775,6 +814,47 @@ def render(doc: dict) -> str:
         "with the bytes written to disk)."
     )
     return "\n".join(lines)
+
+
+def _node_loss_lines(doc: dict) -> list[str]:
+    """Replication's cost (already in the main table as ours_replicated's stall and e2e) and what a
+    lost node costs with and without the replica, side by side."""
+    r = (doc.get("engines") or {}).get("ours_replicated") or {}
+    if r.get("status") != "ok":
+        return []
+    base = (doc.get("engines") or {}).get("ours_local") or {}
+    lines = [""]
+    if r.get("replication_gbps") is not None:
+        vs = ""
+        if base.get("stall_per_ckpt_s") and base.get("e2e_s"):
+            vs = (
+                f"; vs ours_local: stall/ckpt x{_f(_ratio(r['stall_per_ckpt_s'], base['stall_per_ckpt_s']), '{:.2f}')}, "
+                f"e2e x{_f(_ratio(r['e2e_s'], base['e2e_s']), '{:.3f}')}"
+            )
+        lines.append(
+            f"replication (ours_replicated, 1 partner per rank): {r['replication_bytes_per_rank'] / MB:.1f} MiB "
+            f"sent per rank, {r['replication_gbps']:.2f} GB/s per rank (slowest){vs}"
+        )
+    loss = r.get("node_loss")
+    if loss:
+        hdr = ("a node is lost, restore", "s", "x partner", "iteration", "iterations lost", "MiB read")
+        rows = [
+            (
+                src,
+                _f(v["s"]),
+                _f(_ratio(v["s"], loss["partner"]["s"]), "{:.2f}"),
+                str(v["iteration"]),
+                str(v["lost_iterations"]),
+                _f(v["bytes"] / MB, "{:.1f}"),
+            )
+            for src, v in loss.items()
+        ]
+        lines += _table(hdr, rows)
+        lines.append(
+            f"(partner: the lost node's files fetched from the replica, restored state bit-exact: "
+            f"{r.get('node_loss_ok')}; persistent: the newest checkpoint the promotion interval had written)"
+        )
+    return lines
 
 
 def floor_view(doc: dict) -> dict | None:
@@ -943,6 +1023,8 @@ def merge_rounds(name: str, interval: int, rounds: list[dict]) -> dict:
             )
     for key in ("params", "rank_state_bytes"):
         res[key] = done[0].get(key)
+    for key in ("replication_gbps", "replication_bytes_per_rank", "node_loss", "node_loss_ok"):
+        res[key] = next((r[key] for r in reversed(done) if r.get(key) is not None), None)  # the last measured
     return res
 
 

@@ -142,6 +142,7 @@ class LazyCheckpointer:
         )
         self.rank = self._mgr.rank
         self.restored_from: str | None = None  # the tier directory the last load read this rank's state from
+        self.restored_bytes = 0  # and how many bytes it read
         self._signature = None
         self._hooked: list[int] = []
         self._hook_handles: list = []
@@ -306,7 +307,7 @@ class LazyCheckpointer:
         where = f"rank {self.rank}: iteration {result.iteration}"
         model_state.restore(result.objects.get("model_state"), self.model, where=where)
         training_state.restore(result.objects["training"], self.optimizer, self.scheduler)
-        self.restored_from = result.root
+        self.restored_from, self.restored_bytes = result.root, result.stats.bytes
         log.info(
             "rank %d: restored iteration %d (%s plan, %.1f MB, %.1f MB verified, read-ahead %.2f s, verify %.2f s, "
             "copy %.2f s)",

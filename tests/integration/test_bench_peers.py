@@ -38,8 +38,8 @@ TINY = [
     "1",
     "--no-progress",
 ]
-FAST_ENGINES = ("baseline", "torch_save", "dcp_async", "ours", "ours_local", "control")
-LAUNCH_TIMEOUT_S = 80.0
+FAST_ENGINES = ("baseline", "torch_save", "dcp_async", "ours", "ours_local", "ours_replicated", "control")
+LAUNCH_TIMEOUT_S = 120.0
 
 
 def _launch(tmp_path: Path, *extra: str) -> tuple[subprocess.CompletedProcess, Path]:
@@ -126,6 +126,15 @@ def test_fast_engines_report_every_key(tmp_path):
         assert res["restore_iteration"] == 1 + 3, name  # warm-up 1 + 3 measured, last one saved
         # (ours_local: 4 is only in the local tier -- every 3rd is promoted -- and is still the one restored)
         assert res["restore_s"] > 0 and res["drain_s"] >= 0 and res["stall_per_ckpt_s"] >= 0
+
+    replicated = doc["engines"]["ours_replicated"]
+    assert replicated["replication_gbps"] > 0 and replicated["replication_bytes_per_rank"] > 0
+    loss = replicated["node_loss"]
+    assert replicated["node_loss_ok"] is True  # the partner restore is bit-exact
+    assert loss["partner"]["iteration"] == 4 and loss["partner"]["lost_iterations"] == 0
+    assert "replicas/r00001" in loss["partner"]["from"][1], loss  # rank 1's node was the lost one
+    assert loss["persistent"]["iteration"] == 3 and loss["persistent"]["lost_iterations"] == 1  # every 3rd persisted
+    assert re.search(r"^partner .* 0 ", proc.stdout, re.M) and "replication (ours_replicated" in proc.stdout
 
     sweep = doc["sweep"]["torch_save"]["2"]
     assert sweep["status"] == "ok" and sweep["checkpoints"] == 1 and sweep["ratio_e2e"] is not None
