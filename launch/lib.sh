@@ -124,7 +124,8 @@ dsm_pretrain_entry() {
 # MEGATRON_ARGS for Megatron-LM's pretrain_gpt.py. Reads the preset variables (NUM_LAYERS, TP, ...),
 # SAVE_DIR, optional DATA_PATH / TOKENIZER_TYPE / TOKENIZER_MODEL (default: --mock-data with the
 # NullTokenizer), optional LAZY_CKPT_LOCAL_DIR (a node-local tier, e.g. /dev/shm/ckpt or local NVMe;
-# with LAZY_CKPT_PERSIST_INTERVAL, default 10, and LAZY_CKPT_LOCAL_FALLBACK, default all),
+# with LAZY_CKPT_PERSIST_INTERVAL, default 10, LAZY_CKPT_LOCAL_FALLBACK, default all, and
+# LAZY_CKPT_REPLICAS, partner nodes keeping a copy, default: 1 when the nodes pair up),
 # TENSORBOARD_DIR (default $SAVE_DIR/tensorboard; empty or "none": no TensorBoard), WANDB_PROJECT (set:
 # log to Weights & Biases, run name WANDB_EXP_NAME or the job name, files in WANDB_SAVE_DIR, default
 # $SAVE_DIR/wandb) and MEGATRON_EXTRA_ARGS (appended verbatim, word-split).
@@ -185,6 +186,9 @@ dsm_megatron_args() {
         MEGATRON_ARGS+=(--lazy-ckpt-local-dir "$LAZY_CKPT_LOCAL_DIR"
                         --lazy-ckpt-persist-interval "${LAZY_CKPT_PERSIST_INTERVAL:-10}"
                         --lazy-ckpt-local-fallback "${LAZY_CKPT_LOCAL_FALLBACK:-all}")
+        if [ -n "${LAZY_CKPT_REPLICAS:-}" ]; then
+            MEGATRON_ARGS+=(--lazy-ckpt-replicas "$LAZY_CKPT_REPLICAS")
+        fi
     fi
     local tb="${TENSORBOARD_DIR-$SAVE_DIR/tensorboard}"
     if [ -n "$tb" ] && [ "$tb" != none ]; then

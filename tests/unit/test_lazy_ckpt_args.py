@@ -346,3 +346,21 @@ def test_convert_to_implies_lazy_ckpt(tmp_path):
     args = _parse("--save", str(tmp_path), "--load", str(tmp_path), "--lazy-ckpt-convert-to", str(tmp_path / "out"))
     assert args.lazy_ckpt is True and args.lazy_ckpt_convert_to == str(tmp_path / "out")
     assert _parse("--save", str(tmp_path)).lazy_ckpt is False
+
+
+def test_replicas_flag_and_megatrons_replication_flags(tmp_path):
+    local = ["--save", str(tmp_path / "s"), "--lazy-ckpt-local-dir", str(tmp_path / "l")]
+    assert config_from_args(_parse(*local)).manager_options().replicas is None  # auto
+    assert config_from_args(_parse(*local, "--lazy-ckpt-replicas", "2")).manager_options().replicas == 2
+    assert "--lazy-ckpt-replicas only applies to a local tier" in _error(
+        "--save", str(tmp_path / "s"), "--lazy-ckpt-replicas", "1", lazy_ckpt=True
+    )
+    # Megatron-LM's own flags of its local checkpoints' replication mean the same
+    args = _parse(*local)
+    args.replication, args.replication_jump, args.replication_factor = True, 8, 3
+    opts = config_from_args(args).manager_options()
+    assert (opts.replicas, opts.replication_jump) == (2, 8)
+    args = _parse(*local, "--lazy-ckpt-replicas", "1")
+    args.replication, args.replication_jump, args.replication_factor = True, 8, 3
+    with pytest.raises(OptionsError, match="--replication-factor 3 means 2"):
+        config_from_args(args)
