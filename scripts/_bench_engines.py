@@ -748,9 +748,11 @@ class LazyReplicatedEngine(LazyLocalEngine):
                     shutil.rmtree(node)
             torch.distributed.barrier()
             evict_page_cache(self.w.root)
+            fetched = self._ckpt._mgr.replication.stats.bytes_fetched
             t0 = time.perf_counter()
             it = self._ckpt.load(None if source == "partner" else self.persisted_by_interval)[0]
             out[source] = {
+                "fetched": self._ckpt._mgr.replication.stats.bytes_fetched - fetched,
                 "s": time.perf_counter() - t0,
                 "iteration": it,
                 "lost_iterations": self.last_iteration - it,

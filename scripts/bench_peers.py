@@ -650,6 +650,7 @@ def _summarise(name: str, interval: int, ranks: list[dict]) -> dict:
                 "iteration": ranks[0]["node_loss"][src]["iteration"],
                 "lost_iterations": ranks[0]["node_loss"][src]["lost_iterations"],
                 "bytes": sum(r["node_loss"][src]["bytes"] for r in ranks),
+                "fetched": sum(r["node_loss"][src]["fetched"] for r in ranks),
                 "from": [r["node_loss"][src]["from"] for r in ranks],
             }
             for src in ranks[0]["node_loss"]
@@ -837,7 +838,7 @@ def _node_loss_lines(doc: dict) -> list[str]:
         )
     loss = r.get("node_loss")
     if loss:
-        hdr = ("a node is lost, restore", "s", "x partner", "iteration", "iterations lost", "MiB read")
+        hdr = ("a node is lost, restore", "s", "x partner", "iteration", "iterations lost", "MiB read", "MiB fetched")
         rows = [
             (
                 src,
@@ -846,6 +847,7 @@ def _node_loss_lines(doc: dict) -> list[str]:
                 str(v["iteration"]),
                 str(v["lost_iterations"]),
                 _f(v["bytes"] / MB, "{:.1f}"),
+                _f(v["fetched"] / MB, "{:.1f}"),
             )
             for src, v in loss.items()
         ]

@@ -524,9 +524,9 @@ class CheckpointManager(ClosingContext):
         persistent_why = "no node-local checkpoint every rank has"
         if iteration is not None:
             if iteration in common:
-                return local(iteration, f"iteration {iteration} asked for, on every node")
+                return local(iteration, f"iteration {iteration} is on every node")
             chosen = (self.root, iteration)
-            persistent_why = f"iteration {iteration} asked for, not on every node"
+            persistent_why = f"iteration {iteration} is not on every node"
         else:
             try:
                 persistent = latest_committed(self.root)

@@ -94,6 +94,7 @@ class ReplicaStats:
     checkpoints: int = 0
     bytes_sent: int = 0
     bytes_received: int = 0
+    bytes_fetched: int = 0  # this rank's own files fetched back at a restore
     seconds: float = 0.0
     failures: int = 0
 
@@ -317,6 +318,7 @@ class Replication:
         self._swap_file(None, 0, receiver, theirs["file_bytes"], holder, holder)
         if not receiver.commit(self.keep_last):
             return None
+        self.stats.bytes_fetched += theirs["file_bytes"]
         return self._stores[self.rank].root
 
     def close(self) -> None:

@@ -100,12 +100,18 @@ class Run:
         return f"rc={self.returncode}\n{self.log[-6000:]}"
 
 
-def command(nproc: int, args: list[str], port: int, megatron_lm_dir: str | None = None) -> list[str]:
+def command(
+    nproc: int, args: list[str], port: int, megatron_lm_dir: str | None = None, node: tuple[int, int] | None = None
+) -> list[str]:
+    """``node``: (this node's index, number of nodes) -- one torchrun per "node" on localhost, each
+    with its own ``LOCAL_WORLD_SIZE``, as a multi-node job runs."""
     script = os.path.join(megatron_lm_dir or MEGATRON_LM_DIR, "pretrain_gpt.py")
+    nodes = ["--nnodes", str(node[1]), "--node-rank", str(node[0]), "--master-addr", "127.0.0.1"] if node else []
     return [
         sys.executable,
         "-m",
         "torch.distributed.run",
+        *nodes,
         "--nproc-per-node",
         str(nproc),
         "--master-port",
@@ -129,10 +135,12 @@ def launch(
     kill_when=None,
     term_when=None,
     megatron_lm_dir: str | None = None,
+    nodes: int = 1,
 ) -> Run:
     """Run ``pretrain_gpt.py`` (of ``megatron_lm_dir``, default MEGATRON_LM_DIR) with ``args`` to the end, or until ``kill_when()`` (then every rank and
     torchrun get SIGKILL) or ``term_when()`` (then every rank gets SIGTERM, as ``srun`` delivers a
-    pre-emption, and the run is left to finish). Both are polled every 50 ms."""
+    pre-emption, and the run is left to finish). Both are polled every 50 ms. ``nodes`` > 1: that
+    many torchruns of ``nproc`` ranks each, one per "node" (the return code is the first non-zero one)."""
     record = str(tmp / f"{name}-record")  # see logged()
     log_path = tmp / f"{name}.log"
     # Megatron-LM asserts CUDA_DEVICE_MAX_CONNECTIONS=1 at TP or CP > 1 (GPU launch scripts set it)
@@ -143,29 +151,37 @@ def launch(
         CUDA_DEVICE_MAX_CONNECTIONS="1",
         **{training_record.ENV: record},
     )
+    port = free_port()
     with open(log_path, "w") as log:
-        proc = subprocess.Popen(
-            command(nproc, args, free_port(), megatron_lm_dir),
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            env=env,
-            start_new_session=True,
-        )
+        procs = [
+            subprocess.Popen(
+                command(nproc, args, port, megatron_lm_dir, (k, nodes) if nodes > 1 else None),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=env,
+                start_new_session=True,
+            )
+            for k in range(nodes)
+        ]
         deadline = time.monotonic() + timeout
         try:
-            while proc.poll() is None and time.monotonic() < deadline:
+            while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
                 if kill_when is not None and kill_when():
-                    kill_tree(proc)
+                    for p in procs:
+                        kill_tree(p)
                     kill_when = None
                 if term_when is not None and term_when():
-                    signal_ranks(proc, signal.SIGTERM)
+                    for p in procs:
+                        signal_ranks(p, signal.SIGTERM)
                     term_when = None
                 time.sleep(0.05)
         finally:
-            if proc.poll() is None:
-                kill_tree(proc)
-            proc.wait(timeout=30)
-    return Run(proc.returncode, log_path.read_text(errors="replace"), record)
+            for p in procs:
+                if p.poll() is None:
+                    kill_tree(p)
+                p.wait(timeout=30)
+    codes = [p.returncode for p in procs]
+    return Run(next((c for c in codes if c), codes[0]), log_path.read_text(errors="replace"), record)
 
 
 def committed_at_least(save: Path, iteration: int):

@@ -132,6 +132,7 @@ def test_fast_engines_report_every_key(tmp_path):
     loss = replicated["node_loss"]
     assert replicated["node_loss_ok"] is True  # the partner restore is bit-exact
     assert loss["partner"]["iteration"] == 4 and loss["partner"]["lost_iterations"] == 0
+    assert 0 < loss["partner"]["fetched"] < loss["partner"]["bytes"]  # rank 1's file only, over the wire
     assert "replicas/r00001" in loss["partner"]["from"][1], loss  # rank 1's node was the lost one
     assert loss["persistent"]["iteration"] == 3 and loss["persistent"]["lost_iterations"] == 1  # every 3rd persisted
     assert re.search(r"^partner .* 0 ", proc.stdout, re.M) and "replication (ours_replicated" in proc.stdout
