@@ -1045,6 +1045,10 @@ def main(argv: list[str] | None = None) -> int:
         logging.getLogger(noisy).setLevel(logging.WARNING)
     gpt.init_distributed(seed=args.seed, timeout_s=max(600.0, args.engine_timeout * 2))
     world = torch.distributed.get_world_size()
+    if world < 2 and "ours_replicated" in args.engines:  # a partner is another rank (another "node")
+        log.warning("ours_replicated needs at least 2 ranks; not run on %d", world)
+        args.engines = [e for e in args.engines if e != "ours_replicated"]
+        args.sweep_engines = [e for e in args.sweep_engines if e != "ours_replicated"]
     io_group = torch.distributed.new_group(backend="gloo")
     root = Path(args.dir).resolve()
 
