@@ -152,10 +152,10 @@ def commit_metrics(record: Any, stall_s: float) -> dict[str, float]:
 
 
 def log_commit_to_writers(record: Any, stall_s: float) -> None:
-    """After each commit, rank 0 adds the telemetry to Megatron's TensorBoard and W&B writers
-    when Megatron has them (the log line itself comes from LazyCheckpointer)."""
-    if _rank() != 0:
-        return
+    """After each commit, the rank that holds Megatron's TensorBoard and W&B writers (Megatron-LM
+    creates them on the last rank only) adds the telemetry to them; the record is the same on every
+    rank (maxima over ranks), the stall is that rank's.  The log line itself comes from
+    LazyCheckpointer."""
     try:
         from megatron.training.global_vars import get_tensorboard_writer, get_wandb_writer
     except ImportError:

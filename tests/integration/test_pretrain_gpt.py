@@ -71,12 +71,30 @@ def test_kill_9_after_a_commit_then_resume_is_bit_exact(tmp_path, reference, pre
     assert killed.returncode != 0, "the run ended before it was killed:\n" + killed.describe()
     resume_from = latest(save)
     assert resume_from is not None and 2 <= resume_from < ITERS, resume_from
-    resumed = launch(tmp_path, "resumed", args)
+    tensorboard = tmp_path / "tb"
+    resumed = launch(tmp_path, "resumed", [*args, "--tensorboard-dir", str(tensorboard)])
     assert resumed.returncode == 0, resumed.describe()
     assert f"loaded lazy checkpoint of iteration {resume_from}" in resumed.log
     want = reference(precision)
     assert_same_training(killed, want, None)
     assert_same_training(resumed, want, range(resume_from + 1, ITERS + 1))
+    # the commit telemetry reaches the writer Megatron-LM made (on its last rank)
+    tags = _scalar_tags(tensorboard)
+    assert {
+        f"lazy-ckpt/{n}" for n in ("stall-ms", "d2h-GBps", "flush-GBps", "bytes-total", "save-to-commit-s")
+    } <= tags, tags
+
+
+def _scalar_tags(directory) -> set:
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    tags = set()
+    for events in directory.rglob("events.out.tfevents.*"):
+        acc = EventAccumulator(str(events))
+        acc.Reload()
+        tags |= set(acc.Tags()["scalars"])
+    return tags
 
 
 def test_sigterm_with_exit_signal_handler_commits_the_final_save_before_exit(tmp_path, reference):
