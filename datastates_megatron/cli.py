@@ -200,8 +200,16 @@ def list_checkpoints(save_dir: str) -> dict:
     from .engine.manifest import TRACKER_NAME, iter_dir, parse_tracker, read_manifest, read_tracker_text
     from .engine.tier import latest_committed, list_iterations
 
-    if not os.path.isdir(save_dir):
-        raise NoCheckpointError(f"{save_dir}: no such directory")
+    try:
+        is_dir = stat.S_ISDIR(os.stat(save_dir).st_mode)
+    except FileNotFoundError:
+        raise NoCheckpointError(f"{save_dir}: no such directory") from None
+    except OSError as e:  # ENAMETOOLONG, EACCES, ELOOP: the directory may well exist
+        from .engine.safe_io import os_error_text
+
+        raise NoCheckpointError(f"{save_dir}: cannot look into it: {os_error_text(e)}") from None
+    if not is_dir:
+        raise NoCheckpointError(f"{save_dir}: not a directory")
     save_dir = os.path.abspath(save_dir)
     now = time.time()
     rows = []

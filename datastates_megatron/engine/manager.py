@@ -20,13 +20,13 @@ import torch
 from .collective import Collective
 from .commit import CommitRecord, Ticket
 from .dirlock import SaveDirLock
-from .errors import CheckpointError, NoCheckpointError
+from .errors import CheckpointError, FlushError, NoCheckpointError
 from .foreign import refuse_newer_foreign
 from .manifest import iter_dir, rank_file_name, read_manifest, save_id
 from .options import EngineOptions, ManagerOptions
 from .load_plan import LoadPlanner, SameLayoutPlanner
 from .reader import CheckpointReader, RestoreStats, open_checkpoint
-from .safe_io import make_dir
+from .safe_io import check_path_fits, make_dir
 from .snapshot import SnapshotEngine
 from .threads import ClosingContext, close_at_exit, forget
 from .tier import Tier, committed_iterations, latest_committed, survey
@@ -34,6 +34,8 @@ from .tier import Tier, committed_iterations, latest_committed, survey
 __all__ = ["CheckpointManager", "LoadResult"]
 
 log = logging.getLogger(__name__)
+# the longest path we create under a tier's root: a temp name beside a rank file in an iter_* directory
+_LONGEST_NAME = os.path.join("iter_0000000000", rank_file_name(99999, "f" * 16, 999999) + ".tmp-4194304")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -151,8 +153,11 @@ class CheckpointManager(ClosingContext):
         save directory's writer first refuses a checkpoint we did not write that a resume would skip,
         then takes the directory's one-writer lock, before cleaning our own leftovers."""
         try:
+            for root in (self.root, self.local_root):  # ENAMETOOLONG now, not mid-save
+                if root:
+                    check_path_fits(root, _LONGEST_NAME)
             if self.persistent.is_writer:
-                os.makedirs(self.root, exist_ok=True)
+                make_dir(self.root)
                 found = survey(self.root)
                 refuse_newer_foreign(self.root, found.newest, option="--save")  # read-only: before the lock
                 self._lock = SaveDirLock(self.root).acquire()
@@ -218,6 +223,7 @@ class CheckpointManager(ClosingContext):
         self._seq += 1
         tier = self._first_tier
         d = iter_dir(tier.root, iteration)
+        error = None
         try:
             make_dir(d)  # an iter_* symlink is refused (FlushError): we never write through a link
             name = rank_file_name(self.rank, self.token, self._seq)
@@ -227,16 +233,20 @@ class CheckpointManager(ClosingContext):
             recycle = functools.partial(tier.take_recycled, path) if tier.recycle else None
             handle = self.engine.save(iteration, path, objects, tag=name, before_open=recycle)
         except CheckpointError as e:
-            self._handle(e)
-            handle = None
+            error, handle = e, None
+        except OSError as e:  # the save path raises CheckpointError only: a raw one must not escape
+            error, handle = FlushError(f"rank {self.rank}: iteration {iteration}: {d}: save failed: {e}"), None
+            error.__cause__ = e
         t_save = time.perf_counter()
         if handle is None:
-            # the other ranks still expect this rank in the agreement for this sequence number
+            # the other ranks still expect this rank in the agreement for this sequence number: the
+            # failed ticket goes in before the error is raised (on_error="raise") or logged
             import concurrent.futures as cf
 
             failed: cf.Future = cf.Future()
             failed.set_exception(CheckpointError("save did not start"))
             tier.committer.submit(Ticket(iteration, self._seq, failed, dict(metadata or {}), t_save))
+            self._handle(error)
             return False
         tier.committer.submit(Ticket(iteration, self._seq, handle.durable, dict(metadata or {}), t_save))
         return True

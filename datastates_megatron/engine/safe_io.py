@@ -36,6 +36,8 @@ __all__ = [
     "real_dir",
     "make_dir",
     "open_dir",
+    "os_error_text",
+    "check_path_fits",
 ]
 
 MANIFEST_MAX_BYTES = 64 << 20  # a manifest of 100k ranks is ~30 MiB
@@ -177,11 +179,51 @@ def real_dir(path: str) -> bool:
         return False
 
 
+def os_error_text(e: OSError) -> str:
+    """The reason of ``e`` for a message that already names the path: ``strerror``, and for a name
+    the file system cannot hold, which limit it exceeds (the raw ``File name too long`` does not
+    say whether one component or the whole path is too long)."""
+    why = e.strerror or str(e)
+    if e.errno == errno.ENAMETOOLONG:
+        why += f" (a path component is longer than {NAME_MAX} bytes, or the path longer than {PATH_MAX})"
+    return why
+
+
+NAME_MAX = 255  # Linux file systems: bytes in one path component
+PATH_MAX = 4096  # Linux: bytes in a path handed to a system call, with its terminating NUL
+
+
+def check_path_fits(path: str, longest_name: str) -> None:
+    """Refuse (:class:`FlushError`, naming the path) a directory whose components or whose length
+    leave no room for ``longest_name`` inside it: found at start-up, not as ``ENAMETOOLONG`` half-way
+    through a save (after its directory was made)."""
+    path = os.path.abspath(path)
+    for part in path.split(os.sep):
+        if len(os.fsencode(part)) > NAME_MAX:
+            raise FlushError(
+                f"{path}: path component {part[:40]!r}... is {len(os.fsencode(part))} bytes, longer than "
+                f"the {NAME_MAX} bytes a file system allows in one name"
+            )
+    need = len(os.fsencode(os.path.join(path, longest_name))) + 1
+    if need > PATH_MAX:
+        raise FlushError(
+            f"{path[:60]}...: path is too long ({len(os.fsencode(path))} bytes): the files saved in it "
+            f"({longest_name!r}) would need {need} bytes, over the {PATH_MAX} a path may have"
+        )
+
+
 def make_dir(path: str) -> None:
     """``os.makedirs(path, exist_ok=True)``, then refuse (:class:`FlushError`) when ``path`` is a
-    symlink or not a directory: we never write into a directory reached through a link."""
-    os.makedirs(path, exist_ok=True)
-    mode = os.lstat(path).st_mode
+    symlink or not a directory: we never write into a directory reached through a link.  Any
+    ``OSError`` (EACCES, EROFS, ENAMETOOLONG, ENOSPC) is a :class:`FlushError` naming the path and
+    the operation: the save path handles only :class:`.errors.CheckpointError`."""
+    try:
+        os.makedirs(path, exist_ok=True)
+        mode = os.lstat(path).st_mode
+    except FlushError:
+        raise
+    except OSError as e:
+        raise FlushError(f"{path}: cannot create the directory (mkdir): {os_error_text(e)}") from e
     if not stat.S_ISDIR(mode):
         raise FlushError(_refusal(path, mode))
 
