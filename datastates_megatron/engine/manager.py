@@ -137,6 +137,8 @@ class CheckpointManager(ClosingContext):
             for tier, tier_group in ((self.persistent, persist_group), (self.local, group)):
                 if tier:
                     tier.open(Collective(tier_group), self.world_size, self.layout, opts.timeout_s)
+            if self._lock is not None:  # no commit (and so no retention) once the lock file is not ours
+                self.persistent.committer.guard = self._lock.check
             if self.local:
                 from .promotion import Promotion
 

@@ -77,7 +77,11 @@ def unlink_ours(path: str) -> bool:
 def _remove_our_files(d: str) -> list[str]:
     """Unlink the entries of ``d`` we wrote; returns those left (not ours, or not plain files)."""
     left = []
-    for name in os.listdir(d):
+    try:
+        names = os.listdir(d)
+    except (FileNotFoundError, NotADirectoryError):
+        return left  # vanished since it was listed: nothing of ours left to remove
+    for name in names:
         if not (is_ours_in_iteration(name) and unlink_ours(os.path.join(d, name))):
             left.append(name)
     return left
@@ -98,6 +102,8 @@ def remove_ours(d: str) -> bool:
     try:
         os.rmdir(d)
         return True
+    except FileNotFoundError:
+        return False
     except OSError as e:
         log.warning("%s: could not remove the directory: %s", d, e)
         return False
@@ -179,7 +185,10 @@ def trim_recycled(root: str, keep: int) -> None:
     pool = os.path.join(root, RECYCLE_DIR)
     if not _real_dir(pool):
         return
-    names = sorted(n for n in os.listdir(pool) if is_recycled_name(n))
+    try:
+        names = sorted(n for n in os.listdir(pool) if is_recycled_name(n))
+    except FileNotFoundError:
+        return
     for name in names[: max(0, len(names) - keep)]:
         unlink_ours(os.path.join(pool, name))
 

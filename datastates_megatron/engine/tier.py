@@ -84,14 +84,23 @@ class Survey:
             d = iter_dir(self.root, it)
             if it in self.committed or it in self.damaged or not real_dir(d):
                 continue
-            if all(is_ours_in_iteration(n) for n in os.listdir(d)):
+            if all(is_ours_in_iteration(n) for n in _entries(d)):
                 out.append(it)
         return out
 
     def strays(self, iteration: int) -> list[str]:
         """Entries of committed ``iteration``'s directory that we wrote and its manifest does not name."""
         named = {MANIFEST_NAME, *(r.file for r in self.committed[iteration].ranks)}
-        return [n for n in os.listdir(iter_dir(self.root, iteration)) if n not in named and is_ours_in_iteration(n)]
+        return [n for n in _entries(iter_dir(self.root, iteration)) if n not in named and is_ours_in_iteration(n)]
+
+
+def _entries(d: str) -> list[str]:
+    """``os.listdir(d)``; ``[]`` when ``d`` vanished since it was surveyed (another job's retention,
+    an operator): what is gone needs no cleaning."""
+    try:
+        return os.listdir(d)
+    except (FileNotFoundError, NotADirectoryError):
+        return []
 
 
 def list_iterations(root: str) -> list[int]:
