@@ -138,7 +138,9 @@ def delete_checkpoint(root: str, iteration: int, recycle: bool = False) -> None:
             make_dir(pool)
             for name in os.listdir(d):
                 src = os.path.join(d, name)
-                if parse_rank_file_name(name) is not None and stat.S_ISREG(os.lstat(src).st_mode):
+                st = os.lstat(src)
+                # a file with other hard links (a ``cp -al`` backup) is unlinked, never rewritten
+                if parse_rank_file_name(name) is not None and stat.S_ISREG(st.st_mode) and st.st_nlink == 1:
                     os.rename(src, os.path.join(pool, f"{iteration:07d}-{name}"))
         except OSError as e:  # recycling is an optimisation: fall back to deleting
             log.warning("%s: could not recycle rank files (%s); deleting them", d, e)
@@ -171,8 +173,9 @@ def take_recycled(root: str, dst: str) -> bool:
         names.sort(key=lambda n: _retired_by(n) != mine[0])  # stable: oldest first within each part
     for name in names:
         try:
-            if not stat.S_ISREG(os.lstat(os.path.join(pool, name)).st_mode):
-                continue  # not ours: a save must never write through a link into another file
+            st = os.lstat(os.path.join(pool, name))
+            if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1:
+                continue  # not ours, or linked from elsewhere: a save must never write into another file
             os.rename(os.path.join(pool, name), dst)
             return True
         except FileNotFoundError:
