@@ -17,6 +17,7 @@ __all__ = [
     "ForeignCheckpointError",
     "SaveDirBusyError",
     "LockLostError",
+    "CheckpointAccessError",
     "OptionsError",
 ]
 
@@ -72,6 +73,10 @@ class ForeignCheckpointError(CheckpointError, FileExistsError):
 
 class SaveDirBusyError(CheckpointError, RuntimeError):
     """Another job (or another manager in this process) is writing to the same save directory."""
+
+
+class CheckpointAccessError(CheckpointError, PermissionError):
+    """A checkpoint file exists but this process may not read it (EACCES/EPERM): not damage."""
 
 
 class LockLostError(CheckpointError, RuntimeError):

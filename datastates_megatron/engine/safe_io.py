@@ -22,7 +22,7 @@ import fcntl
 import os
 import stat
 
-from .errors import CorruptCheckpointError, FlushError
+from .errors import CheckpointAccessError, CorruptCheckpointError, FlushError
 
 __all__ = [
     "MANIFEST_MAX_BYTES",
@@ -105,7 +105,7 @@ def open_regular(path: str, flags: int = os.O_RDONLY, error=CorruptCheckpointErr
     return fd
 
 
-def read_capped(path: str, cap: int, what: str) -> bytes:
+def read_capped(path: str, cap: int, what: str) -> bytearray:
     """The whole of ``path`` (a regular file, not a link, at most ``cap`` bytes) -- else
     :class:`CorruptCheckpointError` naming it.  ``FileNotFoundError`` passes through; other
     ``OSError``\\ s become :class:`CorruptCheckpointError` too."""
@@ -113,22 +113,29 @@ def read_capped(path: str, cap: int, what: str) -> bytes:
         fd = open_regular(path)
     except FileNotFoundError:
         raise
+    except PermissionError as e:  # not damage: say what it is
+        raise CheckpointAccessError(f"{path}: permission denied: cannot read the {what}") from e
     except OSError as e:
         raise CorruptCheckpointError(f"{path}: cannot read the {what}: {e}") from e
     try:
         size = os.fstat(fd).st_size
         if size > cap:
             raise CorruptCheckpointError(f"{path}: {what} is larger than {cap} bytes ({size}); refusing to read it")
-        chunks, total = [], 0
-        while total <= cap:  # read to EOF, but never more than cap + 1 bytes (the file may grow)
-            chunk = os.read(fd, min(1 << 20, cap + 1 - total))
-            if not chunk:
+        # one buffer of the size fstat gave (+1 to see a file that grew): never twice the file in memory
+        buf = bytearray(size + 1)
+        view, total = memoryview(buf), 0
+        while total < len(buf):
+            n = os.readv(fd, [view[total : total + (1 << 20)]])
+            if not n:
                 break
-            chunks.append(chunk)
-            total += len(chunk)
-        if total > cap:
-            raise CorruptCheckpointError(f"{path}: {what} is larger than {cap} bytes; refusing to read it")
-        return b"".join(chunks)
+            total += n
+        view.release()
+        if total > size:
+            raise CorruptCheckpointError(f"{path}: {what} grew while it was read; refusing to read it")
+        del buf[total:]
+        return buf
+    except PermissionError as e:
+        raise CheckpointAccessError(f"{path}: permission denied: cannot read the {what}") from e
     except OSError as e:
         raise CorruptCheckpointError(f"{path}: cannot read the {what}: {e}") from e
     finally:

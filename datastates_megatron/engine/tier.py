@@ -17,9 +17,11 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import threading
+import time
 
 from .commit import Committer
-from .errors import CorruptCheckpointError, NoCheckpointError
+from .errors import CheckpointError, CorruptCheckpointError, NoCheckpointError
 from .faults import crash_point
 from .manifest import (
     MANIFEST_NAME,
@@ -54,7 +56,7 @@ class Survey:
     root: str
     iterations: tuple[int, ...]  # every ``iter_*`` directory, committed or not, ascending
     committed: dict[int, Manifest]
-    damaged: dict[int, CorruptCheckpointError]  # a manifest is there but does not read back
+    damaged: dict[int, CheckpointError]  # a manifest is there but does not read back (or may not be read)
 
     @property
     def order(self) -> list[int]:
@@ -113,17 +115,76 @@ def list_iterations(root: str) -> list[int]:
 
 
 def survey(root: str) -> Survey:
-    """The one answer to "what is committed, ours, not ours" in the tier directory ``root``."""
+    """The one answer to "what is committed, ours, not ours" in the tier directory ``root``.
+    Incremental: a manifest whose file is unchanged since it was last read here (same inode,
+    size, mtime and ctime; :class:`_ManifestCache`) is not read again -- retention surveys the
+    directory at every commit."""
     iterations = list_iterations(root)
     committed, damaged = {}, {}
     for it in iterations:
-        try:
-            committed[it] = read_manifest(iter_dir(root, it))
-        except NoCheckpointError:
-            continue
-        except CorruptCheckpointError as e:
-            damaged[it] = e
+        got = _MANIFESTS.read(iter_dir(root, it))
+        if isinstance(got, Manifest):
+            committed[it] = got
+        elif got is not None:
+            damaged[it] = got
     return Survey(root, tuple(iterations), committed, damaged)
+
+
+def _detached(e: CheckpointError) -> CheckpointError:
+    """``e``'s class and message without its traceback and causes: a stored error must not keep
+    the frames (and so the bytes or parsed body of a hostile file) of the read that raised it."""
+    try:
+        return type(e)(str(e))
+    except TypeError:
+        return CorruptCheckpointError(str(e))
+
+
+class _ManifestCache:
+    """What :func:`read_manifest` said of each ``iter_*`` directory's manifest, keyed by its
+    ``lstat`` (device, inode, size, mtime, ctime).  A manifest is replaced by a rename (a new
+    inode), so an unchanged key is an unchanged file; one modified less than ``_RACY_NS`` ago is
+    not cached (a write within the same timestamp tick would not change mtime: git's "racily
+    clean" rule).  Bounded (oldest entries dropped); thread-safe (one lock around the dict)."""
+
+    _RACY_NS = 2_000_000_000
+    _MAX = 8192
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._entries: dict[str, tuple[tuple, object]] = {}
+
+    def read(self, ckpt_dir: str) -> Manifest | CheckpointError | None:
+        """The manifest of ``ckpt_dir``; its error (detached) when damaged or unreadable; ``None``
+        when there is none (not committed)."""
+        path = os.path.join(ckpt_dir, MANIFEST_NAME)
+        key = None
+        if real_dir(ckpt_dir):  # never through a linked directory: read_manifest refuses that itself
+            try:
+                st = os.lstat(path)
+                key = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_mode)
+            except OSError:
+                key = None
+        if key is not None:
+            with self._lock:
+                hit = self._entries.get(path)
+            if hit is not None and hit[0] == key:
+                return hit[1]
+        try:
+            got = read_manifest(ckpt_dir)
+        except NoCheckpointError:
+            return None
+        except CheckpointError as e:  # damaged, or not ours to read (permission)
+            got = _detached(e)
+        if key is not None and time.time_ns() - max(key[3], key[4]) > self._RACY_NS:
+            with self._lock:
+                self._entries.pop(path, None)
+                self._entries[path] = (key, got)
+                while len(self._entries) > self._MAX:
+                    self._entries.pop(next(iter(self._entries)))
+        return got
+
+
+_MANIFESTS = _ManifestCache()
 
 
 def committed_iterations(root: str) -> list[int]:
