@@ -69,15 +69,45 @@ class Survey:
         return max(self.committed, key=lambda it: (self.committed[it].commit_seq, it), default=None)
 
     def latest(self) -> int:
-        """The latest committed iteration.  A damaged manifest raises (its own class: a
-        ``FormatVersionError`` says "upgrade"): manifests are written atomically, so damage means
-        corruption, not a crash, and silently loading an older checkpoint would hide it."""
-        if self.damaged:
-            first = next(iter(self.damaged.values()))
-            raise type(first)(f"{first} (pass an explicit iteration to load another checkpoint)") from first
+        """The latest committed iteration.  A damaged (or linked, or unreadable) ``iter_*``
+        directory *newer* than every committed one raises (its own class: a ``FormatVersionError``
+        says "upgrade"): manifests are written atomically, so damage means corruption, not a crash,
+        and silently loading an older checkpoint would hide it.  One older than the newest
+        committed checkpoint, and written before it, cannot hide anything: it is logged and
+        skipped.  "Older" is by iteration number and by the manifest's mtime (a damaged manifest's
+        ``commit_seq`` cannot be read; one rewritten after the newest commit may be a later commit
+        of a run that resumed from an older checkpoint); a linked ``iter_*`` directory was never
+        written by us at all."""
+        newest = self.newest
+        blocking = {it: e for it, e in self.damaged.items() if not self._older_than(it, newest)}
+        for it, err in self.damaged.items():
+            if it not in blocking:
+                log.warning(
+                    "%s: skipped (older than the newest committed checkpoint, iteration %d): %s",
+                    iter_dir(self.root, it),
+                    newest,
+                    err,
+                )
+        if blocking:
+            first = blocking[min(blocking)]
+            raise type(first)(f"{first} (pass an explicit iteration to load another checkpoint)") from None
         if not self.committed:
             raise NoCheckpointError(f"{self.root}: no committed checkpoint (no iter_*/{MANIFEST_NAME})")
         return self.newest
+
+    def _older_than(self, iteration: int, newest: int | None) -> bool:
+        """Whether damaged ``iteration`` is older than committed ``newest`` (see :meth:`latest`)."""
+        if newest is None or iteration >= newest:
+            return False
+        d = iter_dir(self.root, iteration)
+        if os.path.islink(d):
+            return True
+        try:
+            mine = os.lstat(os.path.join(d, MANIFEST_NAME)).st_mtime_ns
+            theirs = os.lstat(os.path.join(iter_dir(self.root, newest), MANIFEST_NAME)).st_mtime_ns
+        except OSError:
+            return False
+        return mine <= theirs
 
     def leftovers(self) -> list[int]:
         """Uncommitted directories of ours: no manifest, and every entry a name we write."""
