@@ -147,3 +147,40 @@ def test_one_rank_failing_to_make_the_directory_makes_every_rank_skip_that_itera
     for r in got:
         assert r["committed"] == [1, 3], r  # in step: 2 skipped on every rank, 3 commits
     assert committed_iterations(root) == [1, 3]
+
+
+def _read_only(path: str, on: bool) -> None:
+    """Make ``path`` read-only by mounting a read-only bind of it over itself (a remount of the
+    whole file system would be refused while the job holds its lock file open for writing), or
+    writable again by unmounting that bind."""
+    import subprocess
+
+    if on:
+        subprocess.run(["mount", "--bind", path, path], check=True, capture_output=True)
+        subprocess.run(["mount", "-o", "remount,bind,ro", path], check=True, capture_output=True)
+    else:
+        subprocess.run(["umount", path], check=True, capture_output=True)
+
+
+def test_a_save_dir_made_read_only_mid_run_skips_saves_until_it_is_writable_again(small_fs, caplog):
+    """A real read-only mount (EROFS from the kernel), not an injected error."""
+    root = os.path.join(small_fs, "ckpt")
+    ts = make_state(0, 5_000)
+    with _manager(root, on_error="warn") as mgr:
+        for n, t in ts.items():
+            mgr.register(n, t)
+        fill(ts, 0, 1)
+        assert mgr.save(1)
+        mgr.wait()
+        _read_only(root, True)
+        try:
+            fill(ts, 0, 2)
+            assert mgr.save(2) is False
+            mgr.wait()
+        finally:
+            _read_only(root, False)
+        fill(ts, 0, 3)
+        assert mgr.save(3)
+        mgr.wait()
+    assert committed_iterations(root) == [1, 3]
+    assert "iter_0000002" in caplog.text and "Read-only file system" in caplog.text
