@@ -5,7 +5,7 @@ ours can run, and a checksum does not help against a file whose author recompute
 parse costs is bounded by the number of values it creates -- at most ~100 bytes each (a one-key
 dict in a list) -- and every value but the first of an array or object follows a ``,``, and
 every container starts with ``[`` or ``{``.  So ``count(",") + count("[") + count("{")`` (a byte
-scan, ~10 ms per 64 MiB, no allocation beyond a 16 MiB window) bounds the parse's memory before it
+scan, ~0.1 s per 64 MiB, in place for bytes; 16 MiB windows of a mapping) bounds the parse's memory before it
 starts: a text above ``values_per_byte`` of its length (plus a fixed allowance for small texts)
 is refused.  The counts also include commas and brackets inside strings, so they only
 over-estimate: a refusal is never a parse that would have been cheap by far.
@@ -24,7 +24,10 @@ _WINDOW = 16 << 20
 
 
 def count_values(data) -> int:
-    """An upper bound on the JSON values in ``data`` (bytes-like), over 16 MiB windows."""
+    """An upper bound on the JSON values in ``data`` (bytes-like): counted in place for bytes and
+    bytearray, over copied 16 MiB windows for any other buffer (a mapping)."""
+    if isinstance(data, (bytes, bytearray)):
+        return 1 + data.count(b",") + data.count(b"[") + data.count(b"{")
     view = memoryview(data).cast("B")
     total = 1
     for start in range(0, len(view), _WINDOW):
