@@ -128,6 +128,23 @@ def op_start_and_save_many(root: str) -> str:
     return "saved iterations 3-6"
 
 
+def op_start_and_save_recycling(root: str) -> str:
+    """A trainer recycling rank files (``recycle_files="all"``, ``keep_last=1``) over four commits:
+    every retired file is taken again by a later save."""
+    ts = make_state(0, BIG)
+    try:
+        with _manager(root, keep_last=1, recycle_files="all") as mgr:
+            for n, t in ts.items():
+                mgr.register(n, t)
+            for it in (3, 4, 5, 6):
+                fill(ts, 0, it)
+                mgr.save(it, {"iteration": it})
+                mgr.wait()
+    except CheckpointError as e:
+        return f"refused: {type(e).__name__}: {str(e)[:100]}"
+    return "saved iterations 3-6"
+
+
 def op_start_and_save(root: str) -> str:
     """A trainer starting on the directory (start-up cleanup), saving iteration 3 with retention."""
     ts = make_state(0, BIG)
@@ -247,6 +264,21 @@ def _recycle_links(root, outside):
     _replace(_rank_file(root, 1), lambda p: os.symlink(os.path.join(outside, "precious.bin"), p))
 
 
+def _hard_linked_lock(root, outside):
+    """The save directory's lock file replaced by a hard link to a file outside."""
+    from datastates_megatron.engine.names import LOCK_NAME
+
+    _replace(os.path.join(root, LOCK_NAME), lambda p: os.link(os.path.join(outside, "precious.bin"), p))
+
+
+def _cp_al_backup(root, outside):
+    """A ``cp -al`` backup (hard links) of both committed checkpoints, outside the save directory."""
+    import subprocess
+
+    for it in (1, 2):
+        subprocess.run(["cp", "-al", iter_dir(root, it), os.path.join(outside, f"backup-{it}")], check=True)
+
+
 # ----------------------------------------------------------------- crafted files under the size caps
 CHUNKED_BIG = 270_000  # ~1 MiB of data: at chunk_bytes=1 its index holds ~8.7 MB of checksums
 
@@ -326,6 +358,8 @@ ATTACKS = [
         "saved",  # the tracker is a hint: its update is skipped, the commit stands
     ),
     Attack("links as rank file and in recycle pool: save", _recycle_links, op_start_and_save, "saved"),
+    Attack("lock file hard-linked to a file outside: start-up", _hard_linked_lock, op_start_and_save, "refused"),
+    Attack("cp -al backup of the checkpoints: recycling saves", _cp_al_backup, op_start_and_save_recycling, "saved"),
     # crafted files under the size caps (issue 33): each within 64 MiB + 2x its bytes and 2 s per 64 MiB
     Attack("64 MiB manifest [{},{},...]: ls", _dense_manifest, op_ls, "rc 0"),
     Attack("64 MiB manifest [{},{},...]: verify", _dense_manifest, op_verify, "rc 1"),
