@@ -157,6 +157,7 @@ def survey(root: str) -> Survey:
             committed[it] = got
         elif got is not None:
             damaged[it] = got
+    _MANIFESTS.keep_only(root, [iter_dir(root, it) for it in iterations])
     return Survey(root, tuple(iterations), committed, damaged)
 
 
@@ -212,6 +213,15 @@ class _ManifestCache:
                 while len(self._entries) > self._MAX:
                     self._entries.pop(next(iter(self._entries)))
         return got
+
+    def keep_only(self, root: str, ckpt_dirs: list[str]) -> None:
+        """Forget the manifests under ``root`` outside ``ckpt_dirs`` (deleted by retention, say): the
+        cache holds only what a survey of each root last found."""
+        prefix = os.path.join(root, "")
+        keep = {os.path.join(d, MANIFEST_NAME) for d in ckpt_dirs}
+        with self._lock:
+            for path in [p for p in self._entries if p.startswith(prefix) and p not in keep]:
+                del self._entries[path]
 
 
 _MANIFESTS = _ManifestCache()

@@ -7,6 +7,8 @@ time <= 2 s per 64 MiB.  Measured in a forked child (``resource.getrusage`` peak
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from tests.faults import attacks
@@ -72,3 +74,31 @@ def test_manifests_are_surveyed_incrementally_not_all_reread_at_every_commit(tmp
     os.utime(path, (old, old))
     third = tier.survey(root)
     assert reads == [iter_dir(root, 3)] and 3 in third.damaged and 3 not in third.committed
+
+
+def test_the_survey_cache_forgets_manifests_of_deleted_checkpoints(tmp_path, monkeypatch):
+    import shutil
+    import time
+
+    from datastates_megatron.engine import tier
+    from datastates_megatron.engine.manifest import MANIFEST_NAME, iter_dir
+
+    later = time.time_ns() + 60_000_000_000
+
+    class Clock:
+        @staticmethod
+        def time_ns():
+            return later
+
+    monkeypatch.setattr(tier, "time", Clock)
+    root = str(tmp_path / "ckpt")
+    attacks.commit(root, iterations=(1, 2, 3))
+
+    def cached():
+        return sorted(p for p in tier._MANIFESTS._entries if p.startswith(root + os.sep))
+
+    tier.survey(root)
+    assert cached() == [os.path.join(iter_dir(root, it), MANIFEST_NAME) for it in (1, 2, 3)]
+    shutil.rmtree(iter_dir(root, 1))  # retention
+    tier.survey(root)
+    assert cached() == [os.path.join(iter_dir(root, it), MANIFEST_NAME) for it in (2, 3)]
