@@ -144,6 +144,10 @@ def _load_manifest(ckpt: str) -> Manifest:
         raise NoCheckpointError(f"{ckpt}: no such checkpoint directory{_retention_hint(ckpt)}") from None
     except PermissionError as e:
         raise NoCheckpointError(f"{ckpt}: permission denied ({e.strerror}): cannot look into it") from None
+    except OSError as e:  # ENAMETOOLONG, ELOOP: not "no such checkpoint"
+        from .engine.safe_io import os_error_text
+
+        raise NoCheckpointError(f"{ckpt}: cannot look into it: {os_error_text(e)}") from None
     if not is_dir:
         raise NoCheckpointError(f"{ckpt}: not a directory: not a checkpoint")
     try:
