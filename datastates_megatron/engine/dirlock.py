@@ -17,6 +17,8 @@ locked with the one at the name now and, once they differ, refuses every later c
 job's checkpoints.
 
 Thread-safety: one owner; ``acquire``/``release`` from one thread; ``release`` is idempotent.
+``check`` may run on another thread (the commit thread) while the lock is held; the owner joins
+that thread before ``release``.
 """
 
 from __future__ import annotations

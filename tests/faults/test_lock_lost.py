@@ -146,3 +146,47 @@ def test_a_dead_holder_whose_forked_child_keeps_the_lock_is_not_named_as_the_hol
         assert f"pid {holder}" in msg and "no longer running" in msg and str(child) in msg, msg
     finally:
         os.kill(child, signal.SIGKILL)
+
+
+def _two_ranks_lock_deleted(args) -> dict:
+    """Forked rank: iteration 1 commits; rank 0's lock file is then deleted; saves 2 and 3 follow."""
+    import json
+
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    root, report = args
+    ts = make_state(rank, 5_000)
+    out = {}
+    with _manager(root, keep_last=1, on_error="warn") as mgr:
+        for n, t in ts.items():
+            mgr.register(n, t)
+        fill(ts, rank, 1)
+        mgr.save(1)
+        mgr.wait()
+        if rank == 0:
+            os.unlink(os.path.join(root, LOCK_NAME))
+        dist.barrier()
+        for it in (2, 3):
+            fill(ts, rank, it)
+            mgr.save(it)
+            mgr.wait()
+        out["latest"] = mgr.latest_committed
+    with open(f"{report}.rank{rank}", "w") as f:
+        json.dump(out, f)
+    return out
+
+
+def test_with_two_ranks_every_rank_stops_committing_once_the_lock_is_lost(tmp_path):
+    import json
+
+    from tests.distributed.ranks import describe
+    from tests.faults.forkranks import fork_ranks
+
+    root, report = str(tmp_path / "ckpt"), str(tmp_path / "report")
+    res = fork_ranks(_two_ranks_lock_deleted, 2, [root, report], timeout=120)
+    assert all(r["returncode"] == 0 for r in res), describe(res)  # no rank waits forever, none dies
+    for rank in (0, 1):
+        assert json.loads((tmp_path / f"report.rank{rank}").read_text())["latest"] == 1
+    assert committed_iterations(root) == [1]
