@@ -103,7 +103,7 @@ class RankFileWriter:
         self.reused_bytes = 0
         try:
             st = os.fstat(self._fd)
-            if st.st_size and (st.st_nlink != 1 or st.st_size > reuse_limit(data_end)):
+            if st.st_nlink != 1 or st.st_size > reuse_limit(data_end):  # an empty linked file too
                 os.close(self._fd)
                 self._fd = None
                 os.unlink(path)

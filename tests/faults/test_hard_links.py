@@ -157,3 +157,22 @@ def test_a_reader_mapping_a_retired_file_survives_its_recycling(tmp_path):
     assert os.waitstatus_to_exitcode(status) == 0  # and the file was reused, not only replaced
     assert committed_iterations(root) == [4]
     shutil.rmtree(root)
+
+
+@pytest.mark.parametrize("size", [0, 8192])
+def test_a_hard_link_planted_at_the_next_rank_file_name_is_not_written_through(tmp_path, size):
+    from datastates_megatron.engine.manifest import rank_file_name
+
+    root, outside = tmp_path / "ckpt", tmp_path / "outside"
+    outside.mkdir()
+    precious = outside / "precious.bin"
+    precious.write_bytes(os.urandom(size))
+    before = _digests(outside)
+    with _manager(root) as mgr:
+        ts = _registered(mgr)
+        _save(mgr, ts, 1)
+        os.makedirs(iter_dir(str(root), 2))
+        os.link(precious, os.path.join(iter_dir(str(root), 2), rank_file_name(0, mgr.token, mgr._seq + 1)))
+        _save(mgr, ts, 2)
+    assert _digests(outside) == before and os.stat(precious).st_nlink == 1
+    assert committed_iterations(str(root)) == [1, 2]
