@@ -102,3 +102,34 @@ def test_the_survey_cache_forgets_manifests_of_deleted_checkpoints(tmp_path, mon
     shutil.rmtree(iter_dir(root, 1))  # retention
     tier.survey(root)
     assert cached() == [os.path.join(iter_dir(root, it), MANIFEST_NAME) for it in (2, 3)]
+
+
+def test_a_sparse_terabyte_rank_file_is_refused_from_its_header_not_with_cannot_allocate_memory(tmp_path):
+    from datastates_megatron.engine import CorruptCheckpointError
+    from datastates_megatron.engine.file_format import RankFile
+
+    from tests.faults.damage import rebuild_rank_file
+
+    root = str(tmp_path / "ckpt")
+    attacks.commit(root, iterations=(1,))
+    path = attacks._rank_file(root, 1)
+    rebuild_rank_file(path, file_bytes=1 << 40)
+    assert os.path.getsize(path) == 1 << 40
+    with pytest.raises(CorruptCheckpointError, match=r"file_bytes says 1099511627776") as err:
+        RankFile(path)
+    assert "allocate" not in str(err.value)
+
+
+def test_a_damaged_manifest_kept_by_a_survey_holds_no_traceback_nor_cause(tmp_path):
+    from datastates_megatron.engine import tier
+    from datastates_megatron.engine.manifest import MANIFEST_NAME, iter_dir
+
+    root = str(tmp_path / "ckpt")
+    attacks.commit(root, iterations=(1, 2))
+    with open(os.path.join(iter_dir(root, 1), MANIFEST_NAME), "r+b") as f:
+        f.seek(30)
+        f.write(b"#")  # not JSON any more: the read raises from deep in the parser
+    found = tier.survey(root)
+    (err,) = found.damaged.values()
+    assert sorted(found.committed) == [2]
+    assert err.__traceback__ is None and err.__cause__ is None and err.__context__ is None
