@@ -21,7 +21,7 @@ import threading
 import time
 
 from .commit import Committer
-from .errors import CheckpointError, CorruptCheckpointError, NoCheckpointError
+from .errors import CheckpointError, CorruptCheckpointError, LockLostError, NoCheckpointError
 from .faults import crash_point
 from .manifest import (
     MANIFEST_NAME,
@@ -327,12 +327,24 @@ class Tier:
             if parsed and name not in keep and not (parsed[1] == self.token and parsed[2] > just.seq):
                 unlink_ours(os.path.join(d, name))
 
+    def _still_owned(self) -> bool:
+        """Whether this job still owns the directory (its lock file is the one it locked): once not,
+        another job may be using the recycle pool, and this one deletes nothing more there."""
+        guard = self.committer.guard if self.committer is not None else None
+        try:
+            if guard is not None:
+                guard()
+        except LockLostError as e:
+            log.warning("rank %d: leaving the recycle pool of %s as it is: %s", self.rank, self.root, e)
+            return False
+        return True
+
     def close(self) -> None:
         """Join the commit thread; then (the writer) empty the pool: training is over, its retired
         files only hold space."""
         if self.committer is not None:
             self.committer.close()
-        if self.is_writer:
+        if self.is_writer and self._still_owned():
             try:
                 trim_recycled(self.root, keep=0)
             except OSError as e:

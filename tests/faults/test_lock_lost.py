@@ -14,8 +14,8 @@ from datastates_megatron.engine import CheckpointError, EngineOptions
 from datastates_megatron.engine.dirlock import SaveDirLock
 from datastates_megatron.engine.errors import LockLostError
 from datastates_megatron.engine.manager import CheckpointManager
-from datastates_megatron.engine.manifest import iter_dir
-from datastates_megatron.engine.names import LOCK_NAME
+from datastates_megatron.engine.manifest import iter_dir, rank_file_name
+from datastates_megatron.engine.names import LOCK_NAME, RECYCLE_DIR
 from datastates_megatron.engine import tier as tier_module
 from datastates_megatron.engine.tier import committed_iterations
 
@@ -72,7 +72,11 @@ def test_a_job_whose_lock_was_deleted_stops_committing_and_never_deletes_the_sec
         assert first.latest_committed == 1
         assert f"{LOCK_NAME}" in caplog.text and "stops committing" in caplog.text
         assert _save(second, ts2, 13)  # the second job is unaffected
-    first.close()
+        pool = root / RECYCLE_DIR
+        pool.mkdir(exist_ok=True)
+        (pool / f"0000011-{rank_file_name(0, 'a' * 16, 3)}").write_bytes(b"the second job's retired file")
+        first.close()  # does not empty a pool the second job may be using
+        assert len(os.listdir(pool)) == 1
     assert committed_iterations(str(root)) == [1, 10, 11, 12, 13]
     assert not os.path.exists(iter_dir(str(root), 2)) and not os.path.exists(iter_dir(str(root), 3))
 
