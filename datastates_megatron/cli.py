@@ -144,6 +144,10 @@ def _load_manifest(ckpt: str) -> Manifest:
         raise NoCheckpointError(f"{ckpt}: no such checkpoint directory{_retention_hint(ckpt)}") from None
     except PermissionError as e:
         raise NoCheckpointError(f"{ckpt}: permission denied ({e.strerror}): cannot look into it") from None
+    except OSError as e:  # ENAMETOOLONG, ELOOP: not "no such checkpoint"
+        from .engine.safe_io import os_error_text
+
+        raise NoCheckpointError(f"{ckpt}: cannot look into it: {os_error_text(e)}") from None
     if not is_dir:
         raise NoCheckpointError(f"{ckpt}: not a directory: not a checkpoint")
     try:
@@ -155,6 +159,8 @@ def _load_manifest(ckpt: str) -> Manifest:
         raise NoCheckpointError(f"{e}{hint}") from e
     except CorruptCheckpointError as e:
         raise type(e)(f"damaged manifest: {e}") from e
+    except CheckpointError:
+        raise  # permission denied (CheckpointAccessError) is not damage
     except OSError as e:
         raise CorruptCheckpointError(f"{os.path.join(ckpt, MANIFEST_NAME)}: cannot read the manifest: {e}") from e
 
@@ -200,8 +206,16 @@ def list_checkpoints(save_dir: str) -> dict:
     from .engine.manifest import TRACKER_NAME, iter_dir, parse_tracker, read_manifest, read_tracker_text
     from .engine.tier import latest_committed, list_iterations
 
-    if not os.path.isdir(save_dir):
-        raise NoCheckpointError(f"{save_dir}: no such directory")
+    try:
+        is_dir = stat.S_ISDIR(os.stat(save_dir).st_mode)
+    except FileNotFoundError:
+        raise NoCheckpointError(f"{save_dir}: no such directory") from None
+    except OSError as e:  # ENAMETOOLONG, EACCES, ELOOP: the directory may well exist
+        from .engine.safe_io import os_error_text
+
+        raise NoCheckpointError(f"{save_dir}: cannot look into it: {os_error_text(e)}") from None
+    if not is_dir:
+        raise NoCheckpointError(f"{save_dir}: not a directory")
     save_dir = os.path.abspath(save_dir)
     now = time.time()
     rows = []
@@ -233,6 +247,8 @@ def list_checkpoints(save_dir: str) -> dict:
             m = read_manifest(d)
         except NoCheckpointError:
             pass
+        except PermissionError as e:  # CheckpointAccessError: not ours to read, not damaged
+            row.update(state="unreadable", error=str(e))
         except (CheckpointError, OSError) as e:
             row.update(state="damaged", error=str(e))
         else:
@@ -255,9 +271,11 @@ def list_checkpoints(save_dir: str) -> dict:
         latest_error = str(e)
     for row in rows:
         row["latest"] = latest is not None and row["iteration"] == latest and row["state"] == "committed"
+    tracker_readable = True
     try:
         tracker_text = read_tracker_text(save_dir)  # not through a link, size-capped
-    except CorruptCheckpointError as e:
+    except CheckpointError as e:
+        tracker_readable = False
         tracker_text = f"<unreadable: {_strip_path(str(e), os.path.join(save_dir, TRACKER_NAME))}>"
     tracker = parse_tracker(tracker_text)  # ASCII digits only
     return {
@@ -269,7 +287,8 @@ def list_checkpoints(save_dir: str) -> dict:
         "latest_error": latest_error,
         "tracker": tracker,
         "tracker_text": tracker_text,
-        "tracker_agrees": None if tracker_text is None or latest_error else tracker == latest,
+        # an unreadable tracker agrees with nothing, not even with "no checkpoint"
+        "tracker_agrees": None if tracker_text is None or latest_error or not tracker_readable else tracker == latest,
     }
 
 
@@ -281,7 +300,9 @@ def _render_ls(doc: dict) -> None:
     else:
         table = [("ITERATION", "STATE", "TIER", "WORLD", "SIZE", "AGE", "")]
         for r in rows:
-            state = {"damaged": "DAMAGED", "foreign": f"foreign ({r['format']})"}.get(r["state"], r["state"])
+            state = {"damaged": "DAMAGED", "unreadable": "UNREADABLE", "foreign": f"foreign ({r['format']})"}.get(
+                r["state"], r["state"]
+            )
             table.append(
                 (
                     "release" if r["iteration"] is None else str(r["iteration"]),
@@ -311,6 +332,8 @@ def _render_ls(doc: dict) -> None:
         print(f"tracker: absent ({_TRACKER_NAME})")
     else:
         verdict = {True: "agrees", False: "DIFFERS from latest", None: "latest undetermined"}[doc["tracker_agrees"]]
+        if text.startswith("<unreadable") and doc["tracker_agrees"] is None:
+            verdict = "cannot be compared"
         print(f"tracker: {text} ({verdict})")
 
 
@@ -688,7 +711,7 @@ def _build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="print one JSON document (keys: schema, command, save_dir, checkpoints[], latest, latest_error, "
         "tracker, tracker_text, tracker_agrees); a checkpoint's state is committed, uncommitted, "
-        "damaged or foreign, its format (foreign only; else null) torch_dist, torch or unknown, "
+        "damaged, unreadable (permission denied) or foreign, its format (foreign only; else null) torch_dist, torch or unknown, "
         "its iteration null for Megatron's release directory",
     )
 

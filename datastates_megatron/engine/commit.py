@@ -23,7 +23,7 @@ import threading
 import time
 
 from .collective import Collective
-from .errors import CacheTimeoutError, CommitError
+from .errors import CacheTimeoutError, CommitError, LockLostError
 from .faults import crash_point
 from .manifest import Manifest, RankRecord, iter_dir, rank_file_name, write_manifest, write_tracker
 from .retention import unlink_ours
@@ -111,6 +111,9 @@ class Committer(QueueThread):
         self._records: collections.deque[CommitRecord] = collections.deque()
         self._errors: collections.deque[BaseException] = collections.deque()
         self.latest: int | None = None
+        # the writer's check that it still owns the directory (:meth:`.dirlock.SaveDirLock.check`),
+        # run before each manifest is written; raises LockLostError (nothing is committed then)
+        self.guard = None
         super().__init__(f"dsm-commit-r{rank}" + ("-local" if tier.name == "local" else ""))
 
     def submit(self, ticket: Ticket) -> None:
@@ -240,8 +243,15 @@ class Committer(QueueThread):
                     tier=self.tier.name,
                     run_id=self.tier.run_id,
                 )
+                if self.guard is not None:
+                    self.guard()
                 crash_point("before_manifest", self.rank)
                 write_manifest(self.root, manifest)
+            except LockLostError as e:
+                ok = False
+                err = CommitError(f"rank {self.rank}: iteration {ticket.iteration}: not committed: {e}")
+                err.__cause__ = e
+                self._errors.append(err)
             except OSError as e:
                 ok = False
                 err = CommitError(

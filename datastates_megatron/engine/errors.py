@@ -16,6 +16,8 @@ __all__ = [
     "EncodingError",
     "ForeignCheckpointError",
     "SaveDirBusyError",
+    "LockLostError",
+    "CheckpointAccessError",
     "OptionsError",
 ]
 
@@ -71,6 +73,15 @@ class ForeignCheckpointError(CheckpointError, FileExistsError):
 
 class SaveDirBusyError(CheckpointError, RuntimeError):
     """Another job (or another manager in this process) is writing to the same save directory."""
+
+
+class CheckpointAccessError(CheckpointError, PermissionError):
+    """A checkpoint file exists but this process may not read it (EACCES/EPERM): not damage."""
+
+
+class LockLostError(CheckpointError, RuntimeError):
+    """The save directory's lock file was removed or replaced while this job held the lock: another
+    job may have started there, so this one must not commit (nor run retention) any more."""
 
 
 class OptionsError(CheckpointError, ValueError):

@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from .errors import CorruptCheckpointError, FormatVersionError
+from .json_budget import check_budget
 from .objects import decode_objects
 from .safe_io import open_regular
 from .hashing import xxh64, xxh64_kernel
@@ -44,6 +45,8 @@ __all__ = [
     "warmup",
     "INDEX_WORDS",
     "MAX_NDIM",
+    "MIN_CHUNK_BYTES",
+    "check_sections",
 ]
 
 MAGIC = b"DSMCKPT\x00"
@@ -267,6 +270,45 @@ def _entry(r: np.ndarray, i: int, names: bytes, cks: np.ndarray, path: str, data
     return TensorEntry(name, dtype, shape, offset, nbytes, cks[r[14] : r[14] + r[15]])
 
 
+MIN_CHUNK_BYTES = 4096  # the writer's smallest chunk (EngineOptions.effective_chunk_bytes)
+MAX_NAME_BYTES = 1 << 16  # a tensor name in the index: far beyond any model's parameter names
+_INDEX_RECORD_BYTES = INDEX_WORDS * 8
+# the objects section we write: tensor metadata (a value per ~10 bytes at worst) and user state
+_OBJECTS_BYTES_PER_VALUE = 8
+_OBJECTS_VALUE_ALLOWANCE = 1 << 18
+
+
+def check_sections(h: Header, path: str) -> None:
+    """Refuse (:class:`CorruptCheckpointError` naming ``path``) a header whose sections are not
+    laid out as the writer lays them, before anything they describe is read: data at 4 KiB, the
+    index after the data (with at most the padding a recycled file leaves:
+    :func:`.writer.reuse_limit`), the objects right after the index and the file's end right after
+    them; ``chunk_bytes`` at least the writer's minimum; an index no larger than the records,
+    checksums and names of ``n_tensors`` tensors over ``data_bytes`` need.  So what a crafted
+    header costs is bounded by the bytes it really has."""
+    data_end = h.data_offset + h.data_bytes
+    aligned = -(-data_end // 4096) * 4096
+    problems = []
+    if h.chunk_bytes < MIN_CHUNK_BYTES:
+        problems.append(f"chunk_bytes {h.chunk_bytes} is below the writer's minimum {MIN_CHUNK_BYTES}")
+    if h.data_offset != HEADER_BYTES:
+        problems.append(f"data starts at {h.data_offset}, not {HEADER_BYTES}")
+    if not aligned <= h.index_offset <= aligned + data_end // 8 + (4 << 20):
+        problems.append(f"index starts at {h.index_offset}, not after the data ({aligned}) as written")
+    if h.objects_offset != h.index_offset + h.index_bytes or h.file_bytes != h.objects_offset + h.objects_bytes:
+        problems.append(
+            f"sections end at {h.objects_offset + h.objects_bytes} (objects at {h.objects_offset}), "
+            f"file_bytes says {h.file_bytes}"
+        )
+    if h.chunk_bytes >= MIN_CHUNK_BYTES:
+        most_checksums = h.n_tensors + h.data_bytes // h.chunk_bytes
+        most_index = h.n_tensors * (_INDEX_RECORD_BYTES + MAX_NAME_BYTES) + 8 * most_checksums
+        if not h.n_tensors * _INDEX_RECORD_BYTES <= h.index_bytes <= most_index:
+            problems.append(f"an index of {h.index_bytes} bytes for {h.n_tensors} tensors over {h.data_bytes} bytes")
+    if problems:
+        raise CorruptCheckpointError(f"{path}: header describes a file the writer never makes: {'; '.join(problems)}")
+
+
 class RankFile:
     """A rank file opened read-only via ``mmap``; tensors are zero-copy views.  Not thread-safe to close
     while views are used; reading entries from several threads is safe."""
@@ -275,20 +317,25 @@ class RankFile:
         self.path = os.fspath(path)
         # never through a symlink, only a regular file (a FIFO does not block): CorruptCheckpointError
         self._file = os.fdopen(open_regular(self.path), "rb")
+        self._mm = None
         size = os.fstat(self._file.fileno()).st_size
         if size < HEADER_BYTES:
             self._file.close()
             raise CorruptCheckpointError(f"{self.path}: truncated ({size} bytes, header needs {HEADER_BYTES})")
-        self._mm = mmap.mmap(self._file.fileno(), 0, access=mmap.ACCESS_COPY)
-        try:
-            self.header = Header.unpack(self._mm[:HEADER_BYTES], self.path)
+        try:  # the header and the sections' bounds before anything is mapped or parsed
+            self.header = h = Header.unpack(os.pread(self._file.fileno(), HEADER_BYTES, 0), self.path)
+            if size != h.file_bytes:
+                raise CorruptCheckpointError(
+                    f"{self.path}: size is {size} bytes, header says {h.file_bytes} (truncated?)"
+                )
+            check_sections(h, self.path)
+            self._mm = mmap.mmap(self._file.fileno(), 0, access=mmap.ACCESS_COPY)
+        except OSError as e:
+            self.close()
+            raise CorruptCheckpointError(f"{self.path}: cannot read or map its {size} bytes: {e.strerror or e}") from e
         except CorruptCheckpointError:
             self.close()
             raise
-        h = self.header
-        if size != h.file_bytes:
-            self.close()
-            raise CorruptCheckpointError(f"{self.path}: size is {size} bytes, header says {h.file_bytes} (truncated?)")
         view = memoryview(self._mm)
         index_raw = view[h.index_offset : h.index_offset + h.index_bytes]
         if xxh64(index_raw) != h.index_xxh64:
@@ -305,6 +352,7 @@ class RankFile:
                     index_raw, h.n_tensors, self.path, (h.data_offset, h.data_offset + h.data_bytes, h.chunk_bytes)
                 )
             }
+            check_budget(objects_raw, _OBJECTS_BYTES_PER_VALUE, _OBJECTS_VALUE_ALLOWANCE, self.path, "objects section")
             self.objects = decode_objects(objects_raw)
         except CorruptCheckpointError:
             self.close()

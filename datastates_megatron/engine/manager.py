@@ -20,16 +20,16 @@ import torch
 from .collective import Collective
 from .commit import CommitRecord, Ticket
 from .dirlock import SaveDirLock
-from .errors import CheckpointError, NoCheckpointError, SaveDirBusyError
+from .errors import CheckpointError, FlushError, NoCheckpointError, SaveDirBusyError
 from .faults import hold_point
 from .foreign import refuse_newer_foreign
 from .manifest import iter_dir, rank_file_name, read_manifest, save_id
 from .options import EngineOptions, ManagerOptions
 from .load_plan import LoadPlanner, SameLayoutPlanner
 from .reader import CheckpointReader, RestoreStats, open_checkpoint
-from .replication import Replication, clique_of, replication_plan
-from .run_id import ensure_run_id, run_subdir
-from .safe_io import make_dir
+from .replication import REPLICAS_DIR, Replication, clique_of, replication_plan
+from .run_id import RUN_SUBDIR_PREFIX, ensure_run_id, run_subdir
+from .safe_io import check_path_fits, make_dir
 from .snapshot import SnapshotEngine
 from .threads import ClosingContext, close_at_exit, forget
 from .tier import Tier, committed_iterations, latest_committed, report_other_runs, survey
@@ -37,6 +37,10 @@ from .tier import Tier, committed_iterations, latest_committed, report_other_run
 __all__ = ["CheckpointManager", "LoadResult"]
 
 log = logging.getLogger(__name__)
+# the longest path we create under a tier's root: a temp name beside a rank file in an iter_* directory
+_LONGEST_NAME = os.path.join("iter_0000000000", rank_file_name(99999, "f" * 16, 999999) + ".tmp-4194304")
+# ... and under a node-local root: in this run's directory, a replica held for another rank
+_LONGEST_LOCAL = os.path.join(RUN_SUBDIR_PREFIX + "f" * 16, REPLICAS_DIR, "r99999", _LONGEST_NAME)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -149,6 +153,10 @@ class CheckpointManager(ClosingContext):
             for tier, tier_group in ((self.persistent, persist_group), (self.local, group)):
                 if tier:
                     tier.open(Collective(tier_group), self.world_size, self.layout, opts.timeout_s)
+            # no commit (and so no retention) once a lock file is not ours
+            for tier, lock in ((self.persistent, self._lock), (self.local, self._local_lock)):
+                if lock is not None:
+                    tier.committer.guard = lock.check
             if self.local:
                 from .promotion import Promotion
 
@@ -176,8 +184,11 @@ class CheckpointManager(ClosingContext):
         ``<local root>/run-<id>``, whose writer takes that directory's lock before cleaning it."""
         run_id = 0
         try:
+            for root, longest in ((self.root, _LONGEST_NAME), (self.local_base, _LONGEST_LOCAL)):
+                if root:  # ENAMETOOLONG now, not mid-save
+                    check_path_fits(root, longest)
             if self.persistent.is_writer:
-                os.makedirs(self.root, exist_ok=True)
+                make_dir(self.root)
                 found = survey(self.root)
                 refuse_newer_foreign(self.root, found.newest, option="--save")  # read-only: before the lock
                 self._lock = SaveDirLock(self.root).acquire()
@@ -276,6 +287,7 @@ class CheckpointManager(ClosingContext):
         self._seq += 1
         tier = self._first_tier
         d = iter_dir(tier.root, iteration)
+        error = None
         try:
             make_dir(d)  # an iter_* symlink is refused (FlushError): we never write through a link
             name = rank_file_name(self.rank, self.token, self._seq)
@@ -285,16 +297,20 @@ class CheckpointManager(ClosingContext):
             recycle = functools.partial(tier.take_recycled, path) if tier.recycle else None
             handle = self.engine.save(iteration, path, objects, tag=name, before_open=recycle)
         except CheckpointError as e:
-            self._handle(e)
-            handle = None
+            error, handle = e, None
+        except OSError as e:  # the save path raises CheckpointError only: a raw one must not escape
+            error, handle = FlushError(f"rank {self.rank}: iteration {iteration}: {d}: save failed: {e}"), None
+            error.__cause__ = e
         t_save = time.perf_counter()
         if handle is None:
-            # the other ranks still expect this rank in the agreement for this sequence number
+            # the other ranks still expect this rank in the agreement for this sequence number: the
+            # failed ticket goes in before the error is raised (on_error="raise") or logged
             import concurrent.futures as cf
 
             failed: cf.Future = cf.Future()
             failed.set_exception(CheckpointError("save did not start"))
             tier.committer.submit(Ticket(iteration, self._seq, failed, dict(metadata or {}), t_save))
+            self._handle(error)
             return False
         tier.committer.submit(Ticket(iteration, self._seq, handle.durable, dict(metadata or {}), t_save))
         return True

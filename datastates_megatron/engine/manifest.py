@@ -19,6 +19,7 @@ import time
 
 from . import safe_io
 from .errors import CorruptCheckpointError, FormatVersionError, NoCheckpointError
+from .json_budget import check_budget
 from .writer import fsync_dir
 
 __all__ = [
@@ -52,6 +53,10 @@ _DIGITS = re.compile(rb"^[0-9]{1,18}$")  # ASCII only: ``str.isdigit`` accepts '
 _U64 = 1 << 64
 _MAX_WORLD = 1 << 31
 _TIERS = ("persistent", "local")
+# a manifest we write holds one JSON value per ~29 bytes (its rank records); its metadata may be
+# denser, hence the allowance (a 1 MiB dense metadata dict)
+_MANIFEST_BYTES_PER_VALUE = 16
+_MANIFEST_VALUE_ALLOWANCE = 1 << 16
 log = logging.getLogger(__name__)
 
 
@@ -158,30 +163,47 @@ class Manifest:
     def from_json(cls, data: bytes, path: str) -> "Manifest":
         """Parse and validate; every failure is a :class:`CorruptCheckpointError` naming ``path``.
         The checksum is verified before any field is used, and every field is type- and
-        range-checked (so nothing read from the file sizes an allocation)."""
+        range-checked (so nothing read from the file sizes an allocation).  Before parsing, the JSON
+        values are counted (:mod:`.json_budget`): a manifest denser than one we write (one value per
+        ~29 bytes for its rank records) is refused unparsed.  No error raised here keeps the parsed
+        body alive (``from None``; ``body`` is dropped before raising): a stored error must not pin
+        a hostile file's objects."""
+        check_budget(data, _MANIFEST_BYTES_PER_VALUE, _MANIFEST_VALUE_ALLOWANCE, path, "manifest")
         try:
             body = json.loads(data.decode("utf-8"))
         except (UnicodeDecodeError, ValueError, RecursionError) as e:
-            raise CorruptCheckpointError(f"{path}: manifest is not valid JSON: {type(e).__name__}: {e}") from e
+            raise CorruptCheckpointError(f"{path}: manifest is not valid JSON: {type(e).__name__}: {e}") from None
+        problem = cls._check_body(body, path)
+        if problem is not None:
+            del body
+            raise problem
+        try:
+            return cls._validated(body)
+        except _FieldError as e:
+            message = f"{path}: {e}"
+        del body
+        raise CorruptCheckpointError(message) from None
+
+    @staticmethod
+    def _check_body(body, path: str) -> CorruptCheckpointError | None:
+        """Format, version and checksum of a parsed body: the error to raise, or ``None``."""
         if not isinstance(body, dict) or body.get("format") != MANIFEST_FORMAT:
-            raise CorruptCheckpointError(f"{path}: not a datastates-megatron manifest")
+            return CorruptCheckpointError(f"{path}: not a datastates-megatron manifest")
         if body.get("format_version") != MANIFEST_VERSION:
-            raise FormatVersionError(
-                f"{path}: unknown manifest format version {body.get('format_version')!r} (this reader knows {MANIFEST_VERSION})"
+            return FormatVersionError(
+                f"{path}: unknown manifest format version {body.get('format_version')!r:.40} "
+                f"(this reader knows {MANIFEST_VERSION})"
             )
         stored = body.pop("checksum", None)
         try:
             actual = _body_xxh64(body)
         except (TypeError, ValueError, RecursionError) as e:
-            raise CorruptCheckpointError(f"{path}: manifest cannot be checksummed: {type(e).__name__}: {e}") from e
+            return CorruptCheckpointError(f"{path}: manifest cannot be checksummed: {type(e).__name__}: {e}")
         if type(stored) is not int or stored != actual:
-            raise CorruptCheckpointError(
+            return CorruptCheckpointError(
                 f"{path}: manifest checksum mismatch (stored {stored!r:.40}): the manifest was altered"
             )
-        try:
-            return cls._validated(body)
-        except _FieldError as e:
-            raise CorruptCheckpointError(f"{path}: {e}") from None
+        return None
 
     @classmethod
     def _validated(cls, body: dict) -> "Manifest":

@@ -78,7 +78,11 @@ def _remove_our_files(d: str) -> list[str]:
     """Unlink the entries of ``d`` we wrote; returns those left (not ours, not plain files, or whose
     unlink the file system refused: logged with the path, left for the next cleanup)."""
     left = []
-    for name in os.listdir(d):
+    try:
+        names = os.listdir(d)
+    except (FileNotFoundError, NotADirectoryError):
+        return left  # vanished since it was listed: nothing of ours left to remove
+    for name in names:
         path = os.path.join(d, name)
         try:
             removed = is_ours_in_iteration(name) and unlink_ours(path)
@@ -105,6 +109,8 @@ def remove_ours(d: str) -> bool:
     try:
         os.rmdir(d)
         return True
+    except FileNotFoundError:
+        return False
     except OSError as e:
         log.warning("%s: could not remove the directory: %s", d, e)
         return False
@@ -139,7 +145,9 @@ def delete_checkpoint(root: str, iteration: int, recycle: bool = False) -> None:
             make_dir(pool)
             for name in os.listdir(d):
                 src = os.path.join(d, name)
-                if parse_rank_file_name(name) is not None and stat.S_ISREG(os.lstat(src).st_mode):
+                st = os.lstat(src)
+                # a file with other hard links (a ``cp -al`` backup) is unlinked, never rewritten
+                if parse_rank_file_name(name) is not None and stat.S_ISREG(st.st_mode) and st.st_nlink == 1:
                     os.rename(src, os.path.join(pool, f"{iteration:07d}-{name}"))
         except OSError as e:  # recycling is an optimisation: fall back to deleting
             log.warning("%s: could not recycle rank files (%s); deleting them", d, e)
@@ -172,8 +180,9 @@ def take_recycled(root: str, dst: str) -> bool:
         names.sort(key=lambda n: _retired_by(n) != mine[0])  # stable: oldest first within each part
     for name in names:
         try:
-            if not stat.S_ISREG(os.lstat(os.path.join(pool, name)).st_mode):
-                continue  # not ours: a save must never write through a link into another file
+            st = os.lstat(os.path.join(pool, name))
+            if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1:
+                continue  # not ours, or linked from elsewhere: a save must never write into another file
             os.rename(os.path.join(pool, name), dst)
             return True
         except FileNotFoundError:
@@ -186,7 +195,10 @@ def trim_recycled(root: str, keep: int) -> None:
     pool = os.path.join(root, RECYCLE_DIR)
     if not _real_dir(pool):
         return
-    names = sorted(n for n in os.listdir(pool) if is_recycled_name(n))
+    try:
+        names = sorted(n for n in os.listdir(pool) if is_recycled_name(n))
+    except FileNotFoundError:
+        return
     for name in names[: max(0, len(names) - keep)]:
         unlink_ours(os.path.join(pool, name))
 

@@ -22,7 +22,7 @@ import fcntl
 import os
 import stat
 
-from .errors import CorruptCheckpointError, FlushError
+from .errors import CheckpointAccessError, CorruptCheckpointError, FlushError
 
 __all__ = [
     "MANIFEST_MAX_BYTES",
@@ -36,6 +36,8 @@ __all__ = [
     "real_dir",
     "make_dir",
     "open_dir",
+    "os_error_text",
+    "check_path_fits",
 ]
 
 MANIFEST_MAX_BYTES = 64 << 20  # a manifest of 100k ranks is ~30 MiB
@@ -103,7 +105,7 @@ def open_regular(path: str, flags: int = os.O_RDONLY, error=CorruptCheckpointErr
     return fd
 
 
-def read_capped(path: str, cap: int, what: str) -> bytes:
+def read_capped(path: str, cap: int, what: str) -> bytearray:
     """The whole of ``path`` (a regular file, not a link, at most ``cap`` bytes) -- else
     :class:`CorruptCheckpointError` naming it.  ``FileNotFoundError`` passes through; other
     ``OSError``\\ s become :class:`CorruptCheckpointError` too."""
@@ -111,22 +113,29 @@ def read_capped(path: str, cap: int, what: str) -> bytes:
         fd = open_regular(path)
     except FileNotFoundError:
         raise
+    except PermissionError as e:  # not damage: say what it is
+        raise CheckpointAccessError(f"{path}: permission denied: cannot read the {what}") from e
     except OSError as e:
         raise CorruptCheckpointError(f"{path}: cannot read the {what}: {e}") from e
     try:
         size = os.fstat(fd).st_size
         if size > cap:
             raise CorruptCheckpointError(f"{path}: {what} is larger than {cap} bytes ({size}); refusing to read it")
-        chunks, total = [], 0
-        while total <= cap:  # read to EOF, but never more than cap + 1 bytes (the file may grow)
-            chunk = os.read(fd, min(1 << 20, cap + 1 - total))
-            if not chunk:
+        # one buffer of the size fstat gave (+1 to see a file that grew): never twice the file in memory
+        buf = bytearray(size + 1)
+        view, total = memoryview(buf), 0
+        while total < len(buf):
+            n = os.readv(fd, [view[total : total + (1 << 20)]])
+            if not n:
                 break
-            chunks.append(chunk)
-            total += len(chunk)
-        if total > cap:
-            raise CorruptCheckpointError(f"{path}: {what} is larger than {cap} bytes; refusing to read it")
-        return b"".join(chunks)
+            total += n
+        view.release()
+        if total > size:
+            raise CorruptCheckpointError(f"{path}: {what} grew while it was read; refusing to read it")
+        del buf[total:]
+        return buf
+    except PermissionError as e:
+        raise CheckpointAccessError(f"{path}: permission denied: cannot read the {what}") from e
     except OSError as e:
         raise CorruptCheckpointError(f"{path}: cannot read the {what}: {e}") from e
     finally:
@@ -177,11 +186,51 @@ def real_dir(path: str) -> bool:
         return False
 
 
+def os_error_text(e: OSError) -> str:
+    """The reason of ``e`` for a message that already names the path: ``strerror``, and for a name
+    the file system cannot hold, which limit it exceeds (the raw ``File name too long`` does not
+    say whether one component or the whole path is too long)."""
+    why = e.strerror or str(e)
+    if e.errno == errno.ENAMETOOLONG:
+        why += f" (a path component is longer than {NAME_MAX} bytes, or the path longer than {PATH_MAX})"
+    return why
+
+
+NAME_MAX = 255  # Linux file systems: bytes in one path component
+PATH_MAX = 4096  # Linux: bytes in a path handed to a system call, with its terminating NUL
+
+
+def check_path_fits(path: str, longest_name: str) -> None:
+    """Refuse (:class:`FlushError`, naming the path) a directory whose components or whose length
+    leave no room for ``longest_name`` inside it: found at start-up, not as ``ENAMETOOLONG`` half-way
+    through a save (after its directory was made)."""
+    path = os.path.abspath(path)
+    for part in path.split(os.sep):
+        if len(os.fsencode(part)) > NAME_MAX:
+            raise FlushError(
+                f"{path}: path component {part[:40]!r}... is {len(os.fsencode(part))} bytes, longer than "
+                f"the {NAME_MAX} bytes a file system allows in one name"
+            )
+    need = len(os.fsencode(os.path.join(path, longest_name))) + 1
+    if need > PATH_MAX:
+        raise FlushError(
+            f"{path[:60]}...: path is too long ({len(os.fsencode(path))} bytes): the files saved in it "
+            f"({longest_name!r}) would need {need} bytes, over the {PATH_MAX} a path may have"
+        )
+
+
 def make_dir(path: str) -> None:
     """``os.makedirs(path, exist_ok=True)``, then refuse (:class:`FlushError`) when ``path`` is a
-    symlink or not a directory: we never write into a directory reached through a link."""
-    os.makedirs(path, exist_ok=True)
-    mode = os.lstat(path).st_mode
+    symlink or not a directory: we never write into a directory reached through a link.  Any
+    ``OSError`` (EACCES, EROFS, ENAMETOOLONG, ENOSPC) is a :class:`FlushError` naming the path and
+    the operation: the save path handles only :class:`.errors.CheckpointError`."""
+    try:
+        os.makedirs(path, exist_ok=True)
+        mode = os.lstat(path).st_mode
+    except FlushError:
+        raise
+    except OSError as e:
+        raise FlushError(f"{path}: cannot create the directory (mkdir): {os_error_text(e)}") from e
     if not stat.S_ISDIR(mode):
         raise FlushError(_refusal(path, mode))
 

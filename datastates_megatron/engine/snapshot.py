@@ -50,7 +50,7 @@ from .options import EngineOptions
 from .page_cache import memory_backed
 from .safe_io import open_dir
 from .threads import ClosingContext, close_at_exit, forget
-from .writer import ALIGN, RankFileWriter
+from .writer import ALIGN, RankFileWriter, tail_offset
 
 __all__ = ["SnapshotEngine", "SaveHandle"]
 
@@ -565,6 +565,7 @@ class SnapshotEngine(ClosingContext):
             per_tensor,
         )
         index_offset = -(-(HEADER_BYTES + layout.data_bytes) // ALIGN) * ALIGN
+        index_offset = tail_offset(index_offset, len(index) + len(job.objects_json), job.writer.reused_bytes)
         objects_offset = index_offset + len(index)
         header = Header(
             version=FORMAT_VERSION,

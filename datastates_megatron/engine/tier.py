@@ -17,9 +17,11 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import threading
+import time
 
 from .commit import Committer
-from .errors import CorruptCheckpointError, NoCheckpointError
+from .errors import CheckpointError, CorruptCheckpointError, LockLostError, NoCheckpointError
 from .faults import crash_point
 from .manifest import (
     MANIFEST_NAME,
@@ -63,7 +65,7 @@ class Survey:
     root: str
     iterations: tuple[int, ...]  # every ``iter_*`` directory, committed or not, ascending
     committed: dict[int, Manifest]
-    damaged: dict[int, CorruptCheckpointError]  # a manifest is there but does not read back
+    damaged: dict[int, CheckpointError]  # a manifest is there but does not read back (or may not be read)
 
     @property
     def order(self) -> list[int]:
@@ -76,15 +78,45 @@ class Survey:
         return max(self.committed, key=lambda it: (self.committed[it].commit_seq, it), default=None)
 
     def latest(self) -> int:
-        """The latest committed iteration.  A damaged manifest raises (its own class: a
-        ``FormatVersionError`` says "upgrade"): manifests are written atomically, so damage means
-        corruption, not a crash, and silently loading an older checkpoint would hide it."""
-        if self.damaged:
-            first = next(iter(self.damaged.values()))
-            raise type(first)(f"{first} (pass an explicit iteration to load another checkpoint)") from first
+        """The latest committed iteration.  A damaged (or linked, or unreadable) ``iter_*``
+        directory *newer* than every committed one raises (its own class: a ``FormatVersionError``
+        says "upgrade"): manifests are written atomically, so damage means corruption, not a crash,
+        and silently loading an older checkpoint would hide it.  One older than the newest
+        committed checkpoint, and written before it, cannot hide anything: it is logged and
+        skipped.  "Older" is by iteration number and by the manifest's mtime (a damaged manifest's
+        ``commit_seq`` cannot be read; one rewritten after the newest commit may be a later commit
+        of a run that resumed from an older checkpoint); a linked ``iter_*`` directory was never
+        written by us at all."""
+        newest = self.newest
+        blocking = {it: e for it, e in self.damaged.items() if not self._older_than(it, newest)}
+        for it, err in self.damaged.items():
+            if it not in blocking:
+                log.warning(
+                    "%s: skipped (older than the newest committed checkpoint, iteration %d): %s",
+                    iter_dir(self.root, it),
+                    newest,
+                    err,
+                )
+        if blocking:
+            first = blocking[min(blocking)]
+            raise type(first)(f"{first} (pass an explicit iteration to load another checkpoint)") from None
         if not self.committed:
             raise NoCheckpointError(f"{self.root}: no committed checkpoint (no iter_*/{MANIFEST_NAME})")
         return self.newest
+
+    def _older_than(self, iteration: int, newest: int | None) -> bool:
+        """Whether damaged ``iteration`` is older than committed ``newest`` (see :meth:`latest`)."""
+        if newest is None or iteration >= newest:
+            return False
+        d = iter_dir(self.root, iteration)
+        if os.path.islink(d):
+            return True
+        try:
+            mine = os.lstat(os.path.join(d, MANIFEST_NAME)).st_mtime_ns
+            theirs = os.lstat(os.path.join(iter_dir(self.root, newest), MANIFEST_NAME)).st_mtime_ns
+        except OSError:
+            return False
+        return mine <= theirs
 
     def leftovers(self) -> list[int]:
         """Uncommitted directories of ours: no manifest, and every entry a name we write."""
@@ -93,14 +125,23 @@ class Survey:
             d = iter_dir(self.root, it)
             if it in self.committed or it in self.damaged or not real_dir(d):
                 continue
-            if all(is_ours_in_iteration(n) for n in os.listdir(d)):
+            if all(is_ours_in_iteration(n) for n in _entries(d)):
                 out.append(it)
         return out
 
     def strays(self, iteration: int) -> list[str]:
         """Entries of committed ``iteration``'s directory that we wrote and its manifest does not name."""
         named = {MANIFEST_NAME, *(r.file for r in self.committed[iteration].ranks)}
-        return [n for n in os.listdir(iter_dir(self.root, iteration)) if n not in named and is_ours_in_iteration(n)]
+        return [n for n in _entries(iter_dir(self.root, iteration)) if n not in named and is_ours_in_iteration(n)]
+
+
+def _entries(d: str) -> list[str]:
+    """``os.listdir(d)``; ``[]`` when ``d`` vanished since it was surveyed (another job's retention,
+    an operator): what is gone needs no cleaning."""
+    try:
+        return os.listdir(d)
+    except (FileNotFoundError, NotADirectoryError):
+        return []
 
 
 def list_iterations(root: str) -> list[int]:
@@ -113,17 +154,86 @@ def list_iterations(root: str) -> list[int]:
 
 
 def survey(root: str) -> Survey:
-    """The one answer to "what is committed, ours, not ours" in the tier directory ``root``."""
+    """The one answer to "what is committed, ours, not ours" in the tier directory ``root``.
+    Incremental: a manifest whose file is unchanged since it was last read here (same inode,
+    size, mtime and ctime; :class:`_ManifestCache`) is not read again -- retention surveys the
+    directory at every commit."""
     iterations = list_iterations(root)
     committed, damaged = {}, {}
     for it in iterations:
-        try:
-            committed[it] = read_manifest(iter_dir(root, it))
-        except NoCheckpointError:
-            continue
-        except CorruptCheckpointError as e:
-            damaged[it] = e
+        got = _MANIFESTS.read(iter_dir(root, it))
+        if isinstance(got, Manifest):
+            committed[it] = got
+        elif got is not None:
+            damaged[it] = got
+    _MANIFESTS.keep_only(root, [iter_dir(root, it) for it in iterations])
     return Survey(root, tuple(iterations), committed, damaged)
+
+
+def _detached(e: CheckpointError) -> CheckpointError:
+    """``e``'s class and message without its traceback and causes: a stored error must not keep
+    the frames (and so the bytes or parsed body of a hostile file) of the read that raised it."""
+    try:
+        return type(e)(str(e))
+    except TypeError:
+        return CorruptCheckpointError(str(e))
+
+
+class _ManifestCache:
+    """What :func:`read_manifest` said of each ``iter_*`` directory's manifest, keyed by its
+    ``lstat`` (device, inode, size, mtime, ctime).  A manifest is replaced by a rename (a new
+    inode), so an unchanged key is an unchanged file; one modified less than ``_RACY_NS`` ago is
+    not cached (a write within the same timestamp tick would not change mtime: git's "racily
+    clean" rule).  Bounded (oldest entries dropped); thread-safe (one lock around the dict)."""
+
+    _RACY_NS = 2_000_000_000
+    _MAX = 8192
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._entries: dict[str, tuple[tuple, object]] = {}
+
+    def read(self, ckpt_dir: str) -> Manifest | CheckpointError | None:
+        """The manifest of ``ckpt_dir``; its error (detached) when damaged or unreadable; ``None``
+        when there is none (not committed)."""
+        path = os.path.join(ckpt_dir, MANIFEST_NAME)
+        key = None
+        if real_dir(ckpt_dir):  # never through a linked directory: read_manifest refuses that itself
+            try:
+                st = os.lstat(path)
+                key = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_mode)
+            except OSError:
+                key = None
+        if key is not None:
+            with self._lock:
+                hit = self._entries.get(path)
+            if hit is not None and hit[0] == key:
+                return hit[1]
+        try:
+            got = read_manifest(ckpt_dir)
+        except NoCheckpointError:
+            return None
+        except CheckpointError as e:  # damaged, or not ours to read (permission)
+            got = _detached(e)
+        if key is not None and time.time_ns() - max(key[3], key[4]) > self._RACY_NS:
+            with self._lock:
+                self._entries.pop(path, None)
+                self._entries[path] = (key, got)
+                while len(self._entries) > self._MAX:
+                    self._entries.pop(next(iter(self._entries)))
+        return got
+
+    def keep_only(self, root: str, ckpt_dirs: list[str]) -> None:
+        """Forget the manifests under ``root`` outside ``ckpt_dirs`` (deleted by retention, say): the
+        cache holds only what a survey of each root last found."""
+        prefix = os.path.join(root, "")
+        keep = {os.path.join(d, MANIFEST_NAME) for d in ckpt_dirs}
+        with self._lock:
+            for path in [p for p in self._entries if p.startswith(prefix) and p not in keep]:
+                del self._entries[path]
+
+
+_MANIFESTS = _ManifestCache()
 
 
 def committed_iterations(root: str) -> list[int]:
@@ -272,12 +382,24 @@ class Tier:
             if parsed and name not in keep and not (parsed[1] == self.token and parsed[2] > just.seq):
                 unlink_ours(os.path.join(d, name))
 
+    def _still_owned(self) -> bool:
+        """Whether this job still owns the directory (its lock file is the one it locked): once not,
+        another job may be using the recycle pool, and this one deletes nothing more there."""
+        guard = self.committer.guard if self.committer is not None else None
+        try:
+            if guard is not None:
+                guard()
+        except LockLostError as e:
+            log.warning("rank %d: leaving the recycle pool of %s as it is: %s", self.rank, self.root, e)
+            return False
+        return True
+
     def close(self) -> None:
         """Join the commit thread; then (the writer) empty the pool: training is over, its retired
         files only hold space."""
         if self.committer is not None:
             self.committer.close()
-        if self.is_writer:
+        if self.is_writer and self._still_owned():
             try:
                 trim_recycled(self.root, keep=0)
             except OSError as e:

@@ -22,7 +22,7 @@ from .mapped_files import MappedFiles
 from .page_cache import memory_backed
 from .safe_io import open_dir, open_for_write, reopen_same
 
-__all__ = ["ALIGN", "RankFileWriter", "fsync_dir", "pwrite_direct"]
+__all__ = ["ALIGN", "RankFileWriter", "fsync_dir", "pwrite_direct", "reuse_limit", "tail_offset"]
 
 log = logging.getLogger(__name__)
 ALIGN = 4096  # O_DIRECT: offsets, lengths and the source address in multiples of this
@@ -68,6 +68,20 @@ def pwrite_direct(fd: int, data, offset: int, path: str) -> int:
     return done
 
 
+def reuse_limit(data_end: int) -> int:
+    """The largest existing file a save whose data ends at ``data_end`` overwrites in place: since a
+    reused file is never made smaller (a process that has it mapped would die of SIGBUS on the
+    pages cut off), at most 1/8 + 4 MiB of its size is padding."""
+    return data_end + data_end // 8 + (4 << 20)
+
+
+def tail_offset(data_end_aligned: int, tail_bytes: int, reused_bytes: int) -> int:
+    """Where the index and objects of a file go: right after its data, or later, so that the file
+    ends no earlier than the ``reused_bytes`` of the recycled file it overwrites (the gap is the old
+    bytes, covered by no checksum and read by nobody: the header gives every section's offset)."""
+    return max(data_end_aligned, reused_bytes - tail_bytes)
+
+
 class RankFileWriter:
     """Writes one rank file.  ``direct``: True (required), False (never) or "auto" (try, fall back).
 
@@ -79,15 +93,27 @@ class RankFileWriter:
     ) -> None:
         self.path = path
         # no O_TRUNC: ``path`` may be a recycled rank file, overwritten in place (its blocks/pages
-        # reused); its old header is zeroed at once and ``finish`` truncates to the new size.
-        # Read-write: a shared writable mapping needs it.  Never through a symlink, only a regular
-        # file (:mod:`.safe_io`): a link planted at this name must not redirect the write.
+        # reused); its old header is zeroed at once.  Read-write: a shared writable mapping needs it.
+        # Never through a symlink, only a regular file (:mod:`.safe_io`): a link planted at this
+        # name must not redirect the write.  A file found here is reused only when it has no other
+        # hard link (a ``cp -al`` backup would get our bytes) and is not much larger than this save
+        # (it is never truncated smaller: ``reused_bytes``); else its name is unlinked -- whoever
+        # holds it keeps its bytes -- and a new file is made.
         self._fd = open_for_write(path)
+        self.reused_bytes = 0
         try:
-            if os.fstat(self._fd).st_size:
+            st = os.fstat(self._fd)
+            if st.st_nlink != 1 or st.st_size > reuse_limit(data_end):  # an empty linked file too
+                os.close(self._fd)
+                self._fd = None
+                os.unlink(path)
+                self._fd = open_for_write(path, os.O_RDWR | os.O_CREAT | os.O_EXCL)
+            elif st.st_size:
+                self.reused_bytes = st.st_size
                 _pwrite_all(self._fd, bytes(HEADER_BYTES), 0)
         except OSError:
-            os.close(self._fd)
+            if self._fd is not None:
+                os.close(self._fd)
             raise
         self._direct_fd = None
         if direct and hasattr(os, "O_DIRECT"):
@@ -136,8 +162,13 @@ class RankFileWriter:
         return sums
 
     def finish(self, tail: bytes, tail_offset: int, header: Header) -> None:
-        """Write index+objects (``tail``), then the header, then fsync: the file is complete and durable."""
+        """Write index+objects (``tail``), then the header, then fsync: the file is complete and durable.
+        A reused file only grows (see :func:`tail_offset`): nobody's mapping loses a page."""
         _pwrite_all(self._fd, tail, tail_offset)
+        if header.file_bytes < self.reused_bytes:
+            raise FlushError(
+                f"{self.path}: would shrink a reused file ({self.reused_bytes} -> {header.file_bytes} bytes)"
+            )
         os.ftruncate(self._fd, header.file_bytes)
         _pwrite_all(self._fd, header.pack(), 0)
         os.fsync(self._fd)

@@ -55,11 +55,12 @@ import threading
 
 import torch
 
-from ..engine.errors import CheckpointError, LayoutMismatchError, NoCheckpointError
+from ..engine.errors import CheckpointError, FlushError, LayoutMismatchError, NoCheckpointError
 from ..engine.manifest import MANIFEST_NAME, iter_dir, read_manifest, write_tracker
 from ..engine.tier import latest_committed
 from ..engine.load_plan import LoadPlan, ReadItem
 from ..engine.reader import CheckpointReader
+from ..engine.safe_io import create_temp
 from .export_args import FORMATS, MODEL_KEYS as _MODEL_KEYS, add_export_arguments
 
 __all__ = [
@@ -318,6 +319,36 @@ def _worker(job: dict) -> None:
     model_rebuild.destroy_distributed()
 
 
+def _write_new(target: str, write) -> None:
+    """``write(file)`` into a temp file we create (``O_EXCL | O_NOFOLLOW``: a link planted at its
+    predictable name is refused, never written through), fsync it, then link it to ``target``
+    (``link`` fails on an existing name: nothing is overwritten) and drop the temp name."""
+    tmp = f"{target}.tmp-{os.getpid()}"
+    fd = create_temp(tmp)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        try:
+            os.link(tmp, target)
+        except FileExistsError:
+            raise OutputExistsError(f"{target} exists; nothing was overwritten") from None
+        except OSError as e:  # a file system without hard links: a rename, after the same check
+            if os.path.lexists(target):
+                raise OutputExistsError(f"{target} exists; nothing was overwritten") from e
+            os.rename(tmp, target)
+    except CheckpointError:
+        raise
+    except OSError as e:
+        raise FlushError(f"{target}: cannot write the export: {e}") from e
+    finally:
+        try:
+            os.unlink(tmp)  # ours: created above
+        except FileNotFoundError:
+            pass
+
+
 # ---------------------------------------------------------------------------------------------- entry
 def export(
     ckpt_dir: str,
@@ -341,9 +372,7 @@ def export(
             raise OutputExistsError(f"{target} exists; nothing was overwritten")
         state = consolidate(path, it, verify=verify)
         os.makedirs(os.path.dirname(target), exist_ok=True)
-        tmp = f"{target}.tmp-{os.getpid()}"
-        torch.save(state, tmp)
-        os.replace(tmp, target)
+        _write_new(target, lambda f: torch.save(state, f))
         log.info("exported iteration %d of %s to %s", it, path, target)
         return target
     target = _export_torch_dist(path, it, os.path.abspath(out_dir), model, timeout_s, verify)

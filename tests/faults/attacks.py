@@ -28,7 +28,7 @@ from datastates_megatron.engine.hashing import xxh64
 from datastates_megatron.engine.manager import CheckpointManager
 from datastates_megatron.engine.manifest import MANIFEST_NAME, TRACKER_NAME, iter_dir, rank_file_name, read_manifest
 from datastates_megatron.engine.names import RECYCLE_DIR
-from tests.faults.damage import edit_manifest, reseal_index_record
+from tests.faults.damage import edit_manifest, rebuild_rank_file, reseal_index_record
 from tests.workers.fault_worker import fill, make_state
 
 MiB = 1 << 20
@@ -40,9 +40,9 @@ def _manager(root: str, **policy) -> CheckpointManager:
     return CheckpointManager(root, EngineOptions(cache_bytes=256 << 10, timeout_s=30), **policy)
 
 
-def commit(root: str, iterations=(1, 2), **policy) -> None:
+def commit(root: str, iterations=(1, 2), big: int = BIG, **policy) -> None:
     """A save directory with ``iterations`` committed (one rank)."""
-    ts = make_state(0, BIG)
+    ts = make_state(0, big)
     with _manager(root, **policy) as mgr:
         for n, t in ts.items():
             mgr.register(n, t)
@@ -88,6 +88,61 @@ def op_load(root: str, it: int | None = None) -> str:
                 return "PARTIAL RESTORE: " + str(e)[:100]
             return f"refused: {type(e).__name__}: {str(e)[:100]}"
     return f"loaded iteration {got.iteration}"
+
+
+def op_inspect(root: str, it: int = 2) -> str:
+    return _cli("inspect", iter_dir(root, it))
+
+
+def op_load_chunked(root: str) -> str:
+    """A verifying load of iteration 3 (the state :func:`_chunk_bytes_1` commits) into a live state."""
+    ts = make_state(0, CHUNKED_BIG)
+    for t in ts.values():
+        t.fill_(7)
+    with _manager(root, verify_on_load=True) as mgr:
+        for n, t in ts.items():
+            mgr.register(n, t)
+        try:
+            got = mgr.load(3)
+        except CheckpointError as e:
+            if not all(bool((t == 7).all()) for t in ts.values()):
+                return "PARTIAL RESTORE: " + str(e)[:100]
+            return f"refused: {type(e).__name__}: {str(e)[:100]}"
+    return f"loaded iteration {got.iteration}"
+
+
+def op_start_and_save_many(root: str) -> str:
+    """A trainer starting on the directory and committing four times (retention surveys the
+    directory at every commit)."""
+    ts = make_state(0, BIG)
+    try:
+        with _manager(root, keep_last=2) as mgr:
+            for n, t in ts.items():
+                mgr.register(n, t)
+            for it in (3, 4, 5, 6):
+                fill(ts, 0, it)
+                mgr.save(it, {"iteration": it})
+                mgr.wait()
+    except CheckpointError as e:
+        return f"refused: {type(e).__name__}: {str(e)[:100]}"
+    return "saved iterations 3-6"
+
+
+def op_start_and_save_recycling(root: str) -> str:
+    """A trainer recycling rank files (``recycle_files="all"``, ``keep_last=1``) over four commits:
+    every retired file is taken again by a later save."""
+    ts = make_state(0, BIG)
+    try:
+        with _manager(root, keep_last=1, recycle_files="all") as mgr:
+            for n, t in ts.items():
+                mgr.register(n, t)
+            for it in (3, 4, 5, 6):
+                fill(ts, 0, it)
+                mgr.save(it, {"iteration": it})
+                mgr.wait()
+    except CheckpointError as e:
+        return f"refused: {type(e).__name__}: {str(e)[:100]}"
+    return "saved iterations 3-6"
 
 
 def op_start_and_save(root: str) -> str:
@@ -209,6 +264,56 @@ def _recycle_links(root, outside):
     _replace(_rank_file(root, 1), lambda p: os.symlink(os.path.join(outside, "precious.bin"), p))
 
 
+def _hard_linked_lock(root, outside):
+    """The save directory's lock file replaced by a hard link to a file outside."""
+    from datastates_megatron.engine.names import LOCK_NAME
+
+    _replace(os.path.join(root, LOCK_NAME), lambda p: os.link(os.path.join(outside, "precious.bin"), p))
+
+
+def _cp_al_backup(root, outside):
+    """A ``cp -al`` backup (hard links) of both committed checkpoints, outside the save directory."""
+    import subprocess
+
+    for it in (1, 2):
+        subprocess.run(["cp", "-al", iter_dir(root, it), os.path.join(outside, f"backup-{it}")], check=True)
+
+
+# ----------------------------------------------------------------- crafted files under the size caps
+CHUNKED_BIG = 270_000  # ~1 MiB of data: at chunk_bytes=1 its index holds ~8.7 MB of checksums
+
+
+def _dense_manifest(root, outside):
+    """iter_2's manifest: just under the 64 MiB cap of ``[{},{},...]`` (22 million dicts if parsed)."""
+    n = ((64 << 20) - 4096) // 3
+    with open(_manifest(root), "wb") as f:
+        f.write(b"[" + b"{}," * n + b"{}]")
+
+
+def _chunk_bytes_1(root, outside):
+    """iter_3 (~1 MiB of data) rewritten with a checksum per byte, every checksum resealed."""
+    commit(root, iterations=(3,), big=CHUNKED_BIG)
+    rebuild_rank_file(_rank_file(root, 3), chunk_bytes=1)
+
+
+def _big_objects(root, outside):
+    """iter_2's objects section: 96 MiB, a ``[{},{},...]`` beside what the writer stored; resealed."""
+    path = _rank_file(root, 2)
+    with open(path, "rb") as f:
+        raw = f.read()
+    from datastates_megatron.engine.file_format import HEADER_BYTES, Header
+
+    h = Header.unpack(raw[:HEADER_BYTES], path)
+    objects = raw[h.objects_offset : h.objects_offset + h.objects_bytes]
+    n = ((96 << 20) - len(objects)) // 3
+    rebuild_rank_file(path, objects_json=b'{"pad":[' + b"{}," * n + b"{}]," + objects[1:])
+
+
+def _sparse_tib(root, outside):
+    """iter_2's rank file extended (sparse) to 1 TiB, its header and manifest record saying so."""
+    rebuild_rank_file(_rank_file(root, 2), file_bytes=1 << 40)
+
+
 def _outside_victim(root: str) -> str:
     return os.path.join(os.path.dirname(root), "outside", "precious.bin")
 
@@ -253,6 +358,22 @@ ATTACKS = [
         "saved",  # the tracker is a hint: its update is skipped, the commit stands
     ),
     Attack("links as rank file and in recycle pool: save", _recycle_links, op_start_and_save, "saved"),
+    Attack("lock file hard-linked to a file outside: start-up", _hard_linked_lock, op_start_and_save, "refused"),
+    Attack("cp -al backup of the checkpoints: recycling saves", _cp_al_backup, op_start_and_save_recycling, "saved"),
+    # crafted files under the size caps (issue 33): each within 64 MiB + 2x its bytes and 2 s per 64 MiB
+    Attack("64 MiB manifest [{},{},...]: ls", _dense_manifest, op_ls, "rc 0"),
+    Attack("64 MiB manifest [{},{},...]: verify", _dense_manifest, op_verify, "rc 1"),
+    Attack("64 MiB manifest [{},{},...]: load", _dense_manifest, op_load, "refused"),
+    Attack("64 MiB manifest [{},{},...]: start-up, 4 commits", _dense_manifest, op_start_and_save_many, "saved"),
+    Attack("chunk_bytes=1 rank file: verify", _chunk_bytes_1, lambda root: op_verify(root, 3), "rc 1"),
+    Attack("chunk_bytes=1 rank file: inspect", _chunk_bytes_1, lambda root: op_inspect(root, 3), "rc 1"),
+    Attack("chunk_bytes=1 rank file: verifying load", _chunk_bytes_1, op_load_chunked, "refused"),
+    Attack("96 MiB objects section: inspect", _big_objects, op_inspect, "rc 1"),
+    Attack("96 MiB objects section: verify", _big_objects, op_verify, "rc 1"),
+    Attack("96 MiB objects section: load", _big_objects, op_load, "refused"),
+    Attack("1 TiB sparse rank file: verify", _sparse_tib, op_verify, "rc 1"),
+    Attack("1 TiB sparse rank file: inspect", _sparse_tib, op_inspect, "rc 1"),
+    Attack("1 TiB sparse rank file: load", _sparse_tib, op_load, "refused"),
 ]
 
 
@@ -295,18 +416,39 @@ def _in_child(run, root: str, limit_s: float) -> dict:
     return json.loads(data)
 
 
+def _allocated(directory: str) -> int:
+    """Bytes the files under ``directory`` occupy on disk (a sparse file counts what it holds)."""
+    total = 0
+    for dirpath, _, files in os.walk(directory):
+        for name in files:
+            total += os.lstat(os.path.join(dirpath, name)).st_blocks * 512
+    return total
+
+
+def bound(planted: int) -> tuple[int, float]:
+    """The stated cost bound of reading crafted files of ``planted`` bytes (docs/reliability.md):
+    peak memory growth <= 64 MiB + 2x the bytes, time <= 2 s per 64 MiB (at least 2 s)."""
+    return 64 * MiB + 2 * planted, 2.0 * max(1.0, planted / (64 * MiB))
+
+
 def run_attack(attack: Attack, workdir: str, limit_s: float = 30.0) -> dict:
-    """Plant ``attack`` in a fresh save directory under ``workdir`` and run its victim operation."""
+    """Plant ``attack`` in a fresh save directory under ``workdir`` and run its victim operation.
+    ``planted``: the bytes the attack added; ``within_bound``: the run kept to :func:`bound`."""
     root, outside = os.path.join(workdir, "ckpt"), os.path.join(workdir, "outside")
     os.makedirs(outside)
     with open(os.path.join(outside, "precious.bin"), "wb") as f:
         f.write(os.urandom(8192))
     commit(root)
+    before = _allocated(root)
     attack.plant(root, outside)
+    planted = max(0, _allocated(root) - before)
     guarded = _digests(outside)
     got = _in_child(attack.run, root, limit_s)
     got["outside_unchanged"] = _digests(outside) == guarded
     got["as_specified"] = attack.expect in got["outcome"] and got["outside_unchanged"]
+    got["planted"] = planted
+    memory, seconds = bound(planted)
+    got["within_bound"] = got["rss_growth"] <= memory and got["wall_s"] <= seconds
     return got
 
 

@@ -78,3 +78,64 @@ def reseal_index_record(path: str, name: str, edit) -> None:
         os.path.dirname(path),
         lambda b: b["ranks"][0].update(index_xxh64=index_xxh64, header_xxh64=xxh64(header)),
     )
+
+
+def rebuild_rank_file(
+    path: str, *, chunk_bytes: int | None = None, objects_json: bytes | None = None, file_bytes: int | None = None
+) -> None:
+    """Rewrite rank file ``path`` as a hand editor with our format spec could: its tensors' bytes
+    as they are, with ``chunk_bytes`` (a checksum per chunk, all recomputed), ``objects_json`` as
+    the objects section, or a header declaring ``file_bytes`` with the file extended (sparse) to
+    that size -- every checksum (index, objects, header, manifest record) resealed, so only the
+    reader's own bounds can refuse it."""
+    from datastates_megatron.engine.file_format import build_index
+
+    with RankFile(path) as rf:
+        h = rf.header
+        entries = list(rf.entries.values())
+        data = bytes(rf.span(h.data_offset, h.data_offset + h.data_bytes))
+        objects = bytes(rf.span(h.objects_offset, h.objects_offset + h.objects_bytes))
+    chunk = chunk_bytes or h.chunk_bytes
+    by_byte = np.array([xxh64(bytes([b])) for b in range(256)], np.uint64) if chunk == 1 else None
+    sums = []
+    for e in entries:
+        raw = np.frombuffer(data, np.uint8, e.nbytes, e.offset - h.data_offset)
+        if by_byte is not None:
+            sums.append(by_byte[raw] if e.nbytes else np.array([xxh64(b"")], np.uint64))
+        else:
+            n = max(1, -(-e.nbytes // chunk))
+            sums.append(np.array([xxh64(raw[i * chunk : (i + 1) * chunk].tobytes()) for i in range(n)], np.uint64))
+    index = build_index(
+        [e.name for e in entries],
+        [e.dtype for e in entries],
+        [e.shape for e in entries],
+        [e.offset for e in entries],
+        [e.nbytes for e in entries],
+        sums,
+    )
+    objects = objects if objects_json is None else objects_json
+    index_offset = -(-(h.data_offset + h.data_bytes) // 4096) * 4096
+    header = dataclasses.replace(
+        h,
+        index_offset=index_offset,
+        index_bytes=len(index),
+        index_xxh64=xxh64(index),
+        objects_offset=index_offset + len(index),
+        objects_bytes=len(objects),
+        objects_xxh64=xxh64(objects),
+        chunk_bytes=chunk,
+        file_bytes=file_bytes or index_offset + len(index) + len(objects),
+    ).pack()
+    with open(path, "wb") as f:
+        f.write(header)
+        f.write(data)
+        f.write(bytes(index_offset - h.data_offset - h.data_bytes))
+        f.write(index)
+        f.write(objects)
+        if file_bytes:
+            f.truncate(file_bytes)
+    size = os.path.getsize(path)
+    edit_manifest(
+        os.path.dirname(path),
+        lambda b: b["ranks"][0].update(file_bytes=size, index_xxh64=xxh64(index), header_xxh64=xxh64(header)),
+    )

@@ -1,0 +1,186 @@
+"""Write failures on the save path (issue 33, finding 4): an unwritable save directory (EACCES,
+EROFS, ``chattr +i``: injected, we run as root) or a path the file system cannot name never reaches
+the training thread as a raw ``OSError``: it is a :class:`CheckpointError` naming the path and the
+operation, handled by ``on_error``; the iteration is skipped and the next save commits."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+
+import pytest
+
+from datastates_megatron.cli import main
+from datastates_megatron.engine import CheckpointError, EngineOptions
+from datastates_megatron.engine.manager import CheckpointManager
+from datastates_megatron.engine.manifest import iter_dir
+from datastates_megatron.engine.tier import committed_iterations
+
+from tests.workers.fault_worker import fill, make_state
+
+
+def _manager(root, **kw):
+    kw.setdefault("keep_last", 0)
+    return CheckpointManager(str(root), EngineOptions(cache_bytes=256 << 10, timeout_s=30), **kw)
+
+
+def _deny_mkdir_of(monkeypatch, target: str, err: int):
+    """``mkdir`` of ``target`` fails with ``err`` (what a read-only mount or ``chattr +i`` gives)."""
+    real = os.mkdir
+
+    def mkdir(path, *a, **kw):
+        if os.path.abspath(path) == os.path.abspath(target):
+            raise OSError(err, os.strerror(err), path)
+        return real(path, *a, **kw)
+
+    monkeypatch.setattr(os, "mkdir", mkdir)
+
+
+@pytest.mark.parametrize("err", [errno.EACCES, errno.EROFS, errno.EPERM])
+def test_unwritable_save_dir_is_warned_skipped_and_the_next_save_commits(tmp_path, monkeypatch, caplog, err):
+    root = tmp_path / "ckpt"
+    ts = make_state(0, 5_000)
+    with _manager(root, on_error="warn") as mgr:
+        for n, t in ts.items():
+            mgr.register(n, t)
+        fill(ts, 0, 1)
+        assert mgr.save(1) is True
+        mgr.wait()
+        with monkeypatch.context() as m:
+            _deny_mkdir_of(m, iter_dir(str(root), 2), err)
+            fill(ts, 0, 2)
+            assert mgr.save(2) is False  # no raw OSError on the training thread
+            mgr.wait()
+        fill(ts, 0, 3)
+        assert mgr.save(3) is True
+        mgr.wait()
+    assert committed_iterations(str(root)) == [1, 3]
+    text = caplog.text
+    assert "iter_0000002" in text and "mkdir" in text and os.strerror(err) in text
+
+
+def test_unwritable_save_dir_raises_a_checkpoint_error_and_the_next_save_still_commits(tmp_path, monkeypatch):
+    root = tmp_path / "ckpt"
+    ts = make_state(0, 5_000)
+    with _manager(root, on_error="raise") as mgr:
+        for n, t in ts.items():
+            mgr.register(n, t)
+        with monkeypatch.context() as m:
+            _deny_mkdir_of(m, iter_dir(str(root), 1), errno.EACCES)
+            with pytest.raises(CheckpointError, match=r"iter_0000001.*mkdir.*Permission denied") as got:
+                mgr.save(1)
+            assert "Traceback" not in str(got.value)
+        fill(ts, 0, 2)
+        assert mgr.save(2) is True  # the committer did not wait forever for save 1's sequence number
+        mgr.wait()
+    assert committed_iterations(str(root)) == [2]
+
+
+def test_a_path_component_over_255_bytes_is_a_clear_error(tmp_path, capsys):
+    root = tmp_path / ("x" * 300) / "ckpt"
+    with pytest.raises(CheckpointError, match=r"longer than .*255"):
+        _manager(root)
+    for command in ("ls", "verify", "inspect"):
+        assert main([command, str(root / "iter_0000001")]) != 0
+        err = capsys.readouterr().err
+        assert "no such" not in err and "255" in err and "Traceback" not in err, (command, err)
+
+
+def test_a_root_too_long_for_the_files_it_would_hold_is_refused_at_start(tmp_path):
+    # components of 200 bytes up to ~4050 bytes in all: the directory can be made, a rank file in it cannot
+    root = str(tmp_path)
+    while len(root) < 4096 - 60:
+        root = os.path.join(root, "d" * min(200, 4096 - 60 - len(root)))
+    os.makedirs(root)
+    before = sorted(os.listdir(root))
+    with pytest.raises(CheckpointError, match=r"too long"):
+        _manager(root)
+    assert sorted(os.listdir(root)) == before  # no empty iteration directories left behind
+
+
+def _two_ranks_one_cannot_mkdir(args) -> dict:
+    """Forked rank: iteration 2's directory cannot be made on rank 1 only (EACCES); on_error=warn."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    root = args[0]
+    ts = make_state(rank, 5_000)
+    out = {"saved": {}}
+    with _manager(root, on_error="warn") as mgr:
+        for n, t in ts.items():
+            mgr.register(n, t)
+        for it in (1, 2, 3):
+            fill(ts, rank, it)
+            if it == 2 and rank == 1:
+                real = os.makedirs
+
+                def makedirs(path, *a, **kw):
+                    if os.path.basename(path) == "iter_0000002":
+                        raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), path)
+                    return real(path, *a, **kw)
+
+                os.makedirs = makedirs
+                try:
+                    out["saved"][it] = mgr.save(it)
+                finally:
+                    os.makedirs = real
+            else:
+                out["saved"][it] = mgr.save(it)
+            mgr.wait()
+        out["committed"] = mgr.committed()
+    with open(f"{args[1]}.rank{rank}", "w") as f:  # not stdout: pytest's capture owns sys.stdout here
+        json.dump(out, f)
+    return out
+
+
+def test_one_rank_failing_to_make_the_directory_makes_every_rank_skip_that_iteration(tmp_path):
+    from tests.distributed.ranks import describe
+    from tests.faults.forkranks import fork_ranks
+
+    root, report = str(tmp_path / "ckpt"), str(tmp_path / "report")
+    res = fork_ranks(_two_ranks_one_cannot_mkdir, 2, [root, report], timeout=120)
+    assert all(r["returncode"] == 0 for r in res), describe(res)
+    got = [json.loads((tmp_path / f"report.rank{rank}").read_text()) for rank in (0, 1)]
+    assert got[1]["saved"] == {"1": True, "2": False, "3": True}
+    for r in got:
+        assert r["committed"] == [1, 3], r  # in step: 2 skipped on every rank, 3 commits
+    assert committed_iterations(root) == [1, 3]
+
+
+def _read_only(path: str, on: bool) -> None:
+    """Make ``path`` read-only by mounting a read-only bind of it over itself (a remount of the
+    whole file system would be refused while the job holds its lock file open for writing), or
+    writable again by unmounting that bind."""
+    import subprocess
+
+    if on:
+        subprocess.run(["mount", "--bind", path, path], check=True, capture_output=True)
+        subprocess.run(["mount", "-o", "remount,bind,ro", path], check=True, capture_output=True)
+    else:
+        subprocess.run(["umount", path], check=True, capture_output=True)
+
+
+def test_a_save_dir_made_read_only_mid_run_skips_saves_until_it_is_writable_again(small_fs, caplog):
+    """A real read-only mount (EROFS from the kernel), not an injected error."""
+    root = os.path.join(small_fs, "ckpt")
+    ts = make_state(0, 5_000)
+    with _manager(root, on_error="warn") as mgr:
+        for n, t in ts.items():
+            mgr.register(n, t)
+        fill(ts, 0, 1)
+        assert mgr.save(1)
+        mgr.wait()
+        _read_only(root, True)
+        try:
+            fill(ts, 0, 2)
+            assert mgr.save(2) is False
+            mgr.wait()
+        finally:
+            _read_only(root, False)
+        fill(ts, 0, 3)
+        assert mgr.save(3)
+        mgr.wait()
+    assert committed_iterations(root) == [1, 3]
+    assert "iter_0000002" in caplog.text and "Read-only file system" in caplog.text
