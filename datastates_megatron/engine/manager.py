@@ -20,7 +20,7 @@ import torch
 from .collective import Collective
 from .commit import CommitRecord, Ticket
 from .dirlock import SaveDirLock
-from .errors import CheckpointError, FlushError, NoCheckpointError, SaveDirBusyError
+from .errors import CheckpointError, FlushError, NoCheckpointError, OptionsError, SaveDirBusyError
 from .faults import hold_point
 from .foreign import refuse_newer_foreign
 from .manifest import iter_dir, rank_file_name, read_manifest, save_id
@@ -29,7 +29,7 @@ from .load_plan import LoadPlanner, SameLayoutPlanner
 from .reader import CheckpointReader, RestoreStats, open_checkpoint
 from .replication import REPLICAS_DIR, Replication, clique_of, replication_plan
 from .run_id import RUN_SUBDIR_PREFIX, ensure_run_id, run_subdir
-from .safe_io import check_path_fits, make_dir
+from .safe_io import check_path_fits, make_dir, make_root
 from .snapshot import SnapshotEngine
 from .threads import ClosingContext, close_at_exit, forget
 from .tier import Tier, committed_iterations, latest_committed, report_other_runs, survey
@@ -124,7 +124,7 @@ class CheckpointManager(ClosingContext):
         # node of this rank (torchrun's LOCAL_WORLD_SIZE); "{node}" in local_root names a per-node dir
         self.per_node = per_node = int(os.environ.get("LOCAL_WORLD_SIZE", self.world_size)) or self.world_size
         self.node = self.rank // per_node
-        self.node_ranks = [r for r in range(self.world_size) if r // per_node == self.node]
+        self.node_ranks = range(self.node * per_node, min(self.world_size, (self.node + 1) * per_node))
         # the node-local root several runs may share; this run's tier is its run-<id> subdirectory
         self.local_base = os.path.abspath(local_root.format(node=self.node)) if local_root else None
         self.local_root: str | None = None  # set once the run id is agreed (_start_tiers)
@@ -165,16 +165,55 @@ class CheckpointManager(ClosingContext):
                 self.promotion.resume(common[-1] if common else None)
                 jump, factor = replication_plan(self.world_size, per_node, policy.replicas, policy.replication_jump)
                 if factor > 1:
-                    self.replication = self.local.replication = Replication(
-                        self.local,
-                        clique_of(self.rank, jump, factor),
-                        keep_last=policy.local_keep_last,
-                        timeout_s=opts.timeout_s,
-                    )
+                    self._start_replication(jump, factor, opts.timeout_s)
         except BaseException:
-            self._release_lock()
+            self._abandon_start()
             raise
         close_at_exit(self)
+
+    def _abandon_start(self) -> None:
+        """A start-up that failed after threads were started: stop them (nothing was saved yet;
+        a process must not hang on them at exit) and release the locks."""
+        try:
+            for part in (self.promotion, self.local, self.persistent):
+                committer = getattr(part, "committer", None)
+                if part is self.promotion and part is not None:
+                    part.close()
+                elif committer is not None:
+                    committer.close()
+            engine = getattr(self, "engine", None)
+            if engine is not None:
+                engine.close()
+        finally:
+            self._release_lock()
+
+    def _start_replication(self, jump: int, factor: int, timeout_s: float) -> None:
+        """The clique's group, then this rank's replica directories (agreed: a failure on any rank
+        raises on every rank)."""
+        clique = clique_of(self.rank, jump, factor)
+        replication = Replication(self.local, clique, keep_last=self.policy.local_keep_last, timeout_s=timeout_s)
+        try:
+            nodes = {m // self.per_node for m in clique}
+            if len(nodes) < len(clique):  # a node lost would lose every copy of its ranks' files
+                raise OptionsError(
+                    "replication",
+                    [
+                        (
+                            "replication_jump",
+                            f"{jump} puts rank {self.rank}'s partners {clique} on the same node "
+                            f"({self.per_node} ranks per node): use a multiple of the ranks per node",
+                        )
+                    ],
+                )
+            writer = self.local.is_writer  # the node's replica directories: the union of its ranks' cliques
+            replication.open_stores(
+                {m for r in self.node_ranks for m in clique_of(r, jump, factor)} if writer else None
+            )
+        except Exception as e:  # noqa: BLE001 - every rank must hear it, not only this one
+            self._agree_start(e)
+            raise
+        self._agree_start(None)
+        self.replication = self.local.replication = replication
 
     def _start_tiers(self) -> None:
         """Start-up of the tiers' writers (agreed: a failure on any rank raises on every rank).  The
@@ -188,7 +227,7 @@ class CheckpointManager(ClosingContext):
                 if root:  # ENAMETOOLONG now, not mid-save
                     check_path_fits(root, longest)
             if self.persistent.is_writer:
-                make_dir(self.root)
+                make_root(self.root)
                 found = survey(self.root)
                 refuse_newer_foreign(self.root, found.newest, option="--save")  # read-only: before the lock
                 self._lock = SaveDirLock(self.root).acquire()
@@ -207,14 +246,15 @@ class CheckpointManager(ClosingContext):
             self.local_root,
             rank=self.rank,
             token=self.token,
-            writes=self.node_ranks if self.rank == min(self.node_ranks) else [],
+            writes=list(self.node_ranks) if self.rank == self.node_ranks[0] else [],
             keep_last=self.policy.local_keep_last,
             recycle=self.policy.recycle_files != "off",
             run_id=self.run_id,
         )
         try:
             if self.local.is_writer:
-                os.makedirs(self.local_root, exist_ok=True)
+                make_root(self.local_base)  # the root given (a link there is the user's choice)
+                make_dir(self.local_root)  # ours: never a link
                 try:
                     self._local_lock = SaveDirLock(self.local_root).acquire()
                 except SaveDirBusyError as e:
@@ -438,8 +478,15 @@ class CheckpointManager(ClosingContext):
                 raise
             try:
                 fallback = iteration if iteration is not None else latest_committed(self.root)
+                if fallback not in committed_iterations(self.root):
+                    raise NoCheckpointError(f"{iter_dir(self.root, fallback)}: not committed")
             except NoCheckpointError:
-                raise e from None
+                # a checkpoint exists but could not be restored: never "no checkpoint" (a trainer
+                # would start from scratch and overwrite --save), and never an older one than asked
+                raise CheckpointError(
+                    f"rank {self.rank}: restoring iteration {chosen} from the node-local tier failed and "
+                    f"{self.root} holds no {'copy of it' if iteration is not None else 'checkpoint'}: {e}"
+                ) from e
             log.warning(
                 "rank %d: restoring local checkpoint %s failed (%s); restoring persistent checkpoint %d",
                 self.rank,

@@ -37,9 +37,9 @@ from .errors import CheckpointError, CorruptCheckpointError, OptionsError
 from .file_format import FileReceipt, RankFile
 from .manifest import Manifest, iter_dir, parse_rank_file_name, read_manifest, rank_file_name, write_manifest
 from .names import PROMOTING_SUFFIX
-from .retention import delete_checkpoint, select_deletions, unlink_ours
-from .safe_io import create_temp, make_dir
-from .tier import Tier, survey
+from .retention import delete_checkpoint, remove_ours, select_deletions, unlink_ours
+from .safe_io import create_temp, make_dir, real_dir
+from .tier import Tier, list_iterations, survey
 from .writer import fsync_dir
 
 __all__ = ["Replication", "clique_of", "replication_plan", "REPLICAS_DIR", "ReplicaStats"]
@@ -117,11 +117,25 @@ class Replication:
         )
         self._coll = Collective(self.group)
         self._stores = {src: self._store(src) for src in clique}  # its own too: a fetched copy
+        self._send_buf = torch.empty(_CHUNK, dtype=torch.uint8)
+        self._recv_buf = torch.empty(_CHUNK, dtype=torch.uint8)
+
+    def open_stores(self, node_sources: set[int] | None) -> None:
+        """Start-up: make this rank's replica directories (never through a link: each level is
+        checked) and clean our leftovers there.  ``node_sources`` (the node's writer only): every
+        rank whose replicas this node's ranks keep; the directories of any other rank (another
+        layout or replication setting) are removed, ours only."""
+        top = os.path.join(self.local.root, REPLICAS_DIR)
+        make_dir(top)
+        for name in os.listdir(top) if node_sources is not None else ():
+            src = _store_rank(name)
+            if src is not None and src not in node_sources and real_dir(os.path.join(top, name)):
+                for it in list_iterations(os.path.join(top, name)):
+                    delete_checkpoint(os.path.join(top, name), it)
+                remove_ours(os.path.join(top, name))
         for store in self._stores.values():
             make_dir(store.root)
             store.clean()
-        self._send_buf = torch.empty(_CHUNK, dtype=torch.uint8)
-        self._recv_buf = torch.empty(_CHUNK, dtype=torch.uint8)
 
     @property
     def own_root(self) -> str:
@@ -181,7 +195,11 @@ class Replication:
             theirs = self._swap_ints(hdr, dst, src)
             their_body = self._swap_bytes(body, theirs["manifest_bytes"], dst, src)
             receiver = _ReplicaReceiver(self._stores[src], src, theirs, their_body, self.rank)
-            self._swap_file(out_file, hdr["file_bytes"], receiver, theirs["file_bytes"], dst, src)
+            try:
+                self._swap_file(out_file, hdr["file_bytes"], receiver, theirs["file_bytes"], dst, src)
+            except BaseException:
+                receiver.abort()  # no descriptor nor temp file left behind
+                raise
         finally:
             if out_file is not None:
                 out_file.close()
@@ -286,10 +304,23 @@ class Replication:
         return mine, mine_from
 
     def _send_replica(self, member: int, iteration: int, token: int, seq: int) -> None:
-        store = self._stores[member]
-        d = iter_dir(store.root, iteration)
-        m = read_manifest(d)
-        with RankFile(os.path.join(d, m.ranks[0].file)) as rf:
+        """Send ``member`` its file of ``iteration`` from the replica held here -- verified first: a
+        damaged replica is announced as "nothing" (``ok=0``), so the member's restore fails cleanly
+        and every rank falls back together instead of waiting for bytes that never come."""
+        d = iter_dir(self._stores[member].root, iteration)
+        rf = None
+        try:
+            m = read_manifest(d)
+            rf = RankFile(os.path.join(d, m.ranks[0].file))
+            for entry in rf.entries.values():
+                rf.verify_entry(entry)
+        except (CheckpointError, OSError) as e:
+            log.error("rank %d: cannot send rank %d its replica of iteration %d: %s", self.rank, member, iteration, e)
+            if rf is not None:
+                rf.close()
+            self._send_ints(dict.fromkeys(_HDR, 0), member)
+            return
+        with rf:
             body = m.to_json()
             hdr = {
                 "ok": 1,
@@ -313,9 +344,16 @@ class Replication:
         into = torch.empty(len(_HDR), dtype=torch.int64)
         self._p2p(None, holder, into, holder)
         theirs = dict(zip(_HDR, into.tolist()))
+        if not theirs["ok"]:
+            log.error("rank %d: rank %d could not send the replica of iteration %d", self.rank, holder, iteration)
+            return None
         body = self._swap_bytes(b"", theirs["manifest_bytes"], holder, holder)
         receiver = _ReplicaReceiver(self._stores[self.rank], self.rank, theirs, body, self.rank)
-        self._swap_file(None, 0, receiver, theirs["file_bytes"], holder, holder)
+        try:
+            self._swap_file(None, 0, receiver, theirs["file_bytes"], holder, holder)
+        except BaseException:
+            receiver.abort()
+            raise
         if not receiver.commit(self.keep_last):
             return None
         self.stats.bytes_fetched += theirs["file_bytes"]
@@ -323,6 +361,12 @@ class Replication:
 
     def close(self) -> None:
         """Nothing runs on its own thread; the clique group goes with the process group."""
+
+
+def _store_rank(name: str) -> int | None:
+    """The source rank of a replica directory name ``r<rank, 5+ digits>``, else None (not ours)."""
+    digits = name[1:]
+    return int(digits) if name.startswith("r") and len(digits) >= 5 and digits.isascii() and digits.isdigit() else None
 
 
 def _saves(store: Tier) -> dict[int, tuple[int, int]]:
@@ -370,6 +414,12 @@ class _ReplicaReceiver:
         except OSError as e:
             self.error = f"writing {self.tmp}: {e}"
             self._drop()
+
+    def abort(self) -> None:
+        """The transfer broke off: close and remove the temp file (ours, created ``O_EXCL``)."""
+        self._drop()
+        if getattr(self, "tmp", None):
+            unlink_ours(self.tmp)
 
     def _drop(self) -> None:
         """Stop writing (the rest of the transfer is still received, to stay in step)."""

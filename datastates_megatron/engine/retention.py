@@ -29,6 +29,7 @@ from .writer import fsync_dir
 __all__ = [
     "select_deletions",
     "delete_checkpoint",
+    "deletion_failed",
     "remove_ours",
     "remove_stale_tracker_temps",
     "RECYCLE_DIR",
@@ -74,6 +75,20 @@ def unlink_ours(path: str) -> bool:
     return True
 
 
+_failed: set[str] = set()  # paths whose deletion failed and was reported (bounded below)
+
+
+def deletion_failed(path: str, err: OSError) -> None:
+    """Report a deletion the file system refused: a warning the first time for ``path``, then
+    quietly (it is retried at every commit; a warning each time would grow with every commit)."""
+    if path in _failed:
+        log.debug("%s: still cannot delete: %s", path, err)
+        return
+    if len(_failed) < 100_000:
+        _failed.add(path)
+    log.warning("%s: could not delete (%s); left in place and retried later (reported once)", path, err)
+
+
 def _remove_our_files(d: str) -> list[str]:
     """Unlink the entries of ``d`` we wrote; returns those left (not ours, not plain files, or whose
     unlink the file system refused: logged with the path, left for the next cleanup)."""
@@ -87,7 +102,7 @@ def _remove_our_files(d: str) -> list[str]:
         try:
             removed = is_ours_in_iteration(name) and unlink_ours(path)
         except OSError as e:
-            log.warning("%s: could not delete: %s", path, e)
+            deletion_failed(path, e)
             removed = False
         if not removed:
             left.append(name)
@@ -200,7 +215,10 @@ def trim_recycled(root: str, keep: int) -> None:
     except FileNotFoundError:
         return
     for name in names[: max(0, len(names) - keep)]:
-        unlink_ours(os.path.join(pool, name))
+        try:
+            unlink_ours(os.path.join(pool, name))
+        except OSError as e:  # the pool only holds space: never worth failing for
+            deletion_failed(os.path.join(pool, name), e)
 
 
 def remove_stale_tracker_temps(root: str) -> list[str]:

@@ -235,6 +235,18 @@ def make_dir(path: str) -> None:
         raise FlushError(_refusal(path, mode))
 
 
+def make_root(path: str) -> None:
+    """A root the user named (``--save``, a node-local root): made if missing; it may itself be a
+    link the user made to a directory (only what we create under it is never a link).  Any
+    ``OSError`` is a :class:`FlushError` naming the path and the operation."""
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as e:
+        raise FlushError(f"{path}: cannot create the directory (mkdir): {os_error_text(e)}") from e
+    if not os.path.isdir(path):
+        raise FlushError(f"{path}: is not a directory")
+
+
 def open_dir(path: str) -> int:
     """A descriptor of the directory ``path`` (``O_DIRECTORY | O_NOFOLLOW``), e.g. to fsync it."""
     return os.open(path, os.O_RDONLY | _DIRECTORY | _NOFOLLOW | _CLOEXEC)

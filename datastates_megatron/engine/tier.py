@@ -35,6 +35,7 @@ from .manifest import (
 from .names import is_ours_in_iteration
 from .retention import (
     delete_checkpoint,
+    deletion_failed,
     remove_ours,
     remove_stale_tracker_temps,
     select_deletions,
@@ -43,7 +44,7 @@ from .retention import (
     unlink_ours,
 )
 from .run_id import RUN_SUBDIR_PREFIX
-from .safe_io import real_dir
+from .safe_io import make_root, real_dir
 
 __all__ = [
     "Tier",
@@ -310,14 +311,19 @@ class Tier:
         manifest's directory is kept (it may be repairable) and logged; what is not ours stays."""
         if not self.is_writer:
             return
-        os.makedirs(self.root, exist_ok=True)
+        make_root(self.root)  # the caller made its own directories with make_dir (never a link)
         found = found or survey(self.root)
         for it, err in found.damaged.items():
             log.warning("%s: manifest is unreadable (%s); leaving the directory alone", iter_dir(self.root, it), err)
         removed = [iter_dir(self.root, it) for it in found.leftovers() if remove_ours(iter_dir(self.root, it))]
         for it in found.committed:
             d = iter_dir(self.root, it)
-            removed += [os.path.join(d, n) for n in found.strays(it) if unlink_ours(os.path.join(d, n))]
+            for name in found.strays(it):
+                try:
+                    if unlink_ours(os.path.join(d, name)):
+                        removed.append(os.path.join(d, name))
+                except OSError as e:  # a refused deletion never stops a start-up
+                    deletion_failed(os.path.join(d, name), e)
         removed += remove_stale_tracker_temps(self.root)
         trim_recycled(self.root, keep=0)
         if removed:
@@ -367,7 +373,7 @@ class Tier:
             try:
                 delete_checkpoint(self.root, it, recycle=self.recycle)
             except OSError as e:  # the next ones may still go; this one is tried again next time
-                log.warning("rank %d: retention could not delete %s: %s", self.rank, iter_dir(self.root, it), e)
+                deletion_failed(iter_dir(self.root, it), e)
                 continue
             log.info("rank %d: retention deleted %s (%s tier)", self.rank, iter_dir(self.root, it), self.name)
         if self.recycle:

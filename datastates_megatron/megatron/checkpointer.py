@@ -283,6 +283,7 @@ class LazyCheckpointer:
         Returns ``(iteration, extra_state)``; raises ``NoCheckpointError`` when there is none."""
         self._check_open()
         self._mgr.wait()
+        asked = iteration  # None: the manager restores the newest it can, falling back tier by tier
         if iteration is None:
             iteration = self._mgr.latest()  # NoCheckpointError here, before anything is touched
         try:  # the layout is read from the persistent tier (a node-local manifest lists only that node's ranks)
@@ -297,7 +298,7 @@ class LazyCheckpointer:
         created = self._ensure_optimizer_state()
         try:
             self._refresh()
-            result = self._mgr.load(iteration, planner=self._planner(other_dp))
+            result = self._mgr.load(asked, planner=self._planner(other_dp))
         except BaseException:
             for inner in created:  # leave a fresh optimizer as fresh as it was
                 inner.state.clear()

@@ -3,6 +3,8 @@ rank's local file is kept by its clique partner on the other node, so a lost nod
 partner's replica -- bit-exact, newer than the persistent tier -- and only a node lost together with
 its partner falls back to the persistent tier."""
 
+import glob
+import os
 import shutil
 
 from datastates_megatron.engine.run_id import local_tier_dir
@@ -72,3 +74,38 @@ def test_replication_off_keeps_no_replica(tmp_path):
     _ok(run_ranks(WORKER, 4, ["save", *_args(tmp_path, "--iters", "2", "--replicas", "0")], env=NODES))
     for node in (0, 1):
         assert not (tmp_path / f"local{node}").joinpath(_local(tmp_path, node), "replicas").exists()
+
+
+def _flip_a_byte(path, offset_from_end=100):
+    with open(path, "r+b") as f:
+        f.seek(-offset_from_end, os.SEEK_END)
+        b = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([b[0] ^ 0xFF]))
+
+
+def test_a_damaged_replica_falls_back_to_persistent_on_every_rank(tmp_path):
+    """The partner holding a lost node's file finds it damaged: it says so instead of sending it,
+    and every rank restores the persistent checkpoint -- never a hang, never "no checkpoint"."""
+    persistent = str(tmp_path / "persistent")
+    _ok(
+        run_ranks(
+            WORKER, 4, ["save", *_args(tmp_path, "--iters", "6", "--persist-interval", "4", "--abandon")], env=NODES
+        )
+    )
+    replica = glob.glob(f"{_local(tmp_path, 0)}/replicas/r00002/iter_0000006/*.dsck")[0]
+    _flip_a_byte(replica)
+    shutil.rmtree(tmp_path / "local1")
+    loaded = _ok(run_ranks(WORKER, 4, ["load", *_args(tmp_path)], env=NODES))
+    assert all(r["iteration"] == 4 and r["exact"] and r["root"] == persistent for r in loaded), loaded
+    # asked for explicitly, iteration 6 cannot be restored: an error that is not "no checkpoint"
+    loaded = _ok(run_ranks(WORKER, 4, ["load", *_args(tmp_path), "--iteration", "6"], env=NODES))
+    assert all(r["error"].startswith("CheckpointError") and r["untouched"] for r in loaded), loaded
+
+
+def test_partners_on_one_node_are_refused(tmp_path):
+    got = run_ranks(
+        WORKER, 4, ["save", *_args(tmp_path, "--iters", "1", "--replicas", "1", "--replication-jump", "1")], env=NODES
+    )
+    assert all(r["returncode"] != 0 for r in got), describe(got)
+    assert all("on the same node" in r["stderr"] for r in got), describe(got)

@@ -14,6 +14,7 @@ import torch
 
 from datastates_megatron.engine import EngineOptions, retention
 from datastates_megatron.engine.manager import CheckpointManager
+from datastates_megatron.engine.threads import forget
 from datastates_megatron.engine.tier import committed_iterations
 
 
@@ -89,3 +90,32 @@ def test_refused_local_deletion_never_blocks_promotion(tmp_path, refuse_deletion
     # 2 and 4 by the interval, 5 by close(): a refused local deletion blocks none of them
     assert committed_iterations(persistent) == [2, 4, 5]
     assert "Operation not permitted" in caplog.text
+
+
+def test_refused_deletions_never_stop_a_restart(tmp_path, refuse_deletions):
+    """Start-up cleanup (recycle pool, leftovers) meets EPERM: logged, and the run starts."""
+    persistent, local = str(tmp_path / "persistent"), str(tmp_path / "local")
+    w = torch.zeros(1000)
+
+    def manager():
+        mgr = CheckpointManager(
+            persistent,
+            EngineOptions(cache_bytes=1 << 20, timeout_s=30),
+            keep_last=0,
+            local_root=local,
+            local_keep_last=1,
+        )
+        mgr.register("w", w)
+        return mgr
+
+    mgr = manager()
+    _save(mgr, w, [1, 2, 3, 4])  # retention filled the recycle pool
+    pool = os.path.join(mgr.local_root, ".recycle")
+    mgr.engine.close()  # killed: the pool is not emptied at close
+    mgr._abandon_start()
+    forget(mgr)
+    assert os.listdir(pool)
+    refuse_deletions.append(local)
+    with manager() as again:
+        assert again.load().iteration == 4
+        assert os.listdir(pool)  # still there: refused, reported, not fatal

@@ -13,9 +13,14 @@ import pytest
 import torch
 
 from datastates_megatron.engine import EngineOptions
-from datastates_megatron.engine.errors import NoCheckpointError, SaveDirBusyError
+from datastates_megatron.engine.dirlock import SaveDirLock
+from datastates_megatron.engine.errors import (
+    CheckpointError,
+    CorruptCheckpointError,
+    NoCheckpointError,
+    SaveDirBusyError,
+)
 from datastates_megatron.engine.manager import CheckpointManager
-from datastates_megatron.engine.run_id import read_run_id
 from datastates_megatron.engine.tier import committed_iterations
 
 
@@ -44,12 +49,9 @@ def _digest(root):
 def test_a_new_run_never_loads_promotes_or_deletes_an_earlier_runs_local_checkpoints(tmp_path, caplog):
     local = tmp_path / "shm"
     w = torch.zeros(1000)
-    old = _manager(tmp_path / "old-save", local, w)
-    _train(old, w, range(1, 9))
-    old_dir = old.local_root
-    # the earlier job is killed: its local checkpoints 7 and 8 stay on the node, 8 never promoted
-    old.engine.close()
-    old._release_lock()
+    with _manager(tmp_path / "old-save", local, w) as old:  # its local checkpoints 7 and 8 stay on the node
+        _train(old, w, range(1, 9))
+        old_dir = old.local_root
     # and a checkpoint of a version that wrote directly under the root
     shutil.copytree(os.path.join(old_dir, "iter_0000008"), local / "iter_0000008")
     before = _digest(local)
@@ -90,15 +92,52 @@ def test_two_runs_share_one_local_root(tmp_path):
 
 
 def test_one_writer_per_run_directory(tmp_path):
-    """A copy of a --save (same run id) started beside the original would share its node-local
-    directory: refused, naming the directory."""
+    """Two jobs on one run directory (one --save on a file system without flock, where the save
+    directory's own lock is skipped): the node-local directory's lock refuses the second."""
     local = tmp_path / "shm"
     w = torch.zeros(1000)
     with _manager(tmp_path / "save", local, w) as mgr:
         _train(mgr, w, [1])
-        os.makedirs(tmp_path / "copy")
-        shutil.copy(tmp_path / "save" / ".datastates.run", tmp_path / "copy")
-        assert read_run_id(str(tmp_path / "copy")) == mgr.run_id
+        run_dir = mgr.local_root
+    with SaveDirLock(run_dir):  # held by "another job"
         with pytest.raises(SaveDirBusyError, match="node-local directory is in use") as e:
-            _manager(tmp_path / "copy", local, torch.zeros(1000))
-        assert mgr.local_root in str(e.value)
+            _manager(tmp_path / "save", local, torch.zeros(1000))
+    assert run_dir in str(e.value)
+
+
+def test_a_copy_of_a_save_directory_is_a_new_run(tmp_path, caplog):
+    """``cp -r`` of a --save (a branch, a restored backup) carries the run id file: the copy must
+    not adopt the original run's node-local checkpoints (newer than what the copy holds)."""
+    local = tmp_path / "shm"
+    w = torch.zeros(1000)
+    with _manager(tmp_path / "a", local, w, persist_interval=1) as mgr:
+        _train(mgr, w, [1, 2, 3])
+    shutil.copytree(tmp_path / "a", tmp_path / "b")
+    with _manager(tmp_path / "a", local, w, persist_interval=100) as mgr:
+        _train(mgr, w, [4, 5, 6])  # local only until close
+        original = mgr.run_id
+    w.zero_()
+    with caplog.at_level(logging.WARNING):
+        branch = _manager(tmp_path / "b", local, w)
+    with branch:
+        assert branch.run_id != original and "is a copy of the save directory" in caplog.text
+        res = branch.load()
+        assert res.iteration == 3 and res.root == str(tmp_path / "b")
+    assert torch.equal(w, torch.full((1000,), 3.0))
+    assert committed_iterations(str(tmp_path / "b")) == [1, 2, 3]
+
+
+def test_a_run_id_out_of_range_or_a_link_at_the_run_directory_is_refused(tmp_path):
+    local, save = tmp_path / "shm", tmp_path / "save"
+    save.mkdir()
+    (save / ".datastates.run").write_text('{"run_id": "ffffffffffffffff"}\n')  # would overflow an int64
+    with pytest.raises(CorruptCheckpointError, match="below 2\\*\\*63"):
+        _manager(save, local, torch.zeros(1000))
+    (save / ".datastates.run").write_text(f'{{"run_id": "0123456789abcdef", "save_inode": {save.stat().st_ino}}}\n')
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    local.mkdir()
+    os.symlink(victim, local / "run-0123456789abcdef")  # planted where this run's directory goes
+    with pytest.raises(CheckpointError, match="run-0123456789abcdef"):
+        _manager(save, local, torch.zeros(1000))
+    assert os.listdir(victim) == []  # nothing written through the link

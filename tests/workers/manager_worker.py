@@ -44,6 +44,7 @@ def main():
     p.add_argument("--local-keep-last", type=int, default=2)
     p.add_argument("--local-fallback", default="all")
     p.add_argument("--replicas", type=int, default=None, help="partner replicas (default: the manager's)")
+    p.add_argument("--replication-jump", type=int, default=None)
     p.add_argument("--abandon", action="store_true", help="save: exit without close() (as a kill -9 would)")
     a = p.parse_args()
     dist.init_process_group("gloo")
@@ -62,6 +63,7 @@ def main():
         local_keep_last=a.local_keep_last,
         local_fallback=a.local_fallback,
         replicas=a.replicas,
+        replication_jump=a.replication_jump,
     )
     for n, t in ts.items():
         mgr.register(n, t)
