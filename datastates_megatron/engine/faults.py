@@ -4,7 +4,8 @@ SIGKILL (a real ``kill -9``) the n-th time (default 1st) it reaches ``point``.  
 Points: ``flush`` (after a region is written), ``before_finish`` (data written, file not finished),
 ``before_manifest`` (all ranks durable, manifest not written), ``before_tracker`` (manifest written),
 ``retention`` / ``retention_files`` (while deleting an old checkpoint), ``promote`` (a local file
-copied to the persistent tier, not yet renamed into place).
+copied to the persistent tier, not yet renamed into place), ``replicate`` (a local checkpoint
+committed, its replication not started).
 
 ``DSM_HOLD_AT=<point>[:<n>]`` instead blocks the calling thread for good the n-th time: a job stalled
 at a known place (``save``: the start of a save), for a test to kill once the background work it

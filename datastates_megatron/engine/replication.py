@@ -34,6 +34,7 @@ import torch
 
 from .collective import Collective
 from .errors import CheckpointError, CorruptCheckpointError, OptionsError
+from .faults import crash_point
 from .file_format import FileReceipt, RankFile
 from .manifest import Manifest, iter_dir, parse_rank_file_name, read_manifest, rank_file_name, write_manifest
 from .names import PROMOTING_SUFFIX
@@ -110,8 +111,14 @@ class Replication:
         self.rank = local.rank
         self.clique = clique
         self.me = clique.index(self.rank)
-        self.keep_last = keep_last
+        # at least 2 (0: all): a node lost while the newest is replicated -- some cliques done, some
+        # not -- still finds the one before it on every partner
+        self.keep_last = max(keep_last, 2) if keep_last else 0
         self.stats = ReplicaStats()
+        # the newest local checkpoint whose exchange completed here; every rank of the node has
+        # completed it too once the next local commit runs (that commit waits for every rank's
+        # commit thread, which replicates in line): local retention keeps it
+        self.last_replicated: int | None = None
         self.group = dist.new_group(
             clique, backend="gloo", timeout=datetime.timedelta(seconds=timeout_s), use_local_synchronization=True
         )
@@ -152,6 +159,7 @@ class Replication:
         member and keep theirs (a collective of the clique: each member calls it for the same
         commits, in order).  A failure is logged; the local checkpoint stays committed."""
         t0 = time.perf_counter()
+        crash_point("replicate", self.rank)
         token = ticket.token or self.local.token
         name = rank_file_name(self.rank, token, ticket.seq)
         src_path = os.path.join(iter_dir(self.local.root, ticket.iteration), name)
@@ -170,6 +178,8 @@ class Replication:
             self.stats.bytes_sent += sent
         self.stats.checkpoints += 1
         self.stats.failures += int(failed)
+        if not failed:
+            self.last_replicated = ticket.iteration
         self.stats.seconds += time.perf_counter() - t0
 
     def _exchange(self, dst: int, src: int, path: str | None, manifest, iteration: int, seq: int) -> tuple[int, bool]:

@@ -367,6 +367,9 @@ class Tier:
         protected = {t.iteration for t in outstanding} | {just.iteration}
         if self.promotion is not None:
             protected |= self.promotion.pending()  # still being copied or committed on the next tier
+        if self.replication is not None and self.replication.last_replicated is not None:
+            # until the newest checkpoint has its replicas, a lost node needs the one before it
+            protected.add(self.replication.last_replicated)
         found = survey(self.root)
         for it in select_deletions(found.order, self.keep_last, self.keep_every, protected):
             crash_point("retention", self.rank)

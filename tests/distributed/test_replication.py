@@ -109,3 +109,18 @@ def test_partners_on_one_node_are_refused(tmp_path):
     )
     assert all(r["returncode"] != 0 for r in got), describe(got)
     assert all("on the same node" in r["stderr"] for r in got), describe(got)
+
+
+def test_a_node_lost_while_the_newest_checkpoint_is_replicated_restores_the_one_before(tmp_path):
+    """local_keep_last=1: when node 1 dies while 6 is being replicated, its partners hold 5 only --
+    so the survivors' local tier must still hold 5, not only 6 (else: back to persistent 4)."""
+    killed = run_ranks(
+        WORKER,
+        4,
+        ["save", *_args(tmp_path, "--iters", "6", "--persist-interval", "4", "--local-keep-last", "1")],
+        env={**NODES, "DSM_CRASH_AT": "replicate:6", "DSM_CRASH_RANK": "2"},
+    )
+    assert any(r["returncode"] == -9 for r in killed), describe(killed)
+    shutil.rmtree(tmp_path / "local1")
+    loaded = _ok(run_ranks(WORKER, 4, ["load", *_args(tmp_path)], env=NODES))
+    assert all(r["iteration"] == 5 and r["exact"] for r in loaded), loaded
