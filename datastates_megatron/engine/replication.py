@@ -47,7 +47,7 @@ __all__ = ["Replication", "clique_of", "replication_plan", "REPLICAS_DIR", "Repl
 
 log = logging.getLogger(__name__)
 REPLICAS_DIR = "replicas"
-_CHUNK = 16 << 20  # one send and one receive buffer of this size: the host memory replication uses
+_CHUNK = 16 << 20  # one receive buffer of this size (sends go from the file's mapping): replication's memory
 _HDR = ("ok", "iteration", "seq", "token", "file_bytes", "manifest_bytes")
 
 
@@ -124,7 +124,6 @@ class Replication:
         )
         self._coll = Collective(self.group)
         self._stores = {src: self._store(src) for src in clique}  # its own too: a fetched copy
-        self._send_buf = torch.empty(_CHUNK, dtype=torch.uint8)
         self._recv_buf = torch.empty(_CHUNK, dtype=torch.uint8)
 
     def open_stores(self, node_sources: set[int] | None) -> None:
@@ -241,14 +240,14 @@ class Replication:
         return into.numpy().tobytes() if into is not None else b""
 
     def _swap_file(self, out_file, out_bytes: int, receiver, in_bytes: int, dst: int, src: int) -> None:
-        """Stream both files in chunks of ``_CHUNK`` (two buffers: bounded host memory)."""
+        """Stream both files in chunks of ``_CHUNK`` (sent from the mapping, received into one buffer:
+        bounded host memory)."""
         done_out = done_in = 0
         while done_out < out_bytes or done_in < in_bytes:
             n_out, n_in = min(_CHUNK, out_bytes - done_out), min(_CHUNK, in_bytes - done_in)
             out = into = None
-            if n_out:
-                self._send_buf[:n_out].numpy()[:] = out_file.span(done_out, done_out + n_out)
-                out = self._send_buf[:n_out]
+            if n_out:  # straight from the file's (copy-on-write) mapping: no copy into a buffer
+                out = torch.from_numpy(out_file.span(done_out, done_out + n_out))
             if n_in:
                 into = self._recv_buf[:n_in]
             self._p2p(out, dst, into, src)
