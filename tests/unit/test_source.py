@@ -4,18 +4,19 @@ threads standing for N ranks over one in-process c10d store)."""
 from __future__ import annotations
 
 import concurrent.futures as cf
-import os
 
 import pytest
 import torch
 import torch.distributed as dist
 
-from datastates_megatron.engine import EngineOptions, LayoutMismatchError, NoCheckpointError, SnapshotEngine
+from datastates_megatron.engine import LayoutMismatchError, NoCheckpointError
 from datastates_megatron.engine.load_plan import SameLayoutPlanner
-from datastates_megatron.engine.manifest import Manifest, RankRecord, iter_dir, rank_file_name, write_manifest
+from datastates_megatron.engine.manifest import iter_dir, rank_file_name
 from datastates_megatron.engine.reader import CheckpointReader
 from datastates_megatron.engine.source import resolve
 from datastates_megatron.engine.store_channel import StoreChannel
+
+from .rank_files import write_checkpoint
 
 WORLD = 4
 TOKEN = "00000000000000aa"
@@ -25,19 +26,7 @@ TOKEN = "00000000000000aa"
 def root(tmp_path):
     """Iteration 7 of a 4-rank checkpoint: rank r saved ``w`` = [r, r, r, r]."""
     root = str(tmp_path / "root")
-    d = iter_dir(root, 7)
-    os.makedirs(d)
-    records = []
-    with SnapshotEngine(EngineOptions(cache_bytes=1 << 20, timeout_s=30)) as eng:
-        for r in range(WORLD):
-            eng.clear()
-            eng.register("w", torch.full((4,), float(r)))
-            name = rank_file_name(r, TOKEN, 1)
-            got = eng.save(7, os.path.join(d, name), {"rank": r}, tag=name).durable.result(30)
-            records.append(
-                RankRecord(r, name, got.file_bytes, got.data_bytes, got.n_tensors, got.index_xxh64, got.header_xxh64)
-            )
-    write_manifest(root, Manifest(7, WORLD, TOKEN, tuple(records), {"dp": WORLD}, {"note": "x"}, commit_seq=3))
+    write_checkpoint(root, 7, WORLD, TOKEN, commit_seq=3)
     return root
 
 
