@@ -2,15 +2,17 @@
 """Scale harness: the project's own commit, restart, reshard, ``ls``, ``inspect`` and ``verify`` code
 at N ranks, in one process, on an N-rank checkpoint of tiny real rank files.
 
-    python scripts/bench_scale.py [--ranks 1024,4096,16384,65536] [--dir /dev/shm] [--json]
+    PYTHONPATH=. python scripts/bench_scale.py [--ranks 1024,4096,16384,65536] [--dir /dev/shm] [--nofile 256] [--json]
 
 For each N it writes N tiny rank files (two fp32 tensors each, with the global-identity metadata a
 Megatron DP shard carries) with the snapshot engine, then runs, each on the real code path:
 
 * ``commit``: rank 0's commit of the N files (:class:`~datastates_megatron.engine.commit.Committer`),
-  and one other rank's, over a counting stand-in for the collective that forwards to an in-process
-  store and counts the bytes each rank sends and receives; fabricated rows only for ranks whose
-  side of the protocol is not measured.  Also the iteration directory's creation as N ranks run it.
+  beside rank 1's, each over its own :class:`~datastates_megatron.engine.store_channel.StoreChannel`
+  on one in-process c10d store (``HashStore``, standing for the job's ``TCPStore``); the channels
+  count the bytes each rank sends and receives.  Ranks 2..N-1 send their statuses (made from their
+  files' receipts) through their own channels.  Also the calls that N ranks starting a save make
+  to create the new iteration directory (mkdir and lstat, counted).
 * ``restart``: rank 0's resolve (find the newest committed checkpoint, read its manifest, check
   the layout, send each rank its record) and one non-leader rank's restart (receive its record,
   plan its same-layout load, open and check its own file).
@@ -166,33 +168,8 @@ def build(root: str, world: int) -> list:
 
 
 # ---------------------------------------------------------------------------------------------- commit
-class CountingGather:
-    """Stand-in for :class:`~datastates_megatron.engine.collective.Collective` (the all-gather
-    protocol): returns every rank's row (this rank's own, the others' fabricated from their
-    receipts) and counts what a ring all-gather moves per rank: N-1 rows sent, N-1 received."""
-
-    def __init__(self, rank: int, rows: list[dict]) -> None:
-        self.rank, self.rows, self.world_size = rank, rows, len(rows)
-        self.active = True
-        self.sent = self.received = 0
-
-    def _ring(self, width: int) -> None:
-        row = 8 * (2 + width)
-        self.sent += (self.world_size - 1) * row
-        self.received += (self.world_size - 1) * row
-
-    def gather(self, record):
-        self._ring(len(record))
-        rows = list(self.rows)
-        rows[self.rank] = dict(record)
-        return rows
-
-    def agree(self, ok):
-        self._ring(1)
-        return [] if ok else [self.rank]
-
-
 def _status_rows(receipts) -> list[dict]:
+    """Every rank's status of the save, as its commit thread sends it (from its file's receipt)."""
     from datastates_megatron.engine.commit import _STATUS, _to_i64
 
     rows = []
@@ -209,14 +186,15 @@ def _status_rows(receipts) -> list[dict]:
             header_xxh64=_to_i64(r.header_xxh64),
         )
         rows.append(row)
+    rows[0].update(writes_lo=0, writes_n=len(rows))
     return rows
 
 
-def _committer(root: str, rank: int, world: int, coll):
+def _tier(root: str, rank: int, world: int, channel):
     from datastates_megatron.engine.tier import Tier
 
     tier = Tier("persistent", root, rank=rank, token=TOKEN, writes=list(range(world)) if rank == 0 else [])
-    tier.open(coll, world, {"dp": world}, 60.0)
+    tier.open(channel, world, {"dp": world}, 60.0)
     return tier
 
 
@@ -229,34 +207,97 @@ def _ticket(receipt):
 
 
 def commit(root: str, world: int, receipts) -> dict:
-    """Rank 0's commit and rank 1's, each on its own committer, over the counting stand-in."""
+    """Rank 0's commit of the N files (measured) beside rank 1's (its bytes), each on its own
+    committer and store channel over one in-process c10d store; ranks 2..N-1 send their statuses
+    through their own channels first (the same call their commit threads make)."""
+    import torch.distributed as dist
+
+    from datastates_megatron.engine.commit import _STATUS
+    from datastates_megatron.engine.store_channel import StoreChannel
+
+    store = dist.HashStore()
+    prefix = f"dsm/{TOKEN}/persistent"
     rows = _status_rows(receipts)
-    out = {}
-    for rank in (0, 1):
-        coll = CountingGather(rank, rows)
-        tier = _committer(root, rank, world, coll)
-        try:
-            m = measure(tier.committer._commit, _ticket(receipts[rank]))
-        finally:
-            tier.committer.close()
-        out[rank] = (m, coll.sent + coll.received)
-    return out
+    for rank in range(2, world):
+        StoreChannel(store, rank, world, prefix, 60.0).gather(rows[rank], _STATUS)
+    chans = {r: StoreChannel(store, r, world, prefix, 60.0) for r in (0, 1)}
+    tiers = {r: _tier(root, r, world, chans[r]) for r in (0, 1)}
+    # the commit ends with the tier's retention (``Tier.after_commit``): timed apart
+    after = tiers[0].after_commit
+    spent = []
+
+    def timed_after(ticket):
+        t0 = time.perf_counter()
+        after(ticket)
+        spent.append(time.perf_counter() - t0)
+
+    tiers[0].after_commit = timed_after
+    try:
+        with cf.ThreadPoolExecutor(1) as pool:
+            other = pool.submit(tiers[1].committer._commit, _ticket(receipts[1]))
+            m = measure(tiers[0].committer._commit, _ticket(receipts[0]))
+            other.result(timeout=120)
+    finally:
+        for t in tiers.values():
+            t.committer.close()
+    if tiers[0].committer.latest != ITERATION or tiers[1].committer.latest != ITERATION:
+        m.error = m.error or "the commit did not commit on rank 0 and rank 1"
+    after_s = spent[0] if spent else 0.0
+    return {
+        "rank0": m,
+        "rank0_s": m.seconds - after_s,
+        "after_commit_s": after_s,
+        "rank0_bytes": chans[0].sent + chans[0].received,
+        "bytes": chans[1].sent + chans[1].received,
+    }
+
+
+def mkdirs(root: str, world: int) -> tuple[int, int]:
+    """``(mkdir, lstat)`` calls made when N ranks start a save into a new iteration directory: the
+    writer's preparation, then every other rank's (on its flush thread)."""
+    from datastates_megatron.engine.iteration_dir import prepare_iteration_dir
+
+    d = iter_dir(root, ITERATION + 1)
+    calls = {"mkdir": 0, "lstat": 0}
+    real = {name: getattr(os, name) for name in calls}
+
+    def counting(name):
+        def call(*a, **kw):
+            calls[name] += 1
+            return real[name](*a, **kw)
+
+        return call
+
+    try:
+        for name in calls:
+            setattr(os, name, counting(name))
+        for rank in range(world):
+            then = prepare_iteration_dir(d, rank == 0)
+            if then is not None:
+                then()
+    finally:
+        for name, fn in real.items():
+            setattr(os, name, fn)
+    return calls["mkdir"], calls["lstat"]
 
 
 # ---------------------------------------------------------------------------------------------- restart
-def restart(root: str, world: int, rank: int):
-    """One rank's restart as the manager runs it: find the latest, read its manifest, plan its
-    same-layout load (opening and checking its own file)."""
+def restart(root: str, world: int, rank: int, store) -> tuple[int, int]:
+    """One rank's restart: the resolve step (:func:`~datastates_megatron.engine.source.resolve`:
+    on rank 0 the survey, manifest, layout check and one scatter; on another rank the receipt of
+    its record), then its same-layout plan, opening and checking its own file.  Returns the plan's
+    items and the bytes received through the store."""
     from datastates_megatron.engine.load_plan import SameLayoutPlanner
-    from datastates_megatron.engine.reader import CheckpointReader, open_checkpoint
-    from datastates_megatron.engine.tier import latest_committed
+    from datastates_megatron.engine.reader import CheckpointReader
+    from datastates_megatron.engine.source import resolve
+    from datastates_megatron.engine.store_channel import StoreChannel
 
-    it = latest_committed(root)
-    ckpt, manifest = open_checkpoint(root, it)
+    chan = StoreChannel(store, rank, world, f"dsm/{TOKEN}/resolve", 60.0)
+    got = resolve(root, None, chan, {"dp": world})
     targets = {n: torch.empty(K) for n in _meta(rank, world)}
-    with CheckpointReader(ckpt, manifest, rank=rank, verify=True, threads=1) as reader:
+    with CheckpointReader(got.ckpt, got.manifest, rank=rank, verify=True, threads=1) as reader:
         plan = SameLayoutPlanner(targets, world, {"dp": world}).plan(reader)
-    return len(plan.items)
+    return len(plan.items), chan.received
 
 
 # ---------------------------------------------------------------------------------------------- reshard
@@ -293,26 +334,34 @@ def run(world: int, base: str) -> dict:
         receipts = build(root, world)
         build_s = time.perf_counter() - t0
         c = commit(root, world, receipts)
+        mkdir_calls, lstat_calls = mkdirs(root, world)
         ckpt = iter_dir(root, ITERATION)
         mb = os.path.getsize(os.path.join(ckpt, "manifest.json"))
-        r0 = measure(restart, root, world, 0)
-        rk = measure(restart, root, world, world // 2 + 1)
+        import torch.distributed as dist
+
+        store = dist.HashStore()
+        r0 = measure(restart, root, world, 0, store)
+        rk = measure(restart, root, world, world // 2 + 1, store)
         rs = measure(reshard, root, world, world // 4)
         ls = measure(cli.list_checkpoints, root)
         ins = measure(cli.inspect_checkpoint, ckpt)
         ver = measure(cli.verify_checkpoint, ckpt, threads=2)
         if ver.error is None and not ver.value["ok"]:
             ver.error = f"verify found problems: {ver.value['errors'][:2]}"
-        ops = {"rank0_commit": c[0][0], "rank1_commit": c[1][0], "rank0_restart": r0, "restart": rk}
+        ops = {"rank0_commit": c["rank0"], "rank0_restart": r0, "restart": rk}
         ops.update(reshard=rs, ls=ls, inspect=ins, verify=ver)
         doc = {
             "ranks": world,
             "build_s": build_s,
             "manifest_bytes": mb,
-            "rank0_commit_s": c[0][0].seconds,
-            "commit_bytes_per_rank": c[1][1],
+            "rank0_commit_s": c["rank0_s"],
+            "rank0_after_commit_s": c["after_commit_s"],
+            "rank0_commit_bytes": c["rank0_bytes"],
+            "commit_bytes_per_rank": c["bytes"],
+            "mkdir_calls": mkdir_calls,
+            "lstat_calls": lstat_calls,
             "restart_s": rk.seconds,
-            "restart_manifest_bytes": rk.read_bytes,
+            "restart_manifest_bytes": rk.read_bytes + (rk.value[1] if rk.value else 0),
             "rank0_restart_s": r0.seconds,
             "reshard_s": rs.seconds,
             "reshard_max_open_files": rs.max_open_files,
@@ -329,7 +378,11 @@ def run(world: int, base: str) -> dict:
 def _table(doc: dict) -> str:
     lines = [
         f"N = {doc['ranks']}: manifest {doc['manifest_bytes'] / 1e6:.2f} MB, built in {doc['build_s']:.1f} s; "
-        f"commit bytes sent+received by rank 1: {doc['commit_bytes_per_rank']}",
+        f"commit bytes sent+received: rank 1 {doc['commit_bytes_per_rank']}, rank 0 {doc['rank0_commit_bytes']}; "
+        f"new iteration directory: {doc['mkdir_calls']} mkdir, {doc['lstat_calls']} lstat; "
+        f"restart manifest bytes of rank {doc['ranks'] // 2 + 1}: {doc['restart_manifest_bytes']}; "
+        f"rank 0's commit: {doc['rank0_commit_s']:.4f} s to the outcome, then retention "
+        f"(Tier.after_commit) {doc['rank0_after_commit_s']:.4f} s",
         f"  {'operation':<14} {'seconds':>9} {'peak MB':>8} {'max fds':>8} {'read bytes':>12}  error",
     ]
     for name, m in doc["ops"].items():
@@ -344,8 +397,13 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--ranks", default="1024,4096,16384,65536", help="comma-separated N (default: %(default)s)")
     p.add_argument("--dir", default="/dev/shm" if os.path.isdir("/dev/shm") else None, help="where to build")
+    p.add_argument("--nofile", type=int, help="run under this limit of open files (RLIMIT_NOFILE)")
     p.add_argument("--json", action="store_true", help="one JSON object per N, one per line")
     a = p.parse_args(argv)
+    if a.nofile:
+        import resource
+
+        resource.setrlimit(resource.RLIMIT_NOFILE, (a.nofile, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
     import datastates_megatron
 
     if not a.json:

@@ -50,6 +50,7 @@ _STATUS = (
     "writes_lo",  # the ranks whose files this rank describes in a manifest: [lo, lo + n)
     "writes_n",
 )
+_RECORD = ("file_bytes", "data_bytes", "n_tensors", "index_xxh64", "header_xxh64")  # a manifest's record, in order
 _SHOWN = 16  # ranks named in an outcome (and how many there are): the document stays small
 
 
@@ -200,19 +201,19 @@ class Committer(QueueThread):
         outcome (one small document)."""
         chan = self._chan
         mine = self._status(ticket)
-        rows = chan.gather(mine, _STATUS)
-        verdict = self._verdict(ticket, rows) if chan.is_root else None
+        cols = chan.gather(mine, _STATUS)  # rank 0: every rank's status, a column per field
+        verdict = self._verdict(ticket, cols) if chan.is_root else None
         if self._two_phase:
-            got = chan.scatter(self._leader_docs(verdict, rows) if chan.is_root else None, expect=bool(self._writes))
+            got = chan.scatter(self._leader_docs(verdict, cols) if chan.is_root else None, expect=bool(self._writes))
             ok = True
             if self._writes and got["go"]:
-                ok = self._write_manifest(ticket, {int(k): v for k, v in got["rows"].items()})
+                ok = self._write_manifest(ticket, got["cols"], got["lo"])
             oks = chan.gather({"ok": int(ok)}, ("ok",))
             if chan.is_root and verdict["go"]:
-                bad = [r for r, row in enumerate(oks) if not row["ok"]]
+                bad = [r for r, v in enumerate(oks["ok"]) if not v]
                 verdict.update(go=not bad, unwritten=bad[:_SHOWN], n_unwritten=len(bad))
         elif chan.is_root and verdict["go"]:
-            ok = self._write_manifest(ticket, rows)
+            ok = self._write_manifest(ticket, cols, 0)
             verdict.update(go=ok, unwritten=[] if ok else [0], n_unwritten=int(not ok))
         outcome = chan.broadcast(verdict)
         if not outcome["go"]:
@@ -236,7 +237,7 @@ class Committer(QueueThread):
         record = CommitRecord(
             iteration=ticket.iteration,
             total_bytes=outcome["total_bytes"],
-            bytes_per_rank=tuple(r["data_bytes"] for r in rows) if rows is not None else (),
+            bytes_per_rank=tuple(cols["data_bytes"]) if cols is not None else (),
             save_call_s=outcome["call_us"] / 1e6,
             copy_s=outcome["copy_us"] / 1e6,
             flush_s=outcome["flush_us"] / 1e6,
@@ -247,24 +248,23 @@ class Committer(QueueThread):
         self._records.append(record)
         self.tier.after_commit(ticket)
 
-    def _leader_docs(self, verdict: dict, rows: list[dict[str, int]]) -> dict[int, dict]:
-        """Rank 0, local tier: to each node leader the verdict and (when it may write) its node's rows."""
+    def _leader_docs(self, verdict: dict, cols: dict[str, list[int]]) -> dict[int, dict]:
+        """Rank 0, local tier: to each node leader the verdict and (when it may write) the status
+        columns of its node's ranks."""
         docs = {}
-        for r, row in enumerate(rows):
-            if row["writes_n"]:
-                span = range(row["writes_lo"], row["writes_lo"] + row["writes_n"])
-                docs[r] = {"go": verdict["go"], "rows": {str(i): rows[i] for i in span} if verdict["go"] else {}}
+        for r, n in enumerate(cols["writes_n"]):
+            if n:
+                lo = cols["writes_lo"][r]
+                node = {f: cols[f][lo : lo + n] for f in _RECORD} if verdict["go"] else {}
+                docs[r] = {"go": verdict["go"], "lo": lo, "cols": node}
         return docs
 
-    def _verdict(self, ticket: Ticket, rows: list[dict[str, int]]) -> dict:
+    def _verdict(self, ticket: Ticket, cols: dict[str, list[int]]) -> dict:
         """Rank 0: whether every rank saved ``ticket`` (the same iteration and sequence) and
         succeeded; with the figures every rank's commit record reports.  O(N), small to send."""
-        stray = [
-            (i, r["iteration"], r["seq"])
-            for i, r in enumerate(rows)
-            if (r["iteration"], r["seq"]) != (ticket.iteration, ticket.seq)
-        ]
-        failed = [i for i, r in enumerate(rows) if r["ok"] != 1]
+        it, seq = ticket.iteration, ticket.seq
+        stray = [(i, a, b) for i, (a, b) in enumerate(zip(cols["iteration"], cols["seq"])) if a != it or b != seq]
+        failed = [i for i, ok in enumerate(cols["ok"]) if ok != 1]
         return {
             "go": not stray and not failed,
             "stray": stray[:_SHOWN],
@@ -273,34 +273,28 @@ class Committer(QueueThread):
             "n_failed": len(failed),
             "unwritten": [],
             "n_unwritten": 0,
-            "total_bytes": sum(r["data_bytes"] for r in rows),
-            "max_rank_bytes": max(r["data_bytes"] for r in rows),
-            "call_us": max(r["call_us"] for r in rows),
-            "copy_us": max(r["copy_us"] for r in rows),
-            "flush_us": max(r["flush_us"] for r in rows),
+            "total_bytes": sum(cols["data_bytes"]),
+            "max_rank_bytes": max(cols["data_bytes"]),
+            "call_us": max(cols["call_us"]),
+            "copy_us": max(cols["copy_us"]),
+            "flush_us": max(cols["flush_us"]),
         }
 
-    def _write_manifest(self, ticket: Ticket, rows: list[dict[str, int]] | None) -> bool:
-        """The writer: this tier's manifest of ``ticket`` (the commit point); ``False`` (the error
-        stored) when it could not be written.  ``rows``: every rank's status (rank 0), else ``None``:
-        a node leader describes its node's files, whose status it does not have -- their receipts
-        are on its node's ranks -- so rank 0's rows are needed: only rank 0 writes without them."""
+    def _write_manifest(self, ticket: Ticket, cols: dict[str, list[int]], lo: int) -> bool:
+        """The writer: this tier's manifest of ``ticket`` (the commit point) from the status
+        columns of ranks ``lo``, ``lo + 1``, ... (every rank on rank 0; a node leader's node, sent by
+        rank 0); ``False`` (the error stored) when it could not be written."""
         try:
+            tail = rank_file_name(0, ticket.token or self._token, ticket.seq)[len("r00000") :]
+            name = ("r%05d" + tail.replace("%", "%%")).__mod__  # rank_file_name(i, token, seq), formatted once
+            at = [i - lo for i in self._writes]
             manifest = Manifest(
                 iteration=ticket.iteration,
                 world_size=self.world_size,
                 run_token=self._token,
                 ranks=tuple(
-                    RankRecord(
-                        i,
-                        rank_file_name(i, ticket.token or self._token, ticket.seq),
-                        rows[i]["file_bytes"],
-                        rows[i]["data_bytes"],
-                        rows[i]["n_tensors"],
-                        _to_u64(rows[i]["index_xxh64"]),
-                        _to_u64(rows[i]["header_xxh64"]),
-                    )
-                    for i in self._writes
+                    RankRecord(i, name(i), fb, db, nt, _to_u64(ix), _to_u64(hx))
+                    for i, fb, db, nt, ix, hx in zip(self._writes, *([cols[f][k] for k in at] for f in _RECORD))
                 ),
                 layout=self._layout,
                 metadata=ticket.metadata,

@@ -84,8 +84,9 @@ class StoreChannel:
             ) from e
 
     # ------------------------------------------------------------------ gather
-    def gather(self, record: Mapping[str, int], fields: Sequence[str]) -> list[dict[str, int]] | None:
-        """Rank 0: every rank's ``record`` (with these ``fields``), in rank order; others: ``None``."""
+    def gather(self, record: Mapping[str, int], fields: Sequence[str]) -> dict[str, list[int]] | None:
+        """Rank 0: every rank's ``record`` (with these ``fields``) as one column per field, in rank
+        order (``columns[field][rank]``); others: ``None``."""
         fields = tuple(fields)
         if set(record) != set(fields):
             raise ValueError(f"rank {self.rank}: record has fields {sorted(record)}, expected {list(fields)}")
@@ -96,7 +97,7 @@ class StoreChannel:
         schema = zlib.crc32(",".join(fields).encode("utf-8"))
         if not self.active:
             self._round += 1
-            return [dict(record)]
+            return {f: [record[f]] for f in fields}
         row = struct.pack(f"<2q{len(fields)}q", self.rank, schema, *values)
         rows_key, count_key, ready_key = self._key("rows"), self._key("count"), self._key("ready")
         self.store.append(rows_key, row)
@@ -167,22 +168,24 @@ class StoreChannel:
         return json.loads(raw.decode("utf-8"))
 
 
-def _unpack(raw: bytes, fields: tuple[str, ...], schema: int, world_size: int, where: str) -> list[dict[str, int]]:
+def _unpack(raw: bytes, fields: tuple[str, ...], schema: int, world_size: int, where: str) -> dict[str, list[int]]:
+    """The gathered records, one column per field in rank order (numpy: O(N) without a Python loop)."""
+    import numpy as np
+
     width = 2 + len(fields)
-    size = 8 * width
-    if len(raw) != size * world_size:
+    if len(raw) != 8 * width * world_size:
         raise CheckpointError(
-            f"rank 0: {where}: gathered {len(raw)} bytes, expected {world_size} records of {size} "
+            f"rank 0: {where}: gathered {len(raw)} bytes, expected {world_size} records of {8 * width} "
             "(a rank of another version, or a rank that joined twice?)"
         )
-    rows: list[dict[str, int] | None] = [None] * world_size
-    for values in struct.iter_unpack(f"<{width}q", raw):
-        rank = values[0]
-        if values[1] != schema:
-            raise CheckpointError(
-                f"rank 0: {where}: rank {rank} sent other fields than {list(fields)} (a version mismatch?)"
-            )
-        if not 0 <= rank < world_size or rows[rank] is not None:
-            raise CheckpointError(f"rank 0: {where}: record of rank {rank} is out of range or repeated")
-        rows[rank] = dict(zip(fields, values[2:]))
-    return rows  # every slot filled: N distinct ranks in [0, N)
+    table = np.frombuffer(raw, dtype="<i8").reshape(world_size, width)
+    bad = np.flatnonzero(table[:, 1] != schema)
+    if bad.size:
+        raise CheckpointError(
+            f"rank 0: {where}: rank(s) {table[bad[:8], 0].tolist()} sent other fields than {list(fields)} "
+            "(a version mismatch?)"
+        )
+    table = table[np.argsort(table[:, 0], kind="stable")]
+    if not np.array_equal(table[:, 0], np.arange(world_size)):
+        raise CheckpointError(f"rank 0: {where}: the records are not one per rank 0..{world_size - 1}")
+    return {f: table[:, 2 + k].tolist() for k, f in enumerate(fields)}

@@ -25,12 +25,12 @@ def _world(n: int, body, timeout_s: float = 20.0):
 
 def test_gather_reaches_rank0_only_in_rank_order_then_broadcast():
     def body(c):
-        rows = c.gather({"a": c.rank, "b": -(c.rank << 40)}, FIELDS)
-        out = c.broadcast({"sum": sum(r["a"] for r in rows)} if c.is_root else None)
-        return rows, out
+        cols = c.gather({"a": c.rank, "b": -(c.rank << 40)}, FIELDS)
+        out = c.broadcast({"sum": sum(cols["a"])} if c.is_root else None)
+        return cols, out
 
     res, _, store = _world(6, body)
-    assert res[0][0] == [{"a": r, "b": -(r << 40)} for r in range(6)]
+    assert res[0][0] == {"a": list(range(6)), "b": [-(r << 40) for r in range(6)]}
     assert all(rows is None for rows, _ in res[1:])
     assert all(out == {"sum": 15} for _, out in res)
     assert store.num_keys() <= 1  # only the last outcome is left (removed at the next gather)
@@ -40,12 +40,12 @@ def test_rounds_repeat_and_old_keys_are_removed():
     def body(c):
         got = []
         for i in range(5):
-            rows = c.gather({"a": i, "b": c.rank}, FIELDS)
-            got.append(c.broadcast({"i": i, "n": len(rows)} if c.is_root else None))
+            cols = c.gather({"a": i, "b": c.rank}, FIELDS)
+            got.append(c.broadcast({"i": i, "n": len(cols["b"]), "a": set(cols["a"]) == {i}} if c.is_root else None))
         return got
 
     res, _, store = _world(4, body)
-    assert all(got == [{"i": i, "n": 4} for i in range(5)] for got in res)
+    assert all(got == [{"i": i, "n": 4, "a": True} for i in range(5)] for got in res)
     assert store.num_keys() <= 1
 
 
@@ -91,7 +91,7 @@ def test_records_of_another_schema_are_refused():
 
 def test_world_of_one_needs_no_store():
     c = StoreChannel(None, 0, 1, "t", 1)
-    assert c.gather({"a": 1, "b": 2}, FIELDS) == [{"a": 1, "b": 2}]
+    assert c.gather({"a": 1, "b": 2}, FIELDS) == {"a": [1], "b": [2]}
     assert c.broadcast({"go": 1}) == {"go": 1}
     assert c.scatter({0: {"x": 1}}, expect=True) == {"x": 1}
     with pytest.raises(ValueError):
