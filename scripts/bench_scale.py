@@ -85,6 +85,7 @@ def _reset_hwm() -> None:
 @dataclasses.dataclass
 class Measured:
     seconds: float = 0.0
+    cpu_s: float = 0.0  # CPU seconds of the calling thread (what the operation costs on a loaded machine)
     peak_mb: float = 0.0
     max_open_files: int = 0
     read_bytes: int = 0
@@ -108,12 +109,12 @@ def measure(fn, *args, **kw) -> Measured:
     _reset_hwm()
     r0 = _rchar()
     m = Measured()
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.thread_time()
     try:
         m.value = fn(*args, **kw)
     except Exception as e:  # noqa: BLE001 - reported as the operation's outcome
         m.error = f"{type(e).__name__}: {str(e)[:200]}"
-    m.seconds = time.perf_counter() - t0
+    m.seconds, m.cpu_s = time.perf_counter() - t0, time.thread_time() - c0
     m.read_bytes = _rchar() - r0
     stop.set()
     t.join()
@@ -355,14 +356,17 @@ def run(world: int, base: str) -> dict:
             "build_s": build_s,
             "manifest_bytes": mb,
             "rank0_commit_s": c["rank0_s"],
+            "rank0_commit_cpu_s": c["rank0"].cpu_s - c["after_commit_s"],
             "rank0_after_commit_s": c["after_commit_s"],
             "rank0_commit_bytes": c["rank0_bytes"],
             "commit_bytes_per_rank": c["bytes"],
             "mkdir_calls": mkdir_calls,
             "lstat_calls": lstat_calls,
             "restart_s": rk.seconds,
+            "restart_cpu_s": rk.cpu_s,
             "restart_manifest_bytes": rk.read_bytes + (rk.value[1] if rk.value else 0),
             "rank0_restart_s": r0.seconds,
+            "rank0_restart_cpu_s": r0.cpu_s,
             "reshard_s": rs.seconds,
             "reshard_max_open_files": rs.max_open_files,
             "verify_s": ver.seconds,
@@ -383,11 +387,11 @@ def _table(doc: dict) -> str:
         f"restart manifest bytes of rank {doc['ranks'] // 2 + 1}: {doc['restart_manifest_bytes']}; "
         f"rank 0's commit: {doc['rank0_commit_s']:.4f} s to the outcome, then retention "
         f"(Tier.after_commit) {doc['rank0_after_commit_s']:.4f} s",
-        f"  {'operation':<14} {'seconds':>9} {'peak MB':>8} {'max fds':>8} {'read bytes':>12}  error",
+        f"  {'operation':<14} {'seconds':>9} {'cpu s':>9} {'peak MB':>8} {'max fds':>8} {'read bytes':>12}  error",
     ]
     for name, m in doc["ops"].items():
         lines.append(
-            f"  {name:<14} {m['seconds']:>9.4f} {m['peak_mb']:>8.0f} {m['max_open_files']:>8} "
+            f"  {name:<14} {m['seconds']:>9.4f} {m['cpu_s']:>9.4f} {m['peak_mb']:>8.0f} {m['max_open_files']:>8} "
             f"{m['read_bytes']:>12}  {m['error'] or ''}"
         )
     return "\n".join(lines)
