@@ -385,7 +385,7 @@ def _table(doc: dict) -> str:
         f"commit bytes sent+received: rank 1 {doc['commit_bytes_per_rank']}, rank 0 {doc['rank0_commit_bytes']}; "
         f"new iteration directory: {doc['mkdir_calls']} mkdir, {doc['lstat_calls']} lstat; "
         f"restart manifest bytes of rank {doc['ranks'] // 2 + 1}: {doc['restart_manifest_bytes']}; "
-        f"rank 0's commit: {doc['rank0_commit_s']:.4f} s to the outcome, then retention "
+        f"rank 0's commit: {doc['rank0_commit_s']:.4f} s ({doc['rank0_commit_cpu_s']:.4f} CPU s) to the outcome, then retention "
         f"(Tier.after_commit) {doc['rank0_after_commit_s']:.4f} s",
         f"  {'operation':<14} {'seconds':>9} {'cpu s':>9} {'peak MB':>8} {'max fds':>8} {'read bytes':>12}  error",
     ]
