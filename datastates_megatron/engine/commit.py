@@ -24,11 +24,13 @@ import os
 import threading
 import time
 
-from .store_channel import StoreChannel
+import numpy as np
+
 from .errors import CacheTimeoutError, CommitError
 from .faults import crash_point
 from .manifest import Manifest, RankRecord, iter_dir, rank_file_name, write_manifest, write_tracker
 from .retention import unlink_ours
+from .store_channel import StoreChannel
 from .threads import QueueThread
 
 __all__ = ["Committer", "Ticket", "CommitRecord"]
@@ -56,10 +58,6 @@ _SHOWN = 16  # ranks named in an outcome (and how many there are): the document 
 
 def _to_i64(u: int) -> int:
     return u - (1 << 64) if u >= 1 << 63 else u
-
-
-def _to_u64(i: int) -> int:
-    return i + (1 << 64) if i < 0 else i
 
 
 @dataclasses.dataclass
@@ -210,7 +208,7 @@ class Committer(QueueThread):
                 ok = self._write_manifest(ticket, got["cols"], got["lo"])
             oks = chan.gather({"ok": int(ok)}, ("ok",))
             if chan.is_root and verdict["go"]:
-                bad = [r for r, v in enumerate(oks["ok"]) if not v]
+                bad = np.flatnonzero(oks["ok"] == 0).tolist()
                 verdict.update(go=not bad, unwritten=bad[:_SHOWN], n_unwritten=len(bad))
         elif chan.is_root and verdict["go"]:
             ok = self._write_manifest(ticket, cols, 0)
@@ -237,7 +235,7 @@ class Committer(QueueThread):
         record = CommitRecord(
             iteration=ticket.iteration,
             total_bytes=outcome["total_bytes"],
-            bytes_per_rank=tuple(cols["data_bytes"]) if cols is not None else (),
+            bytes_per_rank=tuple(cols["data_bytes"].tolist()) if cols is not None else (),
             save_call_s=outcome["call_us"] / 1e6,
             copy_s=outcome["copy_us"] / 1e6,
             flush_s=outcome["flush_us"] / 1e6,
@@ -248,53 +246,55 @@ class Committer(QueueThread):
         self._records.append(record)
         self.tier.after_commit(ticket)
 
-    def _leader_docs(self, verdict: dict, cols: dict[str, list[int]]) -> dict[int, dict]:
+    def _leader_docs(self, verdict: dict, cols: dict[str, np.ndarray]) -> dict[int, dict]:
         """Rank 0, local tier: to each node leader the verdict and (when it may write) the status
         columns of its node's ranks."""
         docs = {}
-        for r, n in enumerate(cols["writes_n"]):
-            if n:
-                lo = cols["writes_lo"][r]
-                node = {f: cols[f][lo : lo + n] for f in _RECORD} if verdict["go"] else {}
-                docs[r] = {"go": verdict["go"], "lo": lo, "cols": node}
+        for r in np.flatnonzero(cols["writes_n"]).tolist():
+            lo, n = int(cols["writes_lo"][r]), int(cols["writes_n"][r])
+            node = {f: cols[f][lo : lo + n].tolist() for f in _RECORD} if verdict["go"] else {}
+            docs[r] = {"go": verdict["go"], "lo": lo, "cols": node}
         return docs
 
-    def _verdict(self, ticket: Ticket, cols: dict[str, list[int]]) -> dict:
+    def _verdict(self, ticket: Ticket, cols: dict[str, np.ndarray]) -> dict:
         """Rank 0: whether every rank saved ``ticket`` (the same iteration and sequence) and
-        succeeded; with the figures every rank's commit record reports.  O(N), small to send."""
-        it, seq = ticket.iteration, ticket.seq
-        stray = [(i, a, b) for i, (a, b) in enumerate(zip(cols["iteration"], cols["seq"])) if a != it or b != seq]
-        failed = [i for i, ok in enumerate(cols["ok"]) if ok != 1]
+        succeeded; with the figures every rank's commit record reports.  O(N) in numpy, small to send."""
+        it, sq = cols["iteration"], cols["seq"]
+        stray = np.flatnonzero((it != ticket.iteration) | (sq != ticket.seq))
+        failed = np.flatnonzero(cols["ok"] != 1)
         return {
-            "go": not stray and not failed,
-            "stray": stray[:_SHOWN],
-            "n_stray": len(stray),
-            "failed": failed[:_SHOWN],
-            "n_failed": len(failed),
+            "go": not stray.size and not failed.size,
+            "stray": [(i, int(it[i]), int(sq[i])) for i in stray[:_SHOWN].tolist()],
+            "n_stray": int(stray.size),
+            "failed": failed[:_SHOWN].tolist(),
+            "n_failed": int(failed.size),
             "unwritten": [],
             "n_unwritten": 0,
-            "total_bytes": sum(cols["data_bytes"]),
-            "max_rank_bytes": max(cols["data_bytes"]),
-            "call_us": max(cols["call_us"]),
-            "copy_us": max(cols["copy_us"]),
-            "flush_us": max(cols["flush_us"]),
+            "total_bytes": int(cols["data_bytes"].sum()),
+            "max_rank_bytes": int(cols["data_bytes"].max()),
+            "call_us": int(cols["call_us"].max()),
+            "copy_us": int(cols["copy_us"].max()),
+            "flush_us": int(cols["flush_us"].max()),
         }
 
-    def _write_manifest(self, ticket: Ticket, cols: dict[str, list[int]], lo: int) -> bool:
+    def _write_manifest(self, ticket: Ticket, cols: dict, lo: int) -> bool:
         """The writer: this tier's manifest of ``ticket`` (the commit point) from the status
-        columns of ranks ``lo``, ``lo + 1``, ... (every rank on rank 0; a node leader's node, sent by
-        rank 0); ``False`` (the error stored) when it could not be written."""
+        columns (arrays, or lists sent by rank 0) of ranks ``lo``, ``lo + 1``, ... (every rank on
+        rank 0; a node leader's node); ``False`` (the error stored) when it could not be written."""
         try:
             tail = rank_file_name(0, ticket.token or self._token, ticket.seq)[len("r00000") :]
             name = ("r%05d" + tail.replace("%", "%%")).__mod__  # rank_file_name(i, token, seq), formatted once
-            at = [i - lo for i in self._writes]
+            first, n = self._writes[0], len(self._writes)
+            mine = {f: np.asarray(cols[f], dtype=np.int64)[first - lo : first - lo + n] for f in _RECORD}
+            for f in ("index_xxh64", "header_xxh64"):  # sent as signed int64: the unsigned value back
+                mine[f] = mine[f].view(np.uint64)
             manifest = Manifest(
                 iteration=ticket.iteration,
                 world_size=self.world_size,
                 run_token=self._token,
                 ranks=tuple(
-                    RankRecord(i, name(i), fb, db, nt, _to_u64(ix), _to_u64(hx))
-                    for i, fb, db, nt, ix, hx in zip(self._writes, *([cols[f][k] for k in at] for f in _RECORD))
+                    RankRecord(i, name(i), fb, db, nt, ix, hx)
+                    for i, fb, db, nt, ix, hx in zip(range(first, first + n), *(mine[f].tolist() for f in _RECORD))
                 ),
                 layout=self._layout,
                 metadata=ticket.metadata,

@@ -139,8 +139,11 @@ class Manifest:
 
     def to_json(self) -> bytes:
         """The manifest as written: ``json.dumps(body, indent=1, sort_keys=True)``, byte for byte,
-        with the rank records formatted from a template (the pure-Python encoder that ``indent``
-        takes is about 10x slower than the C one, and the records are all the bytes at N ranks)."""
+        whose ``checksum`` is :func:`_body_xxh64` of the rest.  The rank records -- all the bytes at
+        N ranks -- are formatted from templates, in both the hashed (compact) and the written form:
+        ``indent`` takes json's pure-Python encoder, and building a dict per record costs as much."""
+        from .hashing import xxh64
+
         body = {
             "format": MANIFEST_FORMAT,
             "format_version": MANIFEST_VERSION,
@@ -152,13 +155,20 @@ class Manifest:
             "tier": self.tier,
             "layout": self.layout,
             "metadata": self.metadata,
-            "ranks": [dict(vars(r)) for r in self.ranks],  # flat records: not asdict's deep copy
+            "ranks": [],
         }
-        body["checksum"] = _body_xxh64(body)
-        body["ranks"] = []
+        compact = json.dumps(body, sort_keys=True, separators=(",", ":"))
+        # the top-level "ranks" is the last one: only run_token, tier and world_size follow it, and
+        # inside a string a quote is escaped
+        at = compact.rfind('"ranks":[]')
+        canonical = (
+            compact[:at] + '"ranks":[' + _records_text(self.ranks, _RECORD_COMPACT, ",") + "]" + compact[at + 10 :]
+        )
+        body["checksum"] = xxh64(canonical.encode("utf-8"))
         text = json.dumps(body, indent=1, sort_keys=True)
         if self.ranks:  # the one top-level "ranks" (keys nested deeper are indented further)
-            text = text.replace('\n "ranks": [],', '\n "ranks": [\n' + _records_text(self.ranks) + "\n ],", 1)
+            records = _records_text(self.ranks, _RECORD_TEXT, ",\n")
+            text = text.replace('\n "ranks": [],', '\n "ranks": [\n' + records + "\n ],", 1)
         return text.encode("utf-8")
 
     @classmethod
@@ -273,13 +283,14 @@ _RECORD_TEXT = (
     '  {\n   "data_bytes": %d,\n   "file": %s,\n   "file_bytes": %d,\n   "header_xxh64": %d,\n'
     '   "index_xxh64": %d,\n   "n_tensors": %d,\n   "rank": %d\n  }'
 )  # one RankRecord as json.dumps(indent=1, sort_keys=True) writes it inside the manifest
+_RECORD_COMPACT = '{"data_bytes":%d,"file":%s,"file_bytes":%d,"header_xxh64":%d,"index_xxh64":%d,"n_tensors":%d,"rank":%d}'  # ... and as _body_xxh64 hashes it
 
 
-def _records_text(ranks: tuple[RankRecord, ...]) -> str:
+def _records_text(ranks: tuple[RankRecord, ...], template: str, sep: str) -> str:
     from json.encoder import encode_basestring_ascii as quoted
 
-    return ",\n".join(
-        _RECORD_TEXT % (r.data_bytes, quoted(r.file), r.file_bytes, r.header_xxh64, r.index_xxh64, r.n_tensors, r.rank)
+    return sep.join(
+        template % (r.data_bytes, quoted(r.file), r.file_bytes, r.header_xxh64, r.index_xxh64, r.n_tensors, r.rank)
         for r in ranks
     )
 

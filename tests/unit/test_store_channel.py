@@ -26,8 +26,8 @@ def _world(n: int, body, timeout_s: float = 20.0):
 def test_gather_reaches_rank0_only_in_rank_order_then_broadcast():
     def body(c):
         cols = c.gather({"a": c.rank, "b": -(c.rank << 40)}, FIELDS)
-        out = c.broadcast({"sum": sum(cols["a"])} if c.is_root else None)
-        return cols, out
+        out = c.broadcast({"sum": int(cols["a"].sum())} if c.is_root else None)
+        return cols and {f: v.tolist() for f, v in cols.items()}, out
 
     res, _, store = _world(6, body)
     assert res[0][0] == {"a": list(range(6)), "b": [-(r << 40) for r in range(6)]}
@@ -41,7 +41,9 @@ def test_rounds_repeat_and_old_keys_are_removed():
         got = []
         for i in range(5):
             cols = c.gather({"a": i, "b": c.rank}, FIELDS)
-            got.append(c.broadcast({"i": i, "n": len(cols["b"]), "a": set(cols["a"]) == {i}} if c.is_root else None))
+            got.append(
+                c.broadcast({"i": i, "n": len(cols["b"]), "a": set(cols["a"].tolist()) == {i}} if c.is_root else None)
+            )
         return got
 
     res, _, store = _world(4, body)
@@ -91,7 +93,7 @@ def test_records_of_another_schema_are_refused():
 
 def test_world_of_one_needs_no_store():
     c = StoreChannel(None, 0, 1, "t", 1)
-    assert c.gather({"a": 1, "b": 2}, FIELDS) == {"a": [1], "b": [2]}
+    assert {f: v.tolist() for f, v in c.gather({"a": 1, "b": 2}, FIELDS).items()} == {"a": [1], "b": [2]}
     assert c.broadcast({"go": 1}) == {"go": 1}
     assert c.scatter({0: {"x": 1}}, expect=True) == {"x": 1}
     with pytest.raises(ValueError):
