@@ -3,7 +3,8 @@
 It turns "save these registered tensors as iteration N" into a Megatron-style checkpoint directory
 that either exists whole (committed manifest) or not at all, and loads the latest one back in place.
 Works without ``torch.distributed`` (one process) and with it (any backend: commits go through the
-c10d store, :mod:`.store_channel`, never a process group of their own).  Thread-safety: one training thread calls every method; the work runs on owned threads.
+c10d store, :mod:`.store_channel`, never a process group of their own).  Thread-safety: one
+training thread calls every method; the work runs on owned threads.
 """
 
 from __future__ import annotations
