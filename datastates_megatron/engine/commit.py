@@ -303,7 +303,8 @@ class Committer(QueueThread):
             )
             crash_point("before_manifest", self.rank)
             write_manifest(self.root, manifest)
-        except OSError as e:
+        except Exception as e:  # noqa: BLE001 - an OSError, or metadata that is not JSON: every rank must hear it
+            # (a writer that raised here would leave every other rank waiting for the outcome)
             err = CommitError(
                 f"rank {self.rank}: iteration {ticket.iteration}: writing the {self.tier.name} manifest in {self.root} failed: {e}"
             )
