@@ -13,7 +13,9 @@ Megatron DP shard carries) with the snapshot engine, then runs, each on the real
   on one in-process c10d store (``HashStore``, standing for the job's ``TCPStore``); the channels
   count the bytes each rank sends and receives.  Ranks 2..N-1 send their statuses (made from their
   files' receipts) through their own channels.  Also the calls that N ranks starting a save make
-  to create the new iteration directory (mkdir and lstat, counted).
+  to create the new iteration directory (mkdir and lstat, counted).  Rank 0's commit is timed up
+  to the outcome and tracker, and its retention (``Tier.after_commit``, on the same thread) apart;
+  it runs ``--repeats`` times and the median run is reported.
 * ``restart``: rank 0's resolve (find the newest committed checkpoint, read its manifest, check
   the layout, send each rank its record) and one non-leader rank's restart (receive its record,
   plan its same-layout load, open and check its own file).
@@ -21,7 +23,7 @@ Megatron DP shard carries) with the snapshot engine, then runs, each on the real
   index over every old rank file, then its element ranges through the verifying reader).
 * ``ls``, ``inspect`` (every rank) and ``verify`` (every checksum) of the CLI.
 
-Per operation it reports seconds, the peak resident memory of the process during it (VmHWM, reset
+Per operation it reports wall seconds, CPU seconds of the thread that ran it, the peak resident memory of the process during it (VmHWM, reset
 before each operation), the most files open at once (``/proc/self/fd``, sampled every millisecond
 on a thread) and bytes read from files (``/proc/self/io`` ``rchar``).  An operation that fails
 (e.g. ``EMFILE``) is reported as failed with its error, and the run goes on.
