@@ -4,8 +4,8 @@ rank receives only its own record.
 At N ranks, every rank reading the committed manifests (O(N) bytes each) is O(N^2) bytes at the
 moment the whole job restarts.  :func:`resolve` instead has rank 0 survey the tier (the newest
 commit, or the asked-for iteration), read that manifest and check it against this world (size and
-layout), then send each rank, in one store call (:meth:`.store_channel.StoreChannel.scatter`), a
-small document: the manifest's header and that rank's record.  Every rank gets back a
+layout), then broadcast the manifest's header (small: no rank records) and send each rank its own
+record, all N in one store call (:meth:`.store_channel.StoreChannel.scatter`).  Every rank gets back a
 :class:`Resolved` whose manifest lists only its own record -- enough for
 :class:`.reader.CheckpointReader` and :class:`.load_plan.SameLayoutPlanner`, which look records up by
 rank.  An error on rank 0 (no checkpoint, a damaged manifest, another layout) reaches every rank
@@ -54,30 +54,26 @@ def resolve(
     """Resolve checkpoint ``iteration`` (``None``: the newest committed) of the tier at ``root``
     for this world (``channel.world_size`` ranks, ``layout``) and give this rank its record.
     ``check(manifest, ckpt)`` replaces the same-layout check (e.g. a reshard's own)."""
-    docs, error = None, None
+    head, records, error = None, None, None
     if channel.is_root:
         try:
             ckpt, manifest = _read(root, iteration)
             (check or (lambda m, c: validate_world(m, c, channel.world_size, layout)))(manifest, ckpt)
-            head = {k: getattr(manifest, k) for k in _HEADER}
-            docs = {
-                r: {"ckpt": ckpt, "head": head, "record": _record_doc(manifest.record(r))}
-                for r in range(channel.world_size)
-            }
+            head = {"ckpt": ckpt, "head": {k: getattr(manifest, k) for k in _HEADER}}
+            records = {r: _record_doc(manifest.record(r)) for r in range(channel.world_size)}
         except Exception as e:  # noqa: BLE001 - every rank must hear it
             error = e
-            failure = {"error": type(e).__name__, "message": str(e)}
-            docs = dict.fromkeys(range(channel.world_size), failure)
-    doc = channel.scatter(docs, expect=True)
+            head = {"error": type(e).__name__, "message": str(e)}
+    head = channel.broadcast(head, limit=None)  # the header: its size is the metadata's, not N's
     if error is not None:
         raise error
-    if "error" in doc:
-        cls = getattr(errors, doc["error"], None)
+    if "error" in head:
+        cls = getattr(errors, head["error"], None)
         cls = cls if isinstance(cls, type) and issubclass(cls, CheckpointError) else CheckpointError
-        raise cls(f"rank {channel.rank}: resolving the checkpoint failed on rank 0: {doc['message']}")
-    rec = doc["record"]
-    records = (RankRecord(**rec),) if rec is not None else ()
-    return Resolved(doc["ckpt"], Manifest(ranks=records, **doc["head"]))
+        raise cls(f"rank {channel.rank}: resolving the checkpoint failed on rank 0: {head['message']}")
+    rec = channel.scatter(records, expect=True)
+    ranks = (RankRecord(**rec),) if rec is not None else ()
+    return Resolved(head["ckpt"], Manifest(ranks=ranks, **head["head"]))
 
 
 def _read(root: str, iteration: int | None) -> tuple[str, Manifest]:

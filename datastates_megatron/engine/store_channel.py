@@ -149,16 +149,17 @@ class StoreChannel:
         return json.loads(raw.decode("utf-8"))
 
     # ------------------------------------------------------------------ broadcast
-    def broadcast(self, doc: dict | None) -> dict:
-        """Rank 0's ``doc`` (JSON-able, at most :data:`MAX_OUTCOME_BYTES` as JSON) on every rank."""
+    def broadcast(self, doc: dict | None, limit: int | None = MAX_OUTCOME_BYTES) -> dict:
+        """Rank 0's ``doc`` (JSON-able, at most ``limit`` bytes as JSON; ``None``: any size) on
+        every rank."""
         key = self._key("outcome")
         self._round += 1
         if not self.active:
             return doc
         if self.is_root:
             raw = json.dumps(doc, sort_keys=True).encode("utf-8")
-            if len(raw) > MAX_OUTCOME_BYTES:
-                raise ValueError(f"rank 0: outcome of {len(raw)} bytes, at most {MAX_OUTCOME_BYTES}")
+            if limit is not None and len(raw) > limit:
+                raise ValueError(f"rank 0: outcome of {len(raw)} bytes, at most {limit}")
             self.store.set(key, raw)
             self.sent += len(key) + len(raw)
             self._stale.append(key)
