@@ -362,6 +362,7 @@ def _rank_summary(rf: RankFile, list_tensors: bool) -> dict:
     }
 
 
+_VERIFY_BATCH = 32  # rank files verify keeps open at once (two descriptors each)
 _SUMMARY_KEYS = ("tensor_count", "tensor_bytes", "chunk_bytes", "dtypes", "objects", "tensor_meta_count", "tensors")
 
 
@@ -488,39 +489,37 @@ class _ProgressLines:
         pass
 
 
-def _check_all(opened: list[tuple], fail, workers: int, progress: bool | float) -> tuple[int, int]:
-    """Hash every chunk of the opened rank files in a thread pool; ``fail`` once per bad tensor.
-    ``progress``: True draws a bar (a terminal), a number of seconds prints a line that often.
-    Returns ``(tensors, bytes)`` checked."""
-    total = sum(e.nbytes for _, rf in opened for e in rf.entries.values())
-    bar = None
+def _progress_bar(total: int, progress: bool | float):
+    """``progress``: True draws a bar (a terminal), a number of seconds prints a line that often."""
     if progress is True:
         from tqdm import tqdm
 
-        bar = tqdm(
+        return tqdm(
             total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="verify", file=sys.stderr, leave=False
         )
-    elif progress is not False and progress is not None:
-        bar = _ProgressLines(total, float(progress))
+    if progress is not False and progress is not None:
+        return _ProgressLines(total, float(progress))
+    return None
+
+
+def _check_all(opened: list[tuple], fail, pool: cf.Executor, bar) -> tuple[int, int]:
+    """Hash every chunk of the opened rank files in ``pool``; ``fail`` once per bad tensor.
+    Returns ``(tensors, bytes)`` checked."""
+    total = sum(e.nbytes for _, rf in opened for e in rf.entries.values())
     bad: dict[tuple, list[int]] = {}
-    try:
-        with cf.ThreadPoolExecutor(workers, thread_name_prefix="dsm-verify") as pool:
-            futures = {
-                pool.submit(_check_chunk, rf, e, c): (i, e, c)
-                for i, (_, rf) in enumerate(opened)
-                for e in rf.entries.values()
-                for c in range(len(e.checksums))
-            }
-            for f in cf.as_completed(futures):
-                i, e, c = futures[f]
-                ok, nbytes = f.result()
-                if not ok:
-                    bad.setdefault((i, e.name), []).append(c)
-                if bar is not None:
-                    bar.update(nbytes)
-    finally:
+    futures = {
+        pool.submit(_check_chunk, rf, e, c): (i, e, c)
+        for i, (_, rf) in enumerate(opened)
+        for e in rf.entries.values()
+        for c in range(len(e.checksums))
+    }
+    for f in cf.as_completed(futures):
+        i, e, c = futures[f]
+        ok, nbytes = f.result()
+        if not ok:
+            bad.setdefault((i, e.name), []).append(c)
         if bar is not None:
-            bar.close()
+            bar.update(nbytes)
     for (i, name), chunks in sorted(bad.items()):
         rec, rf = opened[i]
         e, cb = rf.entries[name], rf.header.chunk_bytes
@@ -546,8 +545,6 @@ def verify_checkpoint(
     ``progress``: False, True (a bar) or seconds between progress lines (a log)."""
     import numpy as np
 
-    from .engine.reader import open_rank
-    from .engine.safe_io import describe
     from .engine.hashing import xxh64
 
     ckpt = os.path.abspath(ckpt)
@@ -563,8 +560,51 @@ def verify_checkpoint(
             {"rank": rec.rank, "file": rec.file, "tensor": tensor, "chunks": chunks, "kind": kind, "message": message}
         )
 
+    n_tensors = total = 0
+    bar = _progress_bar(sum(rec.data_bytes for rec in selected), progress)
+    try:
+        with cf.ThreadPoolExecutor(workers, thread_name_prefix="dsm-verify") as pool:
+            for at in range(0, len(selected), _VERIFY_BATCH):  # a bounded number of files open at once
+                batch = _open_checked(ckpt, m, selected[at : at + _VERIFY_BATCH], fail)
+                try:
+                    n, nbytes = _check_all(batch, fail, pool, bar)
+                finally:
+                    for _, rf in batch:
+                        rf.close()
+                n_tensors, total = n_tensors + n, total + nbytes
+    finally:
+        if bar is not None:
+            bar.close()
+    seconds = time.perf_counter() - t0
+    present = {rec.file for rec in m.ranks}
+    try:
+        unreferenced = sorted(n for n in os.listdir(ckpt) if n.endswith(".dsck") and n not in present)
+    except OSError:
+        unreferenced = []
+    return {
+        "schema": JSON_SCHEMA,
+        "command": "verify",
+        "checkpoint": ckpt,
+        "iteration": m.iteration,
+        "world_size": m.world_size,
+        "ok": not errors,
+        "ranks_checked": [rec.rank for rec in selected],
+        "tensors_checked": n_tensors,
+        "bytes_checked": total,
+        "seconds": seconds,
+        "threads": workers,
+        "errors": errors,
+        "unreferenced_files": unreferenced,
+    }
+
+
+def _open_checked(ckpt: str, m: Manifest, records: list, fail) -> list[tuple]:
+    """Open and check (against the manifest) the files of ``records``; ``fail`` for each unusable one."""
+    from .engine.reader import open_rank
+    from .engine.safe_io import describe
+
     opened: list[tuple] = []
-    for rec in selected:
+    for rec in records:
         path = os.path.join(ckpt, rec.file)
         lost = f"its {rec.n_tensors} tensor(s) cannot be checked"
         try:
@@ -597,33 +637,7 @@ def verify_checkpoint(
                 f"{rec.n_tensors} / {rec.data_bytes}",
             )
         opened.append((rec, rf))
-
-    try:
-        n_tensors, total = _check_all(opened, fail, workers, progress)
-    finally:
-        for _, rf in opened:
-            rf.close()
-    seconds = time.perf_counter() - t0
-    present = {rec.file for rec in m.ranks}
-    try:
-        unreferenced = sorted(n for n in os.listdir(ckpt) if n.endswith(".dsck") and n not in present)
-    except OSError:
-        unreferenced = []
-    return {
-        "schema": JSON_SCHEMA,
-        "command": "verify",
-        "checkpoint": ckpt,
-        "iteration": m.iteration,
-        "world_size": m.world_size,
-        "ok": not errors,
-        "ranks_checked": [rec.rank for rec in selected],
-        "tensors_checked": n_tensors,
-        "bytes_checked": total,
-        "seconds": seconds,
-        "threads": workers,
-        "errors": errors,
-        "unreferenced_files": unreferenced,
-    }
+    return opened
 
 
 def _error_line(err: dict) -> str:

@@ -1,11 +1,13 @@
 """Asynchronous cross-rank commit: agree that every rank's file is durable, then write the manifest.
 
 One thread per rank (``dsm-commit-r{rank}``) takes tickets in save order.  For each it waits for the
-local file to be durable, then all ranks gather one status record (:class:`.collective.Collective`
-on a dedicated gloo group that no other code uses, so it never interleaves with training collectives).
-If every rank succeeded, the tier's writer (rank 0; on the local tier each node's first rank)
-writes ``manifest.json`` (the commit point) and the ranks agree on the outcome;
-the tracker follows; otherwise nothing is written and every rank learns which ranks failed.
+local file to be durable, then sends one status record to rank 0 (:class:`.store_channel.StoreChannel`:
+through the c10d store, on a connection of its own, never a process group, so it never interleaves
+with training collectives).  Rank 0 decides; if every rank succeeded, the tier's writer (rank 0; on
+the local tier each node's first rank, sent its node's rows by rank 0) writes ``manifest.json`` (the
+commit point), and rank 0 broadcasts the outcome; the tracker follows.  Otherwise nothing is
+written and every rank learns which ranks failed.  Rank 0 does O(N) work; every other rank sends
+and receives O(1) bytes (a node leader: O(its node's ranks)).
 Then the tier's retention runs, on this thread, so deletions never block training, and the tier's
 promotion, if any, is offered the checkpoint (:meth:`.tier.Tier.after_commit`).
 
@@ -22,11 +24,13 @@ import os
 import threading
 import time
 
-from .collective import Collective
+import numpy as np
+
 from .errors import CacheTimeoutError, CommitError, LockLostError
 from .faults import crash_point
 from .manifest import Manifest, RankRecord, iter_dir, rank_file_name, write_manifest, write_tracker
 from .retention import unlink_ours
+from .store_channel import StoreChannel
 from .threads import QueueThread
 
 __all__ = ["Committer", "Ticket", "CommitRecord"]
@@ -45,15 +49,15 @@ _STATUS = (
     "copy_us",
     "flush_us",
     "call_us",
+    "writes_lo",  # the ranks whose files this rank describes in a manifest: [lo, lo + n)
+    "writes_n",
 )
+_RECORD = ("file_bytes", "data_bytes", "n_tensors", "index_xxh64", "header_xxh64")  # a manifest's record, in order
+_SHOWN = 16  # ranks named in an outcome (and how many there are): the document stays small
 
 
 def _to_i64(u: int) -> int:
     return u - (1 << 64) if u >= 1 << 63 else u
-
-
-def _to_u64(i: int) -> int:
-    return i + (1 << 64) if i < 0 else i
 
 
 @dataclasses.dataclass
@@ -72,39 +76,48 @@ class CommitRecord:
 
     iteration: int
     total_bytes: int
-    bytes_per_rank: tuple[int, ...]
+    bytes_per_rank: tuple[int, ...]  # per rank on rank 0; empty on the others (O(1) per rank)
     save_call_s: float
     copy_s: float
     flush_s: float
     commit_s: float
     tier: str = "persistent"
+    max_rank_bytes: int = 0  # the most bytes one rank saved (every rank knows it; ``bytes_per_rank``: rank 0)
+
+    def __post_init__(self) -> None:
+        if not self.max_rank_bytes and self.bytes_per_rank:
+            object.__setattr__(self, "max_rank_bytes", max(self.bytes_per_rank))
 
     @property
     def d2h_gbps(self) -> float:
-        return max(self.bytes_per_rank) / self.copy_s / 1e9 if self.copy_s > 0 else float("inf")
+        return self.max_rank_bytes / self.copy_s / 1e9 if self.copy_s > 0 else float("inf")
 
     @property
     def flush_gbps(self) -> float:
-        return max(self.bytes_per_rank) / self.flush_s / 1e9 if self.flush_s > 0 else float("inf")
+        return self.max_rank_bytes / self.flush_s / 1e9 if self.flush_s > 0 else float("inf")
 
 
 class Committer(QueueThread):
     """Owns the commit thread of one rank; a context manager, ``close()`` idempotent."""
 
     def __init__(
-        self, tier, collective: Collective, world_size: int, layout: dict, next_commit_seq: int, timeout_s: float
+        self, tier, channel: StoreChannel, world_size: int, layout: dict, next_commit_seq: int, timeout_s: float
     ) -> None:
-        """``tier``: the :class:`.tier.Tier` whose manifests this thread writes."""
+        """``tier``: the :class:`.tier.Tier` whose manifests this thread writes; ``channel``: this
+        tier's own, used by the commit thread only."""
         self.tier = tier
         self.root = tier.root
         self.rank = rank = tier.rank
         self.world_size = world_size
-        self._coll = collective  # this tier's own group: used by the commit thread only
+        self._chan = channel
         self._token = tier.token
         self._layout = layout
         self._commit_seq = next_commit_seq
         self._timeout = timeout_s
         self._writes = tier.writes  # the ranks whose files this rank describes in a manifest
+        if self._writes and list(self._writes) != list(range(self._writes[0], self._writes[0] + len(self._writes))):
+            raise ValueError(f"rank {rank}: a writer describes a contiguous range of ranks, not {self._writes}")
+        self._two_phase = tier.name == "local"  # node leaders write the manifests, not rank 0 alone
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)
         self._outstanding: dict[int, Ticket] = {}  # seq -> ticket not yet processed
@@ -182,6 +195,8 @@ class Committer(QueueThread):
         """This rank's status record of ``ticket`` (zeros after its ``ok`` when its file failed)."""
         status = dict.fromkeys(_STATUS, 0)
         status.update(iteration=ticket.iteration, seq=ticket.seq)
+        if self._writes:
+            status.update(writes_lo=self._writes[0], writes_n=len(self._writes))
         try:
             r = ticket.durable.result(timeout=self._timeout)
         except BaseException:  # noqa: BLE001 - the engine already stored and logged this rank's error
@@ -200,73 +215,29 @@ class Committer(QueueThread):
         return status
 
     def _commit(self, ticket: Ticket) -> bool:
-        """Whether ``ticket``'s checkpoint was committed (False or an error: it was not)."""
-        rows = self._coll.gather(self._status(ticket))
-        if any(r["iteration"] != ticket.iteration or r["seq"] != ticket.seq for r in rows):
-            raise CommitError(
-                f"rank {self.rank}: ranks are out of step: saving "
-                f"{[(r['iteration'], r['seq']) for r in rows]} (iteration, sequence) per rank; nothing committed"
-            )
-        failed = [i for i, r in enumerate(rows) if r["ok"] != 1]
-        if failed:
-            if self._writes:
-                self._discard(ticket)
-            if self.rank in failed:
-                return False  # this rank's own error is already stored by the engine
-            raise CommitError(
-                f"rank {self.rank}: iteration {ticket.iteration}: rank(s) {failed} failed to write their files; "
-                f"nothing committed, latest stays {self.latest}"
-            )
-        ok = True
-        if self._writes:
-            try:
-                manifest = Manifest(
-                    iteration=ticket.iteration,
-                    world_size=self.world_size,
-                    run_token=self._token,
-                    ranks=tuple(
-                        RankRecord(
-                            i,
-                            rank_file_name(i, ticket.token or self._token, ticket.seq),
-                            r["file_bytes"],
-                            r["data_bytes"],
-                            r["n_tensors"],
-                            _to_u64(r["index_xxh64"]),
-                            _to_u64(r["header_xxh64"]),
-                        )
-                        for i, r in enumerate(rows)
-                        if i in self._writes
-                    ),
-                    layout=self._layout,
-                    metadata=ticket.metadata,
-                    commit_seq=self._commit_seq,
-                    tier=self.tier.name,
-                    run_id=self.tier.run_id,
-                )
-                if self.guard is not None:
-                    self.guard()
-                crash_point("before_manifest", self.rank)
-                write_manifest(self.root, manifest)
-            except LockLostError as e:
-                ok = False
-                err = CommitError(f"rank {self.rank}: iteration {ticket.iteration}: not committed: {e}")
-                err.__cause__ = e
-                self._errors.append(err)
-            except OSError as e:
-                ok = False
-                err = CommitError(
-                    f"rank {self.rank}: iteration {ticket.iteration}: writing the {self.tier.name} manifest in {self.root} failed: {e}"
-                )
-                err.__cause__ = e
-                self._errors.append(err)
-        if self._coll.agree(ok):
-            if self._writes:
-                self._discard(ticket)
-            if not self._writes:
-                raise CommitError(
-                    f"rank {self.rank}: iteration {ticket.iteration}: a {self.tier.name} manifest could not be written; "
-                    "nothing committed"
-                )
+        """Whether ``ticket``'s checkpoint was committed (False or an error: it was not).  Rank 0 gathers every rank's status (O(N) there, one record sent by each other rank),
+        writes the manifest -- on the local tier each node leader writes its node's, with its
+        node's rows from rank 0, and rank 0 gathers whether they could -- and broadcasts the
+        outcome (one small document)."""
+        chan = self._chan
+        mine = self._status(ticket)
+        cols = chan.gather(mine, _STATUS)  # rank 0: every rank's status, a column per field
+        verdict = self._verdict(ticket, cols) if chan.is_root else None
+        if self._two_phase:
+            got = chan.scatter(self._leader_docs(verdict, cols) if chan.is_root else None, expect=bool(self._writes))
+            ok = True
+            if self._writes and got["go"]:
+                ok = self._write_manifest(ticket, got["cols"], got["lo"])
+            oks = chan.gather({"ok": int(ok)}, ("ok",))
+            if chan.is_root and verdict["go"]:
+                bad = np.flatnonzero(oks["ok"] == 0).tolist()
+                verdict.update(go=not bad, unwritten=bad[:_SHOWN], n_unwritten=len(bad))
+        elif chan.is_root and verdict["go"]:
+            ok = self._write_manifest(ticket, cols, 0)
+            verdict.update(go=ok, unwritten=[] if ok else [0], n_unwritten=int(not ok))
+        outcome = chan.broadcast(verdict)
+        if not outcome["go"]:
+            self._refuse(ticket, outcome, own_failed=mine["ok"] != 1)
             return False
         self._commit_seq += 1
         self.latest = ticket.iteration
@@ -283,19 +254,118 @@ class Committer(QueueThread):
                     self.root,
                     e,
                 )
-        bytes_per_rank = tuple(r["data_bytes"] for r in rows)
         record = CommitRecord(
             iteration=ticket.iteration,
-            total_bytes=sum(bytes_per_rank),
-            bytes_per_rank=bytes_per_rank,
-            save_call_s=max(r["call_us"] for r in rows) / 1e6,
-            copy_s=max(r["copy_us"] for r in rows) / 1e6,
-            flush_s=max(r["flush_us"] for r in rows) / 1e6,
+            total_bytes=outcome["total_bytes"],
+            bytes_per_rank=tuple(cols["data_bytes"].tolist()) if cols is not None else (),
+            save_call_s=outcome["call_us"] / 1e6,
+            copy_s=outcome["copy_us"] / 1e6,
+            flush_s=outcome["flush_us"] / 1e6,
             commit_s=time.perf_counter() - ticket.t_save,
             tier=self.tier.name,
+            max_rank_bytes=outcome["max_rank_bytes"],
         )
         self._records.append(record)
         return True
+
+    def _leader_docs(self, verdict: dict, cols: dict[str, np.ndarray]) -> dict[int, dict]:
+        """Rank 0, local tier: to each node leader the verdict and (when it may write) the status
+        columns of its node's ranks."""
+        docs = {}
+        for r in np.flatnonzero(cols["writes_n"]).tolist():
+            lo, n = int(cols["writes_lo"][r]), int(cols["writes_n"][r])
+            node = {f: cols[f][lo : lo + n].tolist() for f in _RECORD} if verdict["go"] else {}
+            docs[r] = {"go": verdict["go"], "lo": lo, "cols": node}
+        return docs
+
+    def _verdict(self, ticket: Ticket, cols: dict[str, np.ndarray]) -> dict:
+        """Rank 0: whether every rank saved ``ticket`` (the same iteration and sequence) and
+        succeeded; with the figures every rank's commit record reports.  O(N) in numpy, small to send."""
+        it, sq = cols["iteration"], cols["seq"]
+        stray = np.flatnonzero((it != ticket.iteration) | (sq != ticket.seq))
+        failed = np.flatnonzero(cols["ok"] != 1)
+        return {
+            "go": not stray.size and not failed.size,
+            "stray": [(i, int(it[i]), int(sq[i])) for i in stray[:_SHOWN].tolist()],
+            "n_stray": int(stray.size),
+            "failed": failed[:_SHOWN].tolist(),
+            "n_failed": int(failed.size),
+            "unwritten": [],
+            "n_unwritten": 0,
+            "total_bytes": int(cols["data_bytes"].sum()),
+            "max_rank_bytes": int(cols["data_bytes"].max()),
+            "call_us": int(cols["call_us"].max()),
+            "copy_us": int(cols["copy_us"].max()),
+            "flush_us": int(cols["flush_us"].max()),
+        }
+
+    def _write_manifest(self, ticket: Ticket, cols: dict, lo: int) -> bool:
+        """The writer: this tier's manifest of ``ticket`` (the commit point) from the status
+        columns (arrays, or lists sent by rank 0) of ranks ``lo``, ``lo + 1``, ... (every rank on
+        rank 0; a node leader's node); ``False`` (the error stored) when it could not be written."""
+        try:
+            tail = rank_file_name(0, ticket.token or self._token, ticket.seq)[len("r00000") :]
+            name = ("r%05d" + tail.replace("%", "%%")).__mod__  # rank_file_name(i, token, seq), formatted once
+            first, n = self._writes[0], len(self._writes)
+            mine = {f: np.asarray(cols[f], dtype=np.int64)[first - lo : first - lo + n] for f in _RECORD}
+            for f in ("index_xxh64", "header_xxh64"):  # sent as signed int64: the unsigned value back
+                mine[f] = mine[f].view(np.uint64)
+            manifest = Manifest(
+                iteration=ticket.iteration,
+                world_size=self.world_size,
+                run_token=self._token,
+                ranks=tuple(
+                    RankRecord(i, name(i), fb, db, nt, ix, hx)
+                    for i, fb, db, nt, ix, hx in zip(range(first, first + n), *(mine[f].tolist() for f in _RECORD))
+                ),
+                layout=self._layout,
+                metadata=ticket.metadata,
+                commit_seq=self._commit_seq,
+                tier=self.tier.name,
+                run_id=self.tier.run_id,
+            )
+            if self.guard is not None:  # the directory is still ours (its lock file is the one we locked)
+                self.guard()
+            crash_point("before_manifest", self.rank)
+            write_manifest(self.root, manifest)
+        except LockLostError as e:
+            err = CommitError(f"rank {self.rank}: iteration {ticket.iteration}: not committed: {e}")
+            err.__cause__ = e
+            self._errors.append(err)
+            return False
+        except Exception as e:  # noqa: BLE001 - an OSError, or metadata that is not JSON: every rank must hear it
+            # (a writer that raised here would leave every other rank waiting for the outcome)
+            err = CommitError(
+                f"rank {self.rank}: iteration {ticket.iteration}: writing the {self.tier.name} manifest in {self.root} failed: {e}"
+            )
+            err.__cause__ = e
+            self._errors.append(err)
+            return False
+        return True
+
+    def _refuse(self, ticket: Ticket, outcome: dict, own_failed: bool) -> None:
+        """Nothing was committed: the writers remove the save's files; every rank but one whose own
+        error is stored already raises, naming the ranks that failed."""
+        if self._writes:
+            self._discard(ticket)
+        if outcome["n_stray"]:
+            raise CommitError(
+                f"rank {self.rank}: ranks are out of step: rank(s) saving {_shown(outcome['stray'], outcome['n_stray'])} "
+                f"(rank, iteration, sequence), not iteration {ticket.iteration} sequence {ticket.seq}; nothing committed"
+            )
+        if outcome["n_failed"]:
+            if own_failed:
+                return  # this rank's own error is already stored by the engine
+            raise CommitError(
+                f"rank {self.rank}: iteration {ticket.iteration}: rank(s) {_shown(outcome['failed'], outcome['n_failed'])} "
+                f"failed to write their files; nothing committed, latest stays {self.latest}"
+            )
+        if self.rank in outcome["unwritten"]:
+            return  # this writer's error is stored
+        raise CommitError(
+            f"rank {self.rank}: iteration {ticket.iteration}: a {self.tier.name} manifest could not be written "
+            f"(by rank(s) {_shown(outcome['unwritten'], outcome['n_unwritten'])}); nothing committed"
+        )
 
     def _discard(self, ticket: Ticket) -> None:
         """Remove the files of a save that was not committed (and its directory if nothing else is there)."""
@@ -313,3 +383,7 @@ class Committer(QueueThread):
         """The tickets submitted and not processed yet (any thread)."""
         with self._lock:
             return list(self._outstanding.values())
+
+
+def _shown(ranks: list, n: int) -> str:
+    return f"{ranks}" + (f" and {n - len(ranks)} more" if n > len(ranks) else "")

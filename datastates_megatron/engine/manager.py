@@ -2,8 +2,9 @@
 
 It turns "save these registered tensors as iteration N" into a Megatron-style checkpoint directory
 that either exists whole (committed manifest) or not at all, and loads the latest one back in place.
-Works without ``torch.distributed`` (one process) and with it (any backend: commits use their own
-gloo group).  Thread-safety: one training thread calls every method; the work runs on owned threads.
+Works without ``torch.distributed`` (one process) and with it (any backend: commits go through the
+c10d store, :mod:`.store_channel`, never a process group of their own).  Thread-safety: one
+training thread calls every method; the work runs on owned threads.
 """
 
 from __future__ import annotations
@@ -27,10 +28,12 @@ from .manifest import iter_dir, rank_file_name, read_manifest, save_id
 from .options import EngineOptions, ManagerOptions
 from .load_plan import LoadPlanner, SameLayoutPlanner
 from .reader import CheckpointReader, RestoreStats, open_checkpoint
+from .iteration_dir import prepare_iteration_dir
 from .replication import REPLICAS_DIR, Replication, clique_of, replication_plan
 from .run_id import RUN_SUBDIR_PREFIX, ensure_run_id, run_subdir
 from .safe_io import check_path_fits, make_dir, make_root
 from .snapshot import SnapshotEngine
+from .store_channel import StoreChannel, default_store
 from .threads import ClosingContext, close_at_exit, forget
 from .tier import Tier, committed_iterations, latest_committed, report_other_runs, survey
 
@@ -145,18 +148,15 @@ class CheckpointManager(ClosingContext):
         self._start_tiers()
         self._first_tier = self.local or self.persistent  # where a save is committed first
         try:
-            group = dist.new_group(backend="gloo") if dist and self.world_size > 1 else None
-            persist_group = dist.new_group(backend="gloo") if dist and self.world_size > 1 and self.local else group
-            if dist:
-                dist.barrier(group=group)
             self.engine = SnapshotEngine(opts)
-            for tier, tier_group in ((self.persistent, persist_group), (self.local, group)):
-                if tier:
-                    tier.open(Collective(tier_group), self.world_size, self.layout, opts.timeout_s)
-            # no commit (and so no retention) once a lock file is not ours
             for tier, lock in ((self.persistent, self._lock), (self.local, self._local_lock)):
-                if lock is not None:
-                    tier.committer.guard = lock.check
+                if tier:  # each tier's commits go through the c10d store on a connection of their own
+                    channel = StoreChannel(
+                        default_store(), self.rank, self.world_size, f"dsm/{token}/{tier.name}", opts.timeout_s
+                    )
+                    tier.open(channel, self.world_size, self.layout, opts.timeout_s)
+                    if lock is not None:  # no commit (and so no retention) once its lock file is not ours
+                        tier.committer.guard = lock.check
             if self.local:
                 from .promotion import Promotion
 
@@ -329,13 +329,14 @@ class CheckpointManager(ClosingContext):
         d = iter_dir(tier.root, iteration)
         error = None
         try:
-            make_dir(d)  # an iter_* symlink is refused (FlushError): we never write through a link
             name = rank_file_name(self.rank, self.token, self._seq)
             path = os.path.join(d, name)
             # overwrite a retired rank file in place when there is one (a listdir and a rename: done on
             # a flush thread just before the file is opened, not here on the training thread)
             recycle = functools.partial(tier.take_recycled, path) if tier.recycle else None
-            handle = self.engine.save(iteration, path, objects, tag=name, before_open=recycle)
+            # one mkdir (the writer's); an iter_* symlink is refused on every rank: never written through
+            prepare = prepare_iteration_dir(d, tier.is_writer, recycle)
+            handle = self.engine.save(iteration, path, objects, tag=name, before_open=prepare)
         except CheckpointError as e:
             error, handle = e, None
         except OSError as e:  # the save path raises CheckpointError only: a raw one must not escape

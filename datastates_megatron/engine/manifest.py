@@ -10,6 +10,7 @@ directory holds is :func:`.tier.survey`'s to say).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import logging
 import math
@@ -134,13 +135,21 @@ class Manifest:
         return sum(r.data_bytes for r in self.ranks)
 
     def record(self, rank: int) -> RankRecord | None:
-        """The entry of ``rank`` (a node-local manifest lists only that node's ranks)."""
-        for r in self.ranks:
-            if r.rank == rank:
-                return r
-        return None
+        """The entry of ``rank`` (a node-local manifest lists only that node's ranks), by position:
+        a look-up, not a scan, so that reading every rank's entry stays O(N)."""
+        return self._by_rank.get(rank)
+
+    @functools.cached_property
+    def _by_rank(self) -> dict[int, RankRecord]:
+        return {r.rank: r for r in self.ranks}
 
     def to_json(self) -> bytes:
+        """The manifest as written: ``json.dumps(body, indent=1, sort_keys=True)``, byte for byte,
+        whose ``checksum`` is :func:`_body_xxh64` of the rest.  The rank records -- all the bytes at
+        N ranks -- are formatted from templates, in both the hashed (compact) and the written form:
+        ``indent`` takes json's pure-Python encoder, and building a dict per record costs as much."""
+        from .hashing import xxh64
+
         body = {
             "format": MANIFEST_FORMAT,
             "format_version": MANIFEST_VERSION,
@@ -152,12 +161,23 @@ class Manifest:
             "tier": self.tier,
             "layout": self.layout,
             "metadata": self.metadata,
-            "ranks": [dataclasses.asdict(r) for r in self.ranks],
+            "ranks": [],
         }
         if self.run_id:
             body["run_id"] = self.run_id
-        body["checksum"] = _body_xxh64(body)
-        return json.dumps(body, indent=1, sort_keys=True).encode("utf-8")
+        compact = json.dumps(body, sort_keys=True, separators=(",", ":"))
+        # the top-level "ranks" is the last one: only run_id, run_token, tier and world_size follow it, and
+        # inside a string a quote is escaped
+        at = compact.rfind('"ranks":[]')
+        canonical = (
+            compact[:at] + '"ranks":[' + _records_text(self.ranks, _RECORD_COMPACT, ",") + "]" + compact[at + 10 :]
+        )
+        body["checksum"] = xxh64(canonical.encode("utf-8"))
+        text = json.dumps(body, indent=1, sort_keys=True)
+        if self.ranks:  # the one top-level "ranks" (keys nested deeper are indented further)
+            records = _records_text(self.ranks, _RECORD_TEXT, ",\n")
+            text = text.replace('\n "ranks": [],', '\n "ranks": [\n' + records + "\n ],", 1)
+        return text.encode("utf-8")
 
     @classmethod
     def from_json(cls, data: bytes, path: str) -> "Manifest":
@@ -285,6 +305,22 @@ def _rank_record(raw, i: int) -> RankRecord:
         n_tensors=_int(raw, "n_tensors", 0, _U64 >> 1, where),
         index_xxh64=_int(raw, "index_xxh64", 0, _U64, where),
         header_xxh64=_int(raw, "header_xxh64", 0, _U64, where),
+    )
+
+
+_RECORD_TEXT = (
+    '  {\n   "data_bytes": %d,\n   "file": %s,\n   "file_bytes": %d,\n   "header_xxh64": %d,\n'
+    '   "index_xxh64": %d,\n   "n_tensors": %d,\n   "rank": %d\n  }'
+)  # one RankRecord as json.dumps(indent=1, sort_keys=True) writes it inside the manifest
+_RECORD_COMPACT = '{"data_bytes":%d,"file":%s,"file_bytes":%d,"header_xxh64":%d,"index_xxh64":%d,"n_tensors":%d,"rank":%d}'  # ... and as _body_xxh64 hashes it
+
+
+def _records_text(ranks: tuple[RankRecord, ...], template: str, sep: str) -> str:
+    from json.encoder import encode_basestring_ascii as quoted
+
+    return sep.join(
+        template % (r.data_bytes, quoted(r.file), r.file_bytes, r.header_xxh64, r.index_xxh64, r.n_tensors, r.rank)
+        for r in ranks
     )
 
 

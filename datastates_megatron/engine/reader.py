@@ -8,7 +8,10 @@ every path, success or error -- so that no rank copies while another failed.  On
 copied into the live tensors.  A bad checkpoint therefore leaves every rank's tensors untouched.
 
 Rank files are opened on demand, each checked against the manifest (size, header and index
-checksums, save identity), and mapped read-only; a symlink is never followed.
+checksums, save identity), and mapped read-only; a symlink is never followed.  At most
+``max_open`` are open at once (least recently used closed first, never one in use), so that a
+load reading many files -- a reshard across thousands of old ranks -- holds a bounded number of
+descriptors; work on the mapping is done in rank order so that each file is opened about once.
 
 Thread-safety: one thread drives a load; the reader's own pool verifies and copies.  ``rank_file``,
 ``read`` and the other accessors may be called from several threads; ``close`` must not race them.
@@ -16,7 +19,9 @@ Thread-safety: one thread drives a load; the reader's own pool verifies and copi
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures as cf
+import contextlib
 import dataclasses
 import os
 import stat
@@ -29,12 +34,14 @@ from .errors import CheckpointError, CorruptCheckpointError, LayoutMismatchError
 from .faults import crash_point
 from .file_format import RankFile, TensorEntry
 from .hashing import xxh64
-from .load_plan import ElementRange, LoadPlan, LoadPlanner
+from .load_plan import ElementRange, LoadPlan, LoadPlanner, ReadItem
 from .manifest import Manifest, iter_dir, read_manifest
 from .page_cache import warm_file
 from .safe_io import describe
 
-__all__ = ["RestoreStats", "CheckpointReader", "open_checkpoint", "open_rank"]
+__all__ = ["RestoreStats", "CheckpointReader", "open_checkpoint", "open_rank", "MAX_OPEN_FILES"]
+
+MAX_OPEN_FILES = 32  # rank files a reader keeps open at once (64 descriptors)
 
 
 @dataclasses.dataclass
@@ -111,23 +118,36 @@ class CheckpointReader:
     """Reads checkpoint ``ckpt`` (its parsed ``manifest``) for rank ``rank``: executes load plans
     (:meth:`load`) and hands out verified element ranges (:meth:`read`).
 
-    ``verify``: check chunk checksums before data is used (each chunk once per reader).  A context
-    manager; ``close()`` is idempotent.  Thread-safety: see the module docstring."""
+    ``verify``: check chunk checksums before data is used (each chunk once per reader).
+    ``max_open``: rank files open at once (each holds two descriptors: the file and its mapping).
+    A context manager; ``close()`` is idempotent.  Thread-safety: see the module docstring."""
 
-    def __init__(self, ckpt: str, manifest: Manifest, *, rank: int = 0, verify: bool = True, threads: int = 4) -> None:
+    def __init__(
+        self,
+        ckpt: str,
+        manifest: Manifest,
+        *,
+        rank: int = 0,
+        verify: bool = True,
+        threads: int = 4,
+        max_open: int = MAX_OPEN_FILES,
+    ) -> None:
         self.ckpt = ckpt
         self.manifest = manifest
         self.rank = rank
         self.verify_chunks = verify
         self.threads = max(1, int(threads))
+        self.max_open = max(1, int(max_open), self.threads)
         self._lock = threading.Lock()
-        self._files: dict[int, RankFile] = {}
+        self._files: collections.OrderedDict[int, RankFile] = collections.OrderedDict()  # least recently used first
+        self._pins: collections.Counter[int] = collections.Counter()  # files whose mapping is in use
         self._verified: set[tuple[int, str, int]] = set()
         self._closed = False
 
     # ------------------------------------------------------------------ files
     def rank_file(self, rank: int) -> RankFile:
-        """The (validated) file of ``rank``, opened on first use."""
+        """The (validated) file of ``rank``, opened on first use.  Its header, entries and objects
+        stay usable after the reader closes it; its mapping only under :meth:`_mapped`."""
         if not 0 <= rank < self.manifest.world_size:
             raise LayoutMismatchError(
                 f"{self.ckpt}: no rank {rank} in a checkpoint of world size {self.manifest.world_size}"
@@ -136,9 +156,29 @@ class CheckpointReader:
             if self._closed:
                 raise CheckpointError(f"{self.ckpt}: reader is closed")
             rf = self._files.get(rank)
-            if rf is None:
-                rf = self._files[rank] = open_rank(self.ckpt, self.manifest, rank)
+            if rf is not None:
+                self._files.move_to_end(rank)
+                return rf
+            self._evict(self.max_open - 1)
+            rf = self._files[rank] = open_rank(self.ckpt, self.manifest, rank)
             return rf
+
+    def _evict(self, keep: int) -> None:
+        """Close least recently used files not in use until at most ``keep`` are open (lock held)."""
+        for old in [r for r in self._files if not self._pins[r]][: max(0, len(self._files) - keep)]:
+            self._files.pop(old).close()
+
+    @contextlib.contextmanager
+    def _mapped(self, rank: int):
+        """``rank``'s file, kept open while the caller reads its mapping (views made under it stay
+        valid after: an unmapped file's pages go with its last view)."""
+        with self._lock:
+            self._pins[rank] += 1
+        try:
+            yield self.rank_file(rank)
+        finally:
+            with self._lock:
+                self._pins[rank] -= 1
 
     def objects(self, rank: int):
         """The non-tensor objects rank ``rank`` saved (``objects`` section, as passed to save)."""
@@ -188,10 +228,11 @@ class CheckpointReader:
 
     def _view(self, r: ElementRange) -> torch.Tensor:
         """1-D zero-copy view of ``r`` (copy-on-write mapping: writing it never touches the file)."""
-        rf, e, lo, hi = self._bytes_of(r)
-        if hi == lo:
-            return torch.empty(0, dtype=e.dtype)
-        return torch.from_numpy(rf.raw(e)[lo:hi]).view(e.dtype)
+        with self._mapped(r.rank):
+            rf, e, lo, hi = self._bytes_of(r)
+            if hi == lo:
+                return torch.empty(0, dtype=e.dtype)
+            return torch.from_numpy(rf.raw(e)[lo:hi]).view(e.dtype)
 
     def read(self, r: ElementRange) -> torch.Tensor:
         """A 1-D zero-copy view of ``r``, after verifying the chunks it touches."""
@@ -201,9 +242,9 @@ class CheckpointReader:
     # ------------------------------------------------------------------ verification
     def _verify_chunk(self, key: tuple[int, str, int]) -> tuple[str | None, int]:
         rank, name, c = key
-        rf = self.rank_file(rank)
         try:
-            n = rf.verify_chunk(rf.entries[name], c)
+            with self._mapped(rank) as rf:
+                n = rf.verify_chunk(rf.entries[name], c)
         except CorruptCheckpointError as e:
             return f"rank {rank}: {e}", 0
         with self._lock:
@@ -258,9 +299,9 @@ class CheckpointReader:
             wanted[item.source.rank] = wanted.get(item.source.rank, 0) + item.source.count * e.dtype.itemsize
         warmed = False
         for rank, nbytes in sorted(wanted.items()):
-            rf = self.rank_file(rank)
-            if 2 * nbytes >= rf.header.data_bytes:
-                warmed = warm_file(rf.path, rf.fileno(), pool, self.threads) or warmed
+            with self._mapped(rank) as rf:
+                if 2 * nbytes >= rf.header.data_bytes:
+                    warmed = warm_file(rf.path, rf.fileno(), pool, self.threads) or warmed
         return warmed
 
     def load(self, planner: LoadPlanner, agree=None) -> tuple[LoadPlan, RestoreStats]:
@@ -290,10 +331,15 @@ class CheckpointReader:
             if error is not None:  # an agreement that does not raise on the failed rank: still never copy
                 raise error
             t0 = time.perf_counter()
-            sources = [self._view(it.source) for it in plan.items]
-            stats.bytes = sum(
-                pool.map(lambda pair: _copy_one(pair[0], pair[1].dest, self.rank), zip(sources, plan.items))
-            )
+            by_rank: dict[int, list[ReadItem]] = {}
+            for it in plan.items:
+                by_rank.setdefault(it.source.rank, []).append(it)
+            for items in (by_rank[r] for r in sorted(by_rank)):  # file by file: its views, then its copies
+                sources = [self._view(it.source) for it in items]
+                stats.bytes += sum(
+                    pool.map(lambda pair: _copy_one(pair[0], pair[1].dest, self.rank), zip(sources, items))
+                )
+                del sources
             stats.copy_s = time.perf_counter() - t0
         return plan, stats
 
@@ -305,7 +351,7 @@ class CheckpointReader:
     def close(self) -> None:
         with self._lock:
             self._closed = True
-            files, self._files = list(self._files.values()), {}
+            files, self._files = list(self._files.values()), collections.OrderedDict()
         for rf in files:
             rf.close()
 

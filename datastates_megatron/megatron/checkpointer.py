@@ -243,7 +243,7 @@ class LazyCheckpointer:
                     rec.iteration,
                     rec.tier,
                     rec.total_bytes / 1e6,
-                    max(rec.bytes_per_rank) / 1e6,
+                    rec.max_rank_bytes / 1e6,
                     stall * 1e3,
                     rec.d2h_gbps,
                     rec.flush_gbps,

@@ -143,7 +143,7 @@ def commit_metrics(record: Any, stall_s: float) -> dict[str, float]:
     """The per-checkpoint telemetry, as scalars named for TensorBoard / W&B."""
     return {
         "lazy-ckpt/bytes-total": float(record.total_bytes),
-        "lazy-ckpt/bytes-per-rank-max": float(max(record.bytes_per_rank)),
+        "lazy-ckpt/bytes-per-rank-max": float(record.max_rank_bytes),
         "lazy-ckpt/stall-ms": stall_s * 1e3,
         "lazy-ckpt/d2h-GBps": record.d2h_gbps,
         "lazy-ckpt/flush-GBps": record.flush_gbps,

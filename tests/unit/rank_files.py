@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import torch
 
+import os
+
 from datastates_megatron.engine import EngineOptions, SnapshotEngine
+from datastates_megatron.engine.manifest import Manifest, RankRecord, iter_dir, rank_file_name, write_manifest
 
 
 def write_rank_file(path: str, *, tensors: int, numel: int, seed: int, cache_bytes: int) -> dict[str, torch.Tensor]:
@@ -17,3 +20,22 @@ def write_rank_file(path: str, *, tensors: int, numel: int, seed: int, cache_byt
         eng.save(1, path)
         eng.wait()
     return state
+
+
+def write_checkpoint(root: str, iteration: int, world: int, token: str, *, numel: int = 4, commit_seq: int = 0) -> None:
+    """A committed ``world``-rank checkpoint: rank r's file holds ``w`` = ``numel`` copies of r and
+    the objects ``{"rank": r}``; layout ``{"dp": world}``, metadata ``{"note": "x"}``."""
+    d = iter_dir(root, iteration)
+    os.makedirs(d)
+    records = []
+    with SnapshotEngine(EngineOptions(cache_bytes=1 << 20, timeout_s=30)) as eng:
+        for r in range(world):
+            eng.clear()
+            eng.register("w", torch.full((numel,), float(r)))
+            name = rank_file_name(r, token, 1)
+            got = eng.save(iteration, os.path.join(d, name), {"rank": r}, tag=name).durable.result(30)
+            records.append(
+                RankRecord(r, name, got.file_bytes, got.data_bytes, got.n_tensors, got.index_xxh64, got.header_xxh64)
+            )
+    manifest = Manifest(iteration, world, token, tuple(records), {"dp": world}, {"note": "x"}, commit_seq=commit_seq)
+    write_manifest(root, manifest)

@@ -1,0 +1,429 @@
+#!/usr/bin/env python
+"""Scale harness: the project's own commit, restart, reshard, ``ls``, ``inspect`` and ``verify`` code
+at N ranks, in one process, on an N-rank checkpoint of tiny real rank files.
+
+    PYTHONPATH=. python scripts/bench_scale.py [--ranks 1024,4096,16384,65536] [--dir /dev/shm] [--nofile 256]
+                                               [--repeats 3] [--json]
+
+For each N it writes N tiny rank files (two fp32 tensors each, with the global-identity metadata a
+Megatron DP shard carries) with the snapshot engine, then runs, each on the real code path:
+
+* ``commit``: rank 0's commit of the N files (:class:`~datastates_megatron.engine.commit.Committer`),
+  beside rank 1's, each over its own :class:`~datastates_megatron.engine.store_channel.StoreChannel`
+  on one in-process c10d store (``HashStore``, standing for the job's ``TCPStore``); the channels
+  count the bytes each rank sends and receives.  Ranks 2..N-1 send their statuses (made from their
+  files' receipts) through their own channels.  Also the calls that N ranks starting a save make
+  to create the new iteration directory (mkdir and lstat, counted).  Rank 0's commit is timed up
+  to the outcome and tracker, and its retention (``Tier.after_commit``, on the same thread) apart;
+  it runs ``--repeats`` times and the median run is reported.
+* ``restart``: rank 0's resolve (find the newest committed checkpoint, read its manifest, check
+  the layout, send each rank its record) and one non-leader rank's restart (receive its record,
+  plan its same-layout load, open and check its own file).
+* ``reshard``: one rank of a world of N/2 plans and executes its load by parameter identity (the
+  index over every old rank file, then its element ranges through the verifying reader).
+* ``ls``, ``inspect`` (every rank) and ``verify`` (every checksum) of the CLI.
+
+Per operation it reports wall seconds, CPU seconds of the thread that ran it, the peak resident memory of the process during it (VmHWM, reset
+before each operation), the most files open at once (``/proc/self/fd``, sampled every millisecond
+on a thread) and bytes read from files (``/proc/self/io`` ``rchar``).  An operation that fails
+(e.g. ``EMFILE``) is reported as failed with its error, and the run goes on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures as cf
+import dataclasses
+import json
+import os
+import shutil
+import sys
+import tempfile
+import threading
+import time
+
+import torch
+
+from datastates_megatron.engine import EngineOptions, SnapshotEngine
+from datastates_megatron.engine.manifest import iter_dir, rank_file_name
+
+ITERATION = 100
+TOKEN = "0123456789abcdef"
+K = 16  # elements per tensor
+LAYOUT_KEYS = ("dp",)
+
+
+# ---------------------------------------------------------------------------------------------- measuring
+def _fds() -> int:
+    try:
+        return len(os.listdir("/proc/self/fd"))
+    except OSError:  # EMFILE while listing: every descriptor is taken
+        return -1
+
+
+def _rchar() -> int:
+    with open("/proc/self/io") as f:
+        for line in f:
+            if line.startswith("rchar:"):
+                return int(line.split()[1])
+    return 0
+
+
+def _hwm_mb() -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    return 0.0
+
+
+def _reset_hwm() -> None:
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # resets VmHWM to the current RSS (Linux >= 4.0)
+    except OSError:
+        pass
+
+
+@dataclasses.dataclass
+class Measured:
+    seconds: float = 0.0
+    cpu_s: float = 0.0  # CPU seconds of the calling thread (what the operation costs on a loaded machine)
+    peak_mb: float = 0.0
+    max_open_files: int = 0
+    read_bytes: int = 0
+    error: str | None = None
+    value: object = None
+
+
+def measure(fn, *args, **kw) -> Measured:
+    """Run ``fn`` once; its seconds, peak RSS, most descriptors open at once and bytes read."""
+    base = _fds()
+    peak = [base]
+    stop = threading.Event()
+
+    def sample():
+        while not stop.wait(0.001):
+            n = _fds()
+            peak[0] = max(peak[0], n) if n >= 0 else peak[0]
+
+    t = threading.Thread(target=sample, name="bench-fd-sampler", daemon=True)
+    t.start()
+    _reset_hwm()
+    r0 = _rchar()
+    m = Measured()
+    t0, c0 = time.perf_counter(), time.thread_time()
+    try:
+        m.value = fn(*args, **kw)
+    except Exception as e:  # noqa: BLE001 - reported as the operation's outcome
+        m.error = f"{type(e).__name__}: {str(e)[:200]}"
+    m.seconds, m.cpu_s = time.perf_counter() - t0, time.thread_time() - c0
+    m.read_bytes = _rchar() - r0
+    stop.set()
+    t.join()
+    m.peak_mb = _hwm_mb()
+    m.max_open_files = max(peak[0], _fds()) - base  # descriptors the operation itself held
+    return m
+
+
+# ---------------------------------------------------------------------------------------------- the checkpoint
+def _meta(rank: int, world: int) -> dict:
+    """The identity metadata of a DP shard: rank ``rank`` holds elements [rank*K, (rank+1)*K)."""
+    shard = {
+        "kind": "param_shard",
+        "identity": 1,
+        "chunk": 0,
+        "buffer": "buf0",
+        "bucket": 0,
+        "dp_rank": rank,
+        "dp_size": world,
+        "params": [["w", [world * K], "float32", rank * K, (rank + 1) * K, 0]],
+    }
+    state = {
+        "kind": "optimizer_state",
+        "identity": 1,
+        "chunk": 0,
+        "key": "exp_avg",
+        "param": "w",
+        "shape": [world * K],
+        "dtype": "float32",
+        "start": rank * K,
+        "end": (rank + 1) * K,
+    }
+    return {"model0.buf0.bucket0.param_shard": shard, "opt0.g0.p0.exp_avg": state}
+
+
+def build(root: str, world: int) -> list:
+    """Write the N rank files of iteration ``ITERATION`` under ``root``; their receipts, by rank."""
+    d = iter_dir(root, ITERATION)
+    os.makedirs(d, exist_ok=True)
+    receipts = []
+    opts = EngineOptions(cache_bytes=1 << 20, timeout_s=60, direct_io=False)
+    with SnapshotEngine(opts) as eng:
+        for rank in range(world):
+            eng.clear()
+            for name, meta in _meta(rank, world).items():
+                eng.register(name, torch.full((K,), float(rank)), meta=meta)
+            name = rank_file_name(rank, TOKEN, 1)
+            h = eng.save(ITERATION, os.path.join(d, name), {"rank": rank}, tag=name)
+            receipts.append(h.durable.result(timeout=60))
+        eng.wait()
+    return receipts
+
+
+# ---------------------------------------------------------------------------------------------- commit
+def _status_rows(receipts) -> list[dict]:
+    """Every rank's status of the save, as its commit thread sends it (from its file's receipt)."""
+    from datastates_megatron.engine.commit import _STATUS, _to_i64
+
+    rows = []
+    for r in receipts:
+        row = dict.fromkeys(_STATUS, 0)
+        row.update(
+            ok=1,
+            iteration=ITERATION,
+            seq=1,
+            file_bytes=r.file_bytes,
+            data_bytes=r.data_bytes,
+            n_tensors=r.n_tensors,
+            index_xxh64=_to_i64(r.index_xxh64),
+            header_xxh64=_to_i64(r.header_xxh64),
+        )
+        rows.append(row)
+    rows[0].update(writes_lo=0, writes_n=len(rows))
+    return rows
+
+
+def _tier(root: str, rank: int, world: int, channel):
+    from datastates_megatron.engine.tier import Tier
+
+    tier = Tier("persistent", root, rank=rank, token=TOKEN, writes=list(range(world)) if rank == 0 else [])
+    tier.open(channel, world, {"dp": world}, 60.0)
+    return tier
+
+
+def _ticket(receipt):
+    from datastates_megatron.engine.commit import Ticket
+
+    done: cf.Future = cf.Future()
+    done.set_result(receipt)
+    return Ticket(ITERATION, 1, done, {}, time.perf_counter(), token=TOKEN)
+
+
+def commit(root: str, world: int, receipts) -> dict:
+    """Rank 0's commit of the N files (measured) beside rank 1's (its bytes), each on its own
+    committer and store channel over one in-process c10d store; ranks 2..N-1 send their statuses
+    through their own channels first (the same call their commit threads make)."""
+    import torch.distributed as dist
+
+    from datastates_megatron.engine.commit import _STATUS
+    from datastates_megatron.engine.store_channel import StoreChannel
+
+    store = dist.HashStore()
+    prefix = f"dsm/{TOKEN}/persistent"
+    rows = _status_rows(receipts)
+    for rank in range(2, world):
+        StoreChannel(store, rank, world, prefix, 60.0).gather(rows[rank], _STATUS)
+    chans = {r: StoreChannel(store, r, world, prefix, 60.0) for r in (0, 1)}
+    tiers = {r: _tier(root, r, world, chans[r]) for r in (0, 1)}
+    # the commit ends with the tier's retention (``Tier.after_commit``): timed apart
+    after = tiers[0].after_commit
+    spent = []
+
+    def timed_after(ticket):
+        t0, c0 = time.perf_counter(), time.thread_time()
+        after(ticket)
+        spent.append((time.perf_counter() - t0, time.thread_time() - c0))
+
+    tiers[0].after_commit = timed_after
+    try:
+        with cf.ThreadPoolExecutor(1) as pool:
+            other = pool.submit(tiers[1].committer._commit, _ticket(receipts[1]))
+            m = measure(tiers[0].committer._commit, _ticket(receipts[0]))
+            other.result(timeout=120)
+    finally:
+        for t in tiers.values():
+            t.committer.close()
+    if tiers[0].committer.latest != ITERATION or tiers[1].committer.latest != ITERATION:
+        m.error = m.error or "the commit did not commit on rank 0 and rank 1"
+    after_s, after_cpu_s = spent[0] if spent else (0.0, 0.0)
+    return {
+        "rank0": m,
+        "rank0_s": m.seconds - after_s,
+        "rank0_cpu_s": m.cpu_s - after_cpu_s,
+        "after_commit_s": after_s,
+        "rank0_bytes": chans[0].sent + chans[0].received,
+        "bytes": chans[1].sent + chans[1].received,
+    }
+
+
+def mkdirs(root: str, world: int) -> tuple[int, int]:
+    """``(mkdir, lstat)`` calls made when N ranks start a save into a new iteration directory: the
+    writer's preparation, then every other rank's (on its flush thread)."""
+    from datastates_megatron.engine.iteration_dir import prepare_iteration_dir
+
+    d = iter_dir(root, ITERATION + 1)
+    calls = {"mkdir": 0, "lstat": 0}
+    real = {name: getattr(os, name) for name in calls}
+
+    def counting(name):
+        def call(*a, **kw):
+            calls[name] += 1
+            return real[name](*a, **kw)
+
+        return call
+
+    try:
+        for name in calls:
+            setattr(os, name, counting(name))
+        for rank in range(world):
+            then = prepare_iteration_dir(d, rank == 0)
+            if then is not None:
+                then()
+    finally:
+        for name, fn in real.items():
+            setattr(os, name, fn)
+    return calls["mkdir"], calls["lstat"]
+
+
+# ---------------------------------------------------------------------------------------------- restart
+def restart(root: str, world: int, rank: int, store) -> tuple[int, int]:
+    """One rank's restart: the resolve step (:func:`~datastates_megatron.engine.source.resolve`:
+    on rank 0 the survey, manifest, layout check and one scatter; on another rank the receipt of
+    its record), then its same-layout plan, opening and checking its own file.  Returns the plan's
+    items and the bytes received through the store."""
+    from datastates_megatron.engine.load_plan import SameLayoutPlanner
+    from datastates_megatron.engine.reader import CheckpointReader
+    from datastates_megatron.engine.source import resolve
+    from datastates_megatron.engine.store_channel import StoreChannel
+
+    chan = StoreChannel(store, rank, world, f"dsm/{TOKEN}/resolve", 60.0)
+    got = resolve(root, None, chan, {"dp": world})
+    targets = {n: torch.empty(K) for n in _meta(rank, world)}
+    with CheckpointReader(got.ckpt, got.manifest, rank=rank, verify=True, threads=1) as reader:
+        plan = SameLayoutPlanner(targets, world, {"dp": world}).plan(reader)
+    return len(plan.items), chan.received
+
+
+# ---------------------------------------------------------------------------------------------- reshard
+def reshard(root: str, world: int, new_rank: int) -> int:
+    """Rank ``new_rank`` of a world of N/2: its shard [2K*new_rank, 2K*(new_rank+1)) of ``w`` and
+    of its ``exp_avg``, planned by parameter identity and loaded through the verifying reader."""
+    from datastates_megatron.engine.load_plan import LoadPlan, ReadItem
+    from datastates_megatron.engine.reader import CheckpointReader, open_checkpoint
+    from datastates_megatron.megatron.reshard import CheckpointIndex
+
+    ckpt, manifest = open_checkpoint(root, ITERATION)
+    with CheckpointReader(ckpt, manifest, rank=new_rank, verify=True, threads=1) as reader:
+        index = CheckpointIndex.from_reader(reader)
+        start, end = 2 * K * new_rank, 2 * K * (new_rank + 1)
+        items = []
+        for what in ("param", "exp_avg"):
+            dst = torch.empty(end - start)
+            items += [ReadItem(r, dst[at : at + r.count]) for r, at in index.ranges((0, "w", what), start, end)]
+            if what == "param":
+                param = dst
+        reader.execute(LoadPlan("reshard", tuple(items)))
+    if not torch.equal(param, torch.arange(start, end).div(K, rounding_mode="floor").float()):
+        raise RuntimeError("resharded values differ from what was saved")
+    return len(items)
+
+
+# ---------------------------------------------------------------------------------------------- one N
+def run(world: int, base: str, repeats: int = 3) -> dict:
+    from datastates_megatron import cli
+
+    root = tempfile.mkdtemp(prefix=f"bench-scale-{world}-", dir=base)
+    try:
+        t0 = time.perf_counter()
+        receipts = build(root, world)
+        build_s = time.perf_counter() - t0
+        runs = sorted((commit(root, world, receipts) for _ in range(repeats)), key=lambda r: r["rank0_s"])
+        c = runs[len(runs) // 2]  # the median run (the manifest is rewritten alike each time)
+        mkdir_calls, lstat_calls = mkdirs(root, world)
+        ckpt = iter_dir(root, ITERATION)
+        mb = os.path.getsize(os.path.join(ckpt, "manifest.json"))
+        import torch.distributed as dist
+
+        store = dist.HashStore()
+        r0 = measure(restart, root, world, 0, store)
+        rk = measure(restart, root, world, world // 2 + 1, store)
+        rs = measure(reshard, root, world, world // 4)
+        ls = measure(cli.list_checkpoints, root)
+        ins = measure(cli.inspect_checkpoint, ckpt)
+        ver = measure(cli.verify_checkpoint, ckpt, threads=2)
+        if ver.error is None and not ver.value["ok"]:
+            ver.error = f"verify found problems: {ver.value['errors'][:2]}"
+        ops = {"rank0_commit": c["rank0"], "rank0_restart": r0, "restart": rk}
+        ops.update(reshard=rs, ls=ls, inspect=ins, verify=ver)
+        doc = {
+            "ranks": world,
+            "build_s": build_s,
+            "manifest_bytes": mb,
+            "rank0_commit_s": c["rank0_s"],
+            "rank0_commit_runs_s": [r["rank0_s"] for r in runs],
+            "rank0_commit_cpu_s": c["rank0_cpu_s"],
+            "rank0_after_commit_s": c["after_commit_s"],
+            "rank0_commit_bytes": c["rank0_bytes"],
+            "commit_bytes_per_rank": c["bytes"],
+            "mkdir_calls": mkdir_calls,
+            "lstat_calls": lstat_calls,
+            "restart_s": rk.seconds,
+            "restart_cpu_s": rk.cpu_s,
+            "restart_manifest_bytes": rk.read_bytes + (rk.value[1] if rk.value else 0),
+            "rank0_restart_s": r0.seconds,
+            "rank0_restart_cpu_s": r0.cpu_s,
+            "reshard_s": rs.seconds,
+            "reshard_max_open_files": rs.max_open_files,
+            "verify_s": ver.seconds,
+            "verify_max_open_files": ver.max_open_files,
+            "peak_mb": max(m.peak_mb for m in ops.values()),
+            "ops": {k: {f: v for f, v in dataclasses.asdict(m).items() if f != "value"} for k, m in ops.items()},
+        }
+        return doc
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def _table(doc: dict) -> str:
+    lines = [
+        f"N = {doc['ranks']}: manifest {doc['manifest_bytes'] / 1e6:.2f} MB, built in {doc['build_s']:.1f} s; "
+        f"commit bytes sent+received: rank 1 {doc['commit_bytes_per_rank']}, rank 0 {doc['rank0_commit_bytes']}; "
+        f"new iteration directory: {doc['mkdir_calls']} mkdir, {doc['lstat_calls']} lstat; "
+        f"restart manifest bytes of rank {doc['ranks'] // 2 + 1}: {doc['restart_manifest_bytes']}; "
+        f"rank 0's commit: {doc['rank0_commit_s']:.4f} s ({doc['rank0_commit_cpu_s']:.4f} CPU s) to the outcome, then retention "
+        f"(Tier.after_commit) {doc['rank0_after_commit_s']:.4f} s",
+        f"  {'operation':<14} {'seconds':>9} {'cpu s':>9} {'peak MB':>8} {'max fds':>8} {'read bytes':>12}  error",
+    ]
+    for name, m in doc["ops"].items():
+        lines.append(
+            f"  {name:<14} {m['seconds']:>9.4f} {m['cpu_s']:>9.4f} {m['peak_mb']:>8.0f} {m['max_open_files']:>8} "
+            f"{m['read_bytes']:>12}  {m['error'] or ''}"
+        )
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--ranks", default="1024,4096,16384,65536", help="comma-separated N (default: %(default)s)")
+    p.add_argument("--dir", default="/dev/shm" if os.path.isdir("/dev/shm") else None, help="where to build")
+    p.add_argument("--repeats", type=int, default=3, help="commits per N; the median is reported")
+    p.add_argument("--nofile", type=int, help="run under this limit of open files (RLIMIT_NOFILE)")
+    p.add_argument("--json", action="store_true", help="one JSON object per N, one per line")
+    a = p.parse_args(argv)
+    if a.nofile:
+        import resource
+
+        resource.setrlimit(resource.RLIMIT_NOFILE, (a.nofile, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+    import datastates_megatron
+
+    if not a.json:
+        print(f"datastates_megatron from {os.path.dirname(datastates_megatron.__file__)}; building in {a.dir}")
+    for n in (int(x) for x in a.ranks.split(",")):
+        doc = run(n, a.dir, a.repeats)
+        print(json.dumps(doc, sort_keys=True) if a.json else _table(doc), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

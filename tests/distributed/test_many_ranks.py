@@ -1,0 +1,78 @@
+"""64 forked gloo ranks (tiny tensors) commit through the store, restart, and read other ranks'
+files: the protocol of docs/architecture.md ("The commit protocol at N ranks") with real processes."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from tests.faults.forkranks import fork_ranks
+
+WORLD = 64
+
+
+def _rank(args: list[str]) -> dict:
+    import datetime
+
+    import torch.distributed as dist
+
+    from datastates_megatron.engine import EngineOptions
+    from datastates_megatron.engine.load_plan import ElementRange, LoadPlan, LoadPlanner, ReadItem
+    from datastates_megatron.engine.manager import CheckpointManager
+
+    root = args[0]
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    opts = EngineOptions(cache_bytes=1 << 16, timeout_s=120, flush_threads=1)
+    w = torch.full((8,), float(rank))
+    with CheckpointManager(root, opts, keep_last=2, layout={"dp": world}) as mgr:
+        mgr.register("w", w)
+        records = []
+        for it in (1, 2):
+            w.fill_(rank + 1000 * it)
+            mgr.save(it, {"rank": rank})
+            records += mgr.wait()
+        latest = mgr.latest_committed
+    w.zero_()
+    with CheckpointManager(root, opts, keep_last=2, layout={"dp": world}) as mgr:
+        mgr.register("w", w)
+        got = mgr.load()
+        restored = w.tolist()
+
+        class Neighbour(LoadPlanner):  # another rank's file: a load that reads a file not its own
+            kind = "neighbour"
+            reads_all_ranks = True
+
+            def plan(self, reader):
+                src = (reader.rank + 1) % world
+                return LoadPlan(self.kind, (ReadItem(ElementRange(src, "w", 2, 4), w[:4]),), reader.objects(src))
+
+        other = mgr.load(planner=Neighbour())
+    return {
+        "latest": latest,
+        "committed": [r.iteration for r in records],
+        "max_rank_bytes": records[-1].max_rank_bytes if records else None,
+        "loaded": got.iteration,
+        "restored": restored,
+        "neighbour": w[:4].tolist(),
+        "neighbour_objects": other.objects,
+    }
+
+
+@pytest.mark.slow
+def test_64_ranks_commit_restart_and_read_each_others_files(tmp_path, capsys):
+    root = str(tmp_path / "ckpt")
+    with capsys.disabled():  # the forked ranks report on the process's own stdout, not pytest's capture
+        res = fork_ranks(_rank, WORLD, [root], timeout=600)
+    bad = [r for r in res if r["returncode"] != 0 or r["result"] is None]
+    assert not bad, bad[0]["stderr"][-3000:]
+    for r in res:
+        got, rank = r["result"], r["rank"]
+        assert got["latest"] == 2 and got["committed"] == [1, 2] and got["max_rank_bytes"] == 32
+        assert got["loaded"] == 2 and got["restored"] == [rank + 2000.0] * 8
+        assert got["neighbour"] == [(rank + 1) % WORLD + 2000.0] * 4
+        assert got["neighbour_objects"] == {"rank": (rank + 1) % WORLD}
+    names = os.listdir(os.path.join(root, "iter_0000002"))
+    assert "manifest.json" in names and sum(n.endswith(".dsck") for n in names) == WORLD

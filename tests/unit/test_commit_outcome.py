@@ -1,0 +1,73 @@
+"""The store commit protocol with N committers in one process (threads standing for ranks, one
+in-process c10d store): every rank learns the outcome, and a failure on any rank -- its file, or
+rank 0's manifest -- is every rank's error, never a wait that runs into the timeout."""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import os
+import time
+
+import pytest
+import torch.distributed as dist
+
+from datastates_megatron.engine.commit import Ticket
+from datastates_megatron.engine.errors import CheckpointError, CommitError
+from datastates_megatron.engine.file_format import FileReceipt
+from datastates_megatron.engine.manifest import read_manifest, iter_dir
+from datastates_megatron.engine.store_channel import StoreChannel
+from datastates_megatron.engine.tier import Tier
+
+WORLD = 4
+TOKEN = "00000000000000cc"
+
+
+def _commit_on_every_rank(root: str, metadata: dict, failing: set[int] = frozenset()):
+    """One save of iteration 3 on WORLD committers; each rank's committed iteration or error."""
+    os.makedirs(iter_dir(root, 3))  # made by the save, before the commit
+    store = dist.HashStore()
+    tiers = []
+    for rank in range(WORLD):
+        tier = Tier("persistent", root, rank=rank, token=TOKEN, writes=list(range(WORLD)) if rank == 0 else [])
+        tier.open(StoreChannel(store, rank, WORLD, "t", 20.0), WORLD, {"dp": WORLD}, 20.0)
+        tiers.append(tier)
+    for rank, tier in enumerate(tiers):
+        done: cf.Future = cf.Future()
+        if rank in failing:
+            done.set_exception(CheckpointError(f"rank {rank}: disk full"))
+        else:
+            done.set_result(FileReceipt(3, "f", 4096 + rank, 64, 1, 7 + rank, 9 + rank))
+        tier.committer.submit(Ticket(3, 1, done, dict(metadata), time.perf_counter(), token=TOKEN))
+    out = []
+    for tier in tiers:
+        tier.committer.drain(30)
+        try:
+            out.append([r.iteration for r in tier.committer.poll()])
+        except CommitError as e:
+            out.append(e)
+        tier.committer.close()
+    return out
+
+
+def test_every_rank_commits_and_rank0_writes_every_record(tmp_path):
+    root = str(tmp_path / "root")
+    assert _commit_on_every_rank(root, {"note": "x"}) == [[3]] * WORLD
+    m = read_manifest(iter_dir(root, 3))
+    assert [(r.rank, r.file_bytes, r.index_xxh64, r.header_xxh64) for r in m.ranks] == [
+        (r, 4096 + r, 7 + r, 9 + r) for r in range(WORLD)
+    ]
+
+
+def test_a_failed_file_is_every_other_rank_error(tmp_path):
+    out = _commit_on_every_rank(str(tmp_path / "root"), {}, failing={2})
+    assert out[2] == []  # its own error is the engine's to report
+    for rank in (0, 1, 3):
+        assert isinstance(out[rank], CommitError) and "rank(s) [2] failed" in str(out[rank])
+
+
+@pytest.mark.parametrize("metadata", [{"bad": object()}])
+def test_a_manifest_that_cannot_be_written_is_every_rank_error(tmp_path, metadata):
+    out = _commit_on_every_rank(str(tmp_path / "root"), metadata)
+    assert isinstance(out[0], CommitError) and "writing the persistent manifest" in str(out[0])
+    for rank in range(1, WORLD):
+        assert isinstance(out[rank], CommitError) and "could not be written (by rank(s) [0])" in str(out[rank])
