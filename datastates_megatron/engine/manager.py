@@ -18,6 +18,7 @@ import time
 
 import torch
 
+from . import errors
 from .collective import Collective
 from .commit import CommitRecord, Ticket
 from .dirlock import SaveDirLock
@@ -46,11 +47,35 @@ _LONGEST_NAME = os.path.join("iter_0000000000", rank_file_name(99999, "f" * 16, 
 _LONGEST_LOCAL = os.path.join(RUN_SUBDIR_PREFIX + "f" * 16, REPLICAS_DIR, "r99999", _LONGEST_NAME)
 
 
+_SLOTS = 8  # restore candidates each rank sends (its newest local saves)
+_DECIDE_FIELDS = ("n", *(f"{k}{i}" for i in range(_SLOTS) for k in ("it", "tok", "seq", "ms")))
+
+
+def _newest_common(cols: dict, iteration: int | None) -> dict:
+    """Rank 0: ``{"local": [iteration, token, seq]}`` of the newest commit (by rank 0's commit time)
+    every rank listed from the same save -- of ``iteration`` when one is asked for -- or ``None``.
+    O(N * _SLOTS)."""
+    n = cols["n"]
+    common = None
+    for r in range(len(n)):
+        mine = {(int(cols[f"it{i}"][r]), int(cols[f"tok{i}"][r]), int(cols[f"seq{i}"][r])) for i in range(int(n[r]))}
+        common = mine if common is None else common & mine
+        if not common:
+            return {"local": None}
+    order = {(int(cols[f"it{i}"][0]), int(cols[f"tok{i}"][0]), int(cols[f"seq{i}"][0])): int(cols[f"ms{i}"][0])
+             for i in range(int(n[0]))}  # fmt: skip
+    if iteration is not None:
+        common = {c for c in common if c[0] == iteration}
+    best = max(common, key=lambda c: (order[c], c[0]), default=None)
+    return {"local": list(best) if best is not None else None}
+
+
 @dataclasses.dataclass(frozen=True)
 class _Restorable:
     saves: dict  # iteration -> (run token as an int, save sequence)
     how: dict  # iteration -> "local" (this node's copy) or "replica" (a clique member holds it)
     table: dict  # the clique's replica table (:meth:`.replication.Replication.holdings`)
+    created: dict  # iteration -> its commit time, ms (the order of commits)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -161,8 +186,11 @@ class CheckpointManager(ClosingContext):
                 from .promotion import Promotion
 
                 self.promotion = Promotion(self.local, self.persistent, interval=policy.persist_interval)
-                common = self._common_local(self._local_committed())
-                self.promotion.resume(common[-1] if common else None)
+                self._restore_chan = StoreChannel(
+                    default_store(), self.rank, self.world_size, f"dsm/{token}/restore", opts.timeout_s
+                )
+                common = self._decide(*self._local_committed(), None, persistent=False)["local"]
+                self.promotion.resume(common[0] if common else None)
                 jump, factor = replication_plan(self.world_size, per_node, policy.replicas, policy.replication_jump)
                 if factor > 1:
                     self._start_replication(jump, factor, opts.timeout_s)
@@ -530,10 +558,11 @@ class CheckpointManager(ClosingContext):
         return committed_iterations(self.root)
 
     # ------------------------------------------------------------------ tiers
-    def _local_committed(self) -> dict[int, tuple[int, int]]:
+    def _local_committed(self) -> tuple[dict[int, tuple[int, int]], dict[int, int]]:
         """Local-tier iterations whose node manifest is readable and names this rank's file, each
-        with the save that wrote it: (run token as an integer, save sequence)."""
-        out = {}
+        with the save that wrote it -- (run token as an integer, save sequence) -- and when it was
+        committed (ms since the epoch: the order of commits, across runs and rollbacks)."""
+        out, created = {}, {}
         for it, m in sorted(survey(self.local_root).committed.items()):
             if m.run_id != self.run_id:  # copied in from elsewhere: never this run's
                 log.warning(
@@ -546,31 +575,53 @@ class CheckpointManager(ClosingContext):
             rec = m.record(self.rank)
             save = save_id(rec.file) if rec is not None else None
             if save is not None:
-                out[it] = save
-        return out
+                out[it], created[it] = save, int(m.created * 1000)
+        return out, created
 
     def _restorable(self) -> _Restorable:
         """This rank's local-tier checkpoints: its node's, else (with replication) a replica its
         clique holds for it (a collective of the clique)."""
-        local = self._local_committed()
+        local, created = self._local_committed()
         saves, how, table = dict(local), dict.fromkeys(local, "local"), {}
         if self.replication is not None:
-            replica, table = self.replication.holdings(local)
+            replica, table, replica_created = self.replication.holdings(local)
             for it, save in replica.items():
                 if it not in saves:
-                    saves[it], how[it] = save, "replica"
-        return _Restorable(dict(sorted(saves.items())), how, table)
+                    saves[it], how[it], created[it] = save, "replica", replica_created[it]
+        return _Restorable(dict(sorted(saves.items())), how, table, created)
 
-    def _common_local(self, saves: dict[int, tuple[int, int]]) -> list[int]:
-        """Local iterations every rank has from the same save (one small all_gather on the default
-        group): two nodes holding the same iteration from different runs -- one node's manifest of a
-        re-save lost in a crash -- must not be restored together."""
-        mine = [{"iteration": it, "token": token, "seq": seq} for it, (token, seq) in list(saves.items())[-64:]]
-        every = self._world.gather_many(mine, fields=("iteration", "token", "seq"), capacity=64)
-        common = {(r["iteration"], r["token"], r["seq"]) for r in mine}
-        for theirs in every:
-            common &= {(r["iteration"], r["token"], r["seq"]) for r in theirs}
-        return sorted(it for it, _, _ in common)
+    def _decide(self, saves: dict, created: dict, iteration: int | None, persistent: bool) -> dict:
+        """The one restore decision, made on rank 0 (a collective of the restore channel: one
+        record of at most ``_SLOTS`` candidates from each rank, one small answer back -- O(N) on
+        rank 0, O(1) on every other rank).  Candidates are local saves; the answer is the newest
+        commit every rank can restore from one save (two nodes holding the same iteration from
+        different runs must not be restored together) or, for ``iteration``, whether every rank
+        has it; with ``persistent``, also the persistent tier's newest commit (read by rank 0 only).
+        A failure on rank 0 (a damaged manifest) is raised on every rank."""
+        newest = sorted(saves, key=lambda it: created.get(it, 0))[-_SLOTS:]
+        record = {"n": len(newest)}
+        for i in range(_SLOTS):
+            it = newest[i] if i < len(newest) else 0
+            token, seq = saves[it] if i < len(newest) else (0, 0)
+            record.update({f"it{i}": it, f"tok{i}": token, f"seq{i}": seq, f"ms{i}": created.get(it, 0)})
+        cols = self._restore_chan.gather(record, _DECIDE_FIELDS)
+        answer = None
+        if self._restore_chan.is_root:
+            try:
+                answer = _newest_common(cols, iteration)
+                if persistent:
+                    try:
+                        answer["persistent"] = latest_committed(self.root)
+                    except NoCheckpointError:
+                        answer["persistent"] = None
+            except Exception as e:  # noqa: BLE001 - every rank must hear it
+                answer = {"error": type(e).__name__, "message": str(e)[:1500]}
+        answer = self._restore_chan.broadcast(answer)
+        if "error" in answer:
+            cls = getattr(errors, answer["error"], None)
+            cls = cls if isinstance(cls, type) and issubclass(cls, CheckpointError) else CheckpointError
+            raise cls(f"rank {self.rank}: deciding where to restore from failed on rank 0: {answer['message']}")
+        return answer
 
     def _choose_tier(self, iteration: int | None) -> tuple[str, int | None, _Source]:
         """Restore from the local tier when every rank has the checkpoint there (its node's copy, or
@@ -578,7 +629,8 @@ class CheckpointManager(ClosingContext):
         back).  With ``local_fallback="rank"`` a rank whose local copy of the persistent checkpoint
         is intact reads it locally and only the others read the persistent tier."""
         found = self._restorable()
-        common = self._common_local(found.saves)
+        answer = self._decide(found.saves, found.created, iteration, persistent=iteration is None)
+        common = answer["local"]  # [iteration, token, seq] of the newest common save, or None
 
         def local(it: int, why: str) -> tuple[str, int, _Source]:
             how = found.how[it]
@@ -587,20 +639,17 @@ class CheckpointManager(ClosingContext):
 
         persistent_why = "no node-local checkpoint every rank has"
         if iteration is not None:
-            if iteration in common:
+            if common is not None:
                 return local(iteration, f"iteration {iteration} is on every node")
             chosen = (self.root, iteration)
             persistent_why = f"iteration {iteration} is not on every node"
         else:
-            try:
-                persistent = latest_committed(self.root)
-            except NoCheckpointError:
-                persistent = None
-            if common and (persistent is None or common[-1] >= persistent):
-                return local(common[-1], "the newest checkpoint every rank has")
+            persistent = answer["persistent"]
+            if common is not None and (persistent is None or common[0] >= persistent):
+                return local(common[0], "the newest checkpoint every rank has")
             chosen = (self.root, persistent)
-            if common:
-                persistent_why = f"newer than the newest node-local checkpoint every rank has ({common[-1]})"
+            if common is not None:
+                persistent_why = f"newer than the newest node-local checkpoint every rank has ({common[0]})"
         root, it = chosen
         if root == self.root and it is not None and self.local_fallback == "rank" and self._local_copy_of(it):
             return self.local_root, it, _Source("local", None, found.table, "this node's copy of the persistent file")

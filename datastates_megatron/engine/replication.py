@@ -36,7 +36,7 @@ from .collective import Collective
 from .errors import CheckpointError, CorruptCheckpointError, OptionsError
 from .faults import crash_point
 from .file_format import FileReceipt, RankFile
-from .manifest import Manifest, iter_dir, parse_rank_file_name, read_manifest, rank_file_name, write_manifest
+from .manifest import Manifest, iter_dir, parse_rank_file_name, read_manifest, rank_file_name, save_id, write_manifest
 from .names import PROMOTING_SUFFIX
 from .retention import delete_checkpoint, remove_ours, select_deletions, unlink_ours
 from .safe_io import create_temp, make_dir, real_dir
@@ -257,27 +257,30 @@ class Replication:
             done_in += n_in
 
     # ------------------------------------------------------------------ restore
-    def holdings(self, local: dict[int, tuple[int, int]]) -> tuple[dict[int, tuple[int, int]], dict]:
+    def holdings(self, local: dict[int, tuple[int, int]]) -> tuple[dict[int, tuple[int, int]], dict, dict[int, int]]:
         """Collective of the clique (at restore): the checkpoints this rank can restore from a
         replica -- its own fetched copies and those its clique members hold for it -- as
-        ``{iteration: (token, seq)}``, and the clique's table ``{(src, iteration, token, seq): holder}``
-        that :meth:`fetch` reads.  ``local``: this rank's node-local checkpoints (they need no replica)."""
+        ``{iteration: (token, seq)}``, the clique's table ``{(src, iteration, token, seq): holder}``
+        that :meth:`fetch` reads, and each one's commit time (ms, from the source's manifest).
+        ``local``: this rank's node-local checkpoints (they need no replica)."""
         mine = []
         for src, store in self._stores.items():
-            for it, (token, seq) in _saves(store).items():
-                mine.append({"src": src, "iteration": it, "token": token, "seq": seq})
-        rows = self._coll.gather_many(mine[-64:], fields=("src", "iteration", "token", "seq"), capacity=64)
+            for it, (token, seq, ms) in _saves(store).items():
+                mine.append({"src": src, "iteration": it, "token": token, "seq": seq, "ms": ms})
+        rows = self._coll.gather_many(mine[-64:], fields=("src", "iteration", "token", "seq", "ms"), capacity=64)
         table: dict = {}
+        created: dict = {}
         for holder, recs in zip(self.clique, rows):
             for r in recs:
                 key = (r["src"], r["iteration"], r["token"], r["seq"])
                 if key not in table or holder == r["src"]:  # a copy the rank holds itself needs no transfer
                     table[key] = holder
-        avail = {}
+                created[key] = r["ms"]
+        avail, avail_created = {}, {}
         for (src, it, token, seq), _holder in table.items():
             if src == self.rank and local.get(it) != (token, seq):
-                avail[it] = (token, seq)
-        return avail, table
+                avail[it], avail_created[it] = (token, seq), created[(src, it, token, seq)]
+        return avail, table, avail_created
 
     def fetch(
         self, iteration: int | None, save: tuple[int, int] | None, need: bool, table: dict
@@ -378,15 +381,15 @@ def _store_rank(name: str) -> int | None:
     return int(digits) if name.startswith("r") and len(digits) >= 5 and digits.isascii() and digits.isdigit() else None
 
 
-def _saves(store: Tier) -> dict[int, tuple[int, int]]:
-    """``{iteration: (token as an int, seq)}`` of the committed replicas in ``store``."""
+def _saves(store: Tier) -> dict[int, tuple[int, int, int]]:
+    """``{iteration: (token as an int, seq, commit time in ms)}`` of the committed replicas in ``store``."""
     out = {}
     for it, m in sorted(survey(store.root).committed.items()):
         if m.run_id != store.run_id or len(m.ranks) != 1:
             continue
-        parsed = parse_rank_file_name(m.ranks[0].file)
-        if parsed is not None and len(parsed[1]) == 16:
-            out[it] = (int(parsed[1], 16), parsed[2])
+        save = save_id(m.ranks[0].file)
+        if save is not None:
+            out[it] = (*save, int(m.created * 1000))
     return out
 
 
