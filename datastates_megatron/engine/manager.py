@@ -34,6 +34,7 @@ from .replication import REPLICAS_DIR, Replication, clique_of, replication_plan
 from .run_id import RUN_SUBDIR_PREFIX, ensure_run_id, run_subdir
 from .safe_io import check_path_fits, make_dir, make_root
 from .snapshot import SnapshotEngine
+from .source import resolve
 from .store_channel import StoreChannel, default_store
 from .threads import ClosingContext, close_at_exit, forget
 from .tier import Tier, committed_iterations, latest_committed, report_other_runs, survey
@@ -45,6 +46,10 @@ log = logging.getLogger(__name__)
 _LONGEST_NAME = os.path.join("iter_0000000000", rank_file_name(99999, "f" * 16, 999999) + ".tmp-4194304")
 # ... and under a node-local root: in this run's directory, a replica held for another rank
 _LONGEST_LOCAL = os.path.join(RUN_SUBDIR_PREFIX + "f" * 16, REPLICAS_DIR, "r99999", _LONGEST_NAME)
+
+
+def _no_check(manifest, ckpt) -> None:
+    """Resolve without a layout check: the load plan checks what it needs (a reshard reads another layout)."""
 
 
 _SLOTS = 8  # restore candidates each rank sends (its newest local saves)
@@ -170,6 +175,10 @@ class CheckpointManager(ClosingContext):
             recycle=policy.recycle_files == "all" and not self.local_base,
         )
         self.local = self.promotion = self.replication = None
+        # rank 0 resolves a restore and sends each rank its record (one store round each)
+        self._resolve_chan = StoreChannel(
+            default_store(), self.rank, self.world_size, f"dsm/{token}/resolve", opts.timeout_s
+        )
         self._start_tiers()
         self._first_tier = self.local or self.persistent  # where a save is committed first
         try:
@@ -498,7 +507,8 @@ class CheckpointManager(ClosingContext):
             source.why,
         )
         try:
-            return self._load_from(chosen_root, chosen, verify, planner)
+            # local_fallback="rank": ranks may read different tiers, so none resolves through rank 0
+            return self._load_from(chosen_root, chosen, verify, planner, shared=self.local_fallback != "rank")
         except CheckpointError as e:
             # every rank raised (the failure was agreed before any tensor was written): a bad local
             # copy on some rank must not hide an intact persistent checkpoint -- unless no rank read
@@ -526,19 +536,35 @@ class CheckpointManager(ClosingContext):
             return self._load_from(self.root, fallback, verify, planner)
 
     def _load_from(
-        self, root: str, iteration: int | None, verify: bool | None, planner: LoadPlanner | None
+        self, root: str, iteration: int | None, verify: bool | None, planner: LoadPlanner | None, shared: bool = True
     ) -> LoadResult:
-        """Restore ``iteration`` of the tier at ``root`` (collective; raises on every rank or none)."""
-        try:  # a rank failing here still joins the one agreement
-            if iteration is None:
-                iteration = self._latest_in(root)
-            ckpt, manifest = open_checkpoint(root, iteration)
-        except Exception as e:  # noqa: BLE001 - every rank must hear it
-            self._agree_error(e)
-            raise
+        """Restore ``iteration`` of the tier at ``root`` (collective; raises on every rank or none).
+        ``shared``: every rank reads the same tier, so rank 0 may resolve it for all."""
+        partial = shared and (planner is None or not planner.reads_all_ranks)
+        local = self.local_root is not None and (root == self.local_root or root.startswith(self.local_root + os.sep))
+        if partial and not local:
+            # a shared tier: its manifest (O(N)) is read by rank 0 alone, each rank gets its record
+            # (raises alike on every rank; the plan still checks layout and tensors)
+            view = resolve(root, iteration, self._resolve_chan, self.layout, check=_no_check, latest=self._latest_in)
+            ckpt, manifest, iteration = view.ckpt, view.manifest, view.manifest.iteration
+            elsewhere = None
+            if os.path.dirname(ckpt) != root:  # a load is collective: one directory for every rank
+                elsewhere = CheckpointError(f"rank {self.rank}: asked to load {root}, rank 0 resolved {ckpt}")
+            self._agree_error(elsewhere)
+        else:  # a node-local manifest lists one node's ranks; a plan reading every rank needs them all
+            partial = False
+            try:  # a rank failing here still joins the one agreement
+                if iteration is None:
+                    iteration = self._latest_in(root)
+                ckpt, manifest = open_checkpoint(root, iteration)
+            except Exception as e:  # noqa: BLE001 - every rank must hear it
+                self._agree_error(e)
+                raise
         planner = planner or SameLayoutPlanner(self.engine.registered, self.world_size, self.layout)
         verify = self.verify_on_load if verify is None else verify
-        with CheckpointReader(ckpt, manifest, rank=self.rank, verify=verify, threads=self.restore_threads) as reader:
+        with CheckpointReader(
+            ckpt, manifest, rank=self.rank, verify=verify, threads=self.restore_threads, partial=partial
+        ) as reader:
             plan, stats = reader.load(planner, agree=self._agree_error)
         log.info(
             "rank %d: loaded iteration %d from %s (%s plan, %d bytes)",
@@ -549,6 +575,17 @@ class CheckpointManager(ClosingContext):
             stats.bytes,
         )
         return LoadResult(iteration, plan.objects, manifest.metadata, stats, root, plan.kind)
+
+    def view(self, iteration: int, root: str | None = None):
+        """Collective: checkpoint ``iteration`` of ``root`` (default: the load directory) as this rank
+        needs it -- the manifest's header and this rank's record (:class:`.source.Resolved`), read
+        by rank 0 alone -- or ``None`` when it is not committed there."""
+        try:
+            return resolve(
+                os.path.abspath(root or self.load_root), iteration, self._resolve_chan, self.layout, check=_no_check
+            )
+        except NoCheckpointError:
+            return None
 
     def _agree(self, ok: bool) -> list[int]:
         """Every rank says whether its file validated; returns the ranks that failed (default group)."""

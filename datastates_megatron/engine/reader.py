@@ -131,9 +131,13 @@ class CheckpointReader:
         verify: bool = True,
         threads: int = 4,
         max_open: int = MAX_OPEN_FILES,
+        partial: bool = False,
     ) -> None:
+        """``partial``: ``manifest`` holds this rank's record only (:func:`.source.resolve`); a plan
+        that reads another rank's file makes the reader read the whole manifest then, once."""
         self.ckpt = ckpt
         self.manifest = manifest
+        self._partial = partial
         self.rank = rank
         self.verify_chunks = verify
         self.threads = max(1, int(threads))
@@ -159,9 +163,23 @@ class CheckpointReader:
             if rf is not None:
                 self._files.move_to_end(rank)
                 return rf
+            if self._partial and self.manifest.record(rank) is None:
+                self._read_whole_manifest()
             self._evict(self.max_open - 1)
             rf = self._files[rank] = open_rank(self.ckpt, self.manifest, rank)
             return rf
+
+    def _read_whole_manifest(self) -> None:
+        """(lock held) The whole manifest of the checkpoint whose header this reader was given: the
+        same commit, or a :class:`CorruptCheckpointError` naming it."""
+        whole = read_manifest(self.ckpt)
+        if (whole.iteration, whole.commit_seq, whole.run_token) != (
+            self.manifest.iteration,
+            self.manifest.commit_seq,
+            self.manifest.run_token,
+        ):
+            raise CorruptCheckpointError(f"{self.ckpt}: the manifest changed while it was read")
+        self.manifest, self._partial = whole, False
 
     def _evict(self, keep: int) -> None:
         """Close least recently used files not in use until at most ``keep`` are open (lock held)."""

@@ -18,6 +18,7 @@ thread; the channel is this step's own.
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Callable
 
 from . import errors
@@ -29,7 +30,7 @@ from .tier import survey
 
 __all__ = ["Resolved", "resolve"]
 
-_HEADER = ("iteration", "world_size", "run_token", "layout", "metadata", "commit_seq", "created", "tier")
+_HEADER = ("iteration", "world_size", "run_token", "layout", "metadata", "commit_seq", "created", "tier", "run_id")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,13 +51,17 @@ def resolve(
     channel: StoreChannel,
     layout: dict,
     check: Callable[[Manifest, str], None] | None = None,
+    latest: Callable[[str], int] | None = None,
 ) -> Resolved:
-    """Resolve checkpoint ``iteration`` (``None``: the newest committed) of the tier at ``root``
-    for this world (``channel.world_size`` ranks, ``layout``) and give this rank its record.
-    ``check(manifest, ckpt)`` replaces the same-layout check (e.g. a reshard's own)."""
+    """Resolve checkpoint ``iteration`` (``None``: the newest committed, or what ``latest(root)``
+    says on rank 0) of the tier at ``root`` for this world (``channel.world_size`` ranks,
+    ``layout``) and give this rank its record.  ``check(manifest, ckpt)`` replaces the same-layout
+    check (e.g. a reshard's own)."""
     head, records, error = None, None, None
     if channel.is_root:
         try:
+            if iteration is None and latest is not None:
+                iteration = latest(root)
             ckpt, manifest = _read(root, iteration)
             (check or (lambda m, c: validate_world(m, c, channel.world_size, layout)))(manifest, ckpt)
             head = {"ckpt": ckpt, "head": {k: getattr(manifest, k) for k in _HEADER}}
@@ -83,7 +88,10 @@ def _read(root: str, iteration: int | None) -> tuple[str, Manifest]:
     if it not in found.committed:
         if it in found.damaged:
             raise found.damaged[it]
-        raise NoCheckpointError(f"{iter_dir(root, it)}: no committed checkpoint")
+        missing = (
+            "no such checkpoint directory" if not os.path.lexists(iter_dir(root, it)) else "no committed checkpoint"
+        )
+        raise NoCheckpointError(f"{iter_dir(root, it)}: {missing}")
     return iter_dir(root, it), found.committed[it]
 
 

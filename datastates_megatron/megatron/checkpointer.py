@@ -18,10 +18,10 @@ import time
 import torch
 
 from ..engine.commit import CommitRecord
-from ..engine.errors import CheckpointError, EngineClosedError, NoCheckpointError
+from ..engine.errors import CheckpointError, EngineClosedError
 from ..engine.manager import CheckpointManager
 from ..engine.load_plan import LoadPlan, LoadPlanner, SameLayoutPlanner
-from ..engine.reader import CheckpointReader, open_checkpoint
+from ..engine.reader import CheckpointReader
 from . import model_state, reshard, training_state
 from .config import LazyCkptConfig
 from .shards import (
@@ -286,10 +286,10 @@ class LazyCheckpointer:
         asked = iteration  # None: the manager restores the newest it can, falling back tier by tier
         if iteration is None:
             iteration = self._mgr.latest()  # NoCheckpointError here, before anything is touched
-        try:  # the layout is read from the persistent tier (a node-local manifest lists only that node's ranks)
-            ckpt_dir, manifest = open_checkpoint(self._mgr.load_root, iteration)
-        except NoCheckpointError:
-            ckpt_dir = manifest = None  # only in another tier: the manager finds it, or says it is missing
+        # the layout is read from the persistent tier (a node-local manifest lists only that node's
+        # ranks), its header by rank 0 alone; None: only in another tier (the manager finds it there)
+        view = self._mgr.view(iteration)
+        ckpt_dir, manifest = (view.ckpt, view.manifest) if view is not None else (None, None)
         # LayoutMismatchError here, on every rank alike (one manifest), before anything is touched
         other_dp = manifest is not None and reshard.check_layout(
             manifest, ckpt_dir, self._mgr.world_size, self._mgr.layout

@@ -592,6 +592,8 @@ def test_parse_args_takes_the_lazy_ckpt_flags(driven):
         recycle_files="local",
         source_writes="auto",
         mapped_writes=True,
+        replicas=None,
+        replication_jump=None,
     )
     errors = out["errors"]
     assert "--lazy-ckpt requires --save" in errors["no_save"]
