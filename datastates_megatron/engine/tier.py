@@ -364,6 +364,8 @@ class Tier:
                 log.error("rank %d: replicating iteration %d failed: %r", self.rank, ticket.iteration, e)
 
     def _retain(self, just, outstanding: list) -> None:
+        if not self._still_owned():  # the lock was lost since the manifest was written: delete nothing
+            return
         protected = {t.iteration for t in outstanding} | {just.iteration}
         if self.promotion is not None:
             protected |= self.promotion.pending()  # still being copied or committed on the next tier
