@@ -14,6 +14,8 @@
 #   4. the torch_dist bridge: Megatron's own checkpoint imported, exported and imported again,
 #      bit-exact (tests/integration/test_torch_dist_bridge.py, fp32, 1 GPU, torch Adam: no TE);
 #   5. bench_peers.py on the GPU workload of docs/BENCHMARKS.md (every engine, one round);
+#   6. partner replication (ours_replicated) and a lost node, on the node's CPUs: two ranks as two
+#      "nodes" (one GPU cannot hold two NCCL ranks; replication streams host files anyway);
 # and prints one summary: a PASS/FAIL line per step and the benchmark table. Logs and the benchmark
 # JSON go to $OUT (the device tool brings them back), or to .gpu/out.
 set -uo pipefail
@@ -74,9 +76,14 @@ step bench 240 torchrun --nproc-per-node 1 scripts/bench_peers.py --layers 24 --
     --seq-len 1024 --vocab 32000 --micro-batch 8 --bf16 --iters 20 --warmup 2 --rounds 1 --interval 10 \
     --sweep-engines '' --restore-repeats 1 --host-cache-gb 12 --dir /tmp/bench \
     --local-dir /dev/shm/dsm-local --no-progress --json "$OUT/bench.json"
+step replication 150 env CUDA_VISIBLE_DEVICES= torchrun --nproc-per-node 2 scripts/bench_peers.py \
+    --engines baseline,ours_local,ours_replicated --sweep-engines '' --rounds 1 --iters 8 --persist-interval 4 \
+    --dir /tmp/bench-repl --local-dir /dev/shm/dsm-repl --no-progress --json "$OUT/replication.json"
 
 echo
 echo "==== gpu_check summary ($(cat "$OUT/gpu.txt" 2>/dev/null | head -n 1)) ===="
 printf '%s\n' "${summary[@]}"
 echo "---- bench_peers (last lines of $OUT/bench.log) ----"
 tail -n 25 "$OUT/bench.log"
+echo "---- replication (last lines of $OUT/replication.log) ----"
+tail -n 8 "$OUT/replication.log"
