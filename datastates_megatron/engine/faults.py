@@ -24,33 +24,29 @@ _counts: dict[str, int] = {}
 _lock = threading.Lock()
 
 
-def crash_point(point: str, rank: int | None = None) -> None:
-    spec = os.environ.get("DSM_CRASH_AT")
+def _reached(variable: str, point: str, rank: int | None = None) -> bool:
+    """Whether ``point`` is reached for the n-th time that ``$variable`` (``<point>[:<n>]``) names,
+    on the rank ``$DSM_CRASH_RANK`` names (any rank when unset)."""
+    spec = os.environ.get(variable)
     if not spec:
-        return
+        return False
     name, _, nth = spec.partition(":")
     if name != point:
-        return
+        return False
     only_rank = os.environ.get("DSM_CRASH_RANK")
     if only_rank is not None and rank is not None and int(only_rank) != rank:
-        return
+        return False
+    key = f"{variable}:{point}"
     with _lock:
-        _counts[point] = _counts.get(point, 0) + 1
-        hit = _counts[point] == int(nth or 1)
-    if hit:
+        _counts[key] = _counts.get(key, 0) + 1
+        return _counts[key] == int(nth or 1)
+
+
+def crash_point(point: str, rank: int | None = None) -> None:
+    if _reached("DSM_CRASH_AT", point, rank):
         os.kill(os.getpid(), signal.SIGKILL)
 
 
 def hold_point(point: str) -> None:
-    spec = os.environ.get("DSM_HOLD_AT")
-    if not spec:
-        return
-    name, _, nth = spec.partition(":")
-    if name != point:
-        return
-    key = "hold:" + point
-    with _lock:
-        _counts[key] = _counts.get(key, 0) + 1
-        hit = _counts[key] == int(nth or 1)
-    if hit:
+    if _reached("DSM_HOLD_AT", point):
         threading.Event().wait()
