@@ -545,7 +545,13 @@ class CheckpointManager(ClosingContext):
         if partial and not local:
             # a shared tier: its manifest (O(N)) is read by rank 0 alone, each rank gets its record
             # (raises alike on every rank; the plan still checks layout and tensors)
-            view = resolve(root, iteration, self._resolve_chan, self.layout, check=_no_check, latest=self._latest_in)
+            try:
+                view = resolve(
+                    root, iteration, self._resolve_chan, self.layout, check=_no_check, latest=self._latest_in
+                )
+            except CheckpointError as e:  # raised alike on every rank: agreed, so that rank 0 (the
+                self._agree_error(e)  # store's host) never exits before every rank has heard it
+                raise
             ckpt, manifest, iteration = view.ckpt, view.manifest, view.manifest.iteration
             elsewhere = None
             if os.path.dirname(ckpt) != root:  # a load is collective: one directory for every rank
@@ -585,7 +591,10 @@ class CheckpointManager(ClosingContext):
                 os.path.abspath(root or self.load_root), iteration, self._resolve_chan, self.layout, check=_no_check
             )
         except NoCheckpointError:
-            return None
+            return None  # every rank alike (rank 0's answer)
+        except CheckpointError as e:  # agreed: rank 0, the store's host, never exits before the others heard it
+            self._agree_error(e)
+            raise
 
     def _agree(self, ok: bool) -> list[int]:
         """Every rank says whether its file validated; returns the ranks that failed (default group)."""
@@ -657,7 +666,9 @@ class CheckpointManager(ClosingContext):
         if "error" in answer:
             cls = getattr(errors, answer["error"], None)
             cls = cls if isinstance(cls, type) and issubclass(cls, CheckpointError) else CheckpointError
-            raise cls(f"rank {self.rank}: deciding where to restore from failed on rank 0: {answer['message']}")
+            err = cls(f"rank {self.rank}: deciding where to restore from failed on rank 0: {answer['message']}")
+            self._agree_error(err)  # every rank raises; rank 0, the store's host, only once all have heard
+            raise err
         return answer
 
     def _choose_tier(self, iteration: int | None) -> tuple[str, int | None, _Source]:
@@ -713,6 +724,12 @@ class CheckpointManager(ClosingContext):
             self.wait(timeout, promote_newest=True)
         finally:
             self._closed = True
+            try:
+                # rank 0 hosts the store the commits go through: nobody leaves before every rank has
+                # read its last outcome (in the finally: a rank whose wait raised joins it too)
+                self._world.agree(True)
+            except Exception as e:  # noqa: BLE001 - never hide the error being raised
+                log.warning("rank %d: closing: the final agreement failed: %s", self.rank, e)
             try:
                 self.engine.close(timeout)
             finally:
