@@ -432,6 +432,9 @@ class CheckpointManager(ClosingContext):
             if promote_newest and self.promotion is not None:
                 self.promotion.promote_newest()
             self.persistent.committer.drain(timeout)
+        for tier in (self.local, self.persistent) if persist else (self._first_tier,):
+            if tier is not None:
+                tier.drain_deletions(self.engine.options.timeout_s if timeout is None else timeout)
         return self.poll()
 
     @property
@@ -724,12 +727,6 @@ class CheckpointManager(ClosingContext):
             self.wait(timeout, promote_newest=True)
         finally:
             self._closed = True
-            try:
-                # rank 0 hosts the store the commits go through: nobody leaves before every rank has
-                # read its last outcome (in the finally: a rank whose wait raised joins it too)
-                self._world.agree(True)
-            except Exception as e:  # noqa: BLE001 - never hide the error being raised
-                log.warning("rank %d: closing: the final agreement failed: %s", self.rank, e)
             try:
                 self.engine.close(timeout)
             finally:
