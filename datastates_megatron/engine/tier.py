@@ -21,8 +21,8 @@ import threading
 import time
 
 from .commit import Committer
-from .deleter import Deleter
 from .errors import CheckpointError, CorruptCheckpointError, LockLostError, NoCheckpointError
+from .faults import crash_point
 from .manifest import (
     MANIFEST_NAME,
     Manifest,
@@ -34,6 +34,7 @@ from .manifest import (
 )
 from .names import is_ours_in_iteration
 from .retention import (
+    delete_checkpoint,
     deletion_failed,
     remove_ours,
     remove_stale_tracker_temps,
@@ -298,7 +299,6 @@ class Tier:
         self.committer = None
         self.promotion = None
         self.replication = None  # set by the manager: copies each local commit to partner ranks
-        self.deleter = None  # the writer's, from open()
         self._next_seq = 0
 
     @property
@@ -331,23 +331,8 @@ class Tier:
         self._next_seq = max((m.commit_seq for m in found.committed.values()), default=-1) + 1
 
     def open(self, collective, world_size: int, layout: dict, timeout_s: float):
-        """Start the tier's commit thread (:class:`.commit.Committer`, on its own ``collective``)
-        and, on the writer, its deleter (:class:`.deleter.Deleter`: retention off the commit path)."""
+        """Start the tier's commit thread (:class:`.commit.Committer`, on its own ``collective``)."""
         self.committer = Committer(self, collective, world_size, layout, self._next_seq, timeout_s)
-        if self.is_writer:
-            self.deleter = Deleter(
-                self.name,
-                self.root,
-                self.rank,
-                recycle=self.recycle,
-                pool_keep=2 * len(self.writes),  # two checkpoints' worth
-                owned=self._still_owned,
-            )
-
-    def drain_deletions(self, timeout: float) -> None:
-        """Block until the deletions retention asked for are done (what ``wait()`` promises)."""
-        if self.deleter is not None:
-            self.deleter.drain(timeout)
 
     def take_recycled(self, dst: str) -> bool:
         """Move a retired rank file of the pool to ``dst`` (:func:`.retention.take_recycled`)."""
@@ -389,7 +374,15 @@ class Tier:
             protected.add(self.replication.last_replicated)
         found = survey(self.root)
         for it in select_deletions(found.order, self.keep_last, self.keep_every, protected):
-            self.deleter.submit(it)  # on the deleter's thread: the next commit does not wait for it
+            crash_point("retention", self.rank)
+            try:
+                delete_checkpoint(self.root, it, recycle=self.recycle)
+            except OSError as e:  # the next ones may still go; this one is tried again next time
+                deletion_failed(iter_dir(self.root, it), e)
+                continue
+            log.info("rank %d: retention deleted %s (%s tier)", self.rank, iter_dir(self.root, it), self.name)
+        if self.recycle:
+            trim_recycled(self.root, keep=2 * len(self.writes))  # two checkpoints' worth
         # files of older saves of this iteration, superseded by its manifest -- not those of a save
         # still pending, nor of a later save of this run another rank may have started before this
         # (writer) rank submitted it: it supersedes
@@ -417,8 +410,6 @@ class Tier:
         files only hold space."""
         if self.committer is not None:
             self.committer.close()
-        if self.deleter is not None:
-            self.deleter.close()  # after the committer: the last commit's deletions are queued
         if self.is_writer and self._still_owned():
             try:
                 trim_recycled(self.root, keep=0)
