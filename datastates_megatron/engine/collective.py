@@ -19,8 +19,7 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from . import errors
-from .errors import CheckpointError
+from .errors import CheckpointError, error_class_named, make_error
 
 __all__ = ["Collective", "RankFailure"]
 
@@ -49,11 +48,17 @@ class RankFailure:
         return self.errors[0][2]
 
     def error_class(self) -> type[CheckpointError]:
-        """The package's exception class the reported errors share (``CheckpointError`` when they
-        differ or are not ours)."""
+        """The package's exception class the reported errors share, whichever module defines it
+        (``CheckpointError`` when they differ or are not ours)."""
         names = {e[1] for e in self.errors}
-        cls = getattr(errors, names.pop(), None) if len(names) == 1 else None
-        return cls if isinstance(cls, type) and issubclass(cls, CheckpointError) else CheckpointError
+        return error_class_named(names.pop()) if len(names) == 1 else CheckpointError
+
+    def to_error(self, what: str) -> CheckpointError:
+        """One error for every rank: ``what`` failed on these ranks, with each reported rank's
+        message (each names its file, rank and tensor), under the errors' common class."""
+        more = f"; and {len(self.ranks) - len(self.errors)} more rank(s)" if len(self.ranks) > len(self.errors) else ""
+        detail = "; ".join(f"[rank {src}] {text}" for src, _, text in self.errors)
+        return make_error(self.error_class(), f"{what} failed on rank(s) {list(self.ranks)}: {detail}{more}")
 
 
 class Collective:
@@ -135,6 +140,18 @@ class Collective:
             doc = (self._broadcast_json(mine if self.rank == src else {}, src)) if self._active else mine
             reported.append((src, str(doc.get("error")), str(doc.get("message"))))
         return RankFailure(tuple(failed), tuple(reported))
+
+    def raise_agreed(self, err: BaseException | None, what: str, *, report: int = 1, own: bool = True) -> None:
+        """Agree on the step's outcome, then raise on every rank if any rank failed: a failed rank
+        raises its own ``err`` (``own``) and every other rank :meth:`RankFailure.to_error` of the first
+        ``report`` failed ranks (with ``own=False`` every rank raises that one, from its own ``err``).
+        Returns only when every rank succeeded.  In a world of one, ``err`` itself."""
+        failure = self.agree_error(err, report)
+        if failure is None:
+            return
+        if err is not None and (own or not self._active):
+            raise err
+        raise failure.to_error(what) from err
 
     # ------------------------------------------------------------------ transport
     def _all_gather(self, mine: torch.Tensor) -> list[torch.Tensor]:

@@ -1,4 +1,8 @@
-"""Exception hierarchy: one base class, specific subclasses that also inherit the matching builtin."""
+"""Exception hierarchy: one base class, specific subclasses that also inherit the matching builtin.
+
+Every subclass of :class:`CheckpointError`, in any module of the package, is registered by its class
+name when it is defined, so an error agreed across ranks (which travels as a class name and a message,
+never pickled) arrives under its own class on every rank (:func:`error_class_named`)."""
 
 from __future__ import annotations
 
@@ -19,11 +23,41 @@ __all__ = [
     "LockLostError",
     "CheckpointAccessError",
     "OptionsError",
+    "error_class_named",
+    "make_error",
 ]
+
+_REGISTRY: dict[str, type] = {}
 
 
 class CheckpointError(Exception):
     """Base class of every error this package raises on purpose."""
+
+    def __init_subclass__(cls, **kwargs) -> None:
+        super().__init_subclass__(**kwargs)
+        known = _REGISTRY.get(cls.__name__)
+        if known is not None and (known.__module__, known.__qualname__) != (cls.__module__, cls.__qualname__):
+            raise TypeError(
+                f"{cls.__module__}.{cls.__qualname__}: an error class named {cls.__name__} already exists "
+                f"({known.__module__}.{known.__qualname__}); errors cross ranks by name, so names must differ"
+            )
+        _REGISTRY[cls.__name__] = cls
+
+
+def error_class_named(name: str) -> type[CheckpointError]:
+    """The package's error class called ``name`` (``CheckpointError`` for any other name)."""
+    return _REGISTRY.get(name, CheckpointError)
+
+
+def make_error(cls: type[CheckpointError], message: str) -> CheckpointError:
+    """An instance of ``cls`` carrying ``message``, also for classes whose constructor takes other
+    arguments (:class:`OptionsError`): the message is what crossed the ranks, not the arguments."""
+    try:
+        return cls(message)
+    except TypeError:
+        err = cls.__new__(cls)
+        Exception.__init__(err, message)
+        return err
 
 
 class EngineClosedError(CheckpointError, RuntimeError):

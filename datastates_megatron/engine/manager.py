@@ -309,31 +309,18 @@ class CheckpointManager(ClosingContext):
 
     def _agree_start(self, err: BaseException | None) -> None:
         """Make one rank's start-up error every rank's (a rank failing alone would leave the others
-        waiting in the next collective): the first failed rank's error class and message reach
-        every rank (:meth:`.Collective.agree_error`)."""
-        failure = self._world.agree_error(err)
-        if failure is None:
-            return
-        self._release_lock()
-        if err is not None:
-            return  # the caller re-raises its own error
-        raise failure.error_class()(
-            f"rank {self.rank}: start-up failed on rank {failure.rank} (ranks {list(failure.ranks)} failed): "
-            f"{failure.message}"
-        )
+        waiting in the next collective); the save directory's lock is released before raising."""
+        try:
+            self._world.raise_agreed(err, f"rank {self.rank}: start-up")
+        except BaseException:
+            self._release_lock()
+            raise
 
     def _agree_error(self, err: BaseException | None) -> None:
         """The load's one agreement (a collective on every path): when any rank failed, every rank
         raises the same error -- the failed ranks' messages (the first four), each naming its file,
         rank and tensor, under their common error class.  One process: ``err`` itself."""
-        failure = self._world.agree_error(err, report=4)
-        if failure is None:
-            return
-        if not self._world.active:
-            raise err
-        more = f"; and {len(failure.ranks) - 4} more rank(s)" if len(failure.ranks) > 4 else ""
-        message = "; ".join(f"[rank {src}] {text}" for src, _, text in failure.errors)
-        raise failure.error_class()(f"load failed on rank(s) {list(failure.ranks)}: {message}{more}") from err
+        self._world.raise_agreed(err, "load", report=4, own=False)
 
     def _release_lock(self) -> None:
         for attr in ("_local_lock", "_lock"):

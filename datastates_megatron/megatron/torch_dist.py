@@ -141,11 +141,7 @@ def importable_on_every_rank(load_dir: str, ckpt_step: int | None = None) -> For
         err = e
     except OSError as e:
         err = ConversionError(f"rank {collective.rank}: --load {load_dir} cannot be read: {e}")
-    failure = collective.agree_error(err)
-    if failure is not None:
-        if err is not None:
-            raise err
-        raise failure.error_class()(f"rank {failure.rank}: {failure.message}")
+    collective.raise_agreed(err, f"rank {collective.rank}: the import check of --load {load_dir}")
     mine = -2 if found is None else (-1 if found.iteration is None else found.iteration)
     seen = {rec["it"] for rec in collective.gather({"it": mine})}
     if len(seen) > 1:
@@ -264,14 +260,14 @@ def import_checkpoint(
         elsewhere = _lazy_checkpoints_elsewhere(args, args.load, local_root)
     except OSError as e:
         elsewhere = [f"(rank {collective.rank} cannot list them: {e})"]
-    failed = collective.agree(not elsewhere)
-    if failed:
-        where = "; ".join(elsewhere) or f"the same directories on rank {failed[0]}"
-        raise ConversionError(
+    err = None
+    if elsewhere:
+        err = ConversionError(
             f"--load {args.load} holds a Megatron {found.format} checkpoint and no lazy one, but this run "
-            f"already has lazy checkpoints in {where}: importing again would ignore them. To resume the "
-            f"lazy run, pass its --save as --load. Nothing was loaded"
+            f"already has lazy checkpoints in {'; '.join(elsewhere)}: importing again would ignore them. To "
+            "resume the lazy run, pass its --save as --load. Nothing was loaded"
         )
+    collective.raise_agreed(err, f"rank {collective.rank}: the import of --load {args.load}")
     log.info("importing Megatron %s checkpoint %s with Megatron-LM's loader", found.format, found.path)
     # no autograd: in fp32 the DistributedOptimizer's main params are views of the model's leaf
     # parameters, and Megatron-LM copies into them in place (an error with grad mode on)
@@ -337,13 +333,13 @@ def export(args: Any, target: str, iteration: int, model: Any, optimizer: Any, s
     ``target`` (a new or empty directory), optimizer state ``fully_reshardable``."""
     target = os.path.normpath(target)  # "link/" would make lstat follow the link
     collective = Collective()
-    problem = _check_target(target)
-    failed = collective.agree(problem is None)  # every rank checks before any rank's save creates it
-    if failed:
-        raise ConversionError(
-            f"--lazy-ckpt-convert-to {target}: {problem or f'refused on rank {failed[0]}'}; give a new or empty "
-            "directory. Nothing was written"
+    problem = _check_target(target)  # every rank checks before any rank's save creates it
+    err = None
+    if problem:
+        err = ConversionError(
+            f"--lazy-ckpt-convert-to {target}: {problem}; give a new or empty directory. Nothing was written"
         )
+    collective.raise_agreed(err, f"rank {collective.rank}: --lazy-ckpt-convert-to {target}")
     if not hasattr(args, "dist_ckpt_optim_fully_reshardable"):
         raise ConversionError(
             "--lazy-ckpt-convert-to needs a Megatron-LM with --dist-ckpt-optim-fully-reshardable (core 0.16 "

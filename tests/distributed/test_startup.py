@@ -29,5 +29,7 @@ def test_rank_0_refusing_to_start_fails_every_rank(tmp_path, refusal):
     assert not any(r["timed_out"] for r in results), describe(results)
     assert all(r["returncode"] not in (0, None) and r["result"] is None for r in results), describe(results)
     assert refusal in results[0]["stderr"], describe(results)
-    assert refusal in results[1]["stderr"] and "start-up failed on rank 0" in results[1]["stderr"], describe(results)
+    assert refusal in results[1]["stderr"] and "start-up failed on rank(s) [0]" in results[1]["stderr"], describe(
+        results
+    )
     assert sorted(os.listdir(native)) == ([] if lock else [".metadata", "__0_0.distcp", "common.pt", "metadata.json"])

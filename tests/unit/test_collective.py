@@ -4,7 +4,7 @@ import pytest
 import torch.distributed as dist
 
 from datastates_megatron.engine.collective import Collective, RankFailure
-from datastates_megatron.engine.errors import CheckpointError, CommitError, ForeignCheckpointError
+from datastates_megatron.engine.errors import CheckpointError, CommitError, ForeignCheckpointError, OptionsError
 
 
 @pytest.fixture
@@ -63,3 +63,35 @@ def test_agree_error(world):
 )
 def test_failure_error_class_is_one_of_ours(name, cls):
     assert RankFailure((1,), ((1, name, "m"),)).error_class() is cls
+
+
+class _ElsewhereError(CheckpointError):
+    """An error class defined outside engine/errors.py (as the megatron/ layer's are)."""
+
+
+def test_error_classes_defined_anywhere_cross_ranks_by_name():
+    from datastates_megatron.megatron.torch_dist import ConversionError
+
+    assert RankFailure((1,), ((1, "ConversionError", "m"),)).error_class() is ConversionError
+    assert RankFailure((1,), ((1, "_ElsewhereError", "m"),)).error_class() is _ElsewhereError
+    err = RankFailure((1, 2, 7), ((1, "_ElsewhereError", "a"), (2, "_ElsewhereError", "b"))).to_error("load")
+    assert type(err) is _ElsewhereError
+    assert str(err) == "load failed on rank(s) [1, 2, 7]: [rank 1] a; [rank 2] b; and 1 more rank(s)"
+
+
+def test_an_error_whose_constructor_takes_other_arguments_still_arrives_in_its_class():
+    err = RankFailure((3,), ((3, "OptionsError", "invalid options: x must be >= 1"),)).to_error("start-up")
+    assert type(err) is OptionsError and "x must be >= 1" in str(err)
+
+
+def test_two_error_classes_of_one_name_are_refused():
+    with pytest.raises(TypeError, match="already exists"):
+        type("CommitError", (CheckpointError,), {"__module__": "somewhere.else"})
+
+
+def test_raise_agreed_in_a_world_of_one_raises_the_own_error(world):
+    world.raise_agreed(None, "start-up")
+    own = CommitError("mine")
+    with pytest.raises(CommitError) as got:
+        world.raise_agreed(own, "load", own=False)
+    assert got.value is own

@@ -9,6 +9,7 @@ import torch.distributed as dist
 
 from datastates_megatron.engine.collective import Collective
 from datastates_megatron.engine.errors import CheckpointError, ForeignCheckpointError
+from datastates_megatron.megatron.args import LazyCkptArgsError
 
 
 def main():
@@ -29,6 +30,11 @@ def main():
     out["failure"] = None if failure is None else [list(failure.ranks), failure.rank, failure.error, failure.message]
     out["failure_class"] = None if failure is None else failure.error_class().__name__
     out["no_failure"] = coll.agree_error(None) is None
+    try:  # an error class of the megatron/ layer, raised on one rank
+        coll.raise_agreed(LazyCkptArgsError("bad flag") if rank == a.fail_rank else None, f"rank {rank}: step")
+        out["raised"] = None
+    except CheckpointError as e:
+        out["raised"] = [type(e).__name__, str(e)]
     try:
         coll.gather({"b" if rank == a.fail_rank else "a": 1})
         out["schema"] = None
