@@ -56,7 +56,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> int:
     args = parse_args(argv)
     from ..engine.errors import NoCheckpointError
-    from ..megatron import shards
+    from ..megatron.training_record import state_digest
     from ..megatron.args import config_from_args, validate_lazy_ckpt_args
     from . import gpt
 
@@ -153,7 +153,7 @@ def main(argv=None) -> int:
         ckpt.wait()
     records["drain_s"] = time.perf_counter() - t_drain
     records["last_iteration"] = last
-    records["digest"] = shards.state_digest(chunks, optimizer)
+    records["digest"] = state_digest(chunks, optimizer)
     if ckpt is not None:
         records["stats"] = {k: v for k, v in ckpt.stats.items() if k != "last_commit"}
         ckpt.close()

@@ -378,22 +378,3 @@ def model_description(model_chunks) -> dict | None:
         "tied_embeddings": "output_layer.weight" not in shapes,
         "model_chunks": len(chunks),
     }
-
-
-def state_digest(model, optimizer) -> dict:
-    """XXH64 of every tensor a resume needs on this rank, by shard name (model buffers and extra
-    state under ``model_state.<key>``): two runs whose digests are equal hold the same model and
-    optimizer state to the bit."""
-    from ..engine.device_copy import as_bytes
-    from ..engine.hashing import xxh64
-
-    from .model_state import capture
-
-    out = {r.name: xxh64(as_bytes(r.tensor).cpu().numpy()) for r in collect_shards(model, optimizer)}
-    held = capture(model)
-    for key, value in [*held["buffers"].items(), *held["extra_state"].items()]:
-        if isinstance(value, torch.Tensor):
-            out[f"model_state.{key}"] = xxh64(as_bytes(value.detach().contiguous()).cpu().numpy())
-        else:
-            out[f"model_state.{key}"] = repr(value)
-    return out

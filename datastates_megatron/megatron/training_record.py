@@ -2,7 +2,7 @@
 
 Megatron's log prints the grad norm and params norm with three decimals; this records them (and
 the lm loss) as Python floats, one JSON line per iteration per rank, plus, when ``train`` returns,
-a digest of every tensor a resume needs (:func:`~datastates_megatron.megatron.shards.state_digest`).
+a digest of every tensor a resume needs (:func:`state_digest`).
 Lines are flushed one by one, so a run killed with ``kill -9`` keeps every iteration it logged.
 
 :func:`install` wraps ``megatron.training.training.training_log`` (called once per iteration, on
@@ -20,6 +20,13 @@ import json
 import os
 from typing import Any
 from collections.abc import Callable
+
+import torch
+
+from ..engine.device_copy import as_bytes
+from ..engine.hashing import xxh64
+from .model_state import capture
+from .shards import collect_shards
 
 __all__ = ["ENV", "install", "read", "read_runs"]
 
@@ -66,8 +73,6 @@ def _wrap(fn: Callable, after: Callable[[inspect.BoundArguments, Any], None]) ->
 def install(prefix: str) -> None:
     """Record this process's training to ``PREFIX.rank<R>.jsonl`` (see the module docstring)."""
     from megatron.training import training
-
-    from .shards import state_digest
 
     record = _Record(prefix)
 
@@ -123,3 +128,17 @@ def read(prefix: str, rank: int) -> tuple[dict[int, dict], dict | None]:
         iterations.update(its)
         final = fin if fin is not None else final
     return iterations, final
+
+
+def state_digest(model, optimizer) -> dict:
+    """XXH64 of every tensor a resume needs on this rank, by shard name (model buffers and extra
+    state under ``model_state.<key>``): two runs whose digests are equal hold the same model and
+    optimizer state to the bit."""
+    out = {r.name: xxh64(as_bytes(r.tensor).cpu().numpy()) for r in collect_shards(model, optimizer)}
+    held = capture(model)
+    for key, value in [*held["buffers"].items(), *held["extra_state"].items()]:
+        if isinstance(value, torch.Tensor):
+            out[f"model_state.{key}"] = xxh64(as_bytes(value.detach().contiguous()).cpu().numpy())
+        else:
+            out[f"model_state.{key}"] = repr(value)
+    return out
