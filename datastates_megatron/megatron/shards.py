@@ -29,7 +29,7 @@ model parameter's; element ranges index the flattened parameter:
   DistributedOptimizer's ``_get_model_param_range_map(p)["param"]``).  Torch Adam's ``step`` is a
   0-d scalar per parameter with the same identity.
 
-Checked against megatron-core 0.16.1 (layout notes: docs/_megatron_internals_notes.md).
+Checked against megatron-core 0.16.1 (docs/megatron.md, "Where megatron-core keeps what we capture").
 """
 
 from __future__ import annotations
