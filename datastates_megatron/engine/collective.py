@@ -5,6 +5,11 @@ nccl, else CPU), every operation is the identity in a world of one (no process g
 or a group of one rank), and callers speak in field names, never in positions of a packed vector.
 Records hold Python ints that fit an int64; callers convert unsigned 64-bit values themselves.
 
+Agreements cost O(1) bytes per rank at any world size: one all-reduce of a count when every rank
+succeeded, a few more (one per failed rank named, at most ``NAMED``) when some did not; nothing gathers
+a row per rank of the world.  ``gather``/``gather_many`` move a row per rank and are meant for small
+groups (a replication clique), never the world of a large job.
+
 Every operation is a collective: every rank of the group calls it, in the same order, exactly once
 per step.  Thread-safety: a ``Collective`` holds no mutable state; the calls on one group must come
 from one thread at a time (as for any ``torch.distributed`` group).
@@ -21,19 +26,26 @@ import torch
 
 from .errors import CheckpointError, error_class_named, make_error
 
-__all__ = ["Collective", "RankFailure"]
+__all__ = ["Collective", "RankFailure", "NAMED"]
 
 _I64_MIN, _I64_MAX = -(1 << 63), (1 << 63) - 1
+NAMED = 8  # failed ranks an agreement names (the lowest); the rest are counted
 _MESSAGE_BYTES = 4096  # the error broadcast by agree_error: one JSON line, shortened to fit
 
 
 @dataclasses.dataclass(frozen=True)
 class RankFailure:
-    """What every rank learns when some rank failed: the failed ranks, and the errors of the first
-    of them (as many as the caller asked for)."""
+    """What every rank learns when some rank failed: the lowest failed ranks (at most ``NAMED``), the
+    errors of the first of them (as many as the caller asked for), and how many ranks failed."""
 
-    ranks: tuple[int, ...]  # every failed rank, ascending
+    ranks: tuple[int, ...]  # the lowest failed ranks, ascending
     errors: tuple[tuple[int, str, str], ...]  # (rank, exception class name, message) of the first ones
+    count: int = 0  # every failed rank (0: as many as ``ranks``)
+
+    @property
+    def failed(self) -> int:
+        """How many ranks failed."""
+        return max(self.count, len(self.ranks))
 
     @property
     def rank(self) -> int:
@@ -56,9 +68,14 @@ class RankFailure:
     def to_error(self, what: str) -> CheckpointError:
         """One error for every rank: ``what`` failed on these ranks, with each reported rank's
         message (each names its file, rank and tensor), under the errors' common class."""
-        more = f"; and {len(self.ranks) - len(self.errors)} more rank(s)" if len(self.ranks) > len(self.errors) else ""
+        more = self.failed - len(self.errors)
+        if self.failed > len(self.ranks):
+            ranks = f"{list(self.ranks)} and {self.failed - len(self.ranks)} more ({self.failed} in all)"
+        else:
+            ranks = f"{list(self.ranks)}"
         detail = "; ".join(f"[rank {src}] {text}" for src, _, text in self.errors)
-        return make_error(self.error_class(), f"{what} failed on rank(s) {list(self.ranks)}: {detail}{more}")
+        tail = f"; and {more} more rank(s)" if more > 0 else ""
+        return make_error(self.error_class(), f"{what} failed on rank(s) {ranks}: {detail}{tail}")
 
 
 class Collective:
@@ -123,23 +140,42 @@ class Collective:
         return int(self._broadcast(t, src)[0])
 
     # ------------------------------------------------------------------ agreement
+    def min_max(self, value: int) -> tuple[int, int]:
+        """The least and the greatest int64 ``value`` of the group's ranks (one all-reduce)."""
+        if value == _I64_MIN:
+            raise ValueError(f"rank {self.rank}: {value} has no negation in an int64")
+        got = self._all_reduce_min(torch.tensor([value, -value], dtype=torch.int64))
+        return int(got[0]), -int(got[1])
+
     def agree(self, ok: bool) -> list[int]:
-        """Every rank says whether its step succeeded; returns the ranks that failed (on every rank)."""
-        return [r for r, rec in enumerate(self.gather({"ok": int(bool(ok))})) if not rec["ok"]]
+        """Every rank says whether its step succeeded; returns the lowest failed ranks, at most
+        ``NAMED`` (on every rank).  :meth:`failures` also says how many failed."""
+        return self.failures(ok)[0]
+
+    def failures(self, ok: bool) -> tuple[list[int], int]:
+        """``(the lowest failed ranks, at most NAMED; how many ranks failed)``: one all-reduce of the
+        count, then one all-reduce (a minimum) per failed rank named."""
+        failed = not ok
+        count = int(self._all_reduce_sum(torch.tensor([int(failed)], dtype=torch.int64))[0])
+        named: list[int] = []
+        for _ in range(min(count, NAMED)):
+            mine = self.rank if failed and self.rank not in named else _I64_MAX
+            named.append(int(self._all_reduce_min(torch.tensor([mine], dtype=torch.int64))[0]))
+        return named, count
 
     def agree_error(self, err: BaseException | None, report: int = 1) -> RankFailure | None:
         """Make one rank's error every rank's: ``None`` when no rank failed; else the failed ranks
         and the error class and message of the first ``report`` of them (each broadcast as one JSON
         line, no pickle).  The caller raises: its own ``err`` where it has one, else from the failure."""
-        failed = self.agree(err is None)
-        if not failed:
+        failed, count = self.failures(err is None)
+        if not count:
             return None
         mine = {"error": type(err).__name__, "message": str(err)} if err is not None else {}
         reported = []
         for src in failed[: max(1, report)]:
             doc = (self._broadcast_json(mine if self.rank == src else {}, src)) if self._active else mine
             reported.append((src, str(doc.get("error")), str(doc.get("message"))))
-        return RankFailure(tuple(failed), tuple(reported))
+        return RankFailure(tuple(failed), tuple(reported), count)
 
     def raise_agreed(self, err: BaseException | None, what: str, *, report: int = 1, own: bool = True) -> None:
         """Agree on the step's outcome, then raise on every rank if any rank failed: a failed rank
@@ -163,6 +199,21 @@ class Collective:
         rows = [torch.empty_like(mine) for _ in range(self.world_size)]
         dist.all_gather(rows, mine, group=self.group)
         return [r.cpu() for r in rows]
+
+    def _all_reduce_sum(self, t: torch.Tensor) -> torch.Tensor:
+        return self._all_reduce(t, "SUM")
+
+    def _all_reduce_min(self, t: torch.Tensor) -> torch.Tensor:
+        return self._all_reduce(t, "MIN")
+
+    def _all_reduce(self, t: torch.Tensor, op: str) -> torch.Tensor:
+        if not self._active:
+            return t
+        import torch.distributed as dist
+
+        t = t.to(self.device)
+        dist.all_reduce(t, op=getattr(dist.ReduceOp, op), group=self.group)
+        return t.cpu()
 
     def _broadcast(self, t: torch.Tensor, src: int) -> torch.Tensor:
         if not self._active:

@@ -143,11 +143,14 @@ def importable_on_every_rank(load_dir: str, ckpt_step: int | None = None) -> For
         err = ConversionError(f"rank {collective.rank}: --load {load_dir} cannot be read: {e}")
     collective.raise_agreed(err, f"rank {collective.rank}: the import check of --load {load_dir}")
     mine = -2 if found is None else (-1 if found.iteration is None else found.iteration)
-    seen = {rec["it"] for rec in collective.gather({"it": mine})}
-    if len(seen) > 1:
+    least, greatest = collective.min_max(mine)
+    if least != greatest:
+        seen = ", ".join(
+            "none" if i == -2 else "one without an iteration" if i == -1 else str(i) for i in (least, greatest)
+        )
         raise ConversionError(
-            f"--load {load_dir}: the ranks see different checkpoints to import (iterations "
-            f"{sorted(i for i in seen if i >= 0)}, none on some ranks); is the directory being written?"
+            f"--load {load_dir}: the ranks see different checkpoints to import (from {seen}); is the directory "
+            "being written?"
         )
     return found
 

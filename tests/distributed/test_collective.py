@@ -19,6 +19,8 @@ def test_collective_on_three_ranks():
         assert (ranks, src, error, res["failure_class"]) == ([1], 1, "ForeignCheckpointError", "ForeignCheckpointError")
         assert message.startswith("rank 1: xxx") and message.endswith(" ...") and len(message) < 4096
         assert res["no_failure"]
+        assert res["failures"] == [[1, 2], 2] and res["failures_named_1"] == [[1], 2]
+        assert res["min_max"] == [-5, 15]
         expected = "bad flag" if r["rank"] == 1 else f"rank {r['rank']}: step failed on rank(s) [1]: [rank 1] bad flag"
         assert res["raised"] == ["LazyCkptArgsError", expected]
         assert "rank(s) [1] gathered other fields than rank 0" in res["schema"], res["schema"]

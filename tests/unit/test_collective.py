@@ -54,7 +54,7 @@ def test_agree(world):
 def test_agree_error(world):
     assert world.agree_error(None) is None
     failure = world.agree_error(ForeignCheckpointError("newer foreign checkpoint"))
-    assert failure == RankFailure((0,), ((0, "ForeignCheckpointError", "newer foreign checkpoint"),))
+    assert failure == RankFailure((0,), ((0, "ForeignCheckpointError", "newer foreign checkpoint"),), count=1)
     assert failure.error_class() is ForeignCheckpointError
 
 
@@ -95,3 +95,18 @@ def test_raise_agreed_in_a_world_of_one_raises_the_own_error(world):
     with pytest.raises(CommitError) as got:
         world.raise_agreed(own, "load", own=False)
     assert got.value is own
+
+
+def test_a_failure_of_many_ranks_names_the_lowest_and_counts_the_rest():
+    named = tuple(range(8))
+    failure = RankFailure(named, ((0, "CommitError", "a"),), count=5000)
+    assert failure.failed == 5000
+    assert str(failure.to_error("load")) == (
+        "load failed on rank(s) [0, 1, 2, 3, 4, 5, 6, 7] and 4992 more (5000 in all): [rank 0] a; and 4999 more rank(s)"
+    )
+
+
+def test_min_max_in_a_world_of_one(world):
+    assert world.min_max(-7) == (-7, -7)
+    with pytest.raises(ValueError):
+        world.min_max(-(1 << 63))

@@ -7,6 +7,7 @@ import json
 
 import torch.distributed as dist
 
+from datastates_megatron.engine import collective
 from datastates_megatron.engine.collective import Collective
 from datastates_megatron.engine.errors import CheckpointError, ForeignCheckpointError
 from datastates_megatron.megatron.args import LazyCkptArgsError
@@ -30,6 +31,11 @@ def main():
     out["failure"] = None if failure is None else [list(failure.ranks), failure.rank, failure.error, failure.message]
     out["failure_class"] = None if failure is None else failure.error_class().__name__
     out["no_failure"] = coll.agree_error(None) is None
+    out["failures"] = coll.failures(rank == 0)  # every rank but 0 fails
+    collective.NAMED = 1  # only the lowest failed rank is named; the count is still whole
+    out["failures_named_1"] = coll.failures(rank == 0)
+    collective.NAMED = 8
+    out["min_max"] = coll.min_max(10 * rank - 5)
     try:  # an error class of the megatron/ layer, raised on one rank
         coll.raise_agreed(LazyCkptArgsError("bad flag") if rank == a.fail_rank else None, f"rank {rank}: step")
         out["raised"] = None
