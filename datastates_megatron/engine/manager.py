@@ -18,14 +18,21 @@ import time
 
 import torch
 
-from . import errors
 from .collective import Collective
 from .commit import CommitRecord, Ticket
 from .dirlock import SaveDirLock
-from .errors import CheckpointError, FlushError, NoCheckpointError, OptionsError, SaveDirBusyError
+from .errors import (
+    CheckpointError,
+    FlushError,
+    NoCheckpointError,
+    OptionsError,
+    SaveDirBusyError,
+    error_class_named,
+    make_error,
+)
 from .faults import hold_point
 from .foreign import refuse_newer_foreign
-from .manifest import iter_dir, rank_file_name, read_manifest, save_id
+from .manifest import RankRecord, iter_dir, rank_file_name, read_manifest, save_id
 from .options import EngineOptions, ManagerOptions
 from .load_plan import LoadPlanner, SameLayoutPlanner
 from .reader import CheckpointReader, RestoreStats, open_checkpoint
@@ -651,9 +658,10 @@ class CheckpointManager(ClosingContext):
                 answer = {"error": type(e).__name__, "message": str(e)[:1500]}
         answer = self._restore_chan.broadcast(answer)
         if "error" in answer:
-            cls = getattr(errors, answer["error"], None)
-            cls = cls if isinstance(cls, type) and issubclass(cls, CheckpointError) else CheckpointError
-            err = cls(f"rank {self.rank}: deciding where to restore from failed on rank 0: {answer['message']}")
+            err = make_error(
+                error_class_named(answer["error"]),
+                f"rank {self.rank}: deciding where to restore from failed on rank 0: {answer['message']}",
+            )
             self._agree_error(err)  # every rank raises; rank 0, the store's host, only once all have heard
             raise err
         return answer
@@ -686,16 +694,25 @@ class CheckpointManager(ClosingContext):
             if common is not None:
                 persistent_why = f"newer than the newest node-local checkpoint every rank has ({common[0]})"
         root, it = chosen
-        if root == self.root and it is not None and self.local_fallback == "rank" and self._local_copy_of(it):
-            return self.local_root, it, _Source("local", None, found.table, "this node's copy of the persistent file")
+        if root == self.root and it is not None and self.local_fallback == "rank":  # alike on every rank
+            try:  # collective: rank 0 reads the persistent manifest, each rank gets its own record
+                view = self.view(it, self.root)
+            except CheckpointError:
+                view = None  # alike on every rank; the load from persistent says what is wrong
+            if view is not None and self._local_copy_of(it, view.file_of(self.rank)):
+                return (
+                    self.local_root,
+                    it,
+                    _Source("local", None, found.table, "this node's copy of the persistent file"),
+                )
         return root, it, _Source("persistent", None, found.table, persistent_why)
 
-    def _local_copy_of(self, iteration: int) -> bool:
+    def _local_copy_of(self, iteration: int, persistent: RankRecord | None) -> bool:
         """This rank's local file of ``iteration`` is the very file the persistent manifest lists
-        (same name -- run token and sequence -- size and checksums), so either may be read."""
+        (``persistent``: same name -- run token and sequence -- size and checksums), so either may
+        be read."""
         try:
             local = read_manifest(iter_dir(self.local_root, iteration)).record(self.rank)
-            persistent = read_manifest(iter_dir(self.root, iteration)).record(self.rank)
         except (CheckpointError, OSError):
             return False
         return local is not None and local == persistent

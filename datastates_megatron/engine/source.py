@@ -21,8 +21,7 @@ import dataclasses
 import os
 from collections.abc import Callable
 
-from . import errors
-from .errors import CheckpointError, NoCheckpointError
+from .errors import NoCheckpointError, error_class_named, make_error
 from .load_plan import validate_world
 from .manifest import Manifest, RankRecord, iter_dir
 from .store_channel import StoreChannel
@@ -73,9 +72,10 @@ def resolve(
     if error is not None:
         raise error
     if "error" in head:
-        cls = getattr(errors, head["error"], None)
-        cls = cls if isinstance(cls, type) and issubclass(cls, CheckpointError) else CheckpointError
-        raise cls(f"rank {channel.rank}: resolving the checkpoint failed on rank 0: {head['message']}")
+        raise make_error(
+            error_class_named(head["error"]),
+            f"rank {channel.rank}: resolving the checkpoint failed on rank 0: {head['message']}",
+        )
     rec = channel.scatter(records, expect=True)
     ranks = (RankRecord(**rec),) if rec is not None else ()
     return Resolved(head["ckpt"], Manifest(ranks=ranks, **head["head"]))
