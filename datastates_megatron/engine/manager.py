@@ -41,7 +41,7 @@ from .replication import REPLICAS_DIR, Replication, clique_of, replication_plan
 from .run_id import RUN_SUBDIR_PREFIX, ensure_run_id, run_subdir
 from .safe_io import check_path_fits, make_dir, make_root
 from .snapshot import SnapshotEngine
-from .source import resolve
+from .source import Resolved, resolve
 from .store_channel import StoreChannel, default_store
 from .threads import ClosingContext, close_at_exit, forget
 from .tier import Tier, committed_iterations, latest_committed, report_other_runs, survey
@@ -474,16 +474,19 @@ class CheckpointManager(ClosingContext):
         root: str | None = None,
         verify: bool | None = None,
         planner: LoadPlanner | None = None,
+        resolved: Resolved | None = None,
     ) -> LoadResult:
         """Restore checkpoint ``iteration`` (default: the latest committed) in place, as ``planner``
         plans it (default: every registered tensor from this rank's own file, same layout), through
         the one verifying reader (:mod:`.reader`).  Collective: raises on every rank or none, and
         writes nothing unless every rank validated its part.  A planner that reads other ranks'
-        files reads ``root`` (the persistent tier), never a node-local one."""
+        files reads ``root`` (the persistent tier), never a node-local one.  ``resolved``: what
+        :meth:`view` returned for this load (alike on every rank), used instead of resolving again
+        when the load reads that checkpoint."""
         self._check_open()
         root = os.path.abspath(root or self.load_root)
         if (planner is not None and planner.reads_all_ranks) or not (self.local_root and root == self.root):
-            return self._load_from(root, iteration, verify, planner)
+            return self._load_from(root, iteration, verify, planner, resolved=resolved)
         chosen_root, chosen, source = self._choose_tier(iteration)
         if self.replication is not None:  # collective of the clique: ranks whose node lost its copy fetch theirs
             need = chosen_root == self.local_root and source.save is not None and source.how == "replica"
@@ -502,7 +505,9 @@ class CheckpointManager(ClosingContext):
         )
         try:
             # local_fallback="rank": ranks may read different tiers, so none resolves through rank 0
-            return self._load_from(chosen_root, chosen, verify, planner, shared=self.local_fallback != "rank")
+            return self._load_from(
+                chosen_root, chosen, verify, planner, shared=self.local_fallback != "rank", resolved=resolved
+            )
         except CheckpointError as e:
             # every rank raised (the failure was agreed before any tensor was written): a bad local
             # copy on some rank must not hide an intact persistent checkpoint -- unless no rank read
@@ -530,19 +535,29 @@ class CheckpointManager(ClosingContext):
             return self._load_from(self.root, fallback, verify, planner)
 
     def _load_from(
-        self, root: str, iteration: int | None, verify: bool | None, planner: LoadPlanner | None, shared: bool = True
+        self,
+        root: str,
+        iteration: int | None,
+        verify: bool | None,
+        planner: LoadPlanner | None,
+        shared: bool = True,
+        resolved: Resolved | None = None,
     ) -> LoadResult:
         """Restore ``iteration`` of the tier at ``root`` (collective; raises on every rank or none).
-        ``shared``: every rank reads the same tier, so rank 0 may resolve it for all."""
+        ``shared``: every rank reads the same tier, so rank 0 may resolve it for all (or has:
+        ``resolved``, used when it is that checkpoint)."""
         partial = shared and (planner is None or not planner.reads_all_ranks)
         local = self.local_root is not None and (root == self.local_root or root.startswith(self.local_root + os.sep))
         if partial and not local:
             # a shared tier: its manifest (O(N)) is read by rank 0 alone, each rank gets its record
             # (raises alike on every rank; the plan still checks layout and tensors)
             try:
-                view = resolve(
-                    root, iteration, self._resolve_chan, self.layout, check=_no_check, latest=self._latest_in
-                )
+                if resolved is not None and _is_checkpoint(resolved, root, iteration):
+                    view = resolved  # alike on every rank: so is the test
+                else:
+                    view = resolve(
+                        root, iteration, self._resolve_chan, self.layout, check=_no_check, latest=self._latest_in
+                    )
             except CheckpointError as e:  # raised alike on every rank: agreed, so that rank 0 (the
                 self._agree_error(e)  # store's host) never exits before every rank has heard it
                 raise
@@ -577,12 +592,18 @@ class CheckpointManager(ClosingContext):
         return LoadResult(iteration, plan.objects, manifest.metadata, stats, root, plan.kind)
 
     def view(self, iteration: int, root: str | None = None):
-        """Collective: checkpoint ``iteration`` of ``root`` (default: the load directory) as this rank
-        needs it -- the manifest's header and this rank's record (:class:`.source.Resolved`), read
-        by rank 0 alone -- or ``None`` when it is not committed there."""
+        """Collective: checkpoint ``iteration`` (``None``: the newest committed, found by rank 0) of
+        ``root`` (default: the load directory) as this rank needs it -- the manifest's header and
+        this rank's record (:class:`.source.Resolved`), read by rank 0 alone -- or ``None`` when it
+        is not committed there."""
         try:
             return resolve(
-                os.path.abspath(root or self.load_root), iteration, self._resolve_chan, self.layout, check=_no_check
+                os.path.abspath(root or self.load_root),
+                iteration,
+                self._resolve_chan,
+                self.layout,
+                check=_no_check,
+                latest=self._latest_in,
             )
         except NoCheckpointError:
             return None  # every rank alike (rank 0's answer)
@@ -741,3 +762,8 @@ class CheckpointManager(ClosingContext):
     def _check_open(self) -> None:
         if self._closed:
             raise CheckpointError(f"rank {self.rank}: checkpoint manager is closed")
+
+
+def _is_checkpoint(view: Resolved, root: str, iteration: int | None) -> bool:
+    """``view`` is checkpoint ``iteration`` (``None``: whichever is newest, as the view was made) of ``root``."""
+    return os.path.dirname(view.ckpt) == root and (iteration is None or view.manifest.iteration == iteration)

@@ -18,7 +18,7 @@ import time
 import torch
 
 from ..engine.commit import CommitRecord
-from ..engine.errors import CheckpointError, EngineClosedError
+from ..engine.errors import CheckpointError, EngineClosedError, NoCheckpointError
 from ..engine.manager import CheckpointManager
 from ..engine.load_plan import LoadPlan, LoadPlanner, SameLayoutPlanner
 from ..engine.reader import CheckpointReader
@@ -284,11 +284,17 @@ class LazyCheckpointer:
         self._check_open()
         self._mgr.wait()
         asked = iteration  # None: the manager restores the newest it can, falling back tier by tier
-        if iteration is None:
-            iteration = self._mgr.latest()  # NoCheckpointError here, before anything is touched
         # the layout is read from the persistent tier (a node-local manifest lists only that node's
-        # ranks), its header by rank 0 alone; None: only in another tier (the manager finds it there)
-        view = self._mgr.view(iteration)
+        # ranks), its header by rank 0 alone (who also finds the newest: no rank but 0 reads a
+        # manifest); None: only in another tier (the manager finds it there)
+        if iteration is None and self._mgr.local_root is None:
+            view = self._mgr.view(None)
+            if view is None:  # every rank alike, before anything is touched
+                raise NoCheckpointError(f"{self._mgr.load_root}: no committed checkpoint")
+        else:
+            if iteration is None:
+                iteration = self._mgr.latest()  # NoCheckpointError here, before anything is touched
+            view = self._mgr.view(iteration)
         ckpt_dir, manifest = (view.ckpt, view.manifest) if view is not None else (None, None)
         # LayoutMismatchError here, on every rank alike (one manifest), before anything is touched
         other_dp = manifest is not None and reshard.check_layout(
@@ -298,7 +304,7 @@ class LazyCheckpointer:
         created = self._ensure_optimizer_state()
         try:
             self._refresh()
-            result = self._mgr.load(asked, planner=self._planner(other_dp))
+            result = self._mgr.load(asked, planner=self._planner(other_dp), resolved=view)
         except BaseException:
             for inner in created:  # leave a fresh optimizer as fresh as it was
                 inner.state.clear()

@@ -102,3 +102,7 @@ def test_extra_state_buffers_and_subclass_optimizer_state_resume_exactly(tmp_pat
         assert got["plain_step"] == want["plain_step"] == [6]
         assert got["probe"] == want["probe"] and want["probe"]["forwards"] == 6, (got["probe"], want["probe"])
         assert got["digest"] == want["digest"]
+    # start-up and restore: the newest checkpoint is found and its manifest read by rank 0 alone
+    assert resumed[0]["result"]["manifest_reads"] >= 1 and resumed[1]["result"]["manifest_reads"] == 0, describe(
+        resumed
+    )

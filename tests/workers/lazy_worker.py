@@ -8,6 +8,24 @@ import time
 import torch
 
 
+def _count_manifest_reads() -> list:
+    """Every read_manifest call from now on, in whichever package module imported it."""
+    from datastates_megatron.engine import manifest
+
+    original, calls = manifest.read_manifest, []
+
+    def counted(*args, **kwargs):
+        calls.append(args)
+        return original(*args, **kwargs)
+
+    for module in list(sys.modules.values()):
+        if getattr(module, "__name__", "").startswith("datastates_megatron") and (
+            getattr(module, "read_manifest", None) is original
+        ):
+            module.read_manifest = counted
+    return calls
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("scenario", choices=["slow_copy", "replicated", "local_tier", "held_state"])
@@ -56,12 +74,14 @@ def main():
     tier = {"local_dir": a.local, "persist_interval": 3} if a.local else {}
     if a.source_writes:
         tier["source_writes"] = True
+    reads = _count_manifest_reads()  # from start-up on
     ckpt = LazyCheckpointer(chunks, opt, LazyCkptConfig(save_dir=a.save, host_cache_gb=1 / 1024, keep_last=0, **tier))
     result = {"rank": rank}
     if a.scenario == "held_state":
         first = 1
         if a.phase == "resume":
             first = ckpt.load()[0] + 1
+            result["manifest_reads"] = len(reads)
         for it in range(first, 7 if a.phase != "save" else 4):
             gpt.train_step(chunks, opt, data(it))
         if a.phase == "save":
