@@ -4,10 +4,10 @@ Importing the package does no work and never imports megatron; ``LazyCheckpointe
 first use.
 """
 
+from ._version import __version__
 from .megatron.config import LazyCkptConfig
 
 __all__ = ["LazyCheckpointer", "LazyCkptConfig", "__version__"]
-__version__ = "0.1.0"
 
 
 def __getattr__(name):
