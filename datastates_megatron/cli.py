@@ -22,6 +22,7 @@ import time
 
 from typing import TYPE_CHECKING
 
+from ._deps import MissingDependencyError
 from .engine.errors import CheckpointError, CorruptCheckpointError, FormatVersionError, NoCheckpointError
 
 if TYPE_CHECKING:
@@ -687,7 +688,8 @@ examples:
 _EPILOG = f"""\
 exit status: {EXIT_OK} success (verify: every check passed); {EXIT_DAMAGED} a checkpoint is damaged
 (verify found a problem, or a manifest does not parse; ls: a row is DAMAGED); {EXIT_USAGE} bad arguments
-or the path is not there / not a checkpoint; {EXIT_NEWER} a checkpoint was written by a newer
+or the path is not there / not a checkpoint, or a dependency the command needs is missing (a runtime
+one: exit 1, before any command runs); {EXIT_NEWER} a checkpoint was written by a newer
 datastates-megatron, in a format this version cannot read (ls: a row is NEWER FORMAT and none is
 DAMAGED): upgrade.  Errors are one line on stderr.
 
@@ -855,6 +857,9 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:  # `| head`: stop quietly
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return EXIT_OK
+    except MissingDependencyError as e:  # an optional one the command needs (export: megatron-core, psutil)
+        print(f"{PROG}: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
     except (CheckpointError, OSError) as e:
         print(f"{PROG}: error: {e}", file=sys.stderr)
         if isinstance(e, FormatVersionError):
