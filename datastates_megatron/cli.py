@@ -23,6 +23,7 @@ import time
 from typing import TYPE_CHECKING
 
 from ._deps import MissingDependencyError
+from ._version import __version__
 from .engine.errors import CheckpointError, CorruptCheckpointError, FormatVersionError, NoCheckpointError
 
 if TYPE_CHECKING:
@@ -37,6 +38,7 @@ __all__ = [
     "list_checkpoints",
     "inspect_checkpoint",
     "verify_checkpoint",
+    "package_data",
     "CliUsageError",
     "EXIT_OK",
     "EXIT_DAMAGED",
@@ -676,6 +678,36 @@ def _render_verify(doc: dict) -> None:
         print(f"FAILED {name}: {len(doc['errors'])} problem(s) in rank(s) {bad_ranks}; checked {checked}")
 
 
+# ---------------------------------------------------------------------------------------------- where
+def package_data() -> dict[str, str]:
+    """The installed package and its data directories (launch scripts, presets, patches: every
+    directory of the package that is not a Python package), by name; the ``where --json`` document."""
+    package = os.path.dirname(os.path.abspath(__file__))
+    found = {"package": package}
+    for top, dirs, _ in os.walk(package):
+        dirs[:] = sorted(d for d in dirs if d != "__pycache__")
+        for d in dirs:
+            path = os.path.join(top, d)
+            if not os.path.exists(os.path.join(path, "__init__.py")):
+                found.setdefault(d, path)
+    return found
+
+
+def _where(name: str | None, as_json: bool) -> int:
+    found = package_data()
+    if name is not None:
+        if name not in found:
+            raise CliUsageError(f"no package data named {name!r} (there is: {', '.join(sorted(found))})")
+        print(found[name])
+    elif as_json:
+        _emit(found)
+    else:
+        width = max(map(len, found))
+        for key, path in found.items():
+            print(f"{key:<{width}}  {path}")
+    return EXIT_OK
+
+
 # ---------------------------------------------------------------------------------------------- main
 _EXAMPLES = """\
 examples:
@@ -709,6 +741,7 @@ def _build_parser() -> argparse.ArgumentParser:
             "another format (writes only under OUT_DIR)."
         ),
     )
+    p.add_argument("--version", action="version", version=f"{PROG} (datastates-megatron) {__version__}")
     sub = p.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
     ls = sub.add_parser(
@@ -821,6 +854,21 @@ def _build_parser() -> argparse.ArgumentParser:
     from .megatron.export_args import add_export_arguments
 
     add_export_arguments(exp)
+
+    where = sub.add_parser(
+        "where",
+        formatter_class=fmt,
+        help="print where the launch scripts, presets and patches are installed",
+        description=(
+            "Print where the installed package keeps its data: the Slurm launch scripts (launch), their\n"
+            "model presets (configs) and the Megatron-LM patches, one NAME PATH per line; with NAME, only\n"
+            "that path (for scripts):\n\n"
+            '  sbatch --nodes=1 "$(datastates-ckpt where launch)/gpu_multinode.sbatch"\n'
+            '  cp -r "$(datastates-ckpt where configs)" my-presets'
+        ),
+    )
+    where.add_argument("name", nargs="?", metavar="NAME", help="one of them (launch, configs, patches, package)")
+    where.add_argument("--json", action="store_true", help="print one JSON object {NAME: PATH}")
     return p
 
 
@@ -838,6 +886,8 @@ def main(argv: list[str] | None = None) -> int:
             _emit(doc) if args.json else _render_ls(doc)
             states = {row["state"] for row in doc["checkpoints"]}
             return EXIT_DAMAGED if "damaged" in states else EXIT_NEWER if "newer" in states else EXIT_OK
+        if args.command == "where":
+            return _where(args.name, args.json)
         if args.command == "export":
             from .megatron.export import run_export
 

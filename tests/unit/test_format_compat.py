@@ -139,6 +139,11 @@ def test_inspect_and_verify_refuse_a_newer_format_with_exit_3(with_newer, capsys
     assert _run(capsys, command, iter_dir(with_newer, 2))[0] == EXIT_OK
 
 
+def test_export_refuses_a_newer_format_with_exit_3(with_newer, tmp_path, capsys):
+    code, out, err = _run(capsys, "export", iter_dir(with_newer, 3), tmp_path / "out", "--format", "torch")
+    assert code == EXIT_NEWER and out == "" and re.search(UPGRADE, err) and not (tmp_path / "out").exists(), err
+
+
 def test_ls_exit_status_is_1_for_a_damaged_manifest_even_beside_a_newer_one(with_newer, capsys):
     os.makedirs(iter_dir(with_newer, 4))
     with open(os.path.join(iter_dir(with_newer, 4), MANIFEST_NAME), "w") as f:
