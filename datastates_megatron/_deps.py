@@ -62,7 +62,7 @@ def require(modules: tuple[str, ...] | list[str], needed_by: str, extra: str | N
     if not lost:
         return
     dists = [_DIST_OF.get(m, m) for m in lost]
-    pip = " ".join(f"'{_requirement(d)}'" if any(c in _requirement(d) for c in "<>=!~") else d for d in dists)
+    pip = " ".join(f"'{r}'" if re.search(r"[<>=!~\[]", r) else r for r in map(_requirement, dists))
     also = f" (or pip install '{DIST}[{extra}]')" if extra else ""
     raise MissingDependencyError(
         f"{needed_by} needs {', '.join(dists)}, which {'is' if len(dists) == 1 else 'are'} not installed "

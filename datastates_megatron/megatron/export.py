@@ -26,8 +26,10 @@ with ``KeyError: 'step'`` on this format: pop the per-param ``step`` around
 ``load_parameter_state_from_fully_reshardable``, as ``tests/integration/reshard_worker.py`` does.)
 The model shape comes from the ``model`` description every lazy checkpoint stores
 (:func:`.shards.model_description`); command-line flags override it (for checkpoints written before it was
-stored).  The subprocess is killed after ``timeout_s``; the output directory appears whole (staged,
-then renamed) or not at all.  RNG states are not exported.
+stored).  It needs megatron-core and psutil (megatron-core's writer), checked before anything starts.
+The subprocess (:mod:`.worker_process`) ends as soon as it or one of its child processes fails; at
+``timeout_s`` or on SIGTERM its whole process group is killed and the staging directory removed; the
+output directory appears whole (staged, then renamed) or not at all.  RNG states are not exported.
 
 Limitations: both formats need a checkpoint written with TP=PP=1 (any DP) and without
 expert-parallel buffers; ``torch_dist`` only rebuilds the GPT of :mod:`.model_rebuild` (local layer spec, learned
@@ -211,7 +213,8 @@ def _export_torch_dist(path: str, it: int, out_dir: str, overrides: dict | None,
     if os.path.exists(target):
         raise OutputExistsError(f"{target} exists; nothing was overwritten")
     os.makedirs(out_dir, exist_ok=True)
-    with sigterm_raises():  # SIGTERM: the worker is killed and the staging directory removed, then it acts
+    # SIGTERM: the worker is killed and the staging directory removed, then the signal acts
+    with sigterm_raises(f"torch_dist export of iteration {it} of {path}"):
         staging = tempfile.mkdtemp(prefix=f".export-{it}-", dir=out_dir)
         try:
             job = {
@@ -222,20 +225,20 @@ def _export_torch_dist(path: str, it: int, out_dir: str, overrides: dict | None,
                 "scratch": os.path.join(staging, "scratch"),
                 "verify": verify,
             }
-            done = run_worker(
+            outcome = run_worker(
                 [sys.executable, "-m", __name__, "--worker", json.dumps(job)],
                 _worker_env(),
                 timeout_s,
                 marker="EXPORT-OK",
                 prefix="export worker: ",
             )
-            if done.returncode is None:
+            if outcome.returncode is None:
                 raise ExportError(
                     f"{path}: torch_dist export of iteration {it} did not finish within {timeout_s:.0f} s (killed)"
                 )
-            if done.returncode != 0 or not done.done:
+            if outcome.returncode != 0 or not outcome.done:
                 raise ExportError(
-                    f"{path}: torch_dist export of iteration {it} failed ({done.how}):\n{done.tail[-3000:]}"
+                    f"{path}: torch_dist export of iteration {it} failed ({outcome.how}):\n{outcome.tail[-3000:]}"
                 )
             os.replace(job["out"], target)  # the directory appears whole, or not at all
         finally:

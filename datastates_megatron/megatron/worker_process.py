@@ -131,11 +131,11 @@ def _kill_group(proc: subprocess.Popen) -> None:
 
 
 @contextlib.contextmanager
-def sigterm_raises():
+def sigterm_raises(what: str):
     """Within: SIGTERM raises :class:`Terminated` (only from the main thread; elsewhere nothing
     changes).  Leaving by it, the previous disposition is restored and the signal raised again:
     by default the process ends by SIGTERM; a handler that returns makes it a
-    :class:`WorkerTerminatedError`."""
+    :class:`WorkerTerminatedError`.  ``what``: the work, for the log line."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -150,9 +150,9 @@ def sigterm_raises():
         yield
     except Terminated as e:
         signal.signal(signal.SIGTERM, previous)
-        log.warning("%s: terminated by SIGTERM; its worker was killed and its staging removed", sys.argv[0])
+        log.warning("%s: terminated by SIGTERM (its worker killed, what it staged removed)", what)
         signal.raise_signal(e.signum)
-        raise WorkerTerminatedError("terminated by SIGTERM (the worker was killed)") from None
+        raise WorkerTerminatedError(f"{what}: terminated by SIGTERM (its worker killed)") from None
     finally:
         signal.signal(signal.SIGTERM, previous)
 
