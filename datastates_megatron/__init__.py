@@ -1,13 +1,18 @@
 """datastates-megatron: lazy, asynchronous, multi-level checkpointing for Megatron-LM.
 
 Importing the package does no work and never imports megatron; ``LazyCheckpointer`` is resolved on
-first use.
+first use.  It only checks that the runtime dependencies can be found: a missing one is an
+``ImportError`` whose message names it and the pip command (:mod:`._deps`).
 """
+
+from ._deps import check_runtime as _check_runtime
+from ._version import __version__
 
 from .megatron.config import LazyCkptConfig
 
+_check_runtime()
+
 __all__ = ["LazyCheckpointer", "LazyCkptConfig", "__version__"]
-__version__ = "0.1.0"
 
 
 def __getattr__(name):

@@ -22,7 +22,9 @@ import time
 
 from typing import TYPE_CHECKING
 
-from .engine.errors import CheckpointError, CorruptCheckpointError, NoCheckpointError
+from ._deps import MissingDependencyError
+from ._version import __version__
+from .engine.errors import CheckpointError, CorruptCheckpointError, FormatVersionError, NoCheckpointError
 
 if TYPE_CHECKING:
     from .engine.file_format import RankFile
@@ -36,10 +38,12 @@ __all__ = [
     "list_checkpoints",
     "inspect_checkpoint",
     "verify_checkpoint",
+    "package_data",
     "CliUsageError",
     "EXIT_OK",
     "EXIT_DAMAGED",
     "EXIT_USAGE",
+    "EXIT_NEWER",
 ]
 
 PROG = "datastates-ckpt"
@@ -47,6 +51,7 @@ JSON_SCHEMA = 1
 EXIT_OK = 0  # success; for verify: every check passed
 EXIT_DAMAGED = 1  # a checkpoint is damaged (verify found a problem, a manifest or rank file is unreadable)
 EXIT_USAGE = 2  # bad arguments, or the path is not there / not a checkpoint
+EXIT_NEWER = 3  # a checkpoint was written by a newer datastates-megatron (a newer format): upgrade to read it
 _TRACKER_NAME = "latest_checkpointed_iteration.txt"  # engine.manifest.TRACKER_NAME (Megatron's), for the help text
 
 
@@ -157,6 +162,8 @@ def _load_manifest(ckpt: str) -> Manifest:
         if list_iterations(ckpt):
             hint = f" (this looks like a save directory: try `{PROG} ls {ckpt}`)"
         raise NoCheckpointError(f"{e}{hint}") from e
+    except FormatVersionError:
+        raise  # not damage: "written by datastates-megatron X ...: upgrade"
     except CorruptCheckpointError as e:
         raise type(e)(f"damaged manifest: {e}") from e
     except CheckpointError:
@@ -249,6 +256,8 @@ def list_checkpoints(save_dir: str) -> dict:
             pass
         except PermissionError as e:  # CheckpointAccessError: not ours to read, not damaged
             row.update(state="unreadable", error=str(e))
+        except FormatVersionError as e:  # a newer version's: not damaged, and never removed
+            row.update(state="newer", error=str(e))
         except (CheckpointError, OSError) as e:
             row.update(state="damaged", error=str(e))
         else:
@@ -300,9 +309,12 @@ def _render_ls(doc: dict) -> None:
     else:
         table = [("ITERATION", "STATE", "TIER", "WORLD", "SIZE", "AGE", "")]
         for r in rows:
-            state = {"damaged": "DAMAGED", "unreadable": "UNREADABLE", "foreign": f"foreign ({r['format']})"}.get(
-                r["state"], r["state"]
-            )
+            state = {
+                "damaged": "DAMAGED",
+                "unreadable": "UNREADABLE",
+                "newer": "NEWER FORMAT",
+                "foreign": f"foreign ({r['format']})",
+            }.get(r["state"], r["state"])
             table.append(
                 (
                     "release" if r["iteration"] is None else str(r["iteration"]),
@@ -666,6 +678,36 @@ def _render_verify(doc: dict) -> None:
         print(f"FAILED {name}: {len(doc['errors'])} problem(s) in rank(s) {bad_ranks}; checked {checked}")
 
 
+# ---------------------------------------------------------------------------------------------- where
+def package_data() -> dict[str, str]:
+    """The installed package and its data directories (launch scripts, presets, patches: every
+    directory of the package that is not a Python package), by name; the ``where --json`` document."""
+    package = os.path.dirname(os.path.abspath(__file__))
+    found = {"package": package}
+    for top, dirs, _ in os.walk(package):
+        dirs[:] = sorted(d for d in dirs if d != "__pycache__")
+        for d in dirs:
+            path = os.path.join(top, d)
+            if not os.path.exists(os.path.join(path, "__init__.py")):
+                found.setdefault(d, path)
+    return found
+
+
+def _where(name: str | None, as_json: bool) -> int:
+    found = package_data()
+    if name is not None:
+        if name not in found:
+            raise CliUsageError(f"no package data named {name!r} (there is: {', '.join(sorted(found))})")
+        print(found[name])
+    elif as_json:
+        _emit(found)
+    else:
+        width = max(map(len, found))
+        for key, path in found.items():
+            print(f"{key:<{width}}  {path}")
+    return EXIT_OK
+
+
 # ---------------------------------------------------------------------------------------------- main
 _EXAMPLES = """\
 examples:
@@ -677,8 +719,11 @@ examples:
 """
 _EPILOG = f"""\
 exit status: {EXIT_OK} success (verify: every check passed); {EXIT_DAMAGED} a checkpoint is damaged
-(verify found a problem, or a manifest does not parse); {EXIT_USAGE} bad arguments or the path is not
-there / not a checkpoint.  Errors are one line on stderr.
+(verify found a problem, or a manifest does not parse; ls: a row is DAMAGED); {EXIT_USAGE} bad arguments
+or the path is not there / not a checkpoint, or a dependency the command needs is missing (a runtime
+one: exit 1, before any command runs); {EXIT_NEWER} a checkpoint was written by a newer
+datastates-megatron, in a format this version cannot read (ls: a row is NEWER FORMAT and none is
+DAMAGED): upgrade.  Errors are one line on stderr.
 
 layout: SAVE_DIR/iter_0000100/manifest.json (the commit point) + one rNNNNN-<token>-<seq>.dsck per
 rank; SAVE_DIR/{_TRACKER_NAME} names the latest iteration for Megatron.
@@ -696,6 +741,7 @@ def _build_parser() -> argparse.ArgumentParser:
             "another format (writes only under OUT_DIR)."
         ),
     )
+    p.add_argument("--version", action="version", version=f"{PROG} (datastates-megatron) {__version__}")
     sub = p.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
     ls = sub.add_parser(
@@ -708,7 +754,10 @@ def _build_parser() -> argparse.ArgumentParser:
             "STATE: committed (its manifest.json parses: loadable), uncommitted (no manifest: an interrupted\n"
             "or in-progress save; never loaded, removed at the next start), DAMAGED (a manifest exists but\n"
             "does not parse; the reason is printed under the row, and the loader refuses to pick a latest\n"
-            "checkpoint until it is repaired or removed), foreign (FORMAT) (not written by datastates-megatron:\n"
+            "checkpoint until it is repaired or removed), NEWER FORMAT (written by a newer datastates-megatron\n"
+            "in a format this version cannot read; the row says which version: upgrade to load it; while it\n"
+            "is newer than every committed checkpoint, the loader refuses to pick a latest one as for\n"
+            "DAMAGED; never removed), foreign (FORMAT) (not written by datastates-megatron:\n"
             "Megatron-LM's own checkpoint, FORMAT torch_dist or torch, or other files, FORMAT unknown; never\n"
             "loaded, never removed; a run refuses to start over one newer than its latest checkpoint).\n"
             "TIER: the manifest's storage tier ('persistent' unless the checkpoint says otherwise).\n"
@@ -725,7 +774,7 @@ def _build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="print one JSON document (keys: schema, command, save_dir, checkpoints[], latest, latest_error, "
         "tracker, tracker_text, tracker_agrees); a checkpoint's state is committed, uncommitted, "
-        "damaged, unreadable (permission denied) or foreign, its format (foreign only; else null) torch_dist, torch or unknown, "
+        "damaged, unreadable (permission denied), newer (a newer format) or foreign, its format (foreign only; else null) torch_dist, torch or unknown, "
         "its iteration null for Megatron's release directory",
     )
 
@@ -805,6 +854,21 @@ def _build_parser() -> argparse.ArgumentParser:
     from .megatron.export_args import add_export_arguments
 
     add_export_arguments(exp)
+
+    where = sub.add_parser(
+        "where",
+        formatter_class=fmt,
+        help="print where the launch scripts, presets and patches are installed",
+        description=(
+            "Print where the installed package keeps its data: the Slurm launch scripts (launch), their\n"
+            "model presets (configs) and the Megatron-LM patches, one NAME PATH per line; with NAME, only\n"
+            "that path (for scripts):\n\n"
+            '  sbatch --nodes=1 "$(datastates-ckpt where launch)/gpu_multinode.sbatch"\n'
+            '  cp -r "$(datastates-ckpt where configs)" my-presets'
+        ),
+    )
+    where.add_argument("name", nargs="?", metavar="NAME", help="one of them (launch, configs, patches, package)")
+    where.add_argument("--json", action="store_true", help="print one JSON object {NAME: PATH}")
     return p
 
 
@@ -820,7 +884,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "ls":
             doc = list_checkpoints(args.save_dir)
             _emit(doc) if args.json else _render_ls(doc)
-            return EXIT_OK
+            states = {row["state"] for row in doc["checkpoints"]}
+            return EXIT_DAMAGED if "damaged" in states else EXIT_NEWER if "newer" in states else EXIT_OK
+        if args.command == "where":
+            return _where(args.name, args.json)
         if args.command == "export":
             from .megatron.export import run_export
 
@@ -840,8 +907,13 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:  # `| head`: stop quietly
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return EXIT_OK
+    except MissingDependencyError as e:  # an optional one the command needs (export: megatron-core, psutil)
+        print(f"{PROG}: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
     except (CheckpointError, OSError) as e:
         print(f"{PROG}: error: {e}", file=sys.stderr)
+        if isinstance(e, FormatVersionError):
+            return EXIT_NEWER
         usage = isinstance(e, (NoCheckpointError, CliUsageError)) or not isinstance(e, CheckpointError)
         return EXIT_USAGE if usage else EXIT_DAMAGED
     except Exception as e:  # a case no check foresaw: still one line, never a traceback (unless asked)

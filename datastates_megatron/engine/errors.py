@@ -6,6 +6,8 @@ never pickled) arrives under its own class on every rank (:func:`error_class_nam
 
 from __future__ import annotations
 
+from .._version import VERSION_RE, __version__
+
 __all__ = [
     "CheckpointError",
     "EngineClosedError",
@@ -81,7 +83,18 @@ class CorruptCheckpointError(CheckpointError, ValueError):
 
 
 class FormatVersionError(CorruptCheckpointError):
-    """A file or manifest uses a format version this reader does not know."""
+    """A file or manifest was written in a newer format than this reader knows: not damage (the CLI
+    says so apart, and nothing deletes it); upgrading datastates-megatron reads it."""
+
+    @classmethod
+    def newer(cls, path: str, what: str, version: int, newest: int, writer: str | None = None) -> FormatVersionError:
+        """The one message for every newer format: who wrote it (``writer``, as far as the unverified
+        file says), and what this version reads."""
+        who = writer if writer and VERSION_RE.match(writer) else "an unknown version"
+        return cls(
+            f"{path}: written by datastates-megatron {who} ({what} format {version}); this is "
+            f"datastates-megatron {__version__} (reads {what} formats <= {newest}): upgrade to load it"
+        )
 
 
 class NoCheckpointError(CheckpointError, FileNotFoundError):

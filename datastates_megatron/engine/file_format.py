@@ -161,8 +161,10 @@ class Header:
         fields = _HEADER.unpack_from(raw)
         if fields[0] != MAGIC:
             raise CorruptCheckpointError(f"{path}: not a datastates checkpoint file (magic {fields[0]!r})")
-        if fields[1] != FORMAT_VERSION:
-            raise FormatVersionError(f"{path}: unknown format version {fields[1]} (this reader knows {FORMAT_VERSION})")
+        if fields[1] > FORMAT_VERSION:  # the header does not say who wrote it (its manifest does)
+            raise FormatVersionError.newer(path, "rank file", fields[1], FORMAT_VERSION)
+        if fields[1] < 1:
+            raise CorruptCheckpointError(f"{path}: rank file format version {fields[1]} is not a version")
         (stored,) = struct.unpack_from("<Q", raw, _HEADER.size)
         if stored != xxh64(raw[: _HEADER.size]):
             raise CorruptCheckpointError(f"{path}: header checksum mismatch")

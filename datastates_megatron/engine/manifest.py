@@ -18,6 +18,7 @@ import os
 import re
 import time
 
+from .._version import VERSION_RE, __version__
 from . import safe_io
 from .errors import CorruptCheckpointError, FormatVersionError, NoCheckpointError
 from .json_budget import check_budget
@@ -46,7 +47,7 @@ __all__ = [
 MANIFEST_NAME = "manifest.json"
 TRACKER_NAME = "latest_checkpointed_iteration.txt"
 MANIFEST_FORMAT = "datastates-megatron-manifest"
-MANIFEST_VERSION = 1
+MANIFEST_VERSION = 1  # the newest format this code writes; it reads every format from 1 up to it
 _ITER_RE = re.compile(r"^iter_([0-9]{7,})$")
 _SAFE_NAME = re.compile(r"^[A-Za-z0-9._-]+$")
 _TOKEN = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
@@ -129,6 +130,9 @@ class Manifest:
     created: float = dataclasses.field(default_factory=time.time)
     tier: str = "persistent"
     run_id: str = ""  # the run (:mod:`.run_id`) whose save directory this checkpoint belongs to; "" before it existed
+    writer_version: str = (
+        __version__  # the datastates-megatron that wrote it; "" in a manifest from before it was recorded
+    )
 
     @property
     def total_bytes(self) -> int:
@@ -165,9 +169,11 @@ class Manifest:
         }
         if self.run_id:
             body["run_id"] = self.run_id
+        if self.writer_version:
+            body["writer_version"] = self.writer_version
         compact = json.dumps(body, sort_keys=True, separators=(",", ":"))
-        # the top-level "ranks" is the last one: only run_id, run_token, tier and world_size follow it, and
-        # inside a string a quote is escaped
+        # the top-level "ranks" is the last one: only run_id, run_token, tier, world_size and writer_version
+        # follow it, and inside a string a quote is escaped
         at = compact.rfind('"ranks":[]')
         canonical = (
             compact[:at] + '"ranks":[' + _records_text(self.ranks, _RECORD_COMPACT, ",") + "]" + compact[at + 10 :]
@@ -209,10 +215,13 @@ class Manifest:
         """Format, version and checksum of a parsed body: the error to raise, or ``None``."""
         if not isinstance(body, dict) or body.get("format") != MANIFEST_FORMAT:
             return CorruptCheckpointError(f"{path}: not a datastates-megatron manifest")
-        if body.get("format_version") != MANIFEST_VERSION:
-            return FormatVersionError(
-                f"{path}: unknown manifest format version {body.get('format_version')!r:.40} "
-                f"(this reader knows {MANIFEST_VERSION})"
+        version = body.get("format_version")
+        if type(version) is not int or version < 1:
+            return CorruptCheckpointError(f"{path}: manifest format version {version!r:.40} is not a version")
+        if version > MANIFEST_VERSION:  # checked before the checksum: a newer format may checksum otherwise
+            writer = body.get("writer_version")
+            return FormatVersionError.newer(
+                path, "manifest", version, MANIFEST_VERSION, writer if isinstance(writer, str) else None
             )
         stored = body.pop("checksum", None)
         try:
@@ -244,7 +253,11 @@ class Manifest:
         run_id = body.get("run_id", "")
         if not isinstance(run_id, str) or (run_id and not _TOKEN.match(run_id)):
             raise _FieldError(f"manifest field 'run_id' {run_id!r:.80} is not a run id")
+        writer = body.get("writer_version", "")
+        if not isinstance(writer, str) or (writer and not VERSION_RE.match(writer)):
+            raise _FieldError(f"manifest field 'writer_version' {writer!r:.80} is not a version")
         m = cls(
+            writer_version=writer,
             run_id=run_id,
             iteration=_int(body, "iteration", 0, _U64 >> 1),
             world_size=world_size,

@@ -26,8 +26,10 @@ with ``KeyError: 'step'`` on this format: pop the per-param ``step`` around
 ``load_parameter_state_from_fully_reshardable``, as ``tests/integration/reshard_worker.py`` does.)
 The model shape comes from the ``model`` description every lazy checkpoint stores
 (:func:`.shards.model_description`); command-line flags override it (for checkpoints written before it was
-stored).  The subprocess is killed after ``timeout_s``; the output directory appears whole (staged,
-then renamed) or not at all.  RNG states are not exported.
+stored).  It needs megatron-core and psutil (megatron-core's writer), checked before anything starts.
+The subprocess (:mod:`.worker_process`) ends as soon as it or one of its child processes fails; at
+``timeout_s`` or on SIGTERM its whole process group is killed and the staging directory removed; the
+output directory appears whole (staged, then renamed) or not at all.  RNG states are not exported.
 
 Limitations: both formats need a checkpoint written with TP=PP=1 (any DP) and without
 expert-parallel buffers; ``torch_dist`` only rebuilds the GPT of :mod:`.model_rebuild` (local layer spec, learned
@@ -40,20 +42,18 @@ Thread-safety: plain functions; ``export`` blocks the calling thread.
 from __future__ import annotations
 
 import argparse
-import collections
 import json
 import logging
 import math
 import os
 import shutil
-import signal
 import socket
-import subprocess
 import sys
 import tempfile
-import threading
 
 import torch
+
+from .._deps import require
 
 from ..engine.errors import CheckpointError, FlushError, LayoutMismatchError, NoCheckpointError
 from ..engine.manifest import MANIFEST_NAME, iter_dir, read_manifest, write_tracker
@@ -62,6 +62,7 @@ from ..engine.load_plan import LoadPlan, ReadItem
 from ..engine.reader import CheckpointReader
 from ..engine.safe_io import create_temp
 from .export_args import FORMATS, MODEL_KEYS as _MODEL_KEYS, add_export_arguments
+from .worker_process import run_worker, sigterm_raises, watch_children
 
 __all__ = [
     "FORMATS",
@@ -212,15 +213,41 @@ def _export_torch_dist(path: str, it: int, out_dir: str, overrides: dict | None,
     if os.path.exists(target):
         raise OutputExistsError(f"{target} exists; nothing was overwritten")
     os.makedirs(out_dir, exist_ok=True)
-    staging = tempfile.mkdtemp(prefix=f".export-{it}-", dir=out_dir)
-    job = {
-        "ckpt_root": os.path.dirname(path),
-        "iteration": it,
-        "model": desc,
-        "out": os.path.join(staging, "ckpt"),
-        "scratch": os.path.join(staging, "scratch"),
-        "verify": verify,
-    }
+    # SIGTERM: the worker is killed and the staging directory removed, then the signal acts
+    with sigterm_raises(f"torch_dist export of iteration {it} of {path}"):
+        staging = tempfile.mkdtemp(prefix=f".export-{it}-", dir=out_dir)
+        try:
+            job = {
+                "ckpt_root": os.path.dirname(path),
+                "iteration": it,
+                "model": desc,
+                "out": os.path.join(staging, "ckpt"),
+                "scratch": os.path.join(staging, "scratch"),
+                "verify": verify,
+            }
+            outcome = run_worker(
+                [sys.executable, "-m", __name__, "--worker", json.dumps(job)],
+                _worker_env(),
+                timeout_s,
+                marker="EXPORT-OK",
+                prefix="export worker: ",
+            )
+            if outcome.returncode is None:
+                raise ExportError(
+                    f"{path}: torch_dist export of iteration {it} did not finish within {timeout_s:.0f} s (killed)"
+                )
+            if outcome.returncode != 0 or not outcome.done:
+                raise ExportError(
+                    f"{path}: torch_dist export of iteration {it} failed ({outcome.how}):\n{outcome.tail[-3000:]}"
+                )
+            os.replace(job["out"], target)  # the directory appears whole, or not at all
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)  # ours (mkdtemp); rmtree follows no link
+    write_tracker(out_dir, it)
+    return target
+
+
+def _worker_env() -> dict:
     env = dict(os.environ)
     env.update(
         {
@@ -232,53 +259,16 @@ def _export_torch_dist(path: str, it: int, out_dir: str, overrides: dict | None,
             "CUDA_VISIBLE_DEVICES": "",
         }
     )
-    proc = subprocess.Popen(
-        [sys.executable, "-m", __name__, "--worker", json.dumps(job)],
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        bufsize=1,
-        start_new_session=True,
-    )
-    tail: collections.deque[str] = collections.deque(maxlen=60)
-    done = threading.Event()
-
-    def relay() -> None:  # the worker's output as it comes (a long export is not silent), prefixed
-        for line in proc.stdout:
-            if line.strip() == "EXPORT-OK":
-                done.set()
-                continue
-            tail.append(line)
-            sys.stderr.write(f"export worker: {line}")
-            sys.stderr.flush()
-
-    relay_thread = threading.Thread(target=relay, name="dsm-export-output", daemon=True)
-    relay_thread.start()
-    try:
-        proc.wait(timeout=timeout_s)
-    except subprocess.TimeoutExpired as e:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-        relay_thread.join(timeout=10)
-        shutil.rmtree(staging, ignore_errors=True)
-        raise ExportError(
-            f"{path}: torch_dist export of iteration {it} did not finish within {timeout_s:.0f} s (killed)"
-        ) from e
-    relay_thread.join(timeout=10)
-    if proc.returncode != 0 or not done.is_set():
-        shutil.rmtree(staging, ignore_errors=True)
-        raise ExportError(
-            f"{path}: torch_dist export of iteration {it} failed (exit {proc.returncode}):\n{''.join(tail)[-3000:]}"
-        )
-    os.replace(job["out"], target)  # the directory appears whole, or not at all
-    shutil.rmtree(staging, ignore_errors=True)
-    write_tracker(out_dir, it)
-    return target
+    return env
 
 
 def _worker(job: dict) -> None:
     """Subprocess body (1 rank, CPU): rebuild, reshard-load, ``dist_checkpointing.save``."""
+    from ..engine.faults import hold_point
+
+    print(f"started (pid {os.getpid()})", flush=True)
+    hold_point("export_worker")  # the fault tests' stalled worker
+    watch_children()  # megatron-core's writer processes: one that dies must not leave us waiting
     from megatron.core import dist_checkpointing
 
     from . import model_rebuild
@@ -365,6 +355,8 @@ def export(
     written.  ``model`` overrides the stored model description (keys as :func:`.shards.model_description`)."""
     if fmt not in FORMATS:
         raise ValueError(f"format must be one of {FORMATS}, got {fmt!r}")
+    if fmt == "torch_dist":  # megatron-core's writer needs psutil: without it, its processes die
+        require(["megatron.core", "psutil"], "the torch_dist export", extra="megatron")
     path, it = _locate(ckpt_dir, iteration)
     if fmt == "torch":
         target = os.path.join(os.path.abspath(out_dir), f"iter_{it:07d}.pt")

@@ -132,7 +132,12 @@ def test_unknown_rank_file_format_version_is_named(ckpt):
     packed = bytearray(Header(99, *[getattr(h, f) for f in Header.__dataclass_fields__][1:]).pack())
     with open(path, "r+b") as f:
         f.write(packed)  # a well-formed header of a future format version
-    _expect(root, r"r00000-.*\.dsck: unknown format version 99 \(this reader knows 1\)", FormatVersionError)
+    _expect(
+        root,
+        r"r00000-.*\.dsck: written by datastates-megatron an unknown version \(rank file format 99\); this is "
+        r"datastates-megatron .* \(reads rank file formats <= 1\): upgrade",
+        FormatVersionError,
+    )
 
 
 def test_rank_file_from_another_iteration_of_the_same_run_is_refused(ckpt):
@@ -204,12 +209,13 @@ def test_unknown_manifest_format_version_is_named(ckpt):
     _edit_manifest(root, 2, lambda b: b.update(format_version=2), reseal=False)
     _expect(
         root,
-        r"manifest\.json: unknown manifest format version 2 \(this reader knows 1\)",
+        r"manifest\.json: written by datastates-megatron \S+ \(manifest format 2\); this is "
+        r"datastates-megatron .* \(reads manifest formats <= 1\): upgrade",
         FormatVersionError,
         iteration=2,
     )
     # discovering the latest checkpoint reports it too (rather than silently falling back to iteration 1)
-    _expect(root, r"unknown manifest format version 2", FormatVersionError)
+    _expect(root, r"\(manifest format 2\).*upgrade", FormatVersionError)
 
 
 @pytest.mark.parametrize("name", ["/etc/passwd", "..", ".", "sub/file.dsck", "", "r00000 x.dsck", "..\\x"])

@@ -23,7 +23,7 @@ EXPECT = {
     "missing": r"rank {rank} file r0000{rank}-.*\.dsck is missing",
     "other_iteration": r"r0000{rank}-.*\.dsck: rank {rank} file is not the one committed",
     "manifest_not_json": r"iter_0000002/manifest\.json: manifest is not valid JSON",
-    "manifest_version": r"iter_0000002/manifest\.json: unknown manifest format version 99",
+    "manifest_version": r"iter_0000002/manifest\.json: written by datastates-megatron \S+ \(manifest format 99\)",
     "manifest_path_outside": r"rank 0 file '\.\./iter_0000001/.*' is not a plain file name inside the checkpoint",
     "manifest_layout": r"tp=2 in checkpoint, (1|None) now",
     "data_flip_rank1": r"rank 1\b|rank\(s\) \[1\]|r00001-",

@@ -604,7 +604,7 @@ def test_parse_args_takes_the_lazy_ckpt_flags(driven):
 
 
 def _launch_args(tmp_path: Path) -> list[str]:
-    """MEGATRON_ARGS as launch/lib.sh builds them for a GPU job (dsm_megatron_args), tiny sizes."""
+    """MEGATRON_ARGS as datastates_megatron/launch/lib.sh builds them for a GPU job (dsm_megatron_args), tiny sizes."""
     env = dict(
         os.environ,
         NUM_LAYERS="2",
@@ -629,7 +629,7 @@ def _launch_args(tmp_path: Path) -> list[str]:
         SLURM_JOB_NUM_NODES="1",
     )
     (tmp_path / "pretrain_gpt.py").touch()  # lib.sh checks that it exists
-    script = f'source {REPO}/launch/lib.sh >/dev/null; dsm_megatron_args 1 >/dev/null; printf "%s\\0" "${{MEGATRON_ARGS[@]}}"'
+    script = f'source {REPO}/datastates_megatron/launch/lib.sh >/dev/null; dsm_megatron_args 1 >/dev/null; printf "%s\\0" "${{MEGATRON_ARGS[@]}}"'
     res = subprocess.run(["bash", "-c", script], env=env, capture_output=True, text=True, timeout=60)
     assert res.returncode == 0, res.stderr
     return res.stdout.rstrip("\0").split("\0")
@@ -638,7 +638,7 @@ def _launch_args(tmp_path: Path) -> list[str]:
 @needs_checkout
 def test_megatrons_validated_args_never_fail_a_save(driven, tmp_path):
     """args.exit_signal (signal.Signals, an IntEnum) crashed the first save on an H200: the whole
-    namespace that parse_args + validate_args produce for launch/lib.sh's flags must be storable."""
+    namespace that parse_args + validate_args produce for datastates_megatron/launch/lib.sh's flags must be storable."""
     argv = _launch_args(tmp_path)
     assert "--exit-signal-handler" in argv and "--lazy-ckpt" in argv
     out, _ = _result(driven, "validate")

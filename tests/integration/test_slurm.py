@@ -1,6 +1,6 @@
-"""Integration: lazy checkpoints of the demo trainer under a real Slurm, through launch/cpu_demo.sbatch.
+"""Integration: lazy checkpoints of the demo trainer under a real Slurm, through datastates_megatron/launch/cpu_demo.sbatch.
 
-Each test submits ``launch/cpu_demo.sbatch`` (2 CPU ranks on one node) and reads the job's state with
+Each test submits ``datastates_megatron/launch/cpu_demo.sbatch`` (2 CPU ranks on one node) and reads the job's state with
 ``scontrol show job`` (no accounting database is needed) and its output file:
 
 1. a job that completes commits a checkpoint (``latest_checkpointed_iteration.txt`` names an
@@ -38,7 +38,7 @@ from tests.integration.slurm_jobs import (
     wait_requeued_and_running,
 )
 
-SBATCH_SCRIPT = REPO / "launch" / "cpu_demo.sbatch"
+SBATCH_SCRIPT = REPO / "datastates_megatron" / "launch" / "cpu_demo.sbatch"
 DEMO_TRAINER = REPO / "datastates_megatron" / "demo" / "train.py"
 DEMO_MODULE = "datastates_megatron.demo.train"
 RESUMED_RE = re.compile(r"resumed from iteration (\d+)")

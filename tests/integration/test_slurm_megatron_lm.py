@@ -1,6 +1,6 @@
 """Slurm end to end with the real Megatron-LM: the GPU launch scripts users submit
-(``launch/gpu_per_task.sbatch``, ``launch/gpu_multinode.sbatch``), their own command line
-(``launch/lib.sh``: preset, ``dsm_megatron_args``, rendezvous, pre-emption protocol) run in CPU
+(``datastates_megatron/launch/gpu_per_task.sbatch``, ``datastates_megatron/launch/gpu_multinode.sbatch``), their own command line
+(``datastates_megatron/launch/lib.sh``: preset, ``dsm_megatron_args``, rendezvous, pre-emption protocol) run in CPU
 mode (``DSM_CPU=1``, preset ``cpu-tiny``) on Megatron-LM's ``pretrain_gpt.py``.
 
 A pre-empted job -- ``SIGUSR1`` to the batch shell (here while a slowed flush runs) (``#SBATCH --signal=B:USR1@...``; the script
@@ -40,8 +40,14 @@ MEGATRON_LM_DIR = os.environ.get("MEGATRON_LM_DIR")
 ITERS = 24
 RANKS = 2
 SCRIPTS = {  # script, sbatch options that fit one CPU node with 2 ranks
-    "per-task": (REPO / "launch" / "gpu_per_task.sbatch", ["--nodes=1", "--ntasks-per-node=2", "--gpus-per-node=0"]),
-    "multinode": (REPO / "launch" / "gpu_multinode.sbatch", ["--nodes=1", "--ntasks-per-node=1", "--gpus-per-node=0"]),
+    "per-task": (
+        REPO / "datastates_megatron" / "launch" / "gpu_per_task.sbatch",
+        ["--nodes=1", "--ntasks-per-node=2", "--gpus-per-node=0"],
+    ),
+    "multinode": (
+        REPO / "datastates_megatron" / "launch" / "gpu_multinode.sbatch",
+        ["--nodes=1", "--ntasks-per-node=1", "--gpus-per-node=0"],
+    ),
 }
 
 # Makes every rank file write sleep DSM_TEST_SLOW_WRITE_MS, so that a pre-emption lands while a

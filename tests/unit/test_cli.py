@@ -123,7 +123,7 @@ def test_ls_shows_damaged_manifest_and_that_the_loader_refuses(save_dir, capsys)
     os.makedirs(save_dir / "iter_0000050")
     (save_dir / "iter_0000050" / "manifest.json").write_text("{ not json")
     code, out, _ = _run(capsys, "ls", save_dir)
-    assert code == EXIT_OK
+    assert code == EXIT_DAMAGED  # as the help says (issue 35: it was 0)
     assert any(ln.split()[:2] == ["50", "DAMAGED"] for ln in out.splitlines())
     assert "manifest is not valid JSON" in out and "loader refuses" in out
     doc = json.loads(_run(capsys, "ls", save_dir, "--json")[1])

@@ -168,7 +168,9 @@ def test_truncated_file_and_bad_magic_and_unknown_version(tmp_path):
     with pytest.raises(CorruptCheckpointError, match="not a datastates checkpoint"):
         load_file(path)
     open(path, "wb").write(data[:8] + (99).to_bytes(4, "little") + data[12:])
-    with pytest.raises(FormatVersionError, match="unknown format version 99"):
+    with pytest.raises(
+        FormatVersionError, match=r"written by datastates-megatron an unknown version \(rank file format 99\)"
+    ):
         load_file(path)
     bad_index = bytearray(data)
     from datastates_megatron.engine.file_format import Header

@@ -1,10 +1,12 @@
-"""launch/lib.sh builds the pretrain_gpt.py command line that our flag parser then accepts."""
+"""datastates_megatron/launch/lib.sh builds the pretrain_gpt.py command line that our flag parser then accepts."""
 
 from __future__ import annotations
 
 import os
 import shutil
 import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -15,7 +17,8 @@ def _megatron_args(tmp_path, **env) -> list[str]:
     if shutil.which("bash") is None:
         pytest.skip("needs bash")
     script = (
-        "source launch/lib.sh; DSM_REPO_DIR=. dsm_load_preset gpt-7b-8gpu >/dev/null; "
+        "source datastates_megatron/launch/lib.sh; DSM_LAUNCH_DIR=datastates_megatron/launch "
+        "dsm_load_preset gpt-7b-8gpu >/dev/null; "
         'dsm_megatron_args 8 >/dev/null; printf "%s\\n" "${MEGATRON_ARGS[@]}"'
     )
     mlm = tmp_path / "Megatron-LM"  # lib.sh only checks that pretrain_gpt.py exists
@@ -92,7 +95,9 @@ def test_wandb_only_when_a_project_is_named(tmp_path):
 def test_pretrain_entry_picks_the_runner(tmp_path, env, module):
     if shutil.which("bash") is None:
         pytest.skip("needs bash")
-    script = 'source launch/lib.sh >/dev/null; dsm_pretrain_entry; printf "%s\\n" "${PRETRAIN_ENTRY[@]}"'
+    script = (
+        'source datastates_megatron/launch/lib.sh >/dev/null; dsm_pretrain_entry; printf "%s\\n" "${PRETRAIN_ENTRY[@]}"'
+    )
     inherited = {k: v for k, v in os.environ.items() if not k.startswith("DSM_")}
     out = subprocess.run(
         ["bash", "-c", script],
@@ -106,3 +111,42 @@ def test_pretrain_entry_picks_the_runner(tmp_path, env, module):
     script_path = "/mlm/pretrain_gpt.py"
     want = [script_path] if module is None else ["-m", f"datastates_megatron.megatron.{module}", script_path]
     assert out.stdout.splitlines() == want
+
+
+def _preamble(script: str) -> str:
+    """The lines of a launch script up to its preset: how it finds lib.sh and the presets."""
+    lines = (Path(REPO) / "datastates_megatron" / "launch" / script).read_text().splitlines()
+    end = next(i for i, line in enumerate(lines) if line.startswith("dsm_load_preset"))
+    return "\n".join(lines[: end + 1]) + '\necho "LAUNCH_DIR=$DSM_LAUNCH_DIR"\n'
+
+
+@pytest.mark.parametrize("script", ["cpu_demo.sbatch", "gpu_multinode.sbatch", "gpu_per_task.sbatch"])
+@pytest.mark.parametrize("where", ["checkout", "installed"])
+def test_a_launch_script_finds_lib_sh_and_presets_from_a_checkout_or_an_install(tmp_path, script, where):
+    """Slurm runs a copy of the script: it finds lib.sh through the checkout it was submitted from, or
+    else through ``datastates-ckpt where launch`` (an installed package; here the CLI of this tree)."""
+    if shutil.which("bash") is None:
+        pytest.skip("needs bash")
+    spool = tmp_path / "spool"  # as Slurm's copy: nothing beside it
+    spool.mkdir()
+    (spool / script).write_text(_preamble(script))
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    shim = bin_dir / "datastates-ckpt"
+    shim.write_text(f'#!/bin/sh\nexec "{sys.executable}" -m datastates_megatron.cli "$@"\n')
+    shim.chmod(0o755)
+    inherited = {k: v for k, v in os.environ.items() if not k.startswith(("DSM_", "SLURM_"))}
+    env = {**inherited, "PATH": f"{bin_dir}:{os.environ['PATH']}", "PYTHONPATH": REPO}
+    submit = REPO if where == "checkout" else str(tmp_path)  # the submit directory: a checkout, or not
+    out = subprocess.run(
+        ["bash", str(spool / script)],
+        cwd=submit,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**env, "SLURM_SUBMIT_DIR": submit},
+    )
+    assert out.returncode == 0, out.stderr
+    launch = os.path.join(REPO, "datastates_megatron", "launch")
+    assert f"LAUNCH_DIR={launch}" in out.stdout, out.stdout
+    assert f"loaded preset {os.path.join(REPO, 'datastates_megatron', 'configs')}/" in out.stdout, out.stdout

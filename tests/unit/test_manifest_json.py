@@ -8,6 +8,7 @@ import json
 
 import pytest
 
+from datastates_megatron import __version__
 from datastates_megatron.engine.manifest import Manifest, RankRecord, _body_xxh64
 
 
@@ -30,6 +31,7 @@ def test_the_text_is_json_dumps_indent_1_byte_for_byte(n):
         "layout": m.layout,
         "metadata": metadata,
         "ranks": [dataclasses.asdict(r) for r in ranks],
+        "writer_version": __version__,
     }
     body["checksum"] = _body_xxh64(body)
     assert m.to_json() == json.dumps(body, indent=1, sort_keys=True).encode("utf-8")

@@ -1,7 +1,9 @@
-# Shared helpers for the launch/*.sbatch scripts: sourced, never executed.
+# Shared helpers for the datastates_megatron/launch/*.sbatch scripts: sourced, never executed.
 #
 # Slurm copies a batch script to its spool directory before running it, so the scripts cannot find
-# this file through $0; they use $DSM_REPO_DIR (default: the directory sbatch was called from).
+# this file through $0; they use $DSM_LAUNCH_DIR (default: datastates_megatron/launch of the checkout
+# $DSM_REPO_DIR, itself by default the directory sbatch was called from; else the installed
+# package's, `datastates-ckpt where launch`).  Presets are in the configs/ directory beside it.
 #
 # Pre-emption protocol (identical in every script):
 #   1. Slurm sends SIGUSR1 to the batch shell ahead of the time limit or a pre-emption
@@ -25,14 +27,14 @@ dsm_die() {
     exit 1
 }
 
-# dsm_load_preset NAME_OR_PATH: source configs/NAME.env (or a path). Presets assign with
+# dsm_load_preset NAME_OR_PATH: source configs/NAME.env beside $DSM_LAUNCH_DIR (or a path). Presets assign with
 # VAR=${VAR:-default}, so a variable already set in the environment wins over the preset.
 dsm_load_preset() {
     local preset="$1" path
     if [ -f "$preset" ]; then
         path="$preset"
     else
-        path="$DSM_REPO_DIR/configs/${preset%.env}.env"
+        path="$(dirname "$DSM_LAUNCH_DIR")/configs/${preset%.env}.env"
     fi
     [ -f "$path" ] || dsm_die "preset '$preset' not found (looked for $path)"
     # shellcheck disable=SC1090

@@ -1,0 +1,145 @@
+"""The torch_dist export never hangs and never leaves anything behind (issue 35): a missing psutil is
+named before anything starts; a worker whose child process dies (megatron-core's writer without psutil)
+ends at once with that child's error; a timeout or a SIGTERM to the export kills the worker's whole
+process group and removes the ``.export-*`` staging directory.  The stalled worker is a fault point
+(``DSM_HOLD_AT=export_worker``), the dying child a fork that raises, as megatron-core's does."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from datastates_megatron.cli import EXIT_DAMAGED, EXIT_USAGE, main
+from datastates_megatron.engine import EngineOptions
+from datastates_megatron.engine.manager import CheckpointManager
+from datastates_megatron.megatron.worker_process import run_worker
+
+ROOT = Path(__file__).resolve().parents[2]
+MODEL = ["--num-layers", "1", "--hidden-size", "8", "--num-attention-heads", "2", "--seq-length", "8"]
+MODEL += ["--vocab-size", "16", "--bf16"]
+
+
+def _processes_naming(text: str) -> list[int]:
+    """Live processes whose command line contains ``text``."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                cmdline = f.read().decode(errors="replace")
+            with open(f"/proc/{entry}/stat") as f:
+                state = f.read().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if text in cmdline and state not in "ZX":
+            found.append(int(entry))
+    return found
+
+
+@pytest.fixture
+def saved(tmp_path):
+    root = tmp_path / "ckpt"
+    w = torch.zeros(16)
+    with CheckpointManager(str(root), EngineOptions(cache_bytes=1 << 20, timeout_s=30), keep_last=0) as mgr:
+        mgr.register("w", w)
+        mgr.save(1, {"iteration": 1})
+        mgr.wait()
+    return root
+
+
+def _staging(out: Path) -> list[str]:
+    return [n for n in os.listdir(out) if n.startswith(".export-")] if out.exists() else []
+
+
+def test_missing_psutil_is_named_before_anything_starts(saved, tmp_path, monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "psutil", None)
+    out = tmp_path / "out"
+    t0 = time.monotonic()
+    code = main(["export", str(saved), str(out), *MODEL])
+    err = capsys.readouterr().err
+    assert code == EXIT_USAGE and time.monotonic() - t0 < 10
+    assert err.count("\n") == 1 and "torch_dist export needs psutil" in err and "pip install" in err, err
+    assert not out.exists()
+
+
+def test_a_worker_whose_child_dies_ends_at_once_with_the_childs_error():
+    script = textwrap.dedent(
+        """
+        import multiprocessing as mp
+        from datastates_megatron.megatron.worker_process import watch_children
+
+        def write():  # megatron-core's writer without psutil: raises before it answers
+            raise RuntimeError("psutil is not installed, please install it with `pip install psutil`")
+
+        if __name__ == "__main__":
+            watch_children(0.05)
+            ctx = mp.get_context("fork")
+            count = ctx.JoinableQueue()
+            count.put(0)
+            ctx.Process(target=write).start()
+            count.join()  # as megatron-core waits for its writers: forever, without the watch
+        """
+    )
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    t0 = time.monotonic()
+    done = run_worker([sys.executable, "-c", script], env, 120, marker="OK", prefix="worker: ")
+    assert time.monotonic() - t0 < 60
+    assert done.returncode == 1 and not done.done, done
+    assert "psutil is not installed" in done.tail and "failed (exit 1): ending the worker" in done.tail, done.tail
+
+
+def test_a_timeout_kills_the_whole_worker_group():
+    script = "import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)', 'dsm-grandchild-marker']); time.sleep(600)"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    done = run_worker([sys.executable, "-c", script, "dsm-child-marker"], env, 2, marker="OK", prefix="worker: ")
+    assert done.returncode is None and done.how == "did not finish in time (killed)"
+    assert not _processes_naming("dsm-child-marker") and not _processes_naming("dsm-grandchild-marker")
+
+
+pytest.importorskip("megatron.core")
+pytest.importorskip("psutil")
+
+
+def test_export_timeout_leaves_no_worker_and_no_staging(saved, tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("DSM_HOLD_AT", "export_worker")
+    out = tmp_path / "out-timeout"
+    code = main(["export", str(saved), str(out), "--timeout-s", "3", *MODEL])
+    err = capsys.readouterr().err
+    assert code == EXIT_DAMAGED and "did not finish within 3 s (killed)" in err, err
+    assert _staging(out) == [] and not _processes_naming(str(out))
+
+
+def test_sigterm_to_the_export_kills_the_worker_and_removes_the_staging(saved, tmp_path):
+    out = tmp_path / "out-sigterm"
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "DSM_HOLD_AT": "export_worker"}
+    cli = subprocess.Popen(
+        [sys.executable, "-m", "datastates_megatron.cli", "export", str(saved), str(out), *MODEL],
+        env=env,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        lines = []
+        for line in cli.stderr:  # the worker says it started (and then holds)
+            lines.append(line)
+            if line.startswith("export worker: started (pid"):
+                break
+        assert lines and lines[-1].startswith("export worker: started"), lines
+        assert _staging(out) and _processes_naming(str(out))
+        cli.send_signal(signal.SIGTERM)
+        rest = cli.stderr.read()
+        assert cli.wait(timeout=60) == -signal.SIGTERM, rest
+    finally:
+        cli.kill()
+        cli.wait()
+    assert "terminated by SIGTERM" in rest, rest
+    assert _staging(out) == [] and not _processes_naming(str(out))
