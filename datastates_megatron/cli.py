@@ -805,7 +805,29 @@ def _build_parser() -> argparse.ArgumentParser:
     from .megatron.export_args import add_export_arguments
 
     add_export_arguments(exp)
+    _add_patch_command(sub, fmt)
     return p
+
+
+def _add_patch_command(sub, fmt) -> None:
+    """``patch MEGATRON_DIR``: the source patch, applied from the installed package (not read-only)."""
+    from .megatron import patching, versions
+
+    pat = sub.add_parser(
+        "patch",
+        formatter_class=fmt,
+        help="apply the --lazy-ckpt patch to a Megatron-LM tree",
+        description=(
+            "Apply (or --check, or --revert) the --lazy-ckpt source patch to a Megatron-LM checkout or copy:\n"
+            "the patch for the version in MEGATRON_DIR/megatron/core/package_info.py, shipped in this package.\n"
+            f"Tested versions: {versions.tested_names()}.\n"
+            "Idempotent: applying twice or reverting an unpatched tree says so and does nothing.  Only the\n"
+            "work tree changes (git apply; nothing is staged).  Exit status: 0 done or nothing to do, 1 the\n"
+            "patch does not apply (git's reasons are printed), 2 usage error, not a Megatron-LM tree, or an\n"
+            "untested version."
+        ),
+    )
+    patching.add_arguments(pat)
 
 
 def _emit(doc: dict) -> None:
@@ -821,6 +843,10 @@ def main(argv: list[str] | None = None) -> int:
             doc = list_checkpoints(args.save_dir)
             _emit(doc) if args.json else _render_ls(doc)
             return EXIT_OK
+        if args.command == "patch":
+            from .megatron.patching import main as patch
+
+            return patch(args)
         if args.command == "export":
             from .megatron.export import run_export
 
