@@ -226,6 +226,25 @@ def test_non_persistent_and_release_saves_are_refused(tmp_path, recording):
     assert recording.instances == []
 
 
+def test_megatrons_converter_arguments_and_an_rng_namespace_are_refused_not_dropped(tmp_path, recording):
+    model, opt, sched = _objects()
+    args = _args(tmp_path)
+    with pytest.raises(
+        LazyCkptArgsError, match=r"iteration 1: .*converter arguments \(pipeline_rank=0, tensor_rank=1\)"
+    ):
+        megatron_lm.save_checkpoint(1, model, opt, sched, 0, pipeline_rank=0, tensor_rank=1, args=args)
+    with pytest.raises(LazyCkptArgsError, match="iteration 1: rng_state_key_prefix='grid1/'"):
+        megatron_lm.save_checkpoint(1, model, opt, sched, 0, rng_state_key_prefix="grid1/", args=args)
+    with pytest.raises(LazyCkptArgsError, match=f"--load {tmp_path / 'ckpt'}: rng_state_key_prefix='grid1/'"):
+        megatron_lm.load_checkpoint(model, opt, sched, rng_state_key_prefix="grid1/", args=args)
+    assert recording.instances == []
+    # their defaults (what a stock single-grid run passes) are fine
+    megatron_lm.save_checkpoint(
+        1, model, opt, sched, 0, None, pipeline_rank=None, preprocess_common_state_dict_fn=len, args=args
+    )
+    assert recording.instances[0].calls[-1] == ("save", 1)
+
+
 def test_no_streaming_with_a_too_small_cache_fails_when_the_checkpointer_starts(tmp_path, recording):
     model = [torch.nn.Linear(100, 100)]  # 40000-byte weight
     args = _args(tmp_path, "--lazy-ckpt-no-streaming", "--lazy-ckpt-host-cache-gb", "0.00003")  # 32212 bytes
