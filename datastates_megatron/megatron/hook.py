@@ -1,7 +1,7 @@
 """Route an unpatched Megatron-LM's checkpointing to :mod:`.megatron_lm` at run time (no source patch).
 
-:func:`install` does in this process what ``patches/megatron-lm-*.patch`` does in Megatron-LM's
-source, by replacing module attributes:
+:func:`install` does in this process what the source patch (``patches/megatron-lm-*.patch``) does
+in Megatron-LM's source, by replacing module attributes:
 
 * ``megatron.training.checkpointing.save_checkpoint`` / ``load_checkpoint`` and
   ``megatron.training.async_utils.maybe_finalize_async_save`` become wrappers that call
@@ -162,7 +162,7 @@ def _forwarding(original: Callable, sig: inspect.Signature, glue_name: str, para
             return original(*args, **kwargs)
         bound = sig.bind(*args, **kwargs)
         bound.apply_defaults()
-        given = [n for n, default in unknown.items() if bound.arguments[n] is not default]
+        given = [n for n, default in unknown.items() if _differs(bound.arguments[n], default)]
         if given:
             raise HookError(
                 f"Megatron-LM {megatron_lm_version()}: {where} was called with {', '.join(given)}, which "
@@ -174,6 +174,14 @@ def _forwarding(original: Callable, sig: inspect.Signature, glue_name: str, para
         return glue(*head, **{n: bound.arguments[n] for n in passed if n not in params[:positional]})
 
     return routed
+
+
+def _differs(value: Any, default: Any) -> bool:
+    """True unless ``value`` is the default (the same object, or an equal plain value: ``''``, ``0``)."""
+    if value is default:
+        return False
+    plain = (type(None), bool, int, float, str)
+    return not (type(value) is type(default) and isinstance(value, plain) and value == default)
 
 
 def _parse_args(original: Callable, sig: inspect.Signature) -> Callable:

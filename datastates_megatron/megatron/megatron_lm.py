@@ -1,4 +1,4 @@
-"""Glue called by a patched Megatron-LM (``patches/megatron-lm-*.patch``), or one routed at run time
+"""Glue called by a patched Megatron-LM (``datastates_megatron/megatron/patches/``), or one routed at run time
 by :mod:`.hook`, when ``--lazy-ckpt`` is on.
 
 The patch (or the hook) only forwards calls; every decision lives here:

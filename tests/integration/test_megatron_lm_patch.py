@@ -4,8 +4,8 @@ Part 1 (always runs) drives :mod:`datastates_megatron.megatron.megatron_lm` the 
 Megatron-LM does, with a recording stand-in for LazyCheckpointer (injected as the
 ``datastates_megatron.megatron.checkpointer`` module) so the glue's decisions are visible.
 
-Part 2 needs ``MEGATRON_LM_DIRS`` or ``MEGATRON_LM_DIR`` = checkouts of supported tags (core_v0.16.1 or core_v0.19.0, e.g.
-``git archive core_v0.16.1 | tar -x -C /tmp/mlm-0.16.1``) and Megatron's CPU import dependencies
+Part 2 needs ``MEGATRON_LM_DIRS`` or ``MEGATRON_LM_DIR`` = checkouts of tested versions
+(datastates_megatron/megatron/versions.py; scripts/megatron_lm_tree.sh unpacks them) and Megatron's CPU import dependencies
 (``pip install six regex triton pyyaml pydantic``). It copies ``megatron/`` to a temporary
 directory, applies/re-applies/reverts ``scripts/apply_patches.sh`` and, in subprocesses, parses
 ``--lazy-ckpt ...`` with Megatron's own ``parse_args`` and checks that the patched
@@ -19,6 +19,7 @@ import enum
 import filecmp
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -703,6 +704,30 @@ def test_glue_behind_the_patch_restores_megatron_state(driven):
 def test_patched_megatron_works_without_the_package(driven):
     out, _ = _result(driven, "without-package")
     assert out == {"has_lazy_ckpt": False, "lazy_flag_rejected": True}
+
+
+@needs_checkout
+def test_an_untested_release_of_a_tested_series_is_patched_only_when_allowed(megatron_copy, tmp_path):
+    pristine, _ = megatron_copy
+    copy = tmp_path / "next"
+    shutil.copytree(pristine, copy)
+    info = copy / "megatron" / "core" / "package_info.py"
+    text = info.read_text()
+    patch = int(re.search(r"^PATCH = (\d+)", text, re.M).group(1))
+    info.write_text(re.sub(r"^PATCH = \d+", f"PATCH = {patch + 1}", text, count=1, flags=re.M))
+    refused = _apply(copy)
+    assert refused.returncode == 2 and " is not tested; tested versions: " in refused.stderr, refused.stderr
+    assert "anyway: --allow-untested)" in refused.stderr and len(refused.stderr.splitlines()) == 1
+    check = subprocess.run(
+        ["bash", str(APPLY), str(copy), "--check"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=dict(os.environ, DSM_ALLOW_UNTESTED_MEGATRON="1"),
+    )
+    assert check.returncode == 0 and check.stdout.startswith("applies cleanly:"), check.stdout + check.stderr
+    applied = _apply(copy, "--allow-untested")
+    assert applied.returncode == 0 and applied.stdout.startswith("applied:"), applied.stdout + applied.stderr
 
 
 @needs_checkout
