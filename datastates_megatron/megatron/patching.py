@@ -38,6 +38,7 @@ __all__ = [
 ]
 
 EXIT_OK, EXIT_DOES_NOT_APPLY, EXIT_USAGE = 0, 1, 2
+_HOOK = "without patching, start the script with `-m datastates_megatron.megatron.run` (the runtime hook)"
 # every file the patch changes references datastates_megatron: guards against a git apply that
 # exits 0 but changed nothing
 PATCHED_FILES = (
@@ -100,7 +101,11 @@ def _run(tree_arg: str, mode: str, allow_untested: bool) -> str:
     try:
         version = versions.read_version(info)
         row = versions.resolve(version, allow=allow_untested or None, override="--allow-untested")
-    except (ValueError, OSError) as e:  # UntestedVersionError is a ValueError
+    except versions.UntestedVersionError as e:
+        raise _Refused(
+            EXIT_USAGE, f"{e} (read from {info}); {_HOOK}, with {versions.ALLOW_UNTESTED_ENV}=1 for an untested version"
+        ) from e
+    except (ValueError, OSError) as e:
         raise _Refused(EXIT_USAGE, f"{e} (read from {info})") from e
     patch = patch_path(row.patch)
     if not patch.is_file():
@@ -124,7 +129,7 @@ def _run(tree_arg: str, mode: str, allow_untested: bool) -> str:
         if not applies:
             raise _Refused(
                 EXIT_DOES_NOT_APPLY,
-                f"{row.patch} does not apply to {tag} (locally modified files?):\n{reasons('--check')}",
+                f"{row.patch} does not apply to {tag} (locally modified files? {_HOOK}):\n{reasons('--check')}",
             )
         res = _git_apply(tree, patch)
         if res.returncode != 0:

@@ -751,6 +751,8 @@ def test_unsupported_version_is_named_without_a_checkout(tmp_path):
     (fake / "package_info.py").write_text("MAJOR = 0\nMINOR = 12\nPATCH = 0\n")
     res = _apply(tmp_path)
     assert res.returncode == 2 and "Megatron-LM 0.12.0 is not tested; tested versions: " in res.stderr
+    assert "-m datastates_megatron.megatron.run` (the runtime hook)" in res.stderr  # the way in without a patch
+    assert len(res.stderr.splitlines()) == 1
 
 
 def test_a_directory_that_is_not_megatron_is_refused(tmp_path):
