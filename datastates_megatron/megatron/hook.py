@@ -115,14 +115,15 @@ def _glue_params(glue_name: str, kinds=_NAMED) -> tuple[str, ...]:
     return tuple(p.name for p in sig.parameters.values() if p.kind in kinds and p.name != "args")
 
 
-def _check_signature(where: str, fn: Callable, wanted: tuple[str, ...]) -> inspect.Signature:
+def _check_signature(where: str, fn: Callable, wanted: tuple[str, ...], taken: tuple[str, ...]) -> inspect.Signature:
+    """``wanted``: what Megatron's function must have; ``taken``: every parameter the glue takes."""
     sig = inspect.signature(fn)
     named = {p.name for p in sig.parameters.values() if p.kind in _NAMED}
     missing = [n for n in wanted if n not in named]
     unknown = [  # an optional one the glue does not take is refused at call time when given
         p.name
         for p in sig.parameters.values()
-        if p.default is inspect.Parameter.empty and p.kind in _NAMED and p.name not in wanted
+        if p.default is inspect.Parameter.empty and p.kind in _NAMED and p.name not in taken
     ]
     if missing or unknown:
         what = "; ".join(
@@ -245,7 +246,7 @@ def install() -> str:
         params = _glue_params(glue_name)
         original = found[(module_name, fn_name)]
         required = _glue_params(glue_name, (inspect.Parameter.POSITIONAL_OR_KEYWORD,))
-        sig = _check_signature(f"{module_name}.{fn_name}", original, required)
+        sig = _check_signature(f"{module_name}.{fn_name}", original, required, params)
         checked[original] = (glue_name, params, positional, sig)
     from megatron.training.global_vars import get_args
 
