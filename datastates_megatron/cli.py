@@ -737,8 +737,9 @@ def _build_parser() -> argparse.ArgumentParser:
         formatter_class=fmt,
         epilog=_EXAMPLES + _EPILOG,
         description=(
-            "List, inspect and verify datastates-megatron checkpoints (read-only), and export one to\n"
-            "another format (writes only under OUT_DIR)."
+            "List, inspect and verify datastates-megatron checkpoints (read-only), export one to another\n"
+            "format (writes only under OUT_DIR), patch a Megatron-LM checkout, and say where the installed\n"
+            "launch scripts and presets are."
         ),
     )
     p.add_argument("--version", action="version", version=f"{PROG} (datastates-megatron) {__version__}")
@@ -869,7 +870,29 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     where.add_argument("name", nargs="?", metavar="NAME", help="one of them (launch, configs, patches, package)")
     where.add_argument("--json", action="store_true", help="print one JSON object {NAME: PATH}")
+    _add_patch_command(sub, fmt)
     return p
+
+
+def _add_patch_command(sub, fmt) -> None:
+    """``patch MEGATRON_DIR``: the source patch, applied from the installed package (not read-only)."""
+    from .megatron import patching, versions
+
+    pat = sub.add_parser(
+        "patch",
+        formatter_class=fmt,
+        help="apply the --lazy-ckpt patch to a Megatron-LM tree",
+        description=(
+            "Apply (or --check, or --revert) the --lazy-ckpt source patch to a Megatron-LM checkout or copy:\n"
+            "the patch for the version in MEGATRON_DIR/megatron/core/package_info.py, shipped in this package.\n"
+            f"Tested versions: {versions.tested_names()}.\n"
+            "Idempotent: applying twice or reverting an unpatched tree says so and does nothing.  Only the\n"
+            "work tree changes (git apply; nothing is staged).  Exit status: 0 done or nothing to do, 1 the\n"
+            "patch does not apply (git's reasons are printed), 2 usage error, not a Megatron-LM tree, or an\n"
+            "untested version."
+        ),
+    )
+    patching.add_arguments(pat)
 
 
 def _emit(doc: dict) -> None:
@@ -888,6 +911,10 @@ def main(argv: list[str] | None = None) -> int:
             return EXIT_DAMAGED if "damaged" in states else EXIT_NEWER if "newer" in states else EXIT_OK
         if args.command == "where":
             return _where(args.name, args.json)
+        if args.command == "patch":
+            from .megatron.patching import main as patch
+
+            return patch(args)
         if args.command == "export":
             from .megatron.export import run_export
 

@@ -139,7 +139,7 @@ dsm_megatron_args() {
         [ -n "${!v:-}" ] || dsm_die "$v is not set (preset or environment)"
     done
     [ -n "${SAVE_DIR:-}" ] || dsm_die "set SAVE_DIR to a checkpoint directory on a file system every node sees"
-    [ -n "${MEGATRON_LM_DIR:-}" ] || dsm_die "set MEGATRON_LM_DIR to the patched Megatron-LM checkout (scripts/apply_patches.sh)"
+    [ -n "${MEGATRON_LM_DIR:-}" ] || dsm_die "set MEGATRON_LM_DIR to the patched Megatron-LM checkout (datastates-ckpt patch DIR)"
     [ -f "$MEGATRON_LM_DIR/pretrain_gpt.py" ] || dsm_die "no pretrain_gpt.py in MEGATRON_LM_DIR=$MEGATRON_LM_DIR"
 
     (( world % (TP * PP) == 0 )) || dsm_die "world size $world is not a multiple of TP $TP x PP $PP"

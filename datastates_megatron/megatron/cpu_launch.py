@@ -12,8 +12,9 @@ before Megatron-LM is first imported, in this process only and without editing M
 * the CUDA->CPU shim of :mod:`datastates_megatron.megatron.cuda_on_cpu` is installed and
   ``torch.cuda.is_available()`` answers True (Megatron asserts it);
 * ``megatron.legacy.fused_kernels.load`` (core_v0.16) is a no-op (it builds CUDA extensions);
-* without ``triton``, the one module on the training path that imports it at import time is
-  replaced by a stand-in whose functions raise;
+* without ``triton``, each ``megatron.*`` module that imports it at its top level (found by its
+  source; two on core_v0.19's training path, four on main's) is replaced by a stand-in whose
+  functions raise;
 * ``multiprocessing`` children started by *spawn* (Megatron's ``torch_dist`` writer starts a
   ``Manager``) import this module as their main module instead of re-running the script's imports,
   which would need triton again without the stand-in;
@@ -29,34 +30,47 @@ from __future__ import annotations
 import functools
 import importlib.abc
 import importlib.machinery
+import re
 import sys
 import types
 import typing
 
 from . import run
 
-__all__ = ["main", "prepare", "stub_triton_modules", "spawn_children_import_the_launcher"]
+__all__ = ["imports_triton", "main", "prepare", "stub_triton_modules", "spawn_children_import_the_launcher"]
 
 _MODULE = "datastates_megatron.megatron.cpu_launch"  # this module's name also when run with -m
 
 
-# The modules on pretrain_gpt's import path that import triton unguarded (core_v0.16: the first;
-# core_v0.19: both); their kernels run only with options that need a GPU (--batch-invariant-mode,
-# MoE paged stashing).
-_TRITON_MODULES = (
-    "megatron.core.transformer.custom_layers.batch_invariant_kernels",
-    "megatron.core.transformer.moe.ops.paged_stash",
-)
+# A module that imports triton unguarded, at its top level (core_v0.16: batch-invariant kernels;
+# core_v0.19 adds MoE paged stashing; main adds SSM kernels). Their kernels run only with options that
+# need a GPU; recognised by their source, so a new release's new triton modules need no list here.
+_TOP_LEVEL_TRITON = re.compile(rb"^(?:import triton\b|from triton(?:\.[\w.]+)? import )", re.MULTILINE)
+
+
+def imports_triton(source_path: str) -> bool:
+    """True when the file imports triton at its top level (not under ``try:``/``if``: indented)."""
+    try:
+        with open(source_path, "rb") as f:
+            return _TOP_LEVEL_TRITON.search(f.read()) is not None
+    except OSError:
+        return False
 
 
 class _TritonFreeStub(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    """Serves :data:`_TRITON_MODULES` as modules whose every name is a function that raises: a
-    global ``triton`` stub would mislead torch itself, which probes for triton."""
+    """Serves each ``megatron.*`` module that imports triton at its top level as a module whose every
+    name is a function that raises: a global ``triton`` stub would mislead torch itself, which
+    probes for triton. Other modules are left to the next finders."""
 
     def find_spec(self, name, path=None, target=None):
-        if name in _TRITON_MODULES:
-            return importlib.machinery.ModuleSpec(name, self)
-        return None
+        if not name.startswith("megatron."):
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(name, path)
+        if spec is None or not spec.has_location or not str(spec.origin).endswith(".py"):
+            return None
+        if not imports_triton(spec.origin):
+            return None
+        return importlib.machinery.ModuleSpec(name, self, origin=spec.origin)
 
     def create_module(self, spec):
         mod = types.ModuleType(spec.name, "stand-in: triton is not installed (cpu_launch)")
@@ -80,7 +94,7 @@ def _needs_triton(module: str, name: str):
 def stub_triton_modules() -> None:
     import importlib.util
 
-    if importlib.util.find_spec("triton") is None:
+    if importlib.util.find_spec("triton") is None and not any(isinstance(f, _TritonFreeStub) for f in sys.meta_path):
         sys.meta_path.insert(0, _TritonFreeStub())
 
 

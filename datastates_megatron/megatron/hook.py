@@ -1,7 +1,7 @@
 """Route an unpatched Megatron-LM's checkpointing to :mod:`.megatron_lm` at run time (no source patch).
 
-:func:`install` does in this process what ``patches/megatron-lm-*.patch`` does in Megatron-LM's
-source, by replacing module attributes:
+:func:`install` does in this process what the source patch (``patches/megatron-lm-*.patch``) does
+in Megatron-LM's source, by replacing module attributes:
 
 * ``megatron.training.checkpointing.save_checkpoint`` / ``load_checkpoint`` and
   ``megatron.training.async_utils.maybe_finalize_async_save`` become wrappers that call
@@ -18,11 +18,16 @@ import save_checkpoint`` in ``megatron.training.training``, ``parse_args`` in
 is one of the original functions is replaced by its wrapper. Modules imported later, or that import
 at call time, get the wrapper from the defining module.
 
-Before anything is replaced, each function's parameters are checked against the glue's (by
-:func:`inspect.signature`): every parameter the glue takes must exist, and Megatron's function may
-have no required parameter the glue does not know. Otherwise :class:`HookError` names the
-Megatron-LM version and the function. A tree that is already patched (its functions import
-``datastates_megatron``) is left alone, so nothing is routed twice; a partly patched one is refused.
+Before anything is replaced, the Megatron-LM version (``MAJOR.MINOR.PATCH`` of
+``megatron.core.package_info``) must be one of :data:`.versions.TESTED` (or ``DSM_ALLOW_UNTESTED_MEGATRON=1``
+is set), and each function's parameters are checked against the glue's (by :func:`inspect.signature`):
+the glue's positional parameters must exist, and Megatron's function may have no required parameter
+the glue does not know. Otherwise :class:`HookError` names the version and the function. Every
+parameter of Megatron's function that the glue takes is passed on (:mod:`.call_params` says what the
+glue does with each); one it does not take (an untested, newer release) is refused at call time when
+it is given a value other than its default, never dropped. A tree that is already patched (its
+functions import ``datastates_megatron``) is left alone, so nothing is routed twice; a partly
+patched one is refused.
 
 Not thread-safe: call it once, on the main thread, before the training script runs.
 """
@@ -37,7 +42,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from . import megatron_lm
+from . import megatron_lm, versions
 from .args import add_lazy_ckpt_args, validate_lazy_ckpt_args
 
 __all__ = ["HookError", "ROUTED", "install", "megatron_lm_version"]
@@ -69,22 +74,56 @@ def megatron_lm_version() -> str:
     return str(__version__)
 
 
-def _glue_params(glue_name: str) -> tuple[str, ...]:
-    """The parameters the glue function takes from Megatron's call (not ``args``, not ``**kwargs``)."""
+def _version_triple() -> str:
+    """``MAJOR.MINOR.PATCH`` (a main checkout's ``__version__`` carries a git suffix)."""
+    try:
+        from megatron.core import package_info
+    except ImportError:
+        return "(unknown version)"
+    fields = [getattr(package_info, f, None) for f in ("MAJOR", "MINOR", "PATCH")]
+    if all(isinstance(f, int) for f in fields):
+        return ".".join(map(str, fields))
+    return str(getattr(package_info, "__version__", "(unknown version)")).split("+")[0]
+
+
+def _check_version() -> None:
+    """Refuse a Megatron-LM that is not in the table of tested versions, unless overridden."""
+    version = _version_triple()
+    if versions.tested(version) is not None:
+        return
+    if versions.allow_untested():
+        logger.warning(
+            "Megatron-LM %s is not tested with the datastates_megatron runtime hook (%s=1 set); tested: %s",
+            version,
+            versions.ALLOW_UNTESTED_ENV,
+            versions.tested_names(),
+        )
+        return
+    raise HookError(
+        f"Megatron-LM {version} is not tested with the datastates_megatron runtime hook; tested versions: "
+        f"{versions.tested_names()} (to route it anyway: {versions.ALLOW_UNTESTED_ENV}=1)"
+    )
+
+
+def _glue_params(glue_name: str, kinds=_NAMED) -> tuple[str, ...]:
+    """The parameters the glue function takes from Megatron's call (not ``args``): all of them, or
+    with ``kinds=(POSITIONAL_OR_KEYWORD,)`` those Megatron's function must have (the keyword-only
+    ones are taken where it has them: older releases lack some)."""
     if not glue_name:
         return _PARSE_ARGS_PARAMS
     sig = inspect.signature(getattr(megatron_lm, glue_name))
-    return tuple(p.name for p in sig.parameters.values() if p.kind in _NAMED and p.name != "args")
+    return tuple(p.name for p in sig.parameters.values() if p.kind in kinds and p.name != "args")
 
 
-def _check_signature(where: str, fn: Callable, wanted: tuple[str, ...]) -> inspect.Signature:
+def _check_signature(where: str, fn: Callable, wanted: tuple[str, ...], taken: tuple[str, ...]) -> inspect.Signature:
+    """``wanted``: what Megatron's function must have; ``taken``: every parameter the glue takes."""
     sig = inspect.signature(fn)
     named = {p.name for p in sig.parameters.values() if p.kind in _NAMED}
     missing = [n for n in wanted if n not in named]
-    unknown = [
+    unknown = [  # an optional one the glue does not take is refused at call time when given
         p.name
         for p in sig.parameters.values()
-        if p.default is inspect.Parameter.empty and p.kind in _NAMED and p.name not in wanted
+        if p.default is inspect.Parameter.empty and p.kind in _NAMED and p.name not in taken
     ]
     if missing or unknown:
         what = "; ".join(
@@ -94,7 +133,7 @@ def _check_signature(where: str, fn: Callable, wanted: tuple[str, ...]) -> inspe
         raise HookError(
             f"Megatron-LM {megatron_lm_version()}: {where}{sig} does not match what the "
             f"datastates_megatron runtime hook routes ({what}); apply the source patch instead "
-            "(scripts/apply_patches.sh)"
+            "(datastates-ckpt patch MEGATRON_DIR, or scripts/apply_patches.sh)"
         )
     return sig
 
@@ -110,17 +149,40 @@ def _lazy_ckpt(get_args: Callable[[], Any]) -> bool:
 
 
 def _forwarding(original: Callable, sig: inspect.Signature, glue_name: str, params, positional, get_args) -> Callable:
+    """Call the glue with every parameter of Megatron's function: the first ``positional`` ones by
+    position (as the patch does), the rest by name. A parameter the glue does not take (a newer
+    Megatron-LM, run with the override) is refused when it is given a value other than its default."""
+    where = f"{original.__module__}.{original.__name__}"
+    theirs = [p for p in sig.parameters.values() if p.kind in _NAMED]
+    passed = [p.name for p in theirs if p.name in params]
+    unknown = {p.name: p.default for p in theirs if p.name not in params}
+
     @functools.wraps(original)
     def routed(*args: Any, **kwargs: Any) -> Any:
         if not _lazy_ckpt(get_args):
             return original(*args, **kwargs)
         bound = sig.bind(*args, **kwargs)
         bound.apply_defaults()
+        given = [n for n, default in unknown.items() if _differs(bound.arguments[n], default)]
+        if given:
+            raise HookError(
+                f"Megatron-LM {megatron_lm_version()}: {where} was called with {', '.join(given)}, which "
+                "--lazy-ckpt does not handle; run without --lazy-ckpt or with a tested Megatron-LM "
+                f"({versions.tested_names()})"
+            )
         glue = getattr(megatron_lm, glue_name)  # looked up per call, as the patch's import is
-        values = [bound.arguments[name] for name in params]
-        return glue(*values[:positional], **dict(zip(params[positional:], values[positional:])))
+        head = [bound.arguments[n] for n in params[:positional]]
+        return glue(*head, **{n: bound.arguments[n] for n in passed if n not in params[:positional]})
 
     return routed
+
+
+def _differs(value: Any, default: Any) -> bool:
+    """True unless ``value`` is the default (the same object, or an equal plain value: ``''``, ``0``)."""
+    if value is default:
+        return False
+    plain = (type(None), bool, int, float, str)
+    return not (type(value) is type(default) and isinstance(value, plain) and value == default)
 
 
 def _parse_args(original: Callable, sig: inspect.Signature) -> Callable:
@@ -176,13 +238,15 @@ def install() -> str:
             return "patched"
         raise HookError(
             f"Megatron-LM {megatron_lm_version()} is partly patched ({', '.join(patched)} only): "
-            "re-apply or revert the patch with scripts/apply_patches.sh"
+            "re-apply or revert the patch with datastates-ckpt patch (or scripts/apply_patches.sh)"
         )
+    _check_version()
     checked = {}  # every signature first: nothing is replaced unless all four match
     for (module_name, fn_name), (glue_name, positional) in ROUTED.items():
         params = _glue_params(glue_name)
         original = found[(module_name, fn_name)]
-        sig = _check_signature(f"{module_name}.{fn_name}", original, params)
+        required = _glue_params(glue_name, (inspect.Parameter.POSITIONAL_OR_KEYWORD,))
+        sig = _check_signature(f"{module_name}.{fn_name}", original, required, params)
         checked[original] = (glue_name, params, positional, sig)
     from megatron.training.global_vars import get_args
 

@@ -1,4 +1,4 @@
-"""Glue called by a patched Megatron-LM (``patches/megatron-lm-*.patch``), or one routed at run time
+"""Glue called by a patched Megatron-LM (``datastates_megatron/megatron/patches/``), or one routed at run time
 by :mod:`.hook`, when ``--lazy-ckpt`` is on.
 
 The patch (or the hook) only forwards calls; every decision lives here:
@@ -36,7 +36,7 @@ import types
 from typing import Any
 
 from ..engine.errors import CheckpointError, FormatVersionError, LayoutMismatchError, NoCheckpointError
-from . import torch_dist
+from . import call_params, torch_dist
 from .args import LazyCkptArgsError, check_host_cache_fits, config_from_args, validate_lazy_ckpt_args
 
 __all__ = [
@@ -340,19 +340,31 @@ def save_checkpoint(
     num_floating_point_operations_so_far: Any = 0,
     checkpointing_context: Any = None,
     *,
+    pipeline_rank: Any = None,
+    expert_rank: Any = None,
+    tensor_rank: Any = None,
+    pipeline_parallel: Any = None,
+    expert_parallel: Any = None,
     non_persistent_ckpt: bool = False,
     train_data_iterator: Any = None,
+    preprocess_common_state_dict_fn: Any = None,
     release: bool = False,
+    tp_group: Any = None,
+    pp_group: Any = None,
+    dp_cp_group: Any = None,
+    dp_group: Any = None,
+    expt_dp_group: Any = None,
+    rng_state_key_prefix: str = "",
     args: Any = None,
-    **megatron_kwargs: Any,
 ) -> None:
     """Megatron's ``save_checkpoint`` for ``--lazy-ckpt``: schedule the checkpoint and return.
 
     The device->host copies overlap the next forward/backward; the checkpoint is committed later
-    (:func:`maybe_finalize`). ``checkpointing_context`` and Megatron's other keyword arguments
-    (process groups, converter ranks, ``preprocess_common_state_dict_fn``) are accepted and unused.
+    (:func:`maybe_finalize`). Takes every parameter of Megatron's function; what happens to each is
+    in :mod:`.call_params` (used, checked, refused or not applicable; never dropped unseen).
     """
     args = _get_args(args)
+    where = f"iteration {iteration}"
     if non_persistent_ckpt:
         raise LazyCkptArgsError(
             f"iteration {iteration}: --lazy-ckpt cannot write Megatron non-persistent checkpoints "
@@ -363,6 +375,27 @@ def save_checkpoint(
         raise LazyCkptArgsError(
             f"iteration {iteration}: --lazy-ckpt cannot write a 'release' checkpoint; save it without --lazy-ckpt"
         )
+    call_params.check_converter(
+        where,
+        dict(
+            pipeline_rank=pipeline_rank,
+            expert_rank=expert_rank,
+            tensor_rank=tensor_rank,
+            pipeline_parallel=pipeline_parallel,
+            expert_parallel=expert_parallel,
+        ),
+    )
+    call_params.check_rng_prefix(where, rng_state_key_prefix)
+    call_params.check_groups(
+        where,
+        dict(
+            tp_group=tp_group,
+            pp_group=pp_group,
+            dp_cp_group=dp_cp_group,
+            dp_group=dp_group,
+            expt_dp_group=expt_dp_group,
+        ),
+    )
     session = _session_for(args, model, optimizer, opt_param_scheduler)
     mcp = _megatron_checkpointing()
     if train_data_iterator is not None and mcp is not None and hasattr(mcp, "maybe_save_dataloader_state"):
@@ -389,8 +422,13 @@ def load_checkpoint(
     checkpointing_context: Any = None,
     skip_load_to_model_and_opt: bool = False,
     *,
+    tp_group: Any = None,
+    pp_group: Any = None,
+    dp_cp_group: Any = None,
+    dp_group: Any = None,
+    expt_dp_group: Any = None,
+    rng_state_key_prefix: str = "",
     args: Any = None,
-    **megatron_kwargs: Any,
 ) -> tuple[int, int | float]:
     """Megatron's ``load_checkpoint`` for ``--lazy-ckpt``; returns ``(iteration, num_flops_so_far)``.
 
@@ -401,15 +439,22 @@ def load_checkpoint(
     Falls back to Megatron's own loader for ``load_arg != "load"`` and for ``--pretrained-checkpoint``
     when ``--load`` holds no lazy checkpoint yet. A ``--load`` holding only a Megatron checkpoint is
     imported with Megatron's own loader, and ``--lazy-ckpt-convert-to`` writes what was loaded in
-    ``torch_dist`` format and exits (:mod:`.torch_dist`). ``strict`` and
-    ``skip_load_to_model_and_opt`` do not apply (tensors are always restored in place, all of them).
+    ``torch_dist`` format and exits (:mod:`.torch_dist`). Megatron's loader gets every parameter
+    it was given (process groups and ``rng_state_key_prefix`` only where set: older releases lack
+    them); a lazy load checks them (:mod:`.call_params`). ``strict`` and
+    ``skip_load_to_model_and_opt`` do not apply to a lazy load (tensors are restored in place, all of them).
     """
     args = _get_args(args)
+    groups = dict(
+        tp_group=tp_group, pp_group=pp_group, dp_cp_group=dp_cp_group, dp_group=dp_group, expt_dp_group=expt_dp_group
+    )
     native_kwargs = dict(
         load_arg=load_arg,
         strict=strict,
         checkpointing_context=checkpointing_context,
         skip_load_to_model_and_opt=skip_load_to_model_and_opt,
+        **{k: v for k, v in groups.items() if v is not None},
+        **({"rng_state_key_prefix": rng_state_key_prefix} if rng_state_key_prefix else {}),
     )
     if load_arg != "load":
         _info(
@@ -426,6 +471,9 @@ def load_checkpoint(
         with torch_dist.native_megatron(args) as mcp:
             return mcp.load_checkpoint(ddp_model, optimizer, opt_param_scheduler, **native_kwargs)
 
+    where = f"--load {args.load}"
+    call_params.check_rng_prefix(where, rng_state_key_prefix)
+    call_params.check_groups(where, groups)
     session = _session_for(args, ddp_model, optimizer, opt_param_scheduler)
     requested = getattr(args, "ckpt_step", None) or None  # Megatron treats 0 as unset
     convert_to = getattr(args, "lazy_ckpt_convert_to", None)

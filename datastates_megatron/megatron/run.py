@@ -9,9 +9,10 @@ In this process, before the script runs as ``__main__`` (as ``python SCRIPT ARGS
 
 * the script's directory is put first on ``sys.path``;
 * :func:`.hook.install` routes Megatron-LM's ``save_checkpoint``, ``load_checkpoint``,
-  ``maybe_finalize_async_save`` and ``parse_args`` to the glue, after checking their signatures
-  (a mismatch exits with status 2 and one line naming the version and the function); a tree that
-  carries our source patch is left as it is;
+  ``maybe_finalize_async_save`` and ``parse_args`` to the glue, after checking the version against
+  the table of tested ones (:mod:`.versions`; ``DSM_ALLOW_UNTESTED_MEGATRON=1`` overrides) and their
+  signatures (a refusal exits with status 2 and one line naming the version, and the function or
+  the tested versions); a tree that carries our source patch is left as it is;
 * ``python3`` and ``python3-config`` on ``PATH`` are this interpreter's, so that Megatron's
   ``compile_helpers`` (``make`` in ``megatron/core/datasets``) builds the dataset helpers for it
   (some GPU images have no ``python3-config``);

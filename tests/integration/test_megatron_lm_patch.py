@@ -4,8 +4,8 @@ Part 1 (always runs) drives :mod:`datastates_megatron.megatron.megatron_lm` the 
 Megatron-LM does, with a recording stand-in for LazyCheckpointer (injected as the
 ``datastates_megatron.megatron.checkpointer`` module) so the glue's decisions are visible.
 
-Part 2 needs ``MEGATRON_LM_DIRS`` or ``MEGATRON_LM_DIR`` = checkouts of supported tags (core_v0.16.1 or core_v0.19.0, e.g.
-``git archive core_v0.16.1 | tar -x -C /tmp/mlm-0.16.1``) and Megatron's CPU import dependencies
+Part 2 needs ``MEGATRON_LM_DIRS`` or ``MEGATRON_LM_DIR`` = checkouts of tested versions
+(datastates_megatron/megatron/versions.py; scripts/megatron_lm_tree.sh unpacks them) and Megatron's CPU import dependencies
 (``pip install six regex triton pyyaml pydantic``). It copies ``megatron/`` to a temporary
 directory, applies/re-applies/reverts ``scripts/apply_patches.sh`` and, in subprocesses, parses
 ``--lazy-ckpt ...`` with Megatron's own ``parse_args`` and checks that the patched
@@ -19,6 +19,7 @@ import enum
 import filecmp
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -34,6 +35,7 @@ from datastates_megatron.engine.errors import FormatVersionError, LayoutMismatch
 from datastates_megatron.engine.objects import encode_objects
 from datastates_megatron.megatron import megatron_lm
 from datastates_megatron.megatron.args import LazyCkptArgsError, add_lazy_ckpt_args
+from tests.integration.megatron_lm_source import parameters
 
 REPO = Path(__file__).resolve().parents[2]
 APPLY = REPO / "scripts" / "apply_patches.sh"
@@ -223,6 +225,25 @@ def test_non_persistent_and_release_saves_are_refused(tmp_path, recording):
     with pytest.raises(LazyCkptArgsError, match="release"):
         megatron_lm.save_checkpoint(1, model, opt, sched, 0, release=True, args=args)
     assert recording.instances == []
+
+
+def test_megatrons_converter_arguments_and_an_rng_namespace_are_refused_not_dropped(tmp_path, recording):
+    model, opt, sched = _objects()
+    args = _args(tmp_path)
+    with pytest.raises(
+        LazyCkptArgsError, match=r"iteration 1: .*converter arguments \(pipeline_rank=0, tensor_rank=1\)"
+    ):
+        megatron_lm.save_checkpoint(1, model, opt, sched, 0, pipeline_rank=0, tensor_rank=1, args=args)
+    with pytest.raises(LazyCkptArgsError, match="iteration 1: rng_state_key_prefix='grid1/'"):
+        megatron_lm.save_checkpoint(1, model, opt, sched, 0, rng_state_key_prefix="grid1/", args=args)
+    with pytest.raises(LazyCkptArgsError, match=f"--load {tmp_path / 'ckpt'}: rng_state_key_prefix='grid1/'"):
+        megatron_lm.load_checkpoint(model, opt, sched, rng_state_key_prefix="grid1/", args=args)
+    assert recording.instances == []
+    # their defaults (what a stock single-grid run passes) are fine
+    megatron_lm.save_checkpoint(
+        1, model, opt, sched, 0, None, pipeline_rank=None, preprocess_common_state_dict_fn=len, args=args
+    )
+    assert recording.instances[0].calls[-1] == ("save", 1)
 
 
 def test_no_streaming_with_a_too_small_cache_fails_when_the_checkpointer_starts(tmp_path, recording):
@@ -648,15 +669,19 @@ def test_megatrons_validated_args_never_fail_a_save(driven, tmp_path):
 
 
 @needs_checkout
-def test_patched_megatron_routes_to_the_glue(driven):
+def test_patched_megatron_routes_to_the_glue(driven, megatron_copy):
     out, _ = _result(driven, "route")
+    _, dst = megatron_copy
     assert out["load_returned"] == [100, 12.5]
-    assert out["calls"] == [
-        ["save", 100, True, True, True, 12.5, ["non_persistent_ckpt", "release", "train_data_iterator"]],
-        ["load", True, True, True, ["checkpointing_context", "load_arg", "skip_load_to_model_and_opt", "strict"]],
-        ["finalize", False, False],
-        ["finalize", True, True],
-    ]
+    assert (
+        out["calls"]
+        == [  # every parameter by name after the positional ones (call_params says what each does)
+            ["save", 100, True, True, True, 12.5, sorted(parameters(dst, "save_checkpoint")[6:])],
+            ["load", True, True, True, sorted(parameters(dst, "load_checkpoint")[3:])],
+            ["finalize", False, False],
+            ["finalize", True, True],
+        ]
+    )
 
 
 @needs_checkout
@@ -682,6 +707,30 @@ def test_patched_megatron_works_without_the_package(driven):
 
 
 @needs_checkout
+def test_an_untested_release_of_a_tested_series_is_patched_only_when_allowed(megatron_copy, tmp_path):
+    pristine, _ = megatron_copy
+    copy = tmp_path / "next"
+    shutil.copytree(pristine, copy)
+    info = copy / "megatron" / "core" / "package_info.py"
+    text = info.read_text()
+    patch = int(re.search(r"^PATCH = (\d+)", text, re.M).group(1))
+    info.write_text(re.sub(r"^PATCH = \d+", f"PATCH = {patch + 1}", text, count=1, flags=re.M))
+    refused = _apply(copy)
+    assert refused.returncode == 2 and " is not tested; tested versions: " in refused.stderr, refused.stderr
+    assert "anyway: --allow-untested)" in refused.stderr and len(refused.stderr.splitlines()) == 1
+    check = subprocess.run(
+        ["bash", str(APPLY), str(copy), "--check"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=dict(os.environ, DSM_ALLOW_UNTESTED_MEGATRON="1"),
+    )
+    assert check.returncode == 0 and check.stdout.startswith("applies cleanly:"), check.stdout + check.stderr
+    applied = _apply(copy, "--allow-untested")
+    assert applied.returncode == 0 and applied.stdout.startswith("applied:"), applied.stdout + applied.stderr
+
+
+@needs_checkout
 def test_revert_restores_the_original_files(megatron_copy):
     src, dst = megatron_copy
     rev = _apply(dst, "--revert")
@@ -701,7 +750,9 @@ def test_unsupported_version_is_named_without_a_checkout(tmp_path):
     fake.mkdir(parents=True)
     (fake / "package_info.py").write_text("MAJOR = 0\nMINOR = 12\nPATCH = 0\n")
     res = _apply(tmp_path)
-    assert res.returncode == 2 and "0.12.0" in res.stderr and "supported versions: " in res.stderr
+    assert res.returncode == 2 and "Megatron-LM 0.12.0 is not tested; tested versions: " in res.stderr
+    assert "-m datastates_megatron.megatron.run` (the runtime hook)" in res.stderr  # the way in without a patch
+    assert len(res.stderr.splitlines()) == 1
 
 
 def test_a_directory_that_is_not_megatron_is_refused(tmp_path):

@@ -90,8 +90,12 @@ def wheel(tmp_path_factory):
 
 
 def test_wheel_metadata_license_and_unpinned_torch(wheel):
+    from datastates_megatron.megatron import versions
+
     with zipfile.ZipFile(wheel) as z:
         names = z.namelist()
+        for row in versions.TESTED:
+            assert f"datastates_megatron/megatron/patches/{row.patch}" in names, names
         meta = z.read(next(n for n in names if n.endswith(".dist-info/METADATA"))).decode()
         license_text = z.read(next(n for n in names if n.endswith(".dist-info/licenses/LICENSE"))).decode()
     assert "License-Expression: Apache-2.0" in meta
@@ -99,7 +103,7 @@ def test_wheel_metadata_license_and_unpinned_torch(wheel):
     requires = [line.split(":", 1)[1].strip() for line in meta.splitlines() if line.startswith("Requires-Dist:")]
     assert "torch>=2.6" in requires and not any(r.startswith("torch==") for r in requires)
     assert not any(r.split(";")[0].strip().startswith("apex") for r in requires), requires
-    assert any(r.startswith("megatron-core") and "<0.20" in r and ">=0.16" in r for r in requires), requires
+    assert any(r.startswith("megatron-core") and "<0.21" in r and ">=0.16" in r for r in requires), requires
     assert "Apache License" in license_text and "END OF TERMS AND CONDITIONS" in license_text
 
 
@@ -174,6 +178,8 @@ def test_install_keeps_the_environments_torch_and_cli_help_needs_no_torch(wheel,
 
     assert _run(cli, "--version", cwd=tmp_path).stdout.strip() == f"datastates-ckpt (datastates-megatron) {__version__}"
 
+    _patch_from_the_installed_wheel(venv / "bin" / "datastates-ckpt", tmp_path)
+
     # without numba: one line naming it and the pip command (with the wheel's own requirement)
     _run(*pip, "uninstall", "-y", "numba")
     for argv in ([cli, "ls", tmp_path], [py, "-c", "import datastates_megatron"]):
@@ -181,3 +187,25 @@ def test_install_keeps_the_environments_torch_and_cli_help_needs_no_torch(wheel,
         assert r.returncode == 1 and "Traceback" not in r.stderr and r.stderr.count("\n") == 1, r.stderr
         assert "datastates-megatron needs numba, which is not installed" in r.stderr, r.stderr
         assert "pip install 'numba>=0.60'" in r.stderr, r.stderr
+
+
+def _patch_from_the_installed_wheel(cli: Path, tmp_path: Path) -> None:
+    """`datastates-ckpt patch` works from the wheel alone (no checkout, no torch): each tested
+    version's patch is in it and applies to the three files it changes."""
+    from datastates_megatron.megatron import patching, versions
+
+    untested = tmp_path / "mlm-0.12"
+    (untested / "megatron" / "core").mkdir(parents=True)
+    (untested / "megatron" / "core" / "package_info.py").write_text("MAJOR = 0\nMINOR = 12\nPATCH = 0\n")
+    r = subprocess.run([str(cli), "patch", str(untested)], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "Megatron-LM 0.12.0 is not tested; tested versions: " in r.stderr, r.stderr
+    trees = {Path(d).name: Path(d) for d in os.environ.get("MEGATRON_LM_PRISTINE_DIRS", "").split(os.pathsep) if d}
+    for row in versions.TESTED:
+        if row.source not in trees:
+            continue  # no unpatched tree of it here (scripts/test.sh and .ci/run unpack every row)
+        copy = tmp_path / row.source
+        for rel in ("megatron/core/package_info.py", *patching.PATCHED_FILES):
+            (copy / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy(trees[row.source] / rel, copy / rel)
+        r = subprocess.run([str(cli), "patch", str(copy)], capture_output=True, text=True, timeout=60)
+        assert r.returncode == 0 and r.stdout.startswith(f"applied: Megatron-LM {row.version} "), r.stdout + r.stderr

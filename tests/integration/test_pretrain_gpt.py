@@ -10,10 +10,13 @@ CUDA generator onto the CPU one. 2 ranks, gloo on CPU (NCCL on a GPU: as many ra
 
 from __future__ import annotations
 
+import os
 import shutil
+from pathlib import Path
 
 import pytest
 
+from datastates_megatron.megatron import versions
 from tests.integration.megatron_lm_runs import (
     LAZY,
     MEGATRON_LM_DIR,
@@ -32,27 +35,43 @@ pytestmark = pytest.mark.skipif(
 
 ITERS = 8
 PRECISIONS = {"fp32": [], "bf16": ["--bf16"]}
+# The other trees of MEGATRON_LM_DIRS that the table runs end to end (main): the kill -9 test runs on
+# each of them too, in bf16 (the other tests here run on MEGATRON_LM_DIR only).
+END_TO_END = [
+    d
+    for d in (os.environ.get("MEGATRON_LM_DIRS") or "").split(os.pathsep)
+    if d and d != MEGATRON_LM_DIR and any(r.end_to_end and r.source == Path(d).name for r in versions.TESTED)
+]
 
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    """Uninterrupted runs without checkpointing, per precision (built on first use)."""
+    """Uninterrupted runs without checkpointing, per precision and tree (built on first use)."""
     tmp = tmp_path_factory.mktemp("reference")
     runs = {}
 
-    def get(precision: str):
-        if precision not in runs:
-            run = launch(tmp, precision, ["--train-iters", str(ITERS), *PRECISIONS[precision]])
+    def get(precision: str, tree: str | None = None):
+        key = (precision, tree)
+        if key not in runs:
+            name = precision if tree is None else f"{precision}-{Path(tree).name}"
+            run = launch(tmp, name, ["--train-iters", str(ITERS), *PRECISIONS[precision]], megatron_lm_dir=tree)
             assert run.returncode == 0, run.describe()
-            runs[precision] = run
-        return runs[precision]
+            runs[key] = run
+        return runs[key]
 
     return get
 
 
 # fp32 is slow-only: test_node_local_tier_... kills fp32 runs with -9 and resumes them bit-exactly too
-@pytest.mark.parametrize("precision", [pytest.param("fp32", marks=pytest.mark.slow), "bf16"])
-def test_kill_9_after_a_commit_then_resume_is_bit_exact(tmp_path, reference, precision):
+@pytest.mark.parametrize(
+    "precision, tree",
+    [
+        pytest.param("fp32", None, marks=pytest.mark.slow, id="fp32"),
+        pytest.param("bf16", None, id="bf16"),
+        *(pytest.param("bf16", d, id=f"bf16-{Path(d).name}") for d in END_TO_END),
+    ],
+)
+def test_kill_9_after_a_commit_then_resume_is_bit_exact(tmp_path, reference, precision, tree):
     save = tmp_path / "ckpt"
     args = [
         "--train-iters",
@@ -67,15 +86,15 @@ def test_kill_9_after_a_commit_then_resume_is_bit_exact(tmp_path, reference, pre
         *LAZY,
     ]
     # killed at the first commit: the rest of the run (6 iterations) is the margin for the kill to land
-    killed = launch(tmp_path, "killed", args, kill_when=committed_at_least(save, 2))
+    killed = launch(tmp_path, "killed", args, kill_when=committed_at_least(save, 2), megatron_lm_dir=tree)
     assert killed.returncode != 0, "the run ended before it was killed:\n" + killed.describe()
     resume_from = latest(save)
     assert resume_from is not None and 2 <= resume_from < ITERS, resume_from
     tensorboard = tmp_path / "tb"
-    resumed = launch(tmp_path, "resumed", [*args, "--tensorboard-dir", str(tensorboard)])
+    resumed = launch(tmp_path, "resumed", [*args, "--tensorboard-dir", str(tensorboard)], megatron_lm_dir=tree)
     assert resumed.returncode == 0, resumed.describe()
     assert f"loaded lazy checkpoint of iteration {resume_from}" in resumed.log
-    want = reference(precision)
+    want = reference(precision, tree)
     assert_same_training(killed, want, None)
     assert_same_training(resumed, want, range(resume_from + 1, ITERS + 1))
     # the commit telemetry reaches the writer Megatron-LM made (on its last rank)

@@ -12,20 +12,55 @@ import sysconfig
 
 import pytest
 
-from datastates_megatron.megatron import cpu_launch, run
+from datastates_megatron.megatron import cpu_launch, run, versions
+
+
+def _stood_in(tmp_path, source: str):
+    (tmp_path / "kernels.py").write_text(source)
+    spec = cpu_launch._TritonFreeStub().find_spec("megatron.kernels", [str(tmp_path)])
+    return None if spec is None else importlib.util.module_from_spec(spec)
+
+
+@pytest.mark.parametrize(
+    "top",
+    [
+        "import triton\n",
+        "import triton.language as tl\n",
+        "from triton import jit\n",
+        "from triton.language import x\n",
+    ],
+)
+def test_a_megatron_module_importing_triton_at_its_top_level_is_stood_in(tmp_path, top):
+    mod = _stood_in(tmp_path, f"import torch\n{top}\n@triton.jit\ndef kernel(x):\n    pass\n")
+    assert mod is not None and mod.__spec__.origin == str(tmp_path / "kernels.py")
+    with pytest.raises(RuntimeError, match="megatron.kernels.kernel needs triton"):
+        mod.kernel()
+
+
+@pytest.mark.parametrize(
+    "source",
+    [
+        "try:\n    import triton\nexcept ImportError:\n    triton = None\n",
+        "def f():\n    import triton\n",
+        "import tritonclient\n# import triton\n",
+    ],
+)
+def test_a_module_that_guards_or_defers_its_triton_import_is_left_alone(tmp_path, source):
+    assert _stood_in(tmp_path, source) is None
+
+
+def test_modules_outside_megatron_are_left_alone(tmp_path):
+    (tmp_path / "kernels.py").write_text("import triton\n")
+    assert cpu_launch._TritonFreeStub().find_spec("kernels", [str(tmp_path)]) is None
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is not None, reason="triton is installed")
-def test_the_triton_modules_import_and_raise_when_used(monkeypatch):
+def test_stub_triton_modules_installs_one_finder_and_leaves_triton_absent(monkeypatch):
     monkeypatch.setattr(sys, "meta_path", list(sys.meta_path))
-    name = cpu_launch._TRITON_MODULES[0]
-    monkeypatch.delitem(sys.modules, name, raising=False)
     cpu_launch.stub_triton_modules()
-    mod = importlib.import_module(name)
-    with pytest.raises(RuntimeError, match="needs triton"):
-        mod.enable_batch_invariant_mode()
+    cpu_launch.stub_triton_modules()
+    assert sum(isinstance(f, cpu_launch._TritonFreeStub) for f in sys.meta_path) == 1
     assert importlib.util.find_spec("triton") is None  # torch's own probe still sees no triton
-    sys.modules.pop(name, None)
 
 
 def test_python_tools_on_path_are_this_interpreter(monkeypatch):
@@ -60,15 +95,14 @@ def test_usage_errors_exit_2(tmp_path, capsys, main):
     )
 
 
-def test_a_megatron_whose_signatures_do_not_match_exits_2_with_one_line(tmp_path):
-    """A stand-in Megatron-LM 0.99.0 (the fault: save_checkpoint lost its parameters): the hook
-    refuses before the script runs."""
+def _run_fake_megatron(tmp_path, package_info: str, save_signature: str, **env) -> str:
+    """Run a script through ``run`` over a stand-in Megatron-LM; returns its error line (exit 2)."""
     files = {
         "megatron/__init__.py": "",
         "megatron/core/__init__.py": "",
-        "megatron/core/package_info.py": "__version__ = '0.99.0'\n",
+        "megatron/core/package_info.py": package_info,
         "megatron/training/__init__.py": "",
-        "megatron/training/checkpointing.py": "def save_checkpoint(iteration, model):\n    pass\n"
+        "megatron/training/checkpointing.py": f"def save_checkpoint({save_signature}):\n    pass\n"
         "def load_checkpoint(ddp_model, optimizer, opt_param_scheduler, load_arg='load', strict=True,\n"
         "                    checkpointing_context=None, skip_load_to_model_and_opt=False):\n    pass\n",
         "megatron/training/async_utils.py": "def maybe_finalize_async_save(blocking=False, terminate=False):\n    pass\n",
@@ -84,12 +118,37 @@ def test_a_megatron_whose_signatures_do_not_match_exits_2_with_one_line(tmp_path
         capture_output=True,
         text=True,
         timeout=120,
-        env=dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), repo]), PYTHONWARNINGS="ignore"),
+        env=dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), repo]), PYTHONWARNINGS="ignore", **env),
     )
     assert res.returncode == 2, res.stderr
-    (line,) = res.stderr.strip().splitlines()
+    assert not (tmp_path / "script.py.ran").exists()
+    *warnings, line = res.stderr.strip().splitlines()
+    overridden = env.get("DSM_ALLOW_UNTESTED_MEGATRON") == "1"
+    assert [w.split(" with ")[0] for w in warnings] == (["Megatron-LM 0.99.0 is not tested"] if overridden else [])
+    return line
+
+
+_FULL_SAVE = "iteration, model, optimizer, opt_param_scheduler, num_floating_point_operations_so_far"
+
+
+def test_a_megatron_whose_signatures_do_not_match_exits_2_with_one_line(tmp_path):
+    """A stand-in Megatron-LM 0.99.0, routed with the override (the fault: save_checkpoint lost its
+    parameters): the hook refuses before the script runs."""
+    line = _run_fake_megatron(tmp_path, "__version__ = '0.99.0'\n", "iteration, model", DSM_ALLOW_UNTESTED_MEGATRON="1")
     assert line.startswith(
         "error: Megatron-LM 0.99.0: megatron.training.checkpointing.save_checkpoint(iteration, model)"
     )
     assert "no parameter optimizer, opt_param_scheduler," in line and "scripts/apply_patches.sh" in line
-    assert not (tmp_path / "script.py.ran").exists()
+
+
+@pytest.mark.parametrize(
+    "package_info",
+    ["MAJOR = 0\nMINOR = 21\nPATCH = 3\n__version__ = '0.21.3+abc123'\n", "__version__ = '0.21.3+abc123'\n"],
+    ids=["fields", "version-string"],
+)
+def test_an_untested_megatron_is_refused_with_one_line_naming_the_tested_ones(tmp_path, package_info):
+    line = _run_fake_megatron(tmp_path, package_info, _FULL_SAVE, DSM_ALLOW_UNTESTED_MEGATRON="0")
+    assert line.startswith("error: Megatron-LM 0.21.3 is not tested with the datastates_megatron runtime hook")
+    for row in versions.TESTED:
+        assert f"{row.version} ({row.source})" in line
+    assert "DSM_ALLOW_UNTESTED_MEGATRON=1" in line
