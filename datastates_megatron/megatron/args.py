@@ -15,7 +15,6 @@ Every function here is pure (no global state) and therefore thread-safe, except 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import logging
 import os
 import re

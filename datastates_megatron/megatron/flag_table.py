@@ -87,7 +87,8 @@ def render(text: str) -> str:
         pattern = _pattern(name)
         if not pattern.search(text):
             raise ValueError(f"no '<!-- BEGIN generated: {name} ... -->' ... '<!-- END generated: {name} -->' block")
-        text = pattern.sub(lambda m, body=make(): m.group(1) + body + "\n" + m.group(3), text, count=1)
+        body = make()
+        text = pattern.sub(lambda m: m.group(1) + body + "\n" + m.group(3), text, count=1)  # noqa: B023 - used at once
     return text
 
 
