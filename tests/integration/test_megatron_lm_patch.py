@@ -6,7 +6,7 @@ Megatron-LM does, with a recording stand-in for LazyCheckpointer (injected as th
 
 Part 2 needs ``MEGATRON_LM_DIRS`` or ``MEGATRON_LM_DIR`` = checkouts of supported tags (core_v0.16.1 or core_v0.19.0, e.g.
 ``git archive core_v0.16.1 | tar -x -C /tmp/mlm-0.16.1``) and Megatron's CPU import dependencies
-(``pip install six regex triton pyyaml pydantic``). It copies ``megatron/`` to a temporary
+(``pip install six regex pyyaml pydantic psutil``; triton is stood in for, as ``cpu_launch`` does). It copies ``megatron/`` to a temporary
 directory, applies/re-applies/reverts ``scripts/apply_patches.sh`` and, in subprocesses, parses
 ``--lazy-ckpt ...`` with Megatron's own ``parse_args`` and checks that the patched
 ``save_checkpoint`` / ``load_checkpoint`` / ``maybe_finalize_async_save`` reach the glue.
