@@ -20,11 +20,12 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["UNSUPPORTED", "IGNORED", "mapped_fields", "adopt", "ignored_given"]
+__all__ = ["UNSUPPORTED", "IGNORED", "MappingError", "mapped_fields", "adopt", "ignored_given"]
 
 logger = logging.getLogger(__name__)
 
@@ -183,14 +184,18 @@ def adopt(args: argparse.Namespace, defaults: dict[str, Any], argv: Sequence[str
     if getattr(args, "replication", False):
         args.replication, args.replication_jump = False, None
     setattr(args, _ADOPTED, True)
+    # every rank parses the same flags: rank 0 says it (torch.distributed is not started yet)
+    info, warning = (logging.INFO, logging.WARNING) if os.environ.get("RANK", "0") == "0" else (logging.DEBUG,) * 2
     if fields:
-        logger.info(
+        logger.log(
+            info,
             "Megatron-LM's local-checkpoint flags mapped onto the lazy checkpointer's node-local tier: %s",
             ", ".join(f"{k}={v}" for k, v in sorted(fields.items())),
         )
     ignored = ignored_given(sys.argv[1:] if argv is None else argv)
     if ignored and getattr(args, "lazy_ckpt_convert_to", None) is None:
-        logger.warning(
+        logger.log(
+            warning,
             "%s: ignored with --lazy-ckpt (lazy checkpoints have a format of their own); they apply only when "
             "Megatron's own loader imports a checkpoint and to --lazy-ckpt-convert-to",
             ", ".join(ignored),

@@ -96,7 +96,8 @@ def test_without_a_save_interval_nothing_says_when_to_persist(tmp_path):
     assert "need --save-interval" in message
 
 
-def test_megatrons_format_flags_are_named_in_one_warning(tmp_path, caplog):
+def test_megatrons_format_flags_are_named_in_one_warning(tmp_path, caplog, monkeypatch):
+    monkeypatch.delenv("RANK", raising=False)
     argv = ["--lazy-ckpt", "--save", str(tmp_path), "--ckpt-format", "torch_dist", "--ckpt-fully-parallel-save"]
     with caplog.at_level(logging.WARNING, logger=LOGGER):
         args = _validated(argv)
@@ -104,6 +105,13 @@ def test_megatrons_format_flags_are_named_in_one_warning(tmp_path, caplog):
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1, warnings
     assert warnings[0].startswith("--ckpt-format, --ckpt-fully-parallel-save: ignored with --lazy-ckpt")
+
+
+def test_only_rank_0_warns(tmp_path, caplog, monkeypatch):
+    monkeypatch.setenv("RANK", "3")
+    with caplog.at_level(logging.WARNING, logger=LOGGER):
+        _validated(["--lazy-ckpt", "--save", str(tmp_path), "--ckpt-format", "torch"])
+    assert caplog.records == []
 
 
 def test_no_warning_when_no_format_flag_is_given(tmp_path, caplog):
