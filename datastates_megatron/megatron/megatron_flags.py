@@ -152,7 +152,12 @@ def mapped_fields(args: argparse.Namespace, defaults: dict[str, Any]) -> dict[st
     if getattr(args, "replication", False):
         factor = getattr(args, "replication_factor", None) or 2
         replicas = _lazy(args, "replicas", None)
-        if replicas is not None and replicas != factor - 1:
+        if local_dir is None:
+            problems.append(
+                "--replication replicates node-local checkpoints: add --non-persistent-ckpt-type local "
+                "--non-persistent-local-ckpt-dir DIR (or --lazy-ckpt-local-dir DIR)"
+            )
+        elif replicas is not None and replicas != factor - 1:
             problems.append(
                 f"--lazy-ckpt-replicas is {replicas} but --replication-factor {factor} means {factor - 1}: "
                 "give one of them"

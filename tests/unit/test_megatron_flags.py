@@ -67,6 +67,11 @@ def test_megatrons_replication_is_our_partner_replication(tmp_path):
     assert (opts.replicas, opts.replication_jump) == (2, 8)
 
 
+def test_replication_without_a_node_local_tier_is_refused(tmp_path):
+    message = _problems(["--lazy-ckpt", "--save", str(tmp_path), "--replication", "--replication-jump", "8"])
+    assert "--replication replicates node-local checkpoints" in message
+
+
 def test_our_flags_may_repeat_megatrons_but_not_contradict_them(tmp_path):
     base = ["--lazy-ckpt", "--save", str(tmp_path / "s"), "--save-interval", "100"]
     base += ["--non-persistent-save-interval", "10", *LOCAL, str(tmp_path / "l")]
