@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-__all__ = ["KINDS", "Option", "option", "options_of", "default_text", "describe"]
+__all__ = ["KINDS", "AUTO_VALUES", "Option", "option", "options_of", "default_text", "describe"]
 
 # how a flag is spelled on the command line:
 #   value:  --flag VALUE (``type``, ``metavar`` or ``choices``)
@@ -48,7 +48,6 @@ class Option:
     doc: str | None = None
     field: str | None = None
     default: Any = None
-    dest_name: str | None = None
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -56,8 +55,6 @@ class Option:
 
     @property
     def dest(self) -> str:
-        if self.dest_name:
-            return self.dest_name
         if self.field:
             return "lazy_ckpt_" + self.field
         return (self.flag or "").lstrip("-").replace("-", "_")
