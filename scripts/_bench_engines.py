@@ -663,7 +663,7 @@ class LazyEngine(Engine):
 
 class LazyLocalEngine(LazyEngine):
     """Ours with a node-local tier: every checkpoint committed under ``local_dir`` (per engine run),
-    every ``persist_interval``-th promoted to ``root`` in the background; restore reads the
+    those at iteration multiples of ``persist_interval`` promoted to ``root`` in the background; restore reads the
     newest tier every rank has (the local one here)."""
 
     name = "ours_local"

@@ -45,7 +45,7 @@ def parse_args() -> argparse.Namespace:
         "--tier",
         choices=("local", "disk"),
         default="local",
-        help="local: every checkpoint to --local-dir, every --persist-interval-th promoted to "
+        help="local: every checkpoint to --local-dir, those at multiples of --persist-interval promoted to "
         "--dir (bench_peers' ours_local); disk: every checkpoint to --dir (its ours)",
     )
     p.add_argument("--dir", default="./runs/bench-paired", help="persistent checkpoint root")

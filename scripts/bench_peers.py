@@ -17,7 +17,7 @@ iterations (default every iteration):
                optimizer step pre-hook (TorchTitan)
   ours         datastates_megatron.LazyCheckpointer
   ours_local   the same with a node-local tier (--local-dir, a tmpfs by default): every checkpoint
-               committed there, every --persist-interval-th promoted to --dir in the background
+               committed there, those at multiples of --persist-interval promoted to --dir in the background
   mcore_sync   megatron-core dist_checkpointing.save, torch_dist + FullyParallelSaveStrategyWrapper
   mcore_async  the same with async_sharded_save + AsyncCallsQueue, finalized every iteration
                (Megatron-LM's maybe_finalize_async_save)
@@ -200,7 +200,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="ours_local: node-local tier (the engine adds {node}/ per host)",
     )
     g.add_argument(
-        "--persist-interval", type=int, default=10, help="ours_local: promote every N-th local checkpoint to --dir"
+        "--persist-interval",
+        type=int,
+        default=10,
+        help="ours_local: promote the local checkpoints at multiples of N iterations to --dir",
     )
     g.add_argument(
         "--dcp-checkpointer",

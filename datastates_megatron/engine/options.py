@@ -121,14 +121,17 @@ class ManagerOptions:
     """Policy of :class:`~datastates_megatron.engine.CheckpointManager` (retention, errors, restore,
     tiers); the engine's own knobs are :class:`EngineOptions`.
 
-    keep_last / keep_every: keep the N newest committed checkpoints (0: all), and every iteration
-                   divisible by ``keep_every`` (0: none).
+    keep_last / keep_every: keep the N newest committed checkpoints (0, the default: all, as
+                   Megatron-LM keeps them), and with ``keep_last`` also every iteration divisible by
+                   ``keep_every`` (0: none).
     on_error:      ``raise``: a failed save raises on the training thread; ``warn``: it is logged,
                    nothing is committed for it and the previous checkpoint stays the latest.
     verify_on_load: re-check every checksum on load.
     restore_threads: reader threads of a restore.
-    persist_interval / local_keep_last / local_fallback: the node-local tier's promotion interval,
-                   retention, and who reads the persistent tier when a node lost its local copy.
+    persist_interval / local_keep_last / local_fallback: the node-local tier's promotion interval
+                   (the local checkpoints whose iteration is a multiple of it are promoted), its
+                   retention (small by default: node-local storage is), and who reads the
+                   persistent tier when a node lost its local copy.
     recycle_files: where retired rank files are overwritten in place by later saves (see
                    ``RECYCLE_CHOICES``).
     replicas / replication_jump: each rank's node-local file is also kept by ``replicas`` partner
@@ -136,7 +139,7 @@ class ManagerOptions:
                    the nodes pair up, ranks per node apart; 0 partners: off).
     """
 
-    keep_last: int = 2
+    keep_last: int = 0
     keep_every: int = 0
     on_error: str = "raise"
     verify_on_load: bool = True
@@ -150,6 +153,8 @@ class ManagerOptions:
 
     def __post_init__(self) -> None:
         problems = _at_least(self, ("keep_last", "keep_every", "local_keep_last"), 0)
+        if not problems and self.keep_every and not self.keep_last:
+            problems.append(("keep_every", "needs keep_last >= 1: with keep_last=0 every checkpoint is kept anyway"))
         for name, low in (("replicas", 0), ("replication_jump", 1)):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < low):

@@ -1,7 +1,8 @@
 """Promotion: the link from the node-local tier to the persistent one.
 
-Fed by the local tier's commits (:meth:`.tier.Tier.after_commit`), every ``interval``-th committed
-checkpoint is promoted: each rank verifies its local file's checksums, copies the verified bytes to
+Fed by the local tier's commits (:meth:`.tier.Tier.after_commit`), every committed checkpoint whose
+iteration is a multiple of ``interval`` is promoted (iterations, not this run's commits: a requeued
+run promotes the same iterations as one that never stopped): each rank verifies its local file's checksums, copies the verified bytes to
 the persistent tier and fsyncs, and the persistent tier's committer agrees across ranks and writes
 the persistent manifest.  The local copy is never removed by a promotion -- only by the local tier's
 retention, which keeps what the link reports :meth:`Promotion.pending`.
@@ -137,13 +138,12 @@ def copy_verified(src: str, dst: str, version: int) -> FileReceipt:
 
 class Promotion(QueueThread):
     """The link ``src`` -> ``dst`` of one rank, owning its copy thread; ``close()`` is idempotent
-    and joins it.  ``interval``: every how many of ``src``'s commits one is promoted."""
+    and joins it.  ``interval``: ``src``'s checkpoints whose iteration is a multiple of it are promoted."""
 
     def __init__(self, src: Tier, dst: Tier, *, interval: int) -> None:
         self.src, self.dst = src, dst
         self.rank = src.rank
         self._interval = interval
-        self._count = 0
         self._lock = threading.Lock()
         self._in_flight: set[int] = set()
         self._newest: Ticket | None = None  # this run's newest local commit when it is not promoted yet
@@ -162,9 +162,9 @@ class Promotion(QueueThread):
         return self.in_flight() | {t.iteration for t in self.dst.committer.outstanding()}
 
     def offer(self, ticket: Ticket) -> None:
-        """``src`` committed ``ticket``'s checkpoint: promote every ``interval``-th one."""
-        self._count += 1
-        due = self._count % self._interval == 0
+        """``src`` committed ``ticket``'s checkpoint: promote it when its iteration is a multiple of
+        ``interval`` (the same iterations after a requeue, so that they meet ``keep_every``)."""
+        due = ticket.iteration % self._interval == 0
         with self._lock:
             self._newest = None if due else ticket
         if due:

@@ -126,11 +126,14 @@ dsm_pretrain_entry() {
 # MEGATRON_ARGS for Megatron-LM's pretrain_gpt.py. Reads the preset variables (NUM_LAYERS, TP, ...),
 # SAVE_DIR, optional DATA_PATH / TOKENIZER_TYPE / TOKENIZER_MODEL (default: --mock-data with the
 # NullTokenizer), optional LAZY_CKPT_LOCAL_DIR (a node-local tier, e.g. /dev/shm/ckpt or local NVMe;
-# with LAZY_CKPT_PERSIST_INTERVAL, default 10, LAZY_CKPT_LOCAL_FALLBACK, default all, and
+# with LAZY_CKPT_PERSIST_INTERVAL, in iterations, default 10 x SAVE_INTERVAL: the local checkpoints at
+# its multiples are promoted to SAVE_DIR, the same iterations after a requeue; LAZY_CKPT_LOCAL_FALLBACK, default all, and
 # LAZY_CKPT_REPLICAS, partner nodes keeping a copy, default: 1 when the nodes pair up),
 # TENSORBOARD_DIR (default $SAVE_DIR/tensorboard; empty or "none": no TensorBoard), WANDB_PROJECT (set:
 # log to Weights & Biases, run name WANDB_EXP_NAME or the job name, files in WANDB_SAVE_DIR, default
-# $SAVE_DIR/wandb) and MEGATRON_EXTRA_ARGS (appended verbatim, word-split).
+# $SAVE_DIR/wandb), LAZY_CKPT_KEEP_LAST (checkpoints kept in SAVE_DIR, default 2: bounded, unlike
+# Megatron-LM's and --lazy-ckpt's keep-all default; 0 keeps all) and MEGATRON_EXTRA_ARGS (appended
+# verbatim, word-split).
 dsm_megatron_args() {
     local world="$1" v
     for v in NUM_LAYERS HIDDEN_SIZE FFN_HIDDEN_SIZE NUM_ATTENTION_HEADS NUM_QUERY_GROUPS SEQ_LENGTH \
@@ -178,6 +181,7 @@ dsm_megatron_args() {
         --lazy-ckpt
         --lazy-ckpt-host-cache-gb "$LAZY_CKPT_HOST_CACHE_GB"
         --lazy-ckpt-flush-threads "$LAZY_CKPT_FLUSH_THREADS"
+        --lazy-ckpt-keep-last "${LAZY_CKPT_KEEP_LAST:-2}"
     )
     if [ "${DSM_CPU:-0}" = 1 ]; then
         dsm_log "DSM_CPU=1: CPU ranks (gloo, local transformer), for a dry run without GPUs"
@@ -186,7 +190,7 @@ dsm_megatron_args() {
     fi
     if [ -n "${LAZY_CKPT_LOCAL_DIR:-}" ]; then
         MEGATRON_ARGS+=(--lazy-ckpt-local-dir "$LAZY_CKPT_LOCAL_DIR"
-                        --lazy-ckpt-persist-interval "${LAZY_CKPT_PERSIST_INTERVAL:-10}"
+                        --lazy-ckpt-persist-interval "${LAZY_CKPT_PERSIST_INTERVAL:-$((10 * SAVE_INTERVAL))}"
                         --lazy-ckpt-local-fallback "${LAZY_CKPT_LOCAL_FALLBACK:-all}")
         if [ -n "${LAZY_CKPT_REPLICAS:-}" ]; then
             MEGATRON_ARGS+=(--lazy-ckpt-replicas "$LAZY_CKPT_REPLICAS")

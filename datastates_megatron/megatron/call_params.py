@@ -52,7 +52,7 @@ SAVE: dict[str, str] = {
     "opt_param_scheduler": "used",
     "num_floating_point_operations_so_far": "used (extra_state)",
     **{c: "refused unless None (Megatron's checkpoint converter)" for c in CONVERTER},
-    "non_persistent_ckpt": "refused unless False",
+    "non_persistent_ckpt": "used: a checkpoint of the node-local tier (refused without one)",
     "train_data_iterator": "used (Energon dataloader state)",
     "preprocess_common_state_dict_fn": "not applicable (torch_dist common state)",
     "release": "refused unless False",

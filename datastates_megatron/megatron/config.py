@@ -11,6 +11,7 @@ import dataclasses
 import os
 
 from ..engine.errors import OptionsError
+from .flag_spec import option
 from ..engine.options import (
     LOCAL_FALLBACK_CHOICES,
     ON_ERROR_CHOICES,
@@ -26,69 +27,176 @@ __all__ = ["LazyCkptConfig", "OptionsError", "ON_ERROR_CHOICES", "LOCAL_FALLBACK
 class LazyCkptConfig:
     """Options for :class:`~datastates_megatron.LazyCheckpointer`.
 
-    save_dir:        persistent checkpoint root (Megatron's ``--save``); ``iter_XXXXXXX/`` dirs live here.
-    load_dir:        where ``load()`` looks (Megatron's ``--load``); defaults to ``save_dir``.
-    host_cache_gb:   byte budget of the (pinned) host cache shared by all in-flight checkpoints.
-    flush_threads:   writer threads per rank (host -> storage).
-    max_inflight:    checkpoints that may be pending (copying or flushing) at once; ``save`` waits beyond.
-    keep_last:       keep this many newest committed checkpoints (0 = keep all).
-    keep_every:      additionally keep every iteration divisible by this (0 = none).
-    verify_on_load:  re-check every checksum on ``load``.
-    on_error:        ``raise``: a failed save raises on the caller's thread; ``warn``: it is logged,
-                     nothing is committed for that iteration and training goes on.
-    streaming:       allow tensors larger than the host cache to be streamed through it in chunks.
-    direct_io:       ``"auto"`` tries O_DIRECT and falls back; ``True`` requires it; ``False`` never.
-    source_writes:   write host-resident (CPU) shards straight from their memory, without a copy into
-                     the host cache (the pre-step gate then waits for those writes): ``"auto"`` on
-                     tmpfs/ramfs (a node-local tier in ``/dev/shm``); ``True`` always; ``False`` never.
-    mapped_writes:   write rank files on tmpfs/ramfs through shared mappings kept from one save to
-                     the next, hashing and copying in one pass instead of hashing, then ``pwrite``
-                     (less background CPU: docs/BENCHMARKS.md); ``False``: ``pwrite``.
-    timeout_s:       longest wait on cache space, an in-flight slot or a peer rank before erroring.
-    local_dir:       optional fast node-local tier (multi-level); ``None`` disables it.
-    persist_interval: with ``local_dir``, promote every N-th local checkpoint to ``save_dir`` (and the
-                     newest at ``close``, whatever N).
-    local_keep_last: retention of the local tier.
-    recycle_files:   where retention moves retired rank files to a pool that later saves overwrite in
-                     place (saves freeing and re-allocating a checkpoint's pages/blocks each time):
-                     ``"local"`` the node-local tier only (private to the job); ``"all"`` also the
-                     persistent tier -- only when nothing outside the job (an eval job, the CLI)
-                     reads checkpoints while training runs, since a reader of a retired checkpoint
-                     would then see it overwritten; ``"off"``.
-    local_fallback:  when some node lost its local copy: ``"all"`` ranks restore the persistent
-                     checkpoint from the persistent tier; ``"rank"``: only the ranks without an
-                     intact local copy of it read the persistent tier, the others read locally.
-    replicas:        with ``local_dir``, how many partner ranks (on other nodes) keep a copy of each
-                     rank's local file, so that a lost node restores from them (None: 1 when the
-                     nodes pair up; 0: off).  ``replication_jump``: ranks between partners (None:
-                     ranks per node).  Megatron-LM's ``--replication-factor F --replication-jump J``
-                     mean ``replicas = F - 1`` and the same jump.
+    Each field is declared once, with its flag and its meaning (:func:`.flag_spec.option`): the
+    ``--lazy-ckpt*`` flags (:mod:`.args`) and the flag table of docs/megatron.md
+    (:mod:`.flag_table`) are generated from these declarations; ``python -m
+    datastates_megatron.megatron.flag_table`` prints that table.  ``save_dir`` is required.
 
     Invalid values raise :class:`OptionsError` (a ``ValueError``) listing every problem, each under
     its field name; :meth:`engine_options` and :meth:`manager_options` build what the engine takes.
+    Immutable: thread-safe.
     """
 
-    save_dir: str
-    load_dir: str | None = None
-    host_cache_gb: float = 4.0
-    flush_threads: int = 2
-    max_inflight: int = 2
-    keep_last: int = 2
-    keep_every: int = 0
-    verify_on_load: bool = True
-    on_error: str = "raise"
-    streaming: bool = True
-    direct_io: bool | str = "auto"
-    source_writes: bool | str = "auto"
-    mapped_writes: bool = True
-    timeout_s: float = 600.0
-    local_dir: str | None = None
-    persist_interval: int = 1
-    local_keep_last: int = 2
-    local_fallback: str = "all"
-    recycle_files: str = "local"
-    replicas: int | None = None
-    replication_jump: int | None = None
+    save_dir: str = option(
+        None, megatron="--save", help="Persistent checkpoint root (required): `iter_XXXXXXX/` directories live here."
+    )
+    load_dir: str | None = option(None, megatron="--load", help="Where `load()` looks; default: `save_dir`.")
+    host_cache_gb: float = option(
+        4.0,
+        "--lazy-ckpt-host-cache-gb",
+        type=float,
+        metavar="GB",
+        help="Host cache (pinned when CUDA is present) shared by all in-flight checkpoints of one rank, in GiB. "
+        "A save waits for space beyond this budget.",
+    )
+    flush_threads: int = option(
+        2, "--lazy-ckpt-flush-threads", type=int, metavar="N", help="Writer threads per rank (host cache to storage)."
+    )
+    max_inflight: int = option(
+        2,
+        "--lazy-ckpt-max-inflight",
+        type=int,
+        metavar="N",
+        help="Checkpoints that may be copying or flushing at once. A further save waits.",
+    )
+    keep_last: int = option(
+        0,
+        "--lazy-ckpt-keep-last",
+        type=int,
+        metavar="N",
+        default_doc="0 (keep all)",
+        help="Keep the N newest committed checkpoints under --save and delete older ones; 0 keeps every "
+        "checkpoint, as Megatron-LM does.",
+    )
+    keep_every: int = option(
+        0,
+        "--lazy-ckpt-keep-every",
+        type=int,
+        metavar="N",
+        help="With --lazy-ckpt-keep-last: also keep every checkpoint whose iteration is a multiple of N; "
+        "0: none this way.",
+    )
+    verify_on_load: bool = option(
+        True, "--lazy-ckpt-verify-on-load", kind="both", help="Re-check every checksum when loading."
+    )
+    on_error: str = option(
+        "raise",
+        "--lazy-ckpt-on-error",
+        choices=ON_ERROR_CHOICES,
+        help="raise: a failed background save raises in the training loop at the next poll. warn: the failure "
+        "is logged, that iteration is not committed, and training continues.",
+    )
+    streaming: bool = option(
+        True,
+        "--lazy-ckpt-no-streaming",
+        kind="negated",
+        default_doc="streaming on",
+        help="Never split a tensor. Without this flag, tensors larger than the host cache are streamed through "
+        "it in chunks. With it, the cache must hold the largest shard: the model's largest tensor is checked "
+        "when the checkpointer starts, the exact shard sizes by the engine.",
+    )
+    direct_io: bool | str = option(
+        "auto",
+        "--lazy-ckpt-direct-io",
+        kind="auto",
+        help="O_DIRECT writes. auto tries O_DIRECT and falls back to buffered writes, on requires O_DIRECT, "
+        "off never uses it.",
+    )
+    source_writes: bool | str = option(
+        "auto",
+        "--lazy-ckpt-source-writes",
+        kind="auto",
+        help="Write host-resident (CPU) shards straight from their own memory, with no copy into the host "
+        "cache; the pre-step gate then waits for those writes instead of for a copy. auto: on tmpfs/ramfs "
+        "only (e.g. a --lazy-ckpt-local-dir in /dev/shm), where a write is a memcpy and cannot block on a "
+        "device; on: always (those writes are buffered, and the gate may wait on the disk); off: never. "
+        "CUDA shards are always copied.",
+    )
+    mapped_writes: bool = option(
+        True,
+        "--lazy-ckpt-mapped-writes",
+        kind="both",
+        help="Write rank files on tmpfs/ramfs (e.g. a --lazy-ckpt-local-dir in /dev/shm) through shared "
+        "mappings kept from one save to the next, hashing and copying in one pass instead of hashing, then "
+        "pwrite (less background CPU: docs/BENCHMARKS.md); off: plain writes.",
+    )
+    timeout_s: float = option(
+        600.0,
+        "--lazy-ckpt-timeout-s",
+        type=float,
+        metavar="S",
+        help="The longest wait for cache space, an in-flight slot or a peer rank before an error is raised.",
+    )
+    local_dir: str | None = option(
+        None,
+        "--lazy-ckpt-local-dir",
+        type=str,
+        metavar="DIR",
+        megatron="--non-persistent-ckpt-type local --non-persistent-local-ckpt-dir DIR",
+        help="Optional fast node-local tier (NVMe, /dev/shm). Checkpoints land here first, under "
+        "DIR/run-<id>/ (the run's id, created in --save): a directory several runs share, or one an earlier "
+        "job left behind, is safe; another run's checkpoints are never loaded, promoted or deleted. {node} "
+        "in DIR is replaced by the node's index (rank // LOCAL_WORLD_SIZE): give each node its own "
+        "directory when several nodes run on one machine. Must differ from --save.",
+    )
+    persist_interval: int = option(
+        1,
+        "--lazy-ckpt-persist-interval",
+        type=int,
+        metavar="N",
+        local_tier=True,
+        megatron="--save-interval S, with --non-persistent-save-interval",
+        help="With --lazy-ckpt-local-dir: promote to --save the local checkpoints whose iteration is a "
+        "multiple of N, so a requeued run persists the same iterations and a --lazy-ckpt-keep-every multiple "
+        "of N is always persisted; the last one of a run is promoted at exit whatever N.",
+    )
+    local_keep_last: int = option(
+        2,
+        "--lazy-ckpt-local-keep-last",
+        type=int,
+        metavar="N",
+        local_tier=True,
+        help="With --lazy-ckpt-local-dir: keep the N newest local checkpoints (node-local storage is small; "
+        "0 keeps all).",
+    )
+    local_fallback: str = option(
+        "all",
+        "--lazy-ckpt-local-fallback",
+        choices=LOCAL_FALLBACK_CHOICES,
+        local_tier=True,
+        help="With --lazy-ckpt-local-dir, when some node lost its local copy (node replaced): all ranks "
+        "restore the newest persistent checkpoint from --save; rank: only the ranks without an intact local "
+        "copy of it (same file, size and checksums as the persistent manifest lists) read --save, the "
+        "others read locally.",
+    )
+    recycle_files: str = option(
+        "local",
+        "--lazy-ckpt-recycle-files",
+        choices=RECYCLE_CHOICES,
+        help="Where later saves overwrite retired rank files in place instead of freeing and re-allocating "
+        "them: local the node-local tier only; all also --save (only when nothing outside the job -- an eval "
+        "job, the CLI -- reads checkpoints while it trains: a reader of a retired checkpoint would see its "
+        "file overwritten); off.",
+    )
+    replicas: int | None = option(
+        None,
+        "--lazy-ckpt-replicas",
+        type=int,
+        metavar="K",
+        local_tier=True,
+        default_doc="1 when the nodes pair up, else 0",
+        megatron="--replication --replication-factor F (K = F-1)",
+        help="With --lazy-ckpt-local-dir: K partner ranks on other nodes (the same local rank, "
+        "LOCAL_WORLD_SIZE ranks apart, in cliques of K+1 nodes) also keep each rank's local checkpoint, "
+        "copied over a gloo group of the clique after each local commit and committed once its checksums "
+        "verify; a node lost alone resumes from the newest local checkpoint, its files fetched from the "
+        "partners. 0: off.",
+    )
+    replication_jump: int | None = option(
+        None,
+        megatron="--replication-jump J",
+        help="Ranks between replication partners; default: the ranks per node.",
+    )
 
     def __post_init__(self) -> None:
         problems: list[tuple[str, str]] = []

@@ -365,11 +365,12 @@ def save_checkpoint(
     """
     args = _get_args(args)
     where = f"iteration {iteration}"
-    if non_persistent_ckpt:
+    if non_persistent_ckpt and getattr(args, "lazy_ckpt_local_dir", None) is None:
+        # Megatron's non-persistent checkpoints are our node-local tier's (megatron_flags.adopt):
+        # saved like any other, the persist interval (--save-interval) leaves them local
         raise LazyCkptArgsError(
-            f"iteration {iteration}: --lazy-ckpt cannot write Megatron non-persistent checkpoints "
-            "(--non-persistent-save-interval); use --lazy-ckpt-local-dir with "
-            "--lazy-ckpt-persist-interval"
+            f"iteration {iteration}: a Megatron non-persistent checkpoint needs a node-local tier: "
+            "--non-persistent-ckpt-type local --non-persistent-local-ckpt-dir DIR, or --lazy-ckpt-local-dir DIR"
         )
     if release:
         raise LazyCkptArgsError(

@@ -6,7 +6,7 @@ Megatron-LM does, with a recording stand-in for LazyCheckpointer (injected as th
 
 Part 2 needs ``MEGATRON_LM_DIRS`` or ``MEGATRON_LM_DIR`` = checkouts of tested versions
 (datastates_megatron/megatron/versions.py; scripts/megatron_lm_tree.sh unpacks them) and Megatron's CPU import dependencies
-(``pip install six regex triton pyyaml pydantic``). It copies ``megatron/`` to a temporary
+(``pip install six regex pyyaml pydantic psutil``; triton is stood in for, as ``cpu_launch`` does). It copies ``megatron/`` to a temporary
 directory, applies/re-applies/reverts ``scripts/apply_patches.sh`` and, in subprocesses, parses
 ``--lazy-ckpt ...`` with Megatron's own ``parse_args`` and checks that the patched
 ``save_checkpoint`` / ``load_checkpoint`` / ``maybe_finalize_async_save`` reach the glue.
@@ -217,10 +217,10 @@ def test_without_load_dir_nothing_is_loaded(tmp_path, recording):
     assert recording.instances == []
 
 
-def test_non_persistent_and_release_saves_are_refused(tmp_path, recording):
+def test_non_persistent_saves_need_a_node_local_tier_and_release_saves_are_refused(tmp_path, recording):
     model, opt, sched = _objects()
     args = _args(tmp_path)
-    with pytest.raises(LazyCkptArgsError, match="--non-persistent-save-interval"):
+    with pytest.raises(LazyCkptArgsError, match="--non-persistent-local-ckpt-dir"):
         megatron_lm.save_checkpoint(1, model, opt, sched, 0, non_persistent_ckpt=True, args=args)
     with pytest.raises(LazyCkptArgsError, match="release"):
         megatron_lm.save_checkpoint(1, model, opt, sched, 0, release=True, args=args)
@@ -244,6 +244,14 @@ def test_megatrons_converter_arguments_and_an_rng_namespace_are_refused_not_drop
         1, model, opt, sched, 0, None, pipeline_rank=None, preprocess_common_state_dict_fn=len, args=args
     )
     assert recording.instances[0].calls[-1] == ("save", 1)
+
+
+def test_a_non_persistent_save_goes_to_the_node_local_tier(tmp_path, recording):
+    model, opt, sched = _objects()
+    args = _args(tmp_path, "--lazy-ckpt-local-dir", str(tmp_path / "local"))
+    megatron_lm.save_checkpoint(3, model, opt, sched, 0, non_persistent_ckpt=True, args=args)
+    (ckpt,) = recording.instances
+    assert ckpt.calls == [("save", 3)] and ckpt.config.local_dir == str(tmp_path / "local")
 
 
 def test_no_streaming_with_a_too_small_cache_fails_when_the_checkpointer_starts(tmp_path, recording):
@@ -381,6 +389,31 @@ def parse(tmp, out):
             errors[name] = str(e)
     out["errors"] = errors
 
+def mapped(tmp, out):  # Megatron-LM's local-checkpoint flags: parse_args, then its own validate_args
+    import logging
+    from megatron.training.arguments import parse_args, validate_args
+    from datastates_megatron.megatron.args import config_from_args
+    warnings = []
+    class Keep(logging.Handler):
+        def emit(self, record):
+            if record.levelno >= logging.WARNING:
+                warnings.append(record.getMessage())
+    logging.getLogger("datastates_megatron").addHandler(Keep())
+    sys.argv = ["pretrain", "--lazy-ckpt", "--save", tmp + "/s", "--save-interval", "100",
+                "--non-persistent-save-interval", "10", "--non-persistent-ckpt-type", "local",
+                "--non-persistent-local-ckpt-dir", tmp + "/local", "--replication", "--replication-jump", "4",
+                "--ckpt-format", "torch_dist", "--ckpt-fully-parallel-load",
+                "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
+                "--max-position-embeddings", "64", "--micro-batch-size", "1", "--global-batch-size", "8",
+                "--train-iters", "10", "--lr", "1e-3", "--use-distributed-optimizer", "--mock-data",
+                "--tokenizer-type", "NullTokenizer", "--vocab-size", "512"]
+    args = parse_args()
+    validate_args(args, {})  # would need nvidia-resiliency-ext for Megatron's own local checkpoints
+    config = config_from_args(args)
+    out["config"] = [config.local_dir, config.persist_interval, config.replicas, config.replication_jump]
+    out["megatron"] = [args.non_persistent_save_interval, args.non_persistent_ckpt_type, args.replication]
+    out["warnings"] = warnings
+
 def validate(tmp, out, argv_json):  # the namespace a real run saves: parse_args + validate_args, lib.sh's flags
     from megatron.training.arguments import parse_args, validate_args
     from datastates_megatron.engine.objects import decode_objects, encode_objects
@@ -481,6 +514,7 @@ MODES = {
     "without-package": without_package,
     "parse": parse,
     "validate": validate,
+    "mapped": mapped,
     "route": lambda tmp, out: route_or_glue("route", tmp, out),
     "glue": lambda tmp, out: route_or_glue("glue", tmp, out),
 }
@@ -566,7 +600,7 @@ def driven(megatron_copy, tmp_path_factory):
     _, dst = megatron_copy
     tmp = tmp_path_factory.mktemp("driver")
     lib = tmp_path_factory.mktemp("launch-args")
-    jobs = {"parse": [], "validate": [json.dumps(_launch_args(lib))], "route": [], "glue": []}
+    jobs = {"parse": [], "mapped": [], "validate": [json.dumps(_launch_args(lib))], "route": [], "glue": []}
     return {**_drive(dst, tmp / "with", jobs), **_drive(dst, tmp / "without", {"without-package": []})}
 
 
@@ -666,6 +700,18 @@ def test_megatrons_validated_args_never_fail_a_save(driven, tmp_path):
     assert "exit_signal" in out["enums"]
     assert out["exit_signal"] == "SIGTERM"
     assert out["saved"] == {"lazy_ckpt": True, "bf16": True, "num_layers": 2, "exit_signal_handler": True}
+
+
+@needs_checkout
+def test_megatrons_local_checkpoint_flags_map_onto_the_node_local_tier(driven):
+    """--non-persistent-save-interval 10 --non-persistent-ckpt-type local --non-persistent-local-ckpt-dir:
+    local every 10 (Megatron's loop), persisted every --save-interval 100; Megatron's validate_args
+    passes without nvidia-resiliency-ext; --ckpt-format and --ckpt-fully-parallel-load named once."""
+    out, tmp_path = _result(driven, "mapped")
+    assert out["config"] == [f"{tmp_path}/local", 100, 1, 4]
+    assert out["megatron"] == [10, None, False]
+    assert len(out["warnings"]) == 1, out["warnings"]
+    assert out["warnings"][0].startswith("--ckpt-format, --ckpt-fully-parallel-load: ignored with --lazy-ckpt")
 
 
 @needs_checkout

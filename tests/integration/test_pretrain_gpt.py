@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from datastates_megatron.engine.run_id import local_tier_dir
+from datastates_megatron.engine.tier import committed_iterations
 from datastates_megatron.megatron import versions
 from tests.integration.megatron_lm_runs import (
     LAZY,
@@ -181,7 +183,9 @@ def test_resume_on_one_rank_from_a_two_rank_run(tmp_path, reference, exited_at_4
     assert_same_training(one, reference("fp32"), range(5, ITERS + 1), ranks=1, exact=False)
 
 
-def test_node_local_tier_promotes_and_a_lost_node_resumes_from_save(tmp_path, reference):
+def test_node_local_tier_promotes_and_a_lost_node_resumes_from_save(tmp_path, reference, monkeypatch):
+    """The node-local tier set up with Megatron-LM's own local-checkpoint flags: a checkpoint every
+    iteration (non-persistent) in the local directory, every 2nd (--save-interval) promoted."""
     save, local = tmp_path / "ckpt", tmp_path / "node-local"
     args = [
         "--train-iters",
@@ -191,18 +195,23 @@ def test_node_local_tier_promotes_and_a_lost_node_resumes_from_save(tmp_path, re
         "--load",
         str(save),
         "--save-interval",
-        "1",
-        *LAZY,
-        "--lazy-ckpt-local-dir",
-        str(local),
-        "--lazy-ckpt-persist-interval",
         "2",
+        "--non-persistent-save-interval",
+        "1",
+        "--non-persistent-ckpt-type",
+        "local",
+        "--non-persistent-local-ckpt-dir",
+        str(local),
+        *LAZY,
     ]
-    # killed at the first promotion: the rest of the run (6 iterations) is the margin for the kill to land
-    killed = launch(tmp_path, "killed", args, kill_when=committed_at_least(save, 2))
+    # killed (kill -9, every rank) in its second promotion, of 4: --save holds 2, the node-local tier 3 and 4
+    with monkeypatch.context() as m:
+        m.setenv("DSM_CRASH_AT", "promote:2")
+        killed = launch(tmp_path, "killed", args)
     assert killed.returncode != 0, "the run ended before it was killed:\n" + killed.describe()
     promoted = latest(save)
-    assert promoted is not None and promoted % 2 == 0 and promoted < ITERS, promoted
+    assert committed_iterations(str(save)) == [promoted] == [2]
+    assert any(it % 2 for it in committed_iterations(local_tier_dir(str(local), str(save))))  # non-persistent
     shutil.rmtree(local)  # the node is gone: only --save is left
     resumed = launch(tmp_path, "resumed", args)
     assert resumed.returncode == 0, resumed.describe()

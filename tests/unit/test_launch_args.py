@@ -44,7 +44,7 @@ def _value(argv: list[str], flag: str) -> str:
 def test_local_tier_variables_become_flags(tmp_path):
     argv = _megatron_args(tmp_path, LAZY_CKPT_LOCAL_DIR="/dev/shm/ckpt", LAZY_CKPT_LOCAL_FALLBACK="rank")
     assert _value(argv, "--lazy-ckpt-local-dir") == "/dev/shm/ckpt"
-    assert _value(argv, "--lazy-ckpt-persist-interval") == "10"
+    assert _value(argv, "--lazy-ckpt-persist-interval") == "1000"  # iterations: 10 x the preset's --save-interval
     assert _value(argv, "--lazy-ckpt-local-fallback") == "rank"
     assert _value(argv, "--save") == str(tmp_path / "save")
 
@@ -62,7 +62,8 @@ def test_local_tier_variables_become_flags(tmp_path):
     args = parser.parse_args([*lazy, "--save", str(tmp_path / "save")])
     validate_lazy_ckpt_args(args)
     config = config_from_args(args)
-    assert config.local_dir == "/dev/shm/ckpt" and config.persist_interval == 10 and config.local_fallback == "rank"
+    assert config.local_dir == "/dev/shm/ckpt" and config.persist_interval == 1000 and config.local_fallback == "rank"
+    assert config.keep_last == 2  # the launch scripts bound --save explicitly (LAZY_CKPT_KEEP_LAST)
 
 
 def test_no_local_tier_without_the_variable(tmp_path):

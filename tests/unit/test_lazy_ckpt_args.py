@@ -230,6 +230,7 @@ def test_override_iteration_zero_counts_as_given(tmp_path):
         (("--lazy-ckpt-keep-last", "-1"), "--lazy-ckpt-keep-last must be >= 0"),
         (("--lazy-ckpt-keep-every", "-2"), "--lazy-ckpt-keep-every must be >= 0"),
         (("--lazy-ckpt-timeout-s", "0"), "--lazy-ckpt-timeout-s must be > 0"),
+        (("--lazy-ckpt-keep-every", "5"), "--lazy-ckpt-keep-every needs --lazy-ckpt-keep-last >= 1"),
     ],
 )
 def test_numeric_bounds_name_the_flag(tmp_path, argv, text):
