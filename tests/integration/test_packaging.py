@@ -139,7 +139,7 @@ def test_wheel_metadata_has_version_urls_and_the_export_extra(wheel):
         meta = z.read(next(n for n in z.namelist() if n.endswith(".dist-info/METADATA"))).decode()
     assert f"\nVersion: {__version__}\n" in meta and wheel.name.startswith(f"datastates_megatron-{__version__}-")
     urls = dict(line.split(": ", 1)[1].split(", ", 1) for line in meta.splitlines() if line.startswith("Project-URL:"))
-    assert {"Source", "Issues", "Changelog"} <= set(urls) and all(u.startswith("https://") for u in urls.values())
+    assert {"Paper", "DataStates-LLM"} <= set(urls) and all(u.startswith("https://") for u in urls.values())
     requires = [line.split(":", 1)[1].strip() for line in meta.splitlines() if line.startswith("Requires-Dist:")]
     assert any(r.startswith("psutil") and 'extra == "megatron"' in r for r in requires), requires
 
