@@ -323,16 +323,16 @@ def _nothing(root, outside):
 
 
 ATTACKS = [
-    Attack("manifest -> /dev/zero: ls", _dev_zero_manifest, op_ls, "rc 0"),
+    Attack("manifest -> /dev/zero: ls", _dev_zero_manifest, op_ls, "rc 1"),
     Attack("manifest -> /dev/zero: load", _dev_zero_manifest, op_load, "refused"),
-    Attack("manifest is a FIFO: ls", _fifo_manifest, op_ls, "rc 0"),
+    Attack("manifest is a FIFO: ls", _fifo_manifest, op_ls, "rc 1"),
     Attack("manifest is a FIFO: verify", _fifo_manifest, op_verify, "rc 1"),
     Attack("manifest is a FIFO: start-up", _fifo_manifest, op_start_and_save, "saved"),
     Attack("tracker -> /dev/zero: ls", _dev_zero_tracker, op_ls, "rc 0"),
     Attack(
-        "world_size 10^12, bad checksum: ls", _resealed(lambda b: b.update(world_size=10**12), False), op_ls, "rc 0"
+        "world_size 10^12, bad checksum: ls", _resealed(lambda b: b.update(world_size=10**12), False), op_ls, "rc 1"
     ),
-    Attack("manifest nested 1,500 deep: ls", _raw_manifest("[" * 1500 + "]" * 1500), op_ls, "rc 0"),
+    Attack("manifest nested 1,500 deep: ls", _raw_manifest("[" * 1500 + "]" * 1500), op_ls, "rc 1"),
     Attack("manifest nested 1,500 deep: start-up", _raw_manifest("[" * 1500 + "]" * 1500), op_start_and_save, "saved"),
     Attack("manifest is a directory: start-up", _manifest_dir, op_start_and_save, "saved"),
     Attack('resealed "file": 123: verify', _resealed(lambda b: b["ranks"][0].update(file=123)), op_verify, "rc 1"),
@@ -361,7 +361,7 @@ ATTACKS = [
     Attack("lock file hard-linked to a file outside: start-up", _hard_linked_lock, op_start_and_save, "refused"),
     Attack("cp -al backup of the checkpoints: recycling saves", _cp_al_backup, op_start_and_save_recycling, "saved"),
     # crafted files under the size caps (issue 33): each within 64 MiB + 2x its bytes and 2 s per 64 MiB
-    Attack("64 MiB manifest [{},{},...]: ls", _dense_manifest, op_ls, "rc 0"),
+    Attack("64 MiB manifest [{},{},...]: ls", _dense_manifest, op_ls, "rc 1"),
     Attack("64 MiB manifest [{},{},...]: verify", _dense_manifest, op_verify, "rc 1"),
     Attack("64 MiB manifest [{},{},...]: load", _dense_manifest, op_load, "refused"),
     Attack("64 MiB manifest [{},{},...]: start-up, 4 commits", _dense_manifest, op_start_and_save_many, "saved"),

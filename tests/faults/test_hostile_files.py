@@ -138,7 +138,7 @@ def test_a_manifest_or_tracker_that_is_a_fifo_does_not_hang(root, capsys):
         with pytest.raises(CorruptCheckpointError, match="not a regular file"):
             read_manifest(iter_dir(str(root), 2))
         assert "not a regular file" in _ls_damaged(root)
-        assert _cli(capsys, "ls", root)[0] == EXIT_OK
+        assert _cli(capsys, "ls", root)[0] == EXIT_DAMAGED
         assert _cli(capsys, "inspect", iter_dir(str(root), 2))[0] == EXIT_DAMAGED
         assert _cli(capsys, "verify", iter_dir(str(root), 2))[0] == EXIT_DAMAGED
         with CheckpointManager(str(root), EngineOptions(cache_bytes=64 << 10, timeout_s=30)):
@@ -154,7 +154,7 @@ def test_a_deeply_nested_manifest_is_corrupt_not_a_recursion_error(root, capsys)
         read_manifest(iter_dir(str(root), 2))
     assert _manifest(root) in str(e.value)
     _ls_damaged(root)
-    assert _cli(capsys, "ls", root)[0] == EXIT_OK
+    assert _cli(capsys, "ls", root)[0] == EXIT_DAMAGED
     assert _cli(capsys, "inspect", iter_dir(str(root), 2))[0] == EXIT_DAMAGED
 
 
@@ -165,7 +165,7 @@ def test_a_manifest_that_is_a_directory_is_damaged_for_ls_and_start_up(root, cap
         read_manifest(iter_dir(str(root), 2))
     assert "not a regular file" in _ls_damaged(root)
     code, out, _ = _cli(capsys, "ls", root)
-    assert code == EXIT_OK and "DAMAGED" in out
+    assert code == EXIT_DAMAGED and "DAMAGED" in out
     assert _cli(capsys, "verify", iter_dir(str(root), 2))[0] == EXIT_DAMAGED
     with CheckpointManager(str(root), EngineOptions(cache_bytes=64 << 10, timeout_s=30)):
         pass
@@ -232,7 +232,7 @@ def test_a_resealed_manifest_with_a_bad_field_is_corrupt_and_names_it(root, caps
     assert _manifest(root) in str(e.value)
     for command in ("inspect", "verify"):
         assert _cli(capsys, command, iter_dir(str(root), 2))[0] == EXIT_DAMAGED
-    assert _cli(capsys, "ls", root)[0] == EXIT_OK
+    assert _cli(capsys, "ls", root)[0] == EXIT_DAMAGED
 
 
 @pytest.mark.parametrize("text", ["\u00b2", "1\u0661", " 12 3", "-1", "0x10"])
@@ -264,7 +264,7 @@ def test_an_iteration_directory_that_is_a_symlink_is_damaged_not_committed(root,
         tier_mod.latest_committed(str(root))
     assert iter_dir(str(root), 3) in str(e.value)
     assert "symlink" in _ls_damaged(root, 3)
-    assert _cli(capsys, "ls", root)[0] == EXIT_OK
+    assert _cli(capsys, "ls", root)[0] == EXIT_DAMAGED
     with CheckpointManager(str(root), EngineOptions(cache_bytes=64 << 10, timeout_s=30), keep_last=1):
         pass
     assert os.path.islink(iter_dir(str(root), 3))

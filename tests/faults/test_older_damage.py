@@ -76,7 +76,7 @@ def test_resuming_skips_an_older_linked_and_an_older_damaged_iteration_with_a_wa
 
 def test_ls_reports_the_older_ones_damaged_and_names_the_latest(three, capsys):
     root, _ = three
-    assert main(["ls", str(root)]) == 0
+    assert main(["ls", str(root)]) == 1  # a damaged manifest: exit 1, as the help says
     out = capsys.readouterr().out
     assert "latest: 3" in out and out.count("DAMAGED") == 2 and "symlink" in out
 
