@@ -53,7 +53,6 @@ from .worker_process import run_worker, sigterm_raises
 
 __all__ = [
     "FORMATS",
-    "CONTENT_METADATA",
     "ExportError",
     "OutputExistsError",
     "consolidate",
@@ -63,14 +62,6 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
-
-# as Megatron-LM's _build_sharded_state_dict_metadata, with the optimizer format that megatron-core can
-# load at any TP/PP/DP ("fully_sharded_model_space" raises on flattened ranges in 0.16.1)
-CONTENT_METADATA = {
-    "distrib_optim_sharding_type": "fully_reshardable",
-    "singleton_local_shards": False,
-    "chained_optim_avoid_prefix": True,
-}
 
 
 class ExportError(CheckpointError, RuntimeError):
