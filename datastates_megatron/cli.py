@@ -3,7 +3,7 @@
 
 Layering: ``list``, ``inspect`` and ``verify`` read checkpoints through ``engine`` only (manifest,
 rank-file reader, restore's ``open_rank``), import no megatron and never write.  ``export`` hands over
-to :mod:`.megatron.export` (imported only then; ``--format torch_dist`` needs megatron-core), which
+to :mod:`.megatron.export` (imported only then; ``--format torch_dist`` runs a Megatron-LM checkout), which
 writes only under OUT_DIR.  Each read-only subcommand gathers a plain dict (the ``--json`` document,
 stable keys) and renders it as text otherwise.  The gathering functions are public and raise
 ``NoCheckpointError`` (path missing / not a checkpoint), ``CorruptCheckpointError`` (damaged manifest)
@@ -841,15 +841,20 @@ def _build_parser() -> argparse.ArgumentParser:
 
     exp = sub.add_parser(
         "export",
+        usage="%(prog)s [options] CKPT_DIR OUT_DIR [-- TRAINING_FLAGS...]",
         formatter_class=fmt,
         epilog=_EPILOG,
         help="write a checkpoint in another format",
         description=(
             "Convert a committed checkpoint: --format torch writes one consolidated torch.save file (full\n"
-            "parameters, per-parameter optimizer state, non-tensor state) for inspection or conversion;\n"
-            "--format torch_dist writes a megatron-core dist_checkpointing checkpoint that megatron-core\n"
-            "loads with its own resharding across TP/PP/DP (the path for a changed TP or PP size).\n"
-            "Every byte read is checksum-verified unless --no-verify.  Prints the path written."
+            "parameters, per-parameter optimizer state, non-tensor state) for inspection or conversion,\n"
+            "without Megatron-LM (TP=PP=1 checkpoints); --format torch_dist writes Megatron-LM's own\n"
+            "dist_checkpointing checkpoint, which megatron-core loads at any TP/PP/DP (the path for a\n"
+            "changed TP or PP size), by running Megatron-LM itself with --lazy-ckpt-convert-to on CPU\n"
+            "ranks: any model and layout Megatron-LM saves.  Every byte read is checksum-verified unless\n"
+            "--no-verify.  Prints the path written.\n\n"
+            "  datastates-ckpt export SAVE_DIR OUT_DIR --megatron-lm ~/Megatron-LM -- \\\n"
+            "      --num-layers 2 --hidden-size 64 ... --transformer-impl local --tensor-model-parallel-size 2"
         ),
     )
     from .megatron.export_args import add_export_arguments
@@ -895,6 +900,26 @@ def _add_patch_command(sub, fmt) -> None:
     patching.add_arguments(pat)
 
 
+def _check_export(args: argparse.Namespace, flags: list[str]) -> None:
+    """The export's usage errors, before anything heavy is imported."""
+    from .megatron.export_args import locate_script
+
+    args.training_flags = flags
+    if args.format == "torch":
+        if flags:
+            raise CliUsageError("export --format torch runs no Megatron-LM: give no training flags after --")
+        return
+    try:
+        locate_script(args.megatron_lm, args.script)
+    except ValueError as e:
+        raise CliUsageError(str(e)) from None
+    if not flags:
+        raise CliUsageError(
+            "export --format torch_dist needs the training flags of the run that wrote the checkpoint after "
+            "`--` (model shape, parallel layout, precision, tokenizer)"
+        )
+
+
 def _emit(doc: dict) -> None:
     json.dump(doc, sys.stdout, indent=1, sort_keys=True, default=str)
     sys.stdout.write("\n")
@@ -902,7 +927,15 @@ def _emit(doc: dict) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``datastates-ckpt`` console script; returns the exit status."""
-    args = _build_parser().parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    flags = None
+    if "--" in argv:  # export's training flags: split off before argparse, which mangles them
+        at = argv.index("--")
+        argv, flags = argv[:at], argv[at + 1 :]
+    parser = _build_parser()
+    args = parser.parse_args(argv)
+    if flags is not None and args.command != "export":
+        parser.error(f"{args.command} takes no arguments after --")
     try:
         if args.command == "ls":
             doc = list_checkpoints(args.save_dir)
@@ -916,6 +949,7 @@ def main(argv: list[str] | None = None) -> int:
 
             return patch(args)
         if args.command == "export":
+            _check_export(args, flags or [])
             from .megatron.export import run_export
 
             return run_export(args)

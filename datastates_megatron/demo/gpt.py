@@ -26,8 +26,8 @@ from typing import Any
 
 import torch
 
-from ..megatron.model_rebuild import build_gpt as build
-from ..megatron.model_rebuild import destroy_distributed, init_distributed, on_cpu
+from .model import build_gpt as build
+from .model import destroy_distributed, init_distributed, on_cpu
 
 __all__ = [
     "init_distributed",

@@ -151,7 +151,7 @@ class LazyCheckpointer:
         self.commits: collections.deque[CommitRecord] = collections.deque(maxlen=1000)
         self.on_commit: list = []  # callables(record, stall_s) run on the training thread after a commit
         self._closed = False
-        self._model_description = model_description(self.model)  # lets `datastates-ckpt export` rebuild the model
+        self._model_description = model_description(self.model)  # the torch export's "model"
         self._refresh()
 
     # ------------------------------------------------------------------ registration and hooks

@@ -1,5 +1,5 @@
-"""Let megatron-core 0.16.1 run on a CPU-only machine (the export's rebuild subprocess, ``cpu_launch``
-and the CPU demo/test harness).
+"""Let megatron-core run on a CPU-only machine (``cpu_launch``: the CPU runs of Megatron-LM and the
+offline torch_dist export's ranks; and the CPU demo/test harness).
 
 .. warning::
    It monkey-patches ``torch.cuda`` and parts of ``megatron.core`` process-wide: install it only in

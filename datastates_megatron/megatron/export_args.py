@@ -3,15 +3,17 @@
 from __future__ import annotations
 
 import argparse
+import os
 
-__all__ = ["FORMATS", "MODEL_KEYS", "add_export_arguments"]
+__all__ = ["DEFAULT_SCRIPT", "FORMATS", "add_export_arguments", "locate_script"]
 
 FORMATS = ("torch", "torch_dist")
-MODEL_KEYS = ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "vocab_size", "bf16")
+DEFAULT_SCRIPT = "pretrain_gpt.py"
 
 
 def add_export_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """The ``datastates-ckpt export`` arguments."""
+    """The ``datastates-ckpt export`` arguments (the training flags after ``--`` are split off by the
+    CLI before parsing: ``args.training_flags``)."""
     parser.add_argument("ckpt_dir", help="checkpoint root (its latest committed iteration) or an iter_* directory")
     parser.add_argument(
         "out_dir", help="output directory (torch: OUT_DIR/iter_N.pt; torch_dist: OUT_DIR/iter_N/ + tracker)"
@@ -21,23 +23,53 @@ def add_export_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
         dest="format",
         choices=FORMATS,
         default="torch_dist",
-        help="torch: one consolidated torch.save file; torch_dist: megatron-core dist_checkpointing (default)",
+        help="torch: one consolidated torch.save file (needs no Megatron-LM; TP=PP=1 checkpoints); "
+        "torch_dist: Megatron-LM's own dist_checkpointing format, any layout (default)",
     )
     parser.add_argument(
         "--iteration", type=int, default=None, help="export this iteration instead of the latest committed"
-    )
-    parser.add_argument(
-        "--timeout-s", type=float, default=600.0, help="kill the torch_dist rebuild/save subprocess after this"
     )
     parser.add_argument("--no-verify", action="store_true", help="skip checksum verification of the data read")
     parser.add_argument(
         "--json", action="store_true", help='print {"path", "format", "iteration"} as JSON instead of the path'
     )
-    g = parser.add_argument_group("model (torch_dist; default: the description stored in the checkpoint)")
-    g.add_argument("--num-layers", type=int, default=None)
-    g.add_argument("--hidden-size", type=int, default=None)
-    g.add_argument("--num-attention-heads", type=int, default=None)
-    g.add_argument("--seq-length", type=int, default=None, help="max sequence length (position embeddings)")
-    g.add_argument("--vocab-size", type=int, default=None)
-    g.add_argument("--bf16", action="store_true", default=None, help="the model was trained in bf16")
+    g = parser.add_argument_group(
+        "torch_dist (Megatron-LM's own --lazy-ckpt-convert-to, run on CPU ranks)",
+        "Runs SCRIPT of the Megatron-LM checkout with the training flags given after `--` (those of the run\n"
+        "that wrote the checkpoint; on CPU its model needs --transformer-impl local) on as many gloo CPU\n"
+        "ranks as the checkpoint's world size, with --load, --ckpt-step, --save (a scratch directory),\n"
+        "--lazy-ckpt and --lazy-ckpt-convert-to set by the export.  No GPU is used.",
+    )
+    g.add_argument(
+        "--megatron-lm",
+        metavar="DIR",
+        default=None,
+        help="the Megatron-LM checkout (patched or not) to run (default: $MEGATRON_LM_DIR)",
+    )
+    g.add_argument(
+        "--script",
+        default=DEFAULT_SCRIPT,
+        help="its training script that built the model, relative to DIR (default: %(default)s)",
+    )
+    g.add_argument(
+        "--timeout-s", type=float, default=600.0, help="kill the ranks after this many seconds (default: %(default)s)"
+    )
     return parser
+
+
+def locate_script(megatron_lm: str | None, script: str) -> str:
+    """``script`` in the Megatron-LM checkout ``megatron_lm`` (else ``$MEGATRON_LM_DIR``), absolute;
+    ``ValueError`` naming what is missing otherwise."""
+    tree = megatron_lm or os.environ.get("MEGATRON_LM_DIR")
+    if not tree:
+        raise ValueError(
+            "the torch_dist export runs Megatron-LM's own script: pass --megatron-lm DIR (a Megatron-LM "
+            "checkout) or set MEGATRON_LM_DIR"
+        )
+    where = "--megatron-lm" if megatron_lm else "MEGATRON_LM_DIR="
+    path = os.path.join(os.path.abspath(tree), script)
+    if not os.path.isdir(os.path.join(tree, "megatron")):
+        raise ValueError(f"{where}{' ' if megatron_lm else ''}{tree}: not a Megatron-LM checkout (no megatron/)")
+    if not os.path.isfile(path):
+        raise ValueError(f"{where}{' ' if megatron_lm else ''}{tree}: no training script {path}")
+    return path

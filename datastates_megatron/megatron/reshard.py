@@ -49,7 +49,7 @@ __all__ = ["EXPORT_HINT", "CONVERT_HINT", "check_layout", "CheckpointIndex", "Re
 
 log = logging.getLogger(__name__)
 
-EXPORT_HINT = "datastates-ckpt export {ckpt} OUT_DIR --format torch_dist"
+EXPORT_HINT = "datastates-ckpt export {ckpt} OUT_DIR --megatron-lm DIR -- TRAINING_FLAGS"  # the same, on CPU ranks
 CONVERT_HINT = "--load {ckpt} --lazy-ckpt-convert-to OUT_DIR"  # in a Megatron-LM run with the checkpoint's layout
 _RESHARDABLE_ONLY_DP = ("tp", "pp", "cp", "ep")  # must be 1 (and equal) for a DP reshard
 _OPT_NAME = re.compile(r"^opt(\d+)\.g(\d+)\.p(\d+)\.")
@@ -82,13 +82,12 @@ def check_layout(manifest: Manifest, ckpt: str, world_size: int, layout: dict) -
     elif any(layout.get(k, 1) != 1 for k in _RESHARDABLE_ONLY_DP):
         reasons.append("resharding across data-parallel sizes needs TP=PP=CP=EP=1")
     if reasons:
-        simple = not any(manifest.layout.get(k, 1) != 1 for k in _RESHARDABLE_ONLY_DP)
         raise LayoutMismatchError(
             f"{ckpt}: checkpoint layout differs from this run: {'; '.join(diffs)}. {reasons[0].capitalize()}; "
             f"to change the parallel layout, convert the checkpoint to Megatron's torch_dist format in a "
             f"Megatron-LM run with the checkpoint's own layout (`{CONVERT_HINT.format(ckpt=_root_of(ckpt))}`), "
             f"then start this layout with `--load OUT_DIR` (megatron-core reshards it; later saves are lazy)"
-            + (f"; without Megatron-LM: `{hint}`" if simple else "")
+            + f"; or offline, without a GPU: `{hint}` (the flags with the checkpoint's layout)"
         )
     return True
 

@@ -354,8 +354,8 @@ def _unwrap(module):
 
 
 def model_description(model_chunks) -> dict | None:
-    """What :func:`.model_rebuild.rebuild` needs to rebuild this model (stored with every checkpoint);
-    ``None`` when the model does not look like a megatron-core GPT."""
+    """The model's shape (stored with every checkpoint, shown by ``datastates-ckpt inspect`` and the
+    ``torch`` export); ``None`` when the model does not look like a megatron-core GPT."""
     chunks = list(model_chunks) if isinstance(model_chunks, (list, tuple)) else [model_chunks]
     if not chunks:
         return None

@@ -10,7 +10,6 @@ bit (test_lazy_checkpointer) — to within float tolerance (reductions run in an
 """
 
 import importlib.util
-import json
 import os
 
 import pytest
@@ -178,16 +177,16 @@ def test_changed_tensor_parallel_size_is_refused_naming_the_conversions(dp2):
         err = r["error"]
         assert err.startswith("LayoutMismatchError") and "tp=1 in checkpoint, 2 now" in err, err
         assert f"--load {d / 'ckpt'} --lazy-ckpt-convert-to OUT_DIR" in err, err
-        assert f"datastates-ckpt export {d / 'ckpt'} OUT_DIR --format torch_dist" in err, err
+        assert f"datastates-ckpt export {d / 'ckpt'} OUT_DIR --megatron-lm DIR -- TRAINING_FLAGS" in err, err
 
 
 @needs_megatron
-def test_export_torch_and_torch_dist(dp2, tmp_path, capfd):
-    from datastates_megatron.cli import main
+def test_export_torch(dp2, tmp_path):
+    """The consolidated ``torch`` export (no Megatron-LM): every element equal to what the DP=2 run held.
+    (The ``torch_dist`` export runs Megatron-LM: tests/integration/test_torch_dist_bridge.py.)"""
     from datastates_megatron.megatron.export import export
 
     d, _ = dp2
-    # torch: one consolidated file, every element equal to what the DP=2 run held
     path = export(str(d / "ckpt"), str(tmp_path / "torch"), "torch", iteration=3)
     state = torch.load(path, weights_only=False)
     ref = [torch.load(d / "ref" / f"rank{r}.pt", weights_only=True) for r in range(2)]
@@ -200,18 +199,6 @@ def test_export_torch_and_torch_dist(dp2, tmp_path, capfd):
                     assert torch.equal(state["optimizer"][name][key].view(-1)[start:end], st[key].view(-1)), (name, key)
                 assert float(state["optimizer"][name]["step"]) == float(st["step"])
     assert state["iteration"] == 3 and state["model"]["num_layers"] == 2 and state["layout"]["dp"] == 2
-    # torch_dist: megatron-core's own loader fills a fresh model + optimizer with the same values
-    # through the CLI: --json on stdout, the worker's output streamed to stderr as it runs
-    code = main(["export", str(d / "ckpt"), str(tmp_path / "dist"), "--iteration", "3", "--timeout-s", "240", "--json"])
-    got, err = capfd.readouterr()
-    assert code == 0, err[-3000:]
-    doc = json.loads(got)
-    out = doc["path"]
-    assert doc == {"path": str(tmp_path / "dist" / "iter_0000003"), "format": "torch_dist", "iteration": 3}
-    assert "export worker: rebuilt the model" in err and "export worker: loaded iteration 3" in err, err[-3000:]
-    assert open(tmp_path / "dist" / "latest_checkpointed_iteration.txt").read().strip() == "3"
-    (loaded,) = _ok(run_ranks(WORKER, 1, ["load_dist", "--load", out, "--ref-in", str(d / "ref")], timeout=240))
-    assert loaded["mismatches"] == [] and loaded["iteration"] == 3, json.dumps(loaded)
 
 
 # ---------------------------------------------------------------------------------------------- engine

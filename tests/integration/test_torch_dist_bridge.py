@@ -1,8 +1,9 @@
 """Megatron-LM's own ``torch_dist`` format, both ways, in the real ``pretrain_gpt.py`` on CPU ranks.
 
 * A checkpoint Megatron-LM saved itself is continued as a lazy run, exported back to ``torch_dist``
-  (``--lazy-ckpt-convert-to``) and continued again: every iteration and the final state equal a run
-  that never stopped, to the bit.
+  (``--lazy-ckpt-convert-to``, and offline by ``datastates-ckpt export``: the same tensors) and
+  continued again from the offline export: every iteration and the final state equal a run that
+  never stopped, to the bit.
 * A lazy checkpoint of a TP=2 x PP=2 run, exported, is loaded by megatron-core at TP=1 PP=1 (and
   that one back at TP=2 PP=2): both hold the same full tensors, model and optimizer state.
 
@@ -13,6 +14,10 @@ Megatron-LM cannot resume its own ``torch_dist`` checkpoint on CPU (torch's Adam
 from __future__ import annotations
 
 import hashlib
+import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -20,7 +25,16 @@ import torch
 
 from datastates_megatron.engine.foreign import foreign_format
 from datastates_megatron.engine.manifest import read_tracker_text
-from tests.integration.megatron_lm_runs import LAZY, MEGATRON_LM_DIR, RANKS, assert_same_training, latest, launch
+from tests.integration.megatron_lm_runs import (
+    CPU_ONLY,
+    LAZY,
+    MEGATRON_LM_DIR,
+    RANKS,
+    TINY,
+    assert_same_training,
+    latest,
+    launch,
+)
 
 pytestmark = pytest.mark.skipif(
     not MEGATRON_LM_DIR,
@@ -60,6 +74,18 @@ def _export(tmp: Path, name: str, load: Path, target: Path, layout: list[str], n
     )
     assert run.returncode == 0, run.describe()
     return run
+
+
+def _export_offline(lazy: Path, target: Path, flags: list[str]) -> dict:
+    """``datastates-ckpt export --format torch_dist``: the training flags of the run that wrote ``lazy``
+    (its layout: the ranks are as many as its world size), on CPU ranks whatever the machine."""
+    cli = [sys.executable, "-m", "datastates_megatron.cli", "export", str(lazy), str(target), "--json"]
+    cli += ["--megatron-lm", MEGATRON_LM_DIR, "--timeout-s", "240", "--", *CPU_ONLY, *TINY, *flags]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    done = subprocess.run(cli, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-6000:]
+    assert "export: rank 1 started" in done.stderr and "exported iteration" in done.stderr, done.stderr[-3000:]
+    return json.loads(done.stdout)
 
 
 def _reference_and_megatrons_own_save(tmp: Path, flags: list[str], fmt: str):
@@ -106,10 +132,20 @@ def test_megatron_checkpoint_continued_lazily_then_exported_and_continued_is_bit
     _export(tmp_path, "export", lazy, exported, flags, nproc=RANKS)
     assert read_tracker_text(str(exported)) == "6"
     assert foreign_format(str(exported / "iter_0000006")) == "torch_dist"
+    want = _full_tensors(exported / "iter_0000006")
     if precision == "fp32":
-        _assert_optimizer_params_are_the_weights(_full_tensors(exported / "iter_0000006"))
+        _assert_optimizer_params_are_the_weights(want)
+    # offline: the same conversion, driven by the CLI; Megatron-LM continues from its output
+    offline = tmp_path / "offline"
+    doc = _export_offline(lazy, offline, [*common])
+    assert doc == {"path": str(offline / "iter_0000006"), "format": "torch_dist", "iteration": 6}
+    assert read_tracker_text(str(offline)) == "6" and sorted(os.listdir(offline)) == [
+        "iter_0000006",
+        "latest_checkpointed_iteration.txt",
+    ]
+    _assert_same_tensors(_full_tensors(offline / "iter_0000006"), want, "offline export vs --lazy-ckpt-convert-to")
 
-    again = launch(tmp_path, "again", [*common, "--load", str(exported), "--save", str(tmp_path / "lazy2")])
+    again = launch(tmp_path, "again", [*common, "--load", str(offline), "--save", str(tmp_path / "lazy2")])
     assert again.returncode == 0, again.describe()
     assert "imported Megatron torch_dist checkpoint of iteration 6" in again.log
     assert_same_training(again, reference, range(7, ITERS + 1))

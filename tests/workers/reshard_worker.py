@@ -12,8 +12,6 @@ Scenarios (each prints ``RESULT <json>`` on every rank):
   after it, a reference of every full parameter and of this rank's main params / Adam states (taken
   with megatron-core's own accessors, not our metadata) to ``--ref-out``.  Reports every loss.
 * ``tp2``: the same model with tensor-parallel size 2; ``load()`` must refuse.
-* ``load_dist``: 1 rank: a fresh model + optimizer, ``dist_checkpointing.load`` of an exported
-  ``torch_dist`` checkpoint ``--load``, compare every element with the reference ``--ref-in``.
 """
 
 import argparse
@@ -31,7 +29,7 @@ MODEL = dict(num_layers=2, hidden=64, heads=4, seq_len=32, vocab=256)
 
 def _args():
     p = argparse.ArgumentParser()
-    p.add_argument("scenario", choices=["run", "tp2", "load_dist"])
+    p.add_argument("scenario", choices=["run", "tp2"])
     p.add_argument("--load", default=None)
     p.add_argument("--load-at", type=int, default=None)
     p.add_argument("--ref-in", default=None)
@@ -147,11 +145,6 @@ def main():
     gpt.init_distributed(seed=a.seed)
     rank = torch.distributed.get_rank()
     result = {"rank": rank, "dp": gpt.dp_size()}
-    if a.scenario == "load_dist":
-        result.update(_load_dist(a))
-        print("RESULT " + json.dumps(result), flush=True)
-        gpt.destroy_distributed()
-        return
     chunks, opt = _build(a, a.seed if a.load is None else a.seed + 1)
     sched = gpt.make_scheduler(opt, lr=1e-3, warmup_steps=2, decay_steps=100)
     save_dir = a.save or f"{os.path.normpath(a.load)}-scratch-dp{gpt.dp_size()}"
@@ -206,38 +199,6 @@ def _timed(fn, out: dict):
         return res
 
     return wrapper
-
-
-def _load_dist(a) -> dict:
-    from megatron.core import dist_checkpointing
-
-    chunks, opt = _build(a, a.seed + 2)
-    # a fresh optimizer has no Adam state yet; megatron-core's load path fills it with a step on zero grads
-    for do in opt.chained_optimizers:
-        do._init_optimizer_states_with_dummy_values()
-    metadata = dist_checkpointing.load_content_metadata(a.load)  # as Megatron-LM's load_checkpoint does
-    model_sd = chunks[0].module.sharded_state_dict(metadata=metadata)
-    sd = {"model": model_sd, "optimizer": opt.sharded_state_dict(model_sd, is_loading=True, metadata=metadata)}
-    loaded = dist_checkpointing.load(sd, a.load)
-    chunks[0].module.load_state_dict(loaded["model"])
-    _load_optimizer(opt, loaded["optimizer"])
-    return {"mismatches": compare_with_reference(chunks, opt, a.ref_in)[:20], "iteration": loaded.get("iteration")}
-
-
-def _load_optimizer(opt, state):
-    """``opt.load_state_dict(state)``, working around megatron-core 0.16.1 on the torch-Adam path (no
-    TE/Apex): ``_set_main_param_and_optimizer_states`` copies every key of the live state, and torch
-    Adam's per-param ``step`` is not in a ``fully_reshardable`` param state (KeyError 'step').  The
-    step comes from ``param_groups`` instead, as megatron-core intends."""
-    (do,) = opt.chained_optimizers
-    state = dict(state)
-    param_state = state.pop("param_state")
-    assert state.pop("param_state_sharding_type") == "fully_reshardable"
-    do.load_state_dict(state)  # param groups, step (one shared tensor: megatron's torch-Adam path)
-    steps = {p: st.pop("step") for p, st in do.optimizer.state.items()}
-    do.load_parameter_state_from_fully_reshardable(param_state)
-    for p, step in steps.items():
-        do.optimizer.state[p]["step"] = step.clone()  # one tensor per param again
 
 
 if __name__ == "__main__":

@@ -1,9 +1,6 @@
-"""Build the GPT a lazy checkpoint describes: megatron-core ``GPTModel`` (local layer spec, learned
-absolute positions, tied embeddings, ``ffn_hidden_size = 4 * hidden``) + DDP + DistributedOptimizer,
-TP=PP=1, as Megatron-LM's ``get_model`` / ``get_megatron_optimizer`` do.
-
-The ``torch_dist`` export rebuilds a checkpoint's model with :func:`rebuild` (one CPU rank); the
-CPU demo/test harness (:mod:`datastates_megatron.demo.gpt`) trains with :func:`build_gpt`.
+"""The demo/test harness's GPT: megatron-core ``GPTModel`` (local layer spec, learned absolute
+positions, tied embeddings, ``ffn_hidden_size = 4 * hidden``) + DDP + DistributedOptimizer, TP=PP=1,
+as Megatron-LM's ``get_model`` / ``get_megatron_optimizer`` do (:mod:`.gpt` trains it).
 Not thread-safe: one thread per process (the CPU shim's device rewriting is thread-local).
 """
 
@@ -15,9 +12,9 @@ from typing import Any
 
 import torch
 
-from . import cuda_on_cpu
+from ..megatron import cuda_on_cpu
 
-__all__ = ["on_cpu", "init_distributed", "destroy_distributed", "build_gpt", "rebuild"]
+__all__ = ["on_cpu", "init_distributed", "destroy_distributed", "build_gpt"]
 
 
 def on_cpu() -> bool:
@@ -174,18 +171,3 @@ def build_gpt(
     )
     optimizer = get_megatron_optimizer(opt_config, model_chunks)
     return model_chunks, optimizer
-
-
-def rebuild(description: dict, *, seed: int = 1234) -> tuple[list[Any], Any]:
-    """:func:`build_gpt` for a stored model description (``shards.model_description``, with the
-    keys of ``export_args.MODEL_KEYS`` filled in)."""
-    m = description
-    return build_gpt(
-        m["num_layers"],
-        m["hidden_size"],
-        m["num_attention_heads"],
-        m["seq_length"],
-        m["vocab_size"],
-        bf16=bool(m["bf16"]),
-        seed=seed,
-    )

@@ -1,0 +1,75 @@
+"""``datastates-ckpt export``'s usage errors: one line, exit 2, before anything starts or is written."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from datastates_megatron.cli import EXIT_USAGE, main
+from datastates_megatron.engine import EngineOptions
+from datastates_megatron.engine.manager import CheckpointManager
+from datastates_megatron.megatron.export import rank_command
+
+
+@pytest.fixture
+def saved(tmp_path):
+    root = tmp_path / "ckpt"
+    with CheckpointManager(str(root), EngineOptions(cache_bytes=1 << 20, timeout_s=30), keep_last=0) as mgr:
+        mgr.register("w", torch.zeros(4))
+        mgr.save(1, {"iteration": 1})
+        mgr.wait()
+    return root
+
+
+@pytest.fixture
+def tree(tmp_path):
+    root = tmp_path / "megatron-lm"
+    (root / "megatron").mkdir(parents=True)
+    (root / "pretrain_gpt.py").write_text("")
+    return root
+
+
+CASES = {
+    "no tree": ([], "pass --megatron-lm DIR (a Megatron-LM checkout) or set MEGATRON_LM_DIR"),
+    "not a checkout": (["--megatron-lm", "{tmp}"], "not a Megatron-LM checkout (no megatron/)"),
+    "no script": (["--megatron-lm", "{tree}", "--script", "pretrain_t5.py"], "no training script"),
+    "no flags": (["--megatron-lm", "{tree}"], "needs the training flags of the run that wrote the checkpoint"),
+    "torch with flags": (["--format", "torch", "--", "--num-layers", "2"], "runs no Megatron-LM"),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_export_usage_errors_are_one_line(case, saved, tree, tmp_path, monkeypatch, capsys):
+    monkeypatch.delenv("MEGATRON_LM_DIR", raising=False)
+    args, message = CASES[case]
+    args = [a.format(tmp=tmp_path, tree=tree) for a in args]
+    if case in ("no tree", "not a checkout", "no script"):
+        args += ["--", "--num-layers", "2"]
+    out = tmp_path / "out"
+    assert main(["export", str(saved), str(out), *args]) == EXIT_USAGE
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and message in err, err
+    assert not out.exists()
+
+
+def test_the_tree_comes_from_megatron_lm_dir(saved, tree, tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("MEGATRON_LM_DIR", str(tmp_path / "elsewhere"))
+    assert main(["export", str(saved), str(tmp_path / "out"), "--", "--num-layers", "2"]) == EXIT_USAGE
+    assert f"MEGATRON_LM_DIR={tmp_path / 'elsewhere'}: not a Megatron-LM checkout" in capsys.readouterr().err
+
+
+def test_other_commands_take_nothing_after_the_separator(saved, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["ls", str(saved), "--", "--num-layers", "2"])
+    assert e.value.code == EXIT_USAGE and "ls takes no arguments after --" in capsys.readouterr().err
+
+
+def test_the_conversion_flags_come_after_the_runs_own(tmp_path):
+    """argparse keeps an option's last value: --load, --save and the conversion target are the export's."""
+    cmd = rank_command("/m/pretrain_gpt.py", ["--load", "/old", "--save", "/old"], "/ckpt", 7, str(tmp_path), True)
+    i = cmd.index("/m/pretrain_gpt.py")
+    flags = cmd[i + 1 :]
+    last = {flag: flags[len(flags) - 1 - flags[::-1].index(flag) + 1] for flag in ("--load", "--save", "--ckpt-step")}
+    assert last == {"--load": "/ckpt", "--save": str(tmp_path / "scratch"), "--ckpt-step": "7"}
+    assert flags[-2:] == ["--lazy-ckpt-convert-to", str(tmp_path / "converted")] and "--lazy-ckpt" in flags
+    assert flags[flags.index("--distributed-backend") + 1] == "gloo"
