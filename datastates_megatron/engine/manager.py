@@ -25,6 +25,7 @@ from .dirlock import SaveDirLock
 from .errors import CheckpointError, FlushError, NoCheckpointError, OptionsError, SaveDirBusyError
 from .faults import hold_point
 from .foreign import refuse_newer_foreign
+from .global_index import encode_summary
 from .manifest import iter_dir, rank_file_name, read_manifest, save_id
 from .options import EngineOptions, ManagerOptions
 from .load_plan import LoadPlanner, SameLayoutPlanner
@@ -131,9 +132,11 @@ class CheckpointManager(ClosingContext):
         layout: dict | None = None,
         load_root: str | None = None,
         local_root: str | None = None,
+        summarize=None,
         **policy_fields,
     ) -> None:
-        """``policy_fields`` (``keep_last=0``, ``on_error="warn"``, ...) are a short form of
+        """``summarize(tensors, metas) -> dict | None``: this rank's global-index summary of its
+        registered tensors (:mod:`.global_index`; ``None``: no index).  ``policy_fields`` (``keep_last=0``, ``on_error="warn"``, ...) are a short form of
         ``policy=ManagerOptions(...)``: give one or the other."""
         if policy is not None and policy_fields:
             raise TypeError(f"CheckpointManager: give policy= or {sorted(policy_fields)}, not both")
@@ -151,6 +154,8 @@ class CheckpointManager(ClosingContext):
         opts = dataclasses.replace(options or EngineOptions(), rank=self.rank)
         self._seq = 0
         self._closed = False
+        self._summarize = summarize
+        self._summary_stale = summarize is not None
         self.last_commit: CommitRecord | None = None
         self._world = Collective()  # the default group: start-up, restore and tier agreements
         self.token = token = self._agree_token()
@@ -349,9 +354,19 @@ class CheckpointManager(ClosingContext):
     # ------------------------------------------------------------------ registration
     def register(self, name: str, tensor: torch.Tensor, *, group: str = "default", meta: dict | None = None) -> None:
         self.engine.register(name, tensor, group=group, meta=meta)
+        self._summary_stale = self._summarize is not None
 
     def clear(self) -> None:
         self.engine.clear()
+        self._summary_stale = self._summarize is not None
+
+    def _refresh_summary(self) -> None:
+        """This rank's global-index summary, recomputed when its registrations changed."""
+        if not self._summary_stale:
+            return
+        self._summary_stale = False
+        doc = self._summarize(self.engine.registered, self.engine.registered_meta)
+        self.persistent.summary = encode_summary(doc) if doc is not None else None
 
     # ------------------------------------------------------------------ save path
     def save(self, iteration: int, objects=None, metadata: dict | None = None) -> bool:
@@ -362,6 +377,7 @@ class CheckpointManager(ClosingContext):
         hold_point("save")
         self._surface_errors()
         self._seq += 1
+        self._refresh_summary()
         tier = self._first_tier
         d = iter_dir(tier.root, iteration)
         error = None

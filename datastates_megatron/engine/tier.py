@@ -32,6 +32,7 @@ from .manifest import (
     rank_file_name,
     read_manifest,
 )
+from .global_index import INDEX_NAME
 from .names import is_ours_in_iteration
 from .retention import (
     delete_checkpoint,
@@ -132,7 +133,7 @@ class Survey:
 
     def strays(self, iteration: int) -> list[str]:
         """Entries of committed ``iteration``'s directory that we wrote and its manifest does not name."""
-        named = {MANIFEST_NAME, *(r.file for r in self.committed[iteration].ranks)}
+        named = {MANIFEST_NAME, INDEX_NAME, *(r.file for r in self.committed[iteration].ranks)}
         return [n for n in _entries(iter_dir(self.root, iteration)) if n not in named and is_ours_in_iteration(n)]
 
 
@@ -299,6 +300,9 @@ class Tier:
         self.committer = None
         self.promotion = None
         self.replication = None  # set by the manager: copies each local commit to partner ranks
+        # this rank's global-index summary (:mod:`.global_index`): ``(bytes, checksum)``, set by the
+        # manager; its commits send it (once per change) for the checkpoint's global index
+        self.summary: tuple[bytes, int] | None = None
         self._next_seq = 0
 
     @property
