@@ -199,7 +199,13 @@ class CheckpointManager(ClosingContext):
             if self.local:
                 from .promotion import Promotion
 
-                self.promotion = Promotion(self.local, self.persistent, interval=policy.persist_interval)
+                self.promotion = Promotion(
+                    self.local,
+                    self.persistent,
+                    interval=policy.persist_interval,
+                    slots=policy.promote_slots,
+                    mbps=policy.promote_mbps,
+                )
                 self._restore_chan = StoreChannel(
                     default_store(), self.rank, self.world_size, f"dsm/{token}/restore", opts.timeout_s
                 )

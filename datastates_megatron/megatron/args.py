@@ -224,6 +224,22 @@ def add_lazy_ckpt_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
         "the last one of a run is promoted at exit whatever N (default: %(default)s).",
     )
     g.add_argument(
+        "--lazy-ckpt-promote-slots",
+        type=int,
+        default=d["promote_slots"],
+        metavar="N",
+        help="With --lazy-ckpt-local-dir, at most N ranks of a node copy to --save at once; 0: no cap "
+        "(default: %(default)s).",
+    )
+    g.add_argument(
+        "--lazy-ckpt-promote-mbps",
+        type=float,
+        default=d["promote_mbps"],
+        metavar="MB_S",
+        help="With --lazy-ckpt-local-dir, each rank's copy to --save moves at most MB_S MB/s; 0: no cap "
+        "(default: %(default)s).",
+    )
+    g.add_argument(
         "--lazy-ckpt-local-keep-last",
         type=int,
         default=d["local_keep_last"],
@@ -292,6 +308,8 @@ _FLAG_FIELDS: tuple[tuple[str, str, str], ...] = (
     ("lazy_ckpt_local_fallback", "--lazy-ckpt-local-fallback", "local_fallback"),
     ("lazy_ckpt_recycle_files", "--lazy-ckpt-recycle-files", "recycle_files"),
     ("lazy_ckpt_replicas", "--lazy-ckpt-replicas", "replicas"),
+    ("lazy_ckpt_promote_slots", "--lazy-ckpt-promote-slots", "promote_slots"),
+    ("lazy_ckpt_promote_mbps", "--lazy-ckpt-promote-mbps", "promote_mbps"),
 )
 
 

@@ -49,6 +49,8 @@ class LazyCkptConfig:
     persist_interval: with ``local_dir``, promote every N-th local checkpoint to ``save_dir`` (and the
                      newest at ``close``, whatever N).
     local_keep_last: retention of the local tier.
+    promote_slots / promote_mbps: with ``local_dir``, at most N ranks of a node copy to ``save_dir``
+                     at once (0: no cap), each at most M MB/s (0: no cap).
     recycle_files:   where retention moves retired rank files to a pool that later saves overwrite in
                      place (saves freeing and re-allocating a checkpoint's pages/blocks each time):
                      ``"local"`` the node-local tier only (private to the job); ``"all"`` also the
@@ -89,6 +91,8 @@ class LazyCkptConfig:
     recycle_files: str = "local"
     replicas: int | None = None
     replication_jump: int | None = None
+    promote_slots: int = 2
+    promote_mbps: float = 0.0
 
     def __post_init__(self) -> None:
         problems: list[tuple[str, str]] = []
