@@ -8,7 +8,7 @@ the local tier each node's first rank, sent its node's rows by rank 0) writes ``
 commit point), and rank 0 broadcasts the outcome; the tracker follows.  Otherwise nothing is
 written and every rank learns which ranks failed.  Rank 0 does O(N) work; every other rank sends
 and receives O(1) bytes (a node leader: O(its node's ranks)).
-Then the tier's retention runs, on this thread, so deletions never block training, and the tier's
+Then the tier's retention is handed to its deleter thread (:mod:`.deleter`), and the tier's
 promotion, if any, is offered the checkpoint (:meth:`.tier.Tier.after_commit`).
 
 Thread-safety: ``submit``/``poll``/``drain``/``close`` are called from the training thread; the
@@ -342,6 +342,7 @@ class Committer(QueueThread):
             self._write_index(manifest, cols)
             crash_point("before_manifest", self.rank)
             write_manifest(self.root, manifest)
+            self.tier.manifest_written(manifest)
         except LockLostError as e:
             err = CommitError(f"rank {self.rank}: iteration {ticket.iteration}: not committed: {e}")
             err.__cause__ = e

@@ -454,6 +454,9 @@ class CheckpointManager(ClosingContext):
             if promote_newest and self.promotion is not None:
                 self.promotion.promote_newest()
             self.persistent.committer.drain(timeout)
+        for tier in (self.local, self.persistent) if persist else (self._first_tier,):
+            if tier is not None:  # retention runs off the commit thread: done by the time wait() returns
+                tier.drain_deletions(self.engine.options.timeout_s if timeout is None else timeout)
         return self.poll()
 
     @property

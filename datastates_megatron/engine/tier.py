@@ -21,6 +21,7 @@ import threading
 import time
 
 from .commit import Committer
+from .deleter import Deleter
 from .errors import CheckpointError, CorruptCheckpointError, LockLostError, NoCheckpointError
 from .faults import crash_point
 from .manifest import (
@@ -225,6 +226,22 @@ class _ManifestCache:
                     self._entries.pop(next(iter(self._entries)))
         return got
 
+    def written(self, ckpt_dir: str, manifest: Manifest) -> None:
+        """Remember the manifest this process just wrote to ``ckpt_dir`` (under the directory's lock),
+        racy window or not: it replaced the old one by a rename, so any later change of ours is a new
+        inode, and rank 0's retention does not parse 14 MB (64k ranks) again right after writing it."""
+        path = os.path.join(ckpt_dir, MANIFEST_NAME)
+        try:
+            st = os.lstat(path)
+        except OSError:
+            return
+        key = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_mode)
+        with self._lock:
+            self._entries.pop(path, None)
+            self._entries[path] = (key, manifest)
+            while len(self._entries) > self._MAX:
+                self._entries.pop(next(iter(self._entries)))
+
     def keep_only(self, root: str, ckpt_dirs: list[str]) -> None:
         """Forget the manifests under ``root`` outside ``ckpt_dirs`` (deleted by retention, say): the
         cache holds only what a survey of each root last found."""
@@ -303,6 +320,8 @@ class Tier:
         # this rank's global-index summary (:mod:`.global_index`): ``(bytes, checksum)``, set by the
         # manager; its commits send it (once per change) for the checkpoint's global index
         self.summary: tuple[bytes, int] | None = None
+        self._deleter: Deleter | None = None  # the writer's retention thread (:meth:`_deletions`)
+        self._deleter_lock = threading.Lock()
         self._next_seq = 0
 
     @property
@@ -343,22 +362,12 @@ class Tier:
         return take_recycled(self.root, dst)
 
     def after_commit(self, ticket) -> None:
-        """Commit thread, once ``ticket``'s save is committed: the writer applies retention and
-        removes the superseded files of that iteration; then the promotion, if any, is offered it.
-        A deletion that fails is logged with its path and retried at the next commit: it never
-        uncommits anything nor holds back the promotion."""
+        """Commit thread, once ``ticket``'s save is committed: the writer hands it to its deleter
+        (:mod:`.deleter`: retention and the superseded files of that iteration, off this thread);
+        then the promotion, if any, is offered it.  A deletion that fails is logged with its path and
+        retried at the next commit: it never uncommits anything nor holds back the promotion."""
         if self.is_writer:
-            try:
-                self._retain(ticket, self.committer.outstanding())
-            except OSError as e:
-                log.warning(
-                    "rank %d: retention of the %s tier after iteration %d failed (%s); nothing committed "
-                    "is lost, it is tried again at the next commit",
-                    self.rank,
-                    self.name,
-                    ticket.iteration,
-                    e,
-                )
+            self._deletions().submit(ticket)
         if self.promotion is not None:
             self.promotion.offer(ticket)
         if self.replication is not None:  # on this thread: the next commit's retention waits for it
@@ -366,6 +375,36 @@ class Tier:
                 self.replication.replicate(ticket)
             except Exception as e:  # noqa: BLE001 - a lost replica never uncommits the local checkpoint
                 log.error("rank %d: replicating iteration %d failed: %r", self.rank, ticket.iteration, e)
+
+    def manifest_written(self, manifest: Manifest) -> None:
+        """The commit thread wrote ``manifest`` (the writer): the next survey need not read it back."""
+        _MANIFESTS.written(iter_dir(self.root, manifest.iteration), manifest)
+
+    def _deletions(self) -> Deleter:
+        """The writer's deleter, started on first use (a tier that never commits starts no thread)."""
+        with self._deleter_lock:
+            if self._deleter is None:
+                self._deleter = Deleter(self.name, self.rank, self._retain_after)
+            return self._deleter
+
+    def drain_deletions(self, timeout: float) -> None:
+        """Block until the retention of every commit so far is done (what ``wait()`` promises)."""
+        if self._deleter is not None:
+            self._deleter.drain(timeout)
+
+    def _retain_after(self, just) -> None:
+        """Deleter thread: retention after ``just``'s commit, protecting what is outstanding now."""
+        try:
+            self._retain(just, self.committer.outstanding())
+        except OSError as e:
+            log.warning(
+                "rank %d: retention of the %s tier after iteration %d failed (%s); nothing committed "
+                "is lost, it is tried again at the next commit",
+                self.rank,
+                self.name,
+                just.iteration,
+                e,
+            )
 
     def _retain(self, just, outstanding: list) -> None:
         if not self._still_owned():  # the lock was lost since the manifest was written: delete nothing
@@ -410,10 +449,12 @@ class Tier:
         return True
 
     def close(self) -> None:
-        """Join the commit thread; then (the writer) empty the pool: training is over, its retired
+        """Join the commit thread and the deleter; then (the writer) empty the pool: training is over, its retired
         files only hold space."""
         if self.committer is not None:
             self.committer.close()
+        if self._deleter is not None:
+            self._deleter.close()  # after the committer: the last commit's retention is queued
         if self.is_writer and self._still_owned():
             try:
                 trim_recycled(self.root, keep=0)
