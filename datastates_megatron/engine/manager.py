@@ -454,10 +454,14 @@ class CheckpointManager(ClosingContext):
             if promote_newest and self.promotion is not None:
                 self.promotion.promote_newest()
             self.persistent.committer.drain(timeout)
-        for tier in (self.local, self.persistent) if persist else (self._first_tier,):
-            if tier is not None:  # retention runs off the commit thread: done by the time wait() returns
-                tier.drain_deletions(self.engine.options.timeout_s if timeout is None else timeout)
+        self._drain_deletions(timeout, (self.local, self.persistent) if persist else (self._first_tier,))
         return self.poll()
+
+    def _drain_deletions(self, timeout: float | None, tiers=None) -> None:
+        """Wait for the retention the commits so far handed to the tiers' deleter threads."""
+        for tier in tiers or (self.local, self.persistent):
+            if tier is not None:
+                tier.drain_deletions(self.engine.options.timeout_s if timeout is None else timeout)
 
     @property
     def latest_committed(self) -> int | None:
@@ -512,6 +516,7 @@ class CheckpointManager(ClosingContext):
         writes nothing unless every rank validated its part.  A planner that reads other ranks'
         files reads ``root`` (the persistent tier), never a node-local one."""
         self._check_open()
+        self._drain_deletions(None)  # a load never races retention of what it may read
         root = os.path.abspath(root or self.load_root)
         if (planner is not None and planner.reads_all_ranks) or not (self.local_root and root == self.root):
             return self._load_from(root, iteration, verify, planner)
