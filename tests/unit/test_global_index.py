@@ -11,7 +11,14 @@ import pytest
 import torch
 
 from datastates_megatron.engine import EngineOptions, SnapshotEngine
-from datastates_megatron.engine.global_index import INDEX_NAME, Summaries, encode_summary, read_index, write_index
+from datastates_megatron.engine.global_index import (
+    INDEX_NAME,
+    Summaries,
+    encode_summary,
+    read_index,
+    summary_sum,
+    write_index,
+)
 from datastates_megatron.engine.load_plan import LoadPlan, ReadItem
 from datastates_megatron.engine.manifest import Manifest, RankRecord, iter_dir, rank_file_name, write_manifest
 from datastates_megatron.engine.names import is_ours_in_iteration
@@ -160,6 +167,10 @@ def test_summaries_are_fetched_once_per_change():
     assert s.update(sums, fetch) != body and fetched[-1] == [2]
     sums[3] = 0  # a rank without a summary: no index
     assert s.update(sums, fetch) is None
+    bad = b'{"pieces":[]},{"params":{}}'  # not one summary (its checksum matches: sent as it is)
+    docs[3] = (bad, summary_sum(bad))
+    sums[3] = docs[3][1]
+    assert s.update(sums, fetch) is None and fetched[-1] == [3]
 
 
 def test_the_index_and_its_temp_file_are_ours():
