@@ -156,7 +156,7 @@ def list_iterations(root: str) -> list[int]:
     return sorted(it for n in names if (it := iteration_of(n)) is not None and os.path.isdir(os.path.join(root, n)))
 
 
-def survey(root: str) -> Survey:
+def survey(root: str, known: dict | None = None) -> Survey:
     """The one answer to "what is committed, ours, not ours" in the tier directory ``root``.
     Incremental: a manifest whose file is unchanged since it was last read here (same inode,
     size, mtime and ctime; :class:`_ManifestCache`) is not read again -- retention surveys the
@@ -164,7 +164,7 @@ def survey(root: str) -> Survey:
     iterations = list_iterations(root)
     committed, damaged = {}, {}
     for it in iterations:
-        got = _MANIFESTS.read(iter_dir(root, it))
+        got = _MANIFESTS.read(iter_dir(root, it), known)
         if isinstance(got, Manifest):
             committed[it] = got
         elif got is not None:
@@ -196,9 +196,10 @@ class _ManifestCache:
         self._lock = threading.Lock()
         self._entries: dict[str, tuple[tuple, object]] = {}
 
-    def read(self, ckpt_dir: str) -> Manifest | CheckpointError | None:
+    def read(self, ckpt_dir: str, known: dict | None = None) -> Manifest | CheckpointError | None:
         """The manifest of ``ckpt_dir``; its error (detached) when damaged or unreadable; ``None``
-        when there is none (not committed)."""
+        when there is none (not committed).  ``known``: ``{manifest path: (lstat key, Manifest)}``
+        the caller wrote itself (:meth:`Tier.manifest_written`), used while the key matches."""
         path = os.path.join(ckpt_dir, MANIFEST_NAME)
         key = None
         if real_dir(ckpt_dir):  # never through a linked directory: read_manifest refuses that itself
@@ -207,6 +208,8 @@ class _ManifestCache:
                 key = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_mode)
             except OSError:
                 key = None
+        if key is not None and known and path in known and known[path][0] == key:
+            return known[path][1]
         if key is not None:
             with self._lock:
                 hit = self._entries.get(path)
@@ -225,22 +228,6 @@ class _ManifestCache:
                 while len(self._entries) > self._MAX:
                     self._entries.pop(next(iter(self._entries)))
         return got
-
-    def written(self, ckpt_dir: str, manifest: Manifest) -> None:
-        """Remember the manifest this process just wrote to ``ckpt_dir`` (under the directory's lock),
-        racy window or not: it replaced the old one by a rename, so any later change of ours is a new
-        inode, and rank 0's retention does not parse 14 MB (64k ranks) again right after writing it."""
-        path = os.path.join(ckpt_dir, MANIFEST_NAME)
-        try:
-            st = os.lstat(path)
-        except OSError:
-            return
-        key = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_mode)
-        with self._lock:
-            self._entries.pop(path, None)
-            self._entries[path] = (key, manifest)
-            while len(self._entries) > self._MAX:
-                self._entries.pop(next(iter(self._entries)))
 
     def keep_only(self, root: str, ckpt_dirs: list[str]) -> None:
         """Forget the manifests under ``root`` outside ``ckpt_dirs`` (deleted by retention, say): the
@@ -321,7 +308,8 @@ class Tier:
         # manager; its commits send it (once per change) for the checkpoint's global index
         self.summary: tuple[bytes, int] | None = None
         self._deleter: Deleter | None = None  # the writer's retention thread (:meth:`_deletions`)
-        self._deleter_lock = threading.Lock()
+        self._deleter_lock = threading.Lock()  # also guards _written
+        self._written: dict[str, tuple[tuple, Manifest]] = {}  # the manifests this writer wrote last
         self._next_seq = 0
 
     @property
@@ -377,8 +365,20 @@ class Tier:
                 log.error("rank %d: replicating iteration %d failed: %r", self.rank, ticket.iteration, e)
 
     def manifest_written(self, manifest: Manifest) -> None:
-        """The commit thread wrote ``manifest`` (the writer): the next survey need not read it back."""
-        _MANIFESTS.written(iter_dir(self.root, manifest.iteration), manifest)
+        """The commit thread wrote ``manifest`` (the writer): this tier's retention need not read it
+        back (14 MB at 64k ranks), racy window or not -- it replaced the old one by a rename, so any
+        later change of ours is a new inode.  Only this tier's own surveys use it; the newest few."""
+        path = os.path.join(iter_dir(self.root, manifest.iteration), MANIFEST_NAME)
+        try:
+            st = os.lstat(path)
+        except OSError:
+            return
+        key = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_mode)
+        with self._deleter_lock:
+            self._written.pop(path, None)
+            self._written[path] = (key, manifest)
+            while len(self._written) > 4:
+                self._written.pop(next(iter(self._written)))
 
     def _deletions(self) -> Deleter:
         """The writer's deleter, started on first use (a tier that never commits starts no thread)."""
@@ -415,7 +415,9 @@ class Tier:
         if self.replication is not None and self.replication.last_replicated is not None:
             # until the newest checkpoint has its replicas, a lost node needs the one before it
             protected.add(self.replication.last_replicated)
-        found = survey(self.root)
+        with self._deleter_lock:
+            known = dict(self._written)
+        found = survey(self.root, known)  # what this writer wrote itself is not read back
         for it in select_deletions(found.order, self.keep_last, self.keep_every, protected):
             crash_point("retention", self.rank)
             try:
