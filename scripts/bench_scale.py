@@ -14,8 +14,9 @@ Megatron DP shard carries) with the snapshot engine, then runs, each on the real
   count the bytes each rank sends and receives.  Ranks 2..N-1 send their statuses (made from their
   files' receipts) through their own channels.  Also the calls that N ranks starting a save make
   to create the new iteration directory (mkdir and lstat, counted).  Rank 0's commit is timed up
-  to the outcome and tracker, and its retention (``Tier.after_commit``, on the same thread) apart;
-  it runs ``--repeats`` times and the median run is reported.
+  to the outcome and tracker; the hand-over of its retention (``Tier.after_commit``) and the
+  retention itself (on the tier's deleter thread, waited for) apart.  The first commit carries every
+  rank's global-index summary; then it runs ``--repeats`` times and the median run is reported.
 * ``restart``: rank 0's resolve (find the newest committed checkpoint, read its manifest, check
   the layout, send each rank its record) and one non-leader rank's restart (receive its record,
   plan its same-layout load, open and check its own file).
@@ -172,12 +173,21 @@ def build(root: str, world: int) -> list:
 
 
 # ---------------------------------------------------------------------------------------------- commit
-def _status_rows(receipts) -> list[dict]:
+def _summary(rank: int, world: int) -> tuple[bytes, int]:
+    """Rank ``rank``'s global-index summary, as its manager makes it from its registrations."""
+    from datastates_megatron.engine.global_index import encode_summary
+    from datastates_megatron.megatron.reshard import index_summary
+
+    metas = _meta(rank, world)
+    return encode_summary(index_summary({n: torch.empty(K) for n in metas}, metas))
+
+
+def _status_rows(receipts, summaries) -> list[dict]:
     """Every rank's status of the save, as its commit thread sends it (from its file's receipt)."""
     from datastates_megatron.engine.commit import _STATUS, _to_i64
 
     rows = []
-    for r in receipts:
+    for r, (_, h) in zip(receipts, summaries):
         row = dict.fromkeys(_STATUS, 0)
         row.update(
             ok=1,
@@ -188,16 +198,18 @@ def _status_rows(receipts) -> list[dict]:
             n_tensors=r.n_tensors,
             index_xxh64=_to_i64(r.index_xxh64),
             header_xxh64=_to_i64(r.header_xxh64),
+            summary_sum=h,
         )
         rows.append(row)
     rows[0].update(writes_lo=0, writes_n=len(rows))
     return rows
 
 
-def _tier(root: str, rank: int, world: int, channel):
+def _tier(root: str, rank: int, world: int, channel, summary):
     from datastates_megatron.engine.tier import Tier
 
     tier = Tier("persistent", root, rank=rank, token=TOKEN, writes=list(range(world)) if rank == 0 else [])
+    tier.summary = summary
     tier.open(channel, world, {"dp": world}, 60.0)
     return tier
 
@@ -210,10 +222,12 @@ def _ticket(receipt):
     return Ticket(ITERATION, 1, done, {}, time.perf_counter(), token=TOKEN)
 
 
-def commit(root: str, world: int, receipts) -> dict:
-    """Rank 0's commit of the N files (measured) beside rank 1's (its bytes), each on its own
+def commit(root: str, world: int, receipts, repeats: int) -> dict:
+    """Rank 0's commits of the N files (measured) beside rank 1's (their bytes), each on its own
     committer and store channel over one in-process c10d store; ranks 2..N-1 send their statuses
-    through their own channels first (the same call their commit threads make)."""
+    through their own channels first (the same call their commit threads make).  The first commit
+    also carries every rank's global-index summary (sent once per run); then ``repeats`` commits
+    of the same save (a rank's summary is not sent again), timed alike."""
     import torch.distributed as dist
 
     from datastates_megatron.engine.commit import _STATUS
@@ -221,40 +235,56 @@ def commit(root: str, world: int, receipts) -> dict:
 
     store = dist.HashStore()
     prefix = f"dsm/{TOKEN}/persistent"
-    rows = _status_rows(receipts)
-    for rank in range(2, world):
-        StoreChannel(store, rank, world, prefix, 60.0).gather(rows[rank], _STATUS)
+    summaries = [_summary(r, world) for r in range(world)]
+    rows = _status_rows(receipts, summaries)
+    others = [StoreChannel(store, r, world, prefix, 60.0) for r in range(2, world)]
+    for ch in others:
+        ch.publish("summary", summaries[ch.rank][0])
     chans = {r: StoreChannel(store, r, world, prefix, 60.0) for r in (0, 1)}
-    tiers = {r: _tier(root, r, world, chans[r]) for r in (0, 1)}
-    # the commit ends with the tier's retention (``Tier.after_commit``): timed apart
-    after = tiers[0].after_commit
-    spent = []
-
-    def timed_after(ticket):
-        t0, c0 = time.perf_counter(), time.thread_time()
-        after(ticket)
-        spent.append((time.perf_counter() - t0, time.thread_time() - c0))
-
-    tiers[0].after_commit = timed_after
+    tiers = {r: _tier(root, r, world, chans[r], summaries[r]) for r in (0, 1)}
+    runs = []
     try:
-        with cf.ThreadPoolExecutor(1) as pool:
-            other = pool.submit(tiers[1].committer._commit, _ticket(receipts[1]))
-            m = measure(tiers[0].committer._commit, _ticket(receipts[0]))
-            other.result(timeout=120)
+        for _ in range(1 + repeats):
+            for ch in others:
+                ch._round = chans[1]._round  # past the outcome they would have read, as rank 1 is
+                ch.gather(rows[ch.rank], _STATUS)
+            bytes0 = {r: c.sent + c.received for r, c in chans.items()}
+            ticket = _ticket(receipts[0])
+            with cf.ThreadPoolExecutor(1) as pool:
+                other = pool.submit(tiers[1].committer._commit, _ticket(receipts[1]))
+                m = measure(tiers[0].committer._commit, ticket)
+                other.result(timeout=120)
+            if tiers[0].committer.latest != ITERATION or tiers[1].committer.latest != ITERATION:
+                m.error = m.error or "the commit did not commit on rank 0 and rank 1"
+            # then, as the commit thread does (``Committer._after_commit``): hand retention over ...
+            t0 = time.perf_counter()
+            tiers[0].committer._after_commit(ticket)
+            after_s = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            tiers[0].drain_deletions(120)  # ... and the deleter thread's retention, waited for
+            retention_s = time.perf_counter() - t0
+            runs.append(
+                {
+                    "rank0": m,
+                    "rank0_s": m.seconds,
+                    "rank0_cpu_s": m.cpu_s,
+                    "after_commit_s": after_s,
+                    "retention_s": retention_s,
+                    "rank0_bytes": chans[0].sent + chans[0].received - bytes0[0],
+                    "bytes": chans[1].sent + chans[1].received - bytes0[1],
+                }
+            )
     finally:
         for t in tiers.values():
-            t.committer.close()
-    if tiers[0].committer.latest != ITERATION or tiers[1].committer.latest != ITERATION:
-        m.error = m.error or "the commit did not commit on rank 0 and rank 1"
-    after_s, after_cpu_s = spent[0] if spent else (0.0, 0.0)
-    return {
-        "rank0": m,
-        "rank0_s": m.seconds - after_s,
-        "rank0_cpu_s": m.cpu_s - after_cpu_s,
-        "after_commit_s": after_s,
-        "rank0_bytes": chans[0].sent + chans[0].received,
-        "bytes": chans[1].sent + chans[1].received,
-    }
+            t.close()
+    first, rest = runs[0], sorted(runs[1:], key=lambda r: r["rank0_s"])
+    c = dict(rest[len(rest) // 2])  # the median run of a run's steady state
+    c.update(
+        first_s=first["rank0_s"],
+        first_bytes=first["bytes"],
+        runs_s=[r["rank0_s"] for r in rest],
+    )
+    return c
 
 
 def mkdirs(root: str, world: int) -> tuple[int, int]:
@@ -306,27 +336,31 @@ def restart(root: str, world: int, rank: int, store) -> tuple[int, int]:
 
 
 # ---------------------------------------------------------------------------------------------- reshard
-def reshard(root: str, world: int, new_rank: int) -> int:
+def reshard(root: str, world: int, new_rank: int) -> tuple[int, int]:
     """Rank ``new_rank`` of a world of N/2: its shard [2K*new_rank, 2K*(new_rank+1)) of ``w`` and
-    of its ``exp_avg``, planned by parameter identity and loaded through the verifying reader."""
+    of its ``exp_avg``, planned by parameter identity from the checkpoint's global index (as
+    :class:`~datastates_megatron.megatron.reshard.ReshardPlanner` does; non-tensor state from old
+    rank ``new_rank``) and loaded through the verifying reader.  Returns the read items and the
+    rank files opened."""
     from datastates_megatron.engine.load_plan import LoadPlan, ReadItem
     from datastates_megatron.engine.reader import CheckpointReader, open_checkpoint
-    from datastates_megatron.megatron.reshard import CheckpointIndex
+    from datastates_megatron.megatron.reshard import CheckpointIndex, plan_by_global_index
+
+    start, end = 2 * K * new_rank, 2 * K * (new_rank + 1)
+    dst = {what: torch.empty(end - start) for what in ("param", "exp_avg")}
+
+    def plan(index):
+        return [(r, dst[what][at : at + r.count]) for what in dst for r, at in index.ranges((0, "w", what), start, end)]
 
     ckpt, manifest = open_checkpoint(root, ITERATION)
     with CheckpointReader(ckpt, manifest, rank=new_rank, verify=True, threads=1) as reader:
-        index = CheckpointIndex.from_reader(reader)
-        start, end = 2 * K * new_rank, 2 * K * (new_rank + 1)
-        items = []
-        for what in ("param", "exp_avg"):
-            dst = torch.empty(end - start)
-            items += [ReadItem(r, dst[at : at + r.count]) for r, at in index.ranges((0, "w", what), start, end)]
-            if what == "param":
-                param = dst
-        reader.execute(LoadPlan("reshard", tuple(items)))
-    if not torch.equal(param, torch.arange(start, end).div(K, rounding_mode="floor").float()):
+        planned = plan_by_global_index(reader, plan, new_rank)
+        pairs = planned[0] if planned is not None else plan(CheckpointIndex.from_reader(reader))
+        reader.objects(new_rank)
+        stats = reader.execute(LoadPlan("reshard", tuple(ReadItem(r, d) for r, d in pairs)))
+    if not torch.equal(dst["param"], torch.arange(start, end).div(K, rounding_mode="floor").float()):
         raise RuntimeError("resharded values differ from what was saved")
-    return len(items)
+    return len(pairs), stats.files_opened
 
 
 # ---------------------------------------------------------------------------------------------- one N
@@ -338,8 +372,7 @@ def run(world: int, base: str, repeats: int = 3) -> dict:
         t0 = time.perf_counter()
         receipts = build(root, world)
         build_s = time.perf_counter() - t0
-        runs = sorted((commit(root, world, receipts) for _ in range(repeats)), key=lambda r: r["rank0_s"])
-        c = runs[len(runs) // 2]  # the median run (the manifest is rewritten alike each time)
+        c = commit(root, world, receipts, repeats)
         mkdir_calls, lstat_calls = mkdirs(root, world)
         ckpt = iter_dir(root, ITERATION)
         mb = os.path.getsize(os.path.join(ckpt, "manifest.json"))
@@ -361,9 +394,12 @@ def run(world: int, base: str, repeats: int = 3) -> dict:
             "build_s": build_s,
             "manifest_bytes": mb,
             "rank0_commit_s": c["rank0_s"],
-            "rank0_commit_runs_s": [r["rank0_s"] for r in runs],
+            "rank0_commit_runs_s": c["runs_s"],
+            "rank0_first_commit_s": c["first_s"],
+            "first_commit_bytes_per_rank": c["first_bytes"],
             "rank0_commit_cpu_s": c["rank0_cpu_s"],
             "rank0_after_commit_s": c["after_commit_s"],
+            "rank0_retention_s": c["retention_s"],
             "rank0_commit_bytes": c["rank0_bytes"],
             "commit_bytes_per_rank": c["bytes"],
             "mkdir_calls": mkdir_calls,
@@ -375,6 +411,7 @@ def run(world: int, base: str, repeats: int = 3) -> dict:
             "rank0_restart_cpu_s": r0.cpu_s,
             "reshard_s": rs.seconds,
             "reshard_max_open_files": rs.max_open_files,
+            "reshard_files_opened": rs.value[1] if rs.value else None,
             "verify_s": ver.seconds,
             "verify_max_open_files": ver.max_open_files,
             "peak_mb": max(m.peak_mb for m in ops.values()),
@@ -391,8 +428,11 @@ def _table(doc: dict) -> str:
         f"commit bytes sent+received: rank 1 {doc['commit_bytes_per_rank']}, rank 0 {doc['rank0_commit_bytes']}; "
         f"new iteration directory: {doc['mkdir_calls']} mkdir, {doc['lstat_calls']} lstat; "
         f"restart manifest bytes of rank {doc['ranks'] // 2 + 1}: {doc['restart_manifest_bytes']}; "
-        f"rank 0's commit: {doc['rank0_commit_s']:.4f} s ({doc['rank0_commit_cpu_s']:.4f} CPU s) to the outcome, then retention "
-        f"(Tier.after_commit) {doc['rank0_after_commit_s']:.4f} s",
+        f"rank 0's commit: {doc['rank0_commit_s']:.4f} s ({doc['rank0_commit_cpu_s']:.4f} CPU s) to the outcome, its retention "
+        f"handed to its deleter (Tier.after_commit) {doc['rank0_after_commit_s']:.4f} s, done there "
+        f"{doc['rank0_retention_s']:.4f} s later; the run's first commit (every rank's index summary) "
+        f"{doc['rank0_first_commit_s']:.4f} s, {doc['first_commit_bytes_per_rank']} bytes for rank 1; "
+        f"rank files opened by a resharding rank: {doc['reshard_files_opened']}",
         f"  {'operation':<14} {'seconds':>9} {'cpu s':>9} {'peak MB':>8} {'max fds':>8} {'read bytes':>12}  error",
     ]
     for name, m in doc["ops"].items():

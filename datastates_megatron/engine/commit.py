@@ -8,7 +8,7 @@ the local tier each node's first rank, sent its node's rows by rank 0) writes ``
 commit point), and rank 0 broadcasts the outcome; the tracker follows.  Otherwise nothing is
 written and every rank learns which ranks failed.  Rank 0 does O(N) work; every other rank sends
 and receives O(1) bytes (a node leader: O(its node's ranks)).
-Then the tier's retention runs, on this thread, so deletions never block training, and the tier's
+Then the tier's retention is handed to its deleter thread (:mod:`.deleter`), and the tier's
 promotion, if any, is offered the checkpoint (:meth:`.tier.Tier.after_commit`).
 
 Thread-safety: ``submit``/``poll``/``drain``/``close`` are called from the training thread; the
@@ -28,6 +28,7 @@ import numpy as np
 
 from .errors import CacheTimeoutError, CommitError, LockLostError
 from .faults import crash_point
+from .global_index import Summaries, write_index
 from .manifest import Manifest, RankRecord, iter_dir, rank_file_name, write_manifest, write_tracker
 from .retention import unlink_ours
 from .store_channel import StoreChannel
@@ -51,6 +52,7 @@ _STATUS = (
     "call_us",
     "writes_lo",  # the ranks whose files this rank describes in a manifest: [lo, lo + n)
     "writes_n",
+    "summary_sum",  # the checksum of this rank's global-index summary (:mod:`.global_index`); 0: none
 )
 _RECORD = ("file_bytes", "data_bytes", "n_tensors", "index_xxh64", "header_xxh64")  # a manifest's record, in order
 _SHOWN = 16  # ranks named in an outcome (and how many there are): the document stays small
@@ -118,6 +120,10 @@ class Committer(QueueThread):
         if self._writes and list(self._writes) != list(range(self._writes[0], self._writes[0] + len(self._writes))):
             raise ValueError(f"rank {rank}: a writer describes a contiguous range of ranks, not {self._writes}")
         self._two_phase = tier.name == "local"  # node leaders write the manifests, not rank 0 alone
+        # the persistent tier's writer also writes the checkpoint's global index (a reshard's map)
+        self._indexed = tier.name == "persistent"
+        self._published = 0  # the summary checksum this rank last sent
+        self._summaries = Summaries(world_size) if self._indexed and channel.is_root else None
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)
         self._outstanding: dict[int, Ticket] = {}  # seq -> ticket not yet processed
@@ -197,6 +203,13 @@ class Committer(QueueThread):
         status.update(iteration=ticket.iteration, seq=ticket.seq)
         if self._writes:
             status.update(writes_lo=self._writes[0], writes_n=len(self._writes))
+        summary = getattr(self.tier, "summary", None) if self._indexed else None
+        if summary is not None:
+            raw, h = summary
+            if h != self._published:  # sent once per change, kept in the store
+                self._chan.publish("summary", raw)
+                self._published = h
+            status.update(summary_sum=h)
         try:
             r = ticket.durable.result(timeout=self._timeout)
         except BaseException:  # noqa: BLE001 - the engine already stored and logged this rank's error
@@ -314,9 +327,14 @@ class Committer(QueueThread):
                 iteration=ticket.iteration,
                 world_size=self.world_size,
                 run_token=self._token,
+                # map, not a generator of tuples: half the time at 64k ranks
                 ranks=tuple(
-                    RankRecord(i, name(i), fb, db, nt, ix, hx)
-                    for i, fb, db, nt, ix, hx in zip(range(first, first + n), *(mine[f].tolist() for f in _RECORD))
+                    map(
+                        RankRecord,
+                        range(first, first + n),
+                        map(name, range(first, first + n)),
+                        *(mine[f].tolist() for f in _RECORD),
+                    )
                 ),
                 layout=self._layout,
                 metadata=ticket.metadata,
@@ -326,8 +344,10 @@ class Committer(QueueThread):
             )
             if self.guard is not None:  # the directory is still ours (its lock file is the one we locked)
                 self.guard()
+            self._write_index(manifest, cols)
             crash_point("before_manifest", self.rank)
             write_manifest(self.root, manifest)
+            self.tier.manifest_written(manifest)
         except LockLostError as e:
             err = CommitError(f"rank {self.rank}: iteration {ticket.iteration}: not committed: {e}")
             err.__cause__ = e
@@ -342,6 +362,23 @@ class Committer(QueueThread):
             self._errors.append(err)
             return False
         return True
+
+    def _write_index(self, manifest: Manifest, cols: dict) -> None:
+        """Rank 0 (persistent tier): the checkpoint's global index, before its manifest, when every
+        rank sent a summary.  Optional: a failure is logged and the checkpoint has no index."""
+        if self._summaries is None:
+            return
+        try:
+            body = self._summaries.update(cols["summary_sum"], lambda ranks: self._chan.fetch("summary", ranks))
+            if body is not None:
+                write_index(self.root, manifest, body)
+        except Exception as e:  # noqa: BLE001 - a reshard then reads every rank file's metadata
+            log.warning(
+                "rank %d: iteration %d: no global index written (%r); a reshard of it reads every rank file",
+                self.rank,
+                manifest.iteration,
+                e,
+            )
 
     def _refuse(self, ticket: Ticket, outcome: dict, own_failed: bool) -> None:
         """Nothing was committed: the writers remove the save's files; every rank but one whose own

@@ -32,6 +32,7 @@ from .errors import (
 )
 from .faults import hold_point
 from .foreign import refuse_newer_foreign
+from .global_index import encode_summary
 from .manifest import RankRecord, iter_dir, rank_file_name, read_manifest, save_id
 from .options import EngineOptions, ManagerOptions
 from .load_plan import LoadPlanner, SameLayoutPlanner
@@ -138,9 +139,11 @@ class CheckpointManager(ClosingContext):
         layout: dict | None = None,
         load_root: str | None = None,
         local_root: str | None = None,
+        summarize=None,
         **policy_fields,
     ) -> None:
-        """``policy_fields`` (``keep_last=0``, ``on_error="warn"``, ...) are a short form of
+        """``summarize(tensors, metas) -> dict | None``: this rank's global-index summary of its
+        registered tensors (:mod:`.global_index`; ``None``: no index).  ``policy_fields`` (``keep_last=0``, ``on_error="warn"``, ...) are a short form of
         ``policy=ManagerOptions(...)``: give one or the other."""
         if policy is not None and policy_fields:
             raise TypeError(f"CheckpointManager: give policy= or {sorted(policy_fields)}, not both")
@@ -158,6 +161,8 @@ class CheckpointManager(ClosingContext):
         opts = dataclasses.replace(options or EngineOptions(), rank=self.rank)
         self._seq = 0
         self._closed = False
+        self._summarize = summarize
+        self._summary_stale = summarize is not None
         self.last_commit: CommitRecord | None = None
         self._world = Collective()  # the default group: start-up, restore and tier agreements
         self.token = token = self._agree_token()
@@ -201,7 +206,13 @@ class CheckpointManager(ClosingContext):
             if self.local:
                 from .promotion import Promotion
 
-                self.promotion = Promotion(self.local, self.persistent, interval=policy.persist_interval)
+                self.promotion = Promotion(
+                    self.local,
+                    self.persistent,
+                    interval=policy.persist_interval,
+                    slots=policy.promote_slots,
+                    mbps=policy.promote_mbps,
+                )
                 self._restore_chan = StoreChannel(
                     default_store(), self.rank, self.world_size, f"dsm/{token}/restore", opts.timeout_s
                 )
@@ -343,9 +354,19 @@ class CheckpointManager(ClosingContext):
     # ------------------------------------------------------------------ registration
     def register(self, name: str, tensor: torch.Tensor, *, group: str = "default", meta: dict | None = None) -> None:
         self.engine.register(name, tensor, group=group, meta=meta)
+        self._summary_stale = self._summarize is not None
 
     def clear(self) -> None:
         self.engine.clear()
+        self._summary_stale = self._summarize is not None
+
+    def _refresh_summary(self) -> None:
+        """This rank's global-index summary, recomputed when its registrations changed."""
+        if not self._summary_stale:
+            return
+        self._summary_stale = False
+        doc = self._summarize(self.engine.registered, self.engine.registered_meta)
+        self.persistent.summary = encode_summary(doc) if doc is not None else None
 
     # ------------------------------------------------------------------ save path
     def save(self, iteration: int, objects=None, metadata: dict | None = None) -> bool:
@@ -356,6 +377,7 @@ class CheckpointManager(ClosingContext):
         hold_point("save")
         self._surface_errors()
         self._seq += 1
+        self._refresh_summary()
         tier = self._first_tier
         d = iter_dir(tier.root, iteration)
         error = None
@@ -426,7 +448,14 @@ class CheckpointManager(ClosingContext):
             if promote_newest and self.promotion is not None:
                 self.promotion.promote_newest()
             self.persistent.committer.drain(timeout)
+        self._drain_deletions(timeout, (self.local, self.persistent) if persist else (self._first_tier,))
         return self.poll()
+
+    def _drain_deletions(self, timeout: float | None, tiers=None) -> None:
+        """Wait for the retention the commits so far handed to the tiers' deleter threads."""
+        for tier in tiers or (self.local, self.persistent):
+            if tier is not None:
+                tier.drain_deletions(self.engine.options.timeout_s if timeout is None else timeout)
 
     @property
     def latest_committed(self) -> int | None:
@@ -484,6 +513,7 @@ class CheckpointManager(ClosingContext):
         :meth:`view` returned for this load (alike on every rank), used instead of resolving again
         when the load reads that checkpoint."""
         self._check_open()
+        self._drain_deletions(None)  # a load never races retention of what it may read
         root = os.path.abspath(root or self.load_root)
         if (planner is not None and planner.reads_all_ranks) or not (self.local_root and root == self.root):
             return self._load_from(root, iteration, verify, planner, resolved=resolved)

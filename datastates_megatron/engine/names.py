@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import re
 
+from .global_index import INDEX_NAME
 from .manifest import MANIFEST_NAME, TRACKER_NAME, parse_rank_file_name
 
 __all__ = [
@@ -39,11 +40,11 @@ def _is_rank_file(name: str) -> bool:
 
 
 def is_ours_in_iteration(name: str) -> bool:
-    """Whether an entry of an ``iter_*`` directory is one we create: the manifest or its temp file,
-    a rank file, or a rank file being promoted."""
-    if name == MANIFEST_NAME:
+    """Whether an entry of an ``iter_*`` directory is one we create: the manifest, the global index
+    or the temp file of either, a rank file, or a rank file being promoted."""
+    if name in (MANIFEST_NAME, INDEX_NAME):
         return True
-    if _is_temp_of(name, MANIFEST_NAME):
+    if _is_temp_of(name, MANIFEST_NAME) or _is_temp_of(name, INDEX_NAME):
         return True
     if name.endswith(PROMOTING_SUFFIX):
         return _is_rank_file(name[: -len(PROMOTING_SUFFIX)])

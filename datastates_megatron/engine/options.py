@@ -134,6 +134,9 @@ class ManagerOptions:
                    persistent tier when a node lost its local copy.
     recycle_files: where retired rank files are overwritten in place by later saves (see
                    ``RECYCLE_CHOICES``).
+    promote_slots / promote_mbps: at most ``promote_slots`` ranks of a node copy a rank file to the
+                   persistent tier at once (0: no cap), each at most ``promote_mbps`` MB/s (0: no
+                   cap) (:mod:`.promote_throttle`): a promotion never stampedes a parallel file system.
     replicas / replication_jump: each rank's node-local file is also kept by ``replicas`` partner
                    ranks, ``replication_jump`` ranks apart (:mod:`.replication`; None: 1 partner when
                    the nodes pair up, ranks per node apart; 0 partners: off).
@@ -150,9 +153,11 @@ class ManagerOptions:
     recycle_files: str = "local"
     replicas: int | None = None
     replication_jump: int | None = None
+    promote_slots: int = 2
+    promote_mbps: float = 0.0
 
     def __post_init__(self) -> None:
-        problems = _at_least(self, ("keep_last", "keep_every", "local_keep_last"), 0)
+        problems = _at_least(self, ("keep_last", "keep_every", "local_keep_last", "promote_slots", "promote_mbps"), 0)
         if not problems and self.keep_every and not self.keep_last:
             problems.append(("keep_every", "needs keep_last >= 1: with keep_last=0 every checkpoint is kept anyway"))
         for name, low in (("replicas", 0), ("replication_jump", 1)):

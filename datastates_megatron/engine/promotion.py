@@ -28,6 +28,7 @@ from .faults import crash_point
 from .file_format import HEADER_BYTES, FileReceipt, RankFile
 from .manifest import iter_dir, parse_rank_file_name, rank_file_name, read_manifest
 from .names import PROMOTING_SUFFIX
+from .promote_throttle import Pace, PromoteSlots
 from .safe_io import create_temp, make_dir, reopen_same
 from .threads import QueueThread
 from .tier import Tier, survey
@@ -39,9 +40,10 @@ log = logging.getLogger(__name__)
 _COPY_BLOCK = 16 << 20
 
 
-def _copy_bytes(fd_in: int, fd_out: int, size: int, start: int = 0) -> None:
+def _copy_bytes(fd_in: int, fd_out: int, size: int, start: int = 0, pace=None) -> None:
     """Copy bytes ``[start, size)`` in the kernel (``sendfile``: one page-cache-to-page-cache copy,
-    no user buffer); where the platform or file system refuses, through one reused buffer."""
+    no user buffer); where the platform or file system refuses, through one reused buffer.
+    ``pace(n)`` is called after each block (:class:`.promote_throttle.Pace`)."""
     done = start
     try:
         os.lseek(fd_out, start, os.SEEK_SET)  # sendfile writes at the output's file position
@@ -50,6 +52,8 @@ def _copy_bytes(fd_in: int, fd_out: int, size: int, start: int = 0) -> None:
             if n == 0:
                 break
             done += n
+            if pace is not None:
+                pace(n)
     except OSError as e:
         if e.errno not in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSOCK) or done > start:
             raise
@@ -64,11 +68,13 @@ def _copy_bytes(fd_in: int, fd_out: int, size: int, start: int = 0) -> None:
         while written < n:
             written += os.pwrite(fd_out, buf[written:n], done + written)
         done += n
+        if pace is not None:
+            pace(n)
     if done != size:
         raise FlushError(f"copied {done} of {size} bytes: the source file is shorter than its header says")
 
 
-def _copy_direct(source: np.ndarray, path: str, fd_out: int) -> int:
+def _copy_direct(source: np.ndarray, path: str, fd_out: int, pace=None) -> int:
     """Write the 4 KiB-aligned prefix of ``source`` (a page-aligned mapping of the local file) to
     ``path`` (the inode ``fd_out`` has open) with O_DIRECT; returns the bytes written, 0 where
     O_DIRECT is refused.
@@ -90,6 +96,8 @@ def _copy_direct(source: np.ndarray, path: str, fd_out: int) -> int:
             block = min(_COPY_BLOCK, aligned - done)
             n = pwrite_direct(fd, source[done : done + block], done, path)
             done += n
+            if pace is not None:
+                pace(n)
             if n < block:  # refused
                 break
     finally:
@@ -97,16 +105,17 @@ def _copy_direct(source: np.ndarray, path: str, fd_out: int) -> int:
     return done
 
 
-def _copy_file(rf: RankFile, fd_out: int, path_out: str, size: int) -> None:
+def _copy_file(rf: RankFile, fd_out: int, path_out: str, size: int, pace=None) -> None:
     """Copy the first ``size`` bytes of ``rf`` to ``fd_out`` (open on ``path_out``): O_DIRECT from
     its mapping as far as the destination allows, the rest through ``_copy_bytes``."""
-    done = _copy_direct(rf.span(0, size), path_out, fd_out)
+    done = _copy_direct(rf.span(0, size), path_out, fd_out, pace)
     if done < size:
-        _copy_bytes(rf.fileno(), fd_out, size, start=done)
+        _copy_bytes(rf.fileno(), fd_out, size, start=done, pace=pace)
 
 
-def copy_verified(src: str, dst: str, version: int) -> FileReceipt:
-    """Verify every checksum of ``src`` then copy it to ``dst`` (temp name, fsync, rename)."""
+def copy_verified(src: str, dst: str, version: int, pace=None) -> FileReceipt:
+    """Verify every checksum of ``src`` then copy it to ``dst`` (temp name, fsync, rename), paced
+    by ``pace`` (:class:`.promote_throttle.Pace`) when given."""
     t0 = time.perf_counter()
     tmp = dst + PROMOTING_SUFFIX
     with RankFile(src) as rf:
@@ -117,7 +126,7 @@ def copy_verified(src: str, dst: str, version: int) -> FileReceipt:
         fd_tmp = create_temp(tmp)  # O_EXCL | O_NOFOLLOW: a link planted at the temp name is refused
         try:
             with os.fdopen(fd_tmp, "wb") as fout:  # copied from the file just verified, not the path again
-                _copy_file(rf, fout.fileno(), tmp, header.file_bytes)
+                _copy_file(rf, fout.fileno(), tmp, header.file_bytes, pace)
                 os.fsync(fout.fileno())
             # a rewrite of the source in place (a recycled file) zeroes its header first: if the
             # header is still the verified one, the bytes copied are the ones verified
@@ -138,11 +147,15 @@ def copy_verified(src: str, dst: str, version: int) -> FileReceipt:
 
 class Promotion(QueueThread):
     """The link ``src`` -> ``dst`` of one rank, owning its copy thread; ``close()`` is idempotent
-    and joins it.  ``interval``: ``src``'s checkpoints whose iteration is a multiple of it are promoted."""
+    and joins it.  ``interval``: ``src``'s checkpoints whose iteration is a multiple of it are promoted.
+    ``slots``: at most this many ranks sharing ``src``'s directory (a node) copy at once (0: no cap);
+    ``mbps``: each copy moves at most this many MB/s (0: no cap) (:mod:`.promote_throttle`)."""
 
-    def __init__(self, src: Tier, dst: Tier, *, interval: int) -> None:
+    def __init__(self, src: Tier, dst: Tier, *, interval: int, slots: int = 0, mbps: float = 0.0) -> None:
         self.src, self.dst = src, dst
         self.rank = src.rank
+        self._slots = PromoteSlots(src.root, slots, src.rank)
+        self._mbps = mbps
         self._interval = interval
         self._lock = threading.Lock()
         self._in_flight: set[int] = set()
@@ -215,7 +228,10 @@ class Promotion(QueueThread):
         dst_dir = iter_dir(self.dst.root, iteration)
         try:
             make_dir(dst_dir)  # never into a directory reached through a symlink
-            future.set_result(copy_verified(src, os.path.join(dst_dir, name), iteration))
+            with self._slots.held():  # at most ``slots`` of the node's ranks copy at once
+                pace = Pace(self._mbps) if self._mbps > 0 else None
+                receipt = copy_verified(src, os.path.join(dst_dir, name), iteration, pace)
+            future.set_result(receipt)
         except BaseException as e:  # noqa: BLE001 - the persistent committer reports it on every rank
             err = (
                 e
@@ -229,3 +245,8 @@ class Promotion(QueueThread):
         finally:
             with self._lock:
                 self._in_flight.discard(iteration)
+
+    def close(self) -> None:
+        """Join the copy thread (after the promotions queued before), then release the slot files."""
+        super().close()
+        self._slots.close()

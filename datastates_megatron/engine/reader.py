@@ -53,6 +53,7 @@ class RestoreStats:
     verify_s: float = 0.0
     copy_s: float = 0.0
     read_ahead_s: float = 0.0  # 0 when the files were resident already
+    files_opened: int = 0  # rank files the reader opened (a reshard with a global index: only those it reads)
 
 
 def open_checkpoint(root: str, iteration: int) -> tuple[str, Manifest]:
@@ -147,6 +148,7 @@ class CheckpointReader:
         self._pins: collections.Counter[int] = collections.Counter()  # files whose mapping is in use
         self._verified: set[tuple[int, str, int]] = set()
         self._closed = False
+        self.opened: set[int] = set()  # the ranks whose files this reader opened (for tests, benchmarks)
 
     # ------------------------------------------------------------------ files
     def rank_file(self, rank: int) -> RankFile:
@@ -167,6 +169,7 @@ class CheckpointReader:
                 self._read_whole_manifest()
             self._evict(self.max_open - 1)
             rf = self._files[rank] = open_rank(self.ckpt, self.manifest, rank)
+            self.opened.add(rank)
             return rf
 
     def _read_whole_manifest(self) -> None:
@@ -359,6 +362,7 @@ class CheckpointReader:
                 )
                 del sources
             stats.copy_s = time.perf_counter() - t0
+        stats.files_opened = len(self.opened)
         return plan, stats
 
     def execute(self, plan: LoadPlan, agree=None) -> RestoreStats:

@@ -204,6 +204,11 @@ class SnapshotEngine(ClosingContext):
     def registered(self) -> dict[str, torch.Tensor]:
         return {n: e.tensor for n, e in self._entries.items()}
 
+    @property
+    def registered_meta(self) -> dict[str, dict | None]:
+        """``{name: meta}`` of every registered tensor, as given to :meth:`register`."""
+        return {n: e.meta for n, e in self._entries.items()}
+
     def _current_layout(self) -> _Layout:
         if self._layout is None:
             self._layout = _Layout(list(self._entries.values()), self.options, self.cache.capacity)

@@ -64,6 +64,7 @@ class StoreChannel:
         self.received = 0
         self._round = 0
         self._stale: list[str] = []  # documents rank 0 removes at its next gather
+        self._own: dict[str, bytes] = {}  # standing values in a world of one (no store)
 
     @property
     def active(self) -> bool:
@@ -121,6 +122,27 @@ class StoreChannel:
         self._stale.clear()
         self._round += 1
         return _unpack(raw, fields, schema, self.world_size, self.prefix)
+
+    # ------------------------------------------------------------------ standing values
+    def publish(self, name: str, value: bytes) -> None:
+        """Set this rank's standing value ``name`` (kept in the store until replaced: for data a
+        rank sends once and rank 0 re-reads only when told it changed).  Not a collective."""
+        if not self.active:
+            self._own[name] = bytes(value)
+            return
+        key = f"{self.prefix}/{name}/{self.rank}"
+        self.store.set(key, value)
+        self.sent += len(key) + len(value)
+
+    def fetch(self, name: str, ranks: Sequence[int]) -> list[bytes]:
+        """Rank 0: the standing values ``name`` of ``ranks`` (one store call)."""
+        if not self.active:
+            return [self._own.get(name, b"") for _ in ranks]
+        keys = [f"{self.prefix}/{name}/{r}" for r in ranks]
+        values = self.store.multi_get(keys) if keys else []
+        self.sent += sum(map(len, keys))
+        self.received += sum(map(len, values))
+        return values
 
     # ------------------------------------------------------------------ scatter
     def scatter(self, docs: dict[int, dict] | None, expect: bool) -> dict | None:

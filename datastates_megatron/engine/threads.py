@@ -55,15 +55,17 @@ def _close_all() -> None:
 
 
 class QueueThread:
-    """A named, non-daemon thread that handles queued items in order until ``close()``.
+    """A named thread (non-daemon unless asked) that handles queued items in order until ``close()``.
 
     Subclasses implement ``_handle(item)``; ``close()`` is idempotent and joins the thread after the
     items queued before it are handled.  ``put`` may be called from any thread."""
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, daemon: bool = False) -> None:
+        """``daemon``: only for work that a process exit may cut short at any point (idempotent,
+        restart-safe); ``close()`` still joins it."""
         self._queue: queue.Queue = queue.Queue()
         self._closed = False
-        self._thread = threading.Thread(target=self._run, name=name, daemon=False)
+        self._thread = threading.Thread(target=self._run, name=name, daemon=daemon)
         self._thread.start()
 
     def put(self, item) -> None:

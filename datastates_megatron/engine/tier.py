@@ -21,6 +21,7 @@ import threading
 import time
 
 from .commit import Committer
+from .deleter import Deleter
 from .errors import CheckpointError, CorruptCheckpointError, LockLostError, NoCheckpointError
 from .faults import crash_point
 from .manifest import (
@@ -32,6 +33,7 @@ from .manifest import (
     rank_file_name,
     read_manifest,
 )
+from .global_index import INDEX_NAME
 from .names import is_ours_in_iteration
 from .retention import (
     delete_checkpoint,
@@ -132,7 +134,7 @@ class Survey:
 
     def strays(self, iteration: int) -> list[str]:
         """Entries of committed ``iteration``'s directory that we wrote and its manifest does not name."""
-        named = {MANIFEST_NAME, *(r.file for r in self.committed[iteration].ranks)}
+        named = {MANIFEST_NAME, INDEX_NAME, *(r.file for r in self.committed[iteration].ranks)}
         return [n for n in _entries(iter_dir(self.root, iteration)) if n not in named and is_ours_in_iteration(n)]
 
 
@@ -154,7 +156,7 @@ def list_iterations(root: str) -> list[int]:
     return sorted(it for n in names if (it := iteration_of(n)) is not None and os.path.isdir(os.path.join(root, n)))
 
 
-def survey(root: str) -> Survey:
+def survey(root: str, known: dict | None = None) -> Survey:
     """The one answer to "what is committed, ours, not ours" in the tier directory ``root``.
     Incremental: a manifest whose file is unchanged since it was last read here (same inode,
     size, mtime and ctime; :class:`_ManifestCache`) is not read again -- retention surveys the
@@ -162,7 +164,7 @@ def survey(root: str) -> Survey:
     iterations = list_iterations(root)
     committed, damaged = {}, {}
     for it in iterations:
-        got = _MANIFESTS.read(iter_dir(root, it))
+        got = _MANIFESTS.read(iter_dir(root, it), known)
         if isinstance(got, Manifest):
             committed[it] = got
         elif got is not None:
@@ -194,9 +196,10 @@ class _ManifestCache:
         self._lock = threading.Lock()
         self._entries: dict[str, tuple[tuple, object]] = {}
 
-    def read(self, ckpt_dir: str) -> Manifest | CheckpointError | None:
+    def read(self, ckpt_dir: str, known: dict | None = None) -> Manifest | CheckpointError | None:
         """The manifest of ``ckpt_dir``; its error (detached) when damaged or unreadable; ``None``
-        when there is none (not committed)."""
+        when there is none (not committed).  ``known``: ``{manifest path: (lstat key, Manifest)}``
+        the caller wrote itself (:meth:`Tier.manifest_written`), used while the key matches."""
         path = os.path.join(ckpt_dir, MANIFEST_NAME)
         key = None
         if real_dir(ckpt_dir):  # never through a linked directory: read_manifest refuses that itself
@@ -205,6 +208,8 @@ class _ManifestCache:
                 key = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_mode)
             except OSError:
                 key = None
+        if key is not None and known and path in known and known[path][0] == key:
+            return known[path][1]
         if key is not None:
             with self._lock:
                 hit = self._entries.get(path)
@@ -299,6 +304,12 @@ class Tier:
         self.committer = None
         self.promotion = None
         self.replication = None  # set by the manager: copies each local commit to partner ranks
+        # this rank's global-index summary (:mod:`.global_index`): ``(bytes, checksum)``, set by the
+        # manager; its commits send it (once per change) for the checkpoint's global index
+        self.summary: tuple[bytes, int] | None = None
+        self._deleter: Deleter | None = None  # the writer's retention thread (:meth:`_deletions`)
+        self._deleter_lock = threading.Lock()  # also guards _written
+        self._written: dict[str, tuple[tuple, Manifest]] = {}  # the manifests this writer wrote last
         self._next_seq = 0
 
     @property
@@ -339,22 +350,12 @@ class Tier:
         return take_recycled(self.root, dst)
 
     def after_commit(self, ticket) -> None:
-        """Commit thread, once ``ticket``'s save is committed: the writer applies retention and
-        removes the superseded files of that iteration; then the promotion, if any, is offered it.
-        A deletion that fails is logged with its path and retried at the next commit: it never
-        uncommits anything nor holds back the promotion."""
+        """Commit thread, once ``ticket``'s save is committed: the writer hands it to its deleter
+        (:mod:`.deleter`: retention and the superseded files of that iteration, off this thread);
+        then the promotion, if any, is offered it.  A deletion that fails is logged with its path and
+        retried at the next commit: it never uncommits anything nor holds back the promotion."""
         if self.is_writer:
-            try:
-                self._retain(ticket, self.committer.outstanding())
-            except OSError as e:
-                log.warning(
-                    "rank %d: retention of the %s tier after iteration %d failed (%s); nothing committed "
-                    "is lost, it is tried again at the next commit",
-                    self.rank,
-                    self.name,
-                    ticket.iteration,
-                    e,
-                )
+            self._deletions().submit(ticket)
         if self.promotion is not None:
             self.promotion.offer(ticket)
         if self.replication is not None:  # on this thread: the next commit's retention waits for it
@@ -362,6 +363,48 @@ class Tier:
                 self.replication.replicate(ticket)
             except Exception as e:  # noqa: BLE001 - a lost replica never uncommits the local checkpoint
                 log.error("rank %d: replicating iteration %d failed: %r", self.rank, ticket.iteration, e)
+
+    def manifest_written(self, manifest: Manifest) -> None:
+        """The commit thread wrote ``manifest`` (the writer): this tier's retention need not read it
+        back (14 MB at 64k ranks), racy window or not -- it replaced the old one by a rename, so any
+        later change of ours is a new inode.  Only this tier's own surveys use it; the newest few."""
+        path = os.path.join(iter_dir(self.root, manifest.iteration), MANIFEST_NAME)
+        try:
+            st = os.lstat(path)
+        except OSError:
+            return
+        key = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_mode)
+        with self._deleter_lock:
+            self._written.pop(path, None)
+            self._written[path] = (key, manifest)
+            while len(self._written) > 4:
+                self._written.pop(next(iter(self._written)))
+
+    def _deletions(self) -> Deleter:
+        """The writer's deleter, started on first use (a tier that never commits starts no thread)."""
+        with self._deleter_lock:
+            if self._deleter is None:
+                self._deleter = Deleter(self.name, self.rank, self._retain_after)
+            return self._deleter
+
+    def drain_deletions(self, timeout: float) -> None:
+        """Block until the retention of every commit so far is done (what ``wait()`` promises)."""
+        if self._deleter is not None:
+            self._deleter.drain(timeout)
+
+    def _retain_after(self, just) -> None:
+        """Deleter thread: retention after ``just``'s commit, protecting what is outstanding now."""
+        try:
+            self._retain(just, self.committer.outstanding())
+        except OSError as e:
+            log.warning(
+                "rank %d: retention of the %s tier after iteration %d failed (%s); nothing committed "
+                "is lost, it is tried again at the next commit",
+                self.rank,
+                self.name,
+                just.iteration,
+                e,
+            )
 
     def _retain(self, just, outstanding: list) -> None:
         if not self._still_owned():  # the lock was lost since the manifest was written: delete nothing
@@ -372,7 +415,9 @@ class Tier:
         if self.replication is not None and self.replication.last_replicated is not None:
             # until the newest checkpoint has its replicas, a lost node needs the one before it
             protected.add(self.replication.last_replicated)
-        found = survey(self.root)
+        with self._deleter_lock:
+            known = dict(self._written)
+        found = survey(self.root, known)  # what this writer wrote itself is not read back
         for it in select_deletions(found.order, self.keep_last, self.keep_every, protected):
             crash_point("retention", self.rank)
             try:
@@ -406,10 +451,12 @@ class Tier:
         return True
 
     def close(self) -> None:
-        """Join the commit thread; then (the writer) empty the pool: training is over, its retired
+        """Join the commit thread and the deleter; then (the writer) empty the pool: training is over, its retired
         files only hold space."""
         if self.committer is not None:
             self.committer.close()
+        if self._deleter is not None:
+            self._deleter.close()  # after the committer: the last commit's retention is queued
         if self.is_writer and self._still_owned():
             try:
                 trim_recycled(self.root, keep=0)

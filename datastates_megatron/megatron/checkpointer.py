@@ -139,6 +139,7 @@ class LazyCheckpointer:
             layout=parallel_layout(self.model),
             load_root=config.effective_load_dir,
             local_root=config.local_dir,
+            summarize=reshard.index_summary,  # each checkpoint's global index: a reshard opens only what it reads
         )
         self.rank = self._mgr.rank
         self.restored_from: str | None = None  # the tier directory the last load read this rank's state from

@@ -197,6 +197,24 @@ class LazyCkptConfig:
         megatron="--replication-jump J",
         help="Ranks between replication partners; default: the ranks per node.",
     )
+    promote_slots: int = option(
+        2,
+        "--lazy-ckpt-promote-slots",
+        type=int,
+        metavar="N",
+        local_tier=True,
+        help="With --lazy-ckpt-local-dir: at most N ranks of a node copy rank files to --save at once (a "
+        "flock on slot files in the node-local run directory; a dead holder frees its slot), so a promotion "
+        "never stampedes a parallel file system; 0: no cap.",
+    )
+    promote_mbps: float = option(
+        0.0,
+        "--lazy-ckpt-promote-mbps",
+        type=float,
+        metavar="MB_S",
+        local_tier=True,
+        help="With --lazy-ckpt-local-dir: each rank's copy to --save moves at most MB_S MB/s; 0: no cap.",
+    )
 
     def __post_init__(self) -> None:
         problems: list[tuple[str, str]] = []

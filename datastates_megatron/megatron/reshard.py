@@ -24,13 +24,15 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import json
 import logging
 import re
 import time
 
 import torch
 
-from ..engine.errors import LayoutMismatchError
+from ..engine.errors import CheckpointError, LayoutMismatchError
+from ..engine.global_index import GlobalIndex, read_index
 from ..engine.load_plan import ElementRange, LoadPlan, LoadPlanner, ReadItem
 from ..engine.manifest import Manifest
 from ..engine.reader import CheckpointReader
@@ -45,7 +47,17 @@ from .shards import (
     parameter_names,
 )
 
-__all__ = ["EXPORT_HINT", "CONVERT_HINT", "check_layout", "CheckpointIndex", "ReshardPlanner", "plan_restore"]
+__all__ = [
+    "EXPORT_HINT",
+    "CONVERT_HINT",
+    "check_layout",
+    "CheckpointIndex",
+    "GlobalIndexView",
+    "ReshardPlanner",
+    "index_summary",
+    "plan_by_global_index",
+    "plan_restore",
+]
 
 log = logging.getLogger(__name__)
 
@@ -109,54 +121,102 @@ class _Piece:
     end: int
 
 
+def _described(where: str, rank: int, name: str, meta, zero_dim: bool):
+    """What tensor ``name`` (of rank ``rank``'s file) holds by global identity: ``None`` for a
+    tensor without identity kind, else ``(params, pieces, scalar)``: ``params`` ``[(key, shape,
+    dtype)]``, ``pieces`` ``[(key, offset, start, end)]`` and ``scalar`` a key or ``None`` (a 0-d
+    optimizer state).  Raises :class:`LayoutMismatchError` for metadata older than the identity."""
+    kind = meta.get("kind") if isinstance(meta, dict) else None
+    if kind not in ("param_shard", "main_param", "optimizer_state"):
+        return None
+    if meta.get("identity") != IDENTITY_VERSION:
+        raise LayoutMismatchError(
+            f"{where}: rank {rank} tensor {name!r} has no global identity metadata (version "
+            f"{meta.get('identity')!r}, this reader knows {IDENTITY_VERSION}): the checkpoint was written "
+            "before resharding was supported; load it at the data-parallel size that wrote it"
+        )
+    c = int(meta["chunk"])
+    if kind == "param_shard":
+        params, pieces = [], []
+        for pname, shape, dtype, start, end, offset in meta["params"]:
+            params.append(((c, pname), shape, dtype))
+            pieces.append(((c, pname, "param"), int(offset), int(start), int(end)))
+        return params, pieces, None
+    key = (c, meta["param"])
+    what = "main" if kind == "main_param" else meta["key"]
+    params = [(key, meta["shape"], meta["dtype"])]
+    if kind == "optimizer_state" and zero_dim:  # 0-d, e.g. torch Adam's step
+        return params, [], (*key, what)
+    return params, [((*key, what), 0, int(meta["start"]), int(meta["end"]))], None
+
+
+def index_summary(tensors: dict, metas: dict) -> dict | None:
+    """This rank's summary for the checkpoint's global index (:mod:`..engine.global_index`): its
+    pieces by global identity (keys ``json [chunk, parameter, what]``; a 0-d state as the one
+    element of ``[chunk, parameter, what, "scalar"]``) and each parameter's shape and dtype.
+    ``None`` when its tensors carry no identity (nothing to reshard by)."""
+    params, pieces = {}, []
+    for name, meta in metas.items():
+        try:
+            got = _described("this rank", 0, name, meta, tensors[name].dim() == 0)
+        except LayoutMismatchError:
+            return None
+        if got is None:
+            continue
+        for key, shape, dtype in got[0]:
+            params[json.dumps(list(key))] = [[int(x) for x in shape], str(dtype)]
+        for key, offset, start, end in got[1]:
+            pieces.append([json.dumps(list(key)), start, end, name, offset])
+        if got[2] is not None:
+            pieces.append([json.dumps([*got[2], "scalar"]), 0, 1, name, 0])
+    return {"params": params, "pieces": pieces} if pieces else None
+
+
 class CheckpointIndex:
     """Where each element of each parameter and optimizer state lives in a checkpoint (from the
-    global-identity metadata of every rank file).  Keys are ``(chunk, parameter name, what)`` with
-    ``what`` in ``param`` (the model value), ``main`` (fp32 main params of a bf16/fp16 model) or an
-    optimizer state key.  Read-only after construction."""
+    global-identity metadata of every rank file, or of ``ranks`` only).  Keys are ``(chunk,
+    parameter name, what)`` with ``what`` in ``param`` (the model value), ``main`` (fp32 main
+    params of a bf16/fp16 model) or an optimizer state key.  Read-only after construction."""
 
     def __init__(self) -> None:
         self.params: dict[tuple[int, str], tuple[tuple[int, ...], str]] = {}
         self.pieces: dict[tuple[int, str, str], list[_Piece]] = collections.defaultdict(list)
         self.scalars: dict[tuple[int, str, str], ElementRange] = {}
+        self.holders: dict[tuple[int, str, str], set[tuple[int, str]]] = collections.defaultdict(set)  # of scalars
         self.positions: dict[tuple[int, int, int, int], tuple[int, str]] = {}  # (rank, opt, group, pos) -> param
 
     @classmethod
-    def from_reader(cls, reader: CheckpointReader) -> "CheckpointIndex":
+    def from_reader(cls, reader: CheckpointReader, ranks=None) -> "CheckpointIndex":
         index = cls()
-        for rank in range(reader.manifest.world_size):
+        for rank in range(reader.manifest.world_size) if ranks is None else ranks:
             for name, meta in reader.tensor_meta(rank).items():
                 index._add(reader, rank, name, meta)
         for key in index.pieces:
             index.pieces[key].sort(key=lambda p: p.start)
         return index
 
+    def scalar(self, key: tuple[int, str, str], start: int, end: int) -> ElementRange | None:
+        """The 0-d state ``key`` of a parameter whose elements ``[start, end)`` this rank restores."""
+        return self.scalars.get(key)
+
     def _add(self, reader: CheckpointReader, rank: int, name: str, meta) -> None:
-        kind = meta.get("kind") if isinstance(meta, dict) else None
-        if kind not in ("param_shard", "main_param", "optimizer_state"):
+        zero_dim = (
+            isinstance(meta, dict) and meta.get("kind") == "optimizer_state" and not reader.entry(rank, name).shape
+        )
+        got = _described(reader.ckpt, rank, name, meta, zero_dim)
+        if got is None:
             return
-        if meta.get("identity") != IDENTITY_VERSION:
-            raise LayoutMismatchError(
-                f"{reader.ckpt}: rank {rank} tensor {name!r} has no global identity metadata (version "
-                f"{meta.get('identity')!r}, this reader knows {IDENTITY_VERSION}): the checkpoint was written "
-                "before resharding was supported; load it at the data-parallel size that wrote it"
-            )
-        c = int(meta["chunk"])
-        if kind == "param_shard":
-            for pname, shape, dtype, start, end, offset in meta["params"]:
-                self._param(reader, (c, pname), shape, dtype)
-                self.pieces[(c, pname, "param")].append(_Piece(rank, name, int(offset), int(start), int(end)))
-            return
-        key = (c, meta["param"])
-        self._param(reader, key, meta["shape"], meta["dtype"])
-        what = "main" if kind == "main_param" else meta["key"]
+        params, pieces, scalar = got
+        for key, shape, dtype in params:
+            self._param(reader, key, shape, dtype)
+        for key, offset, start, end in pieces:
+            self.pieces[key].append(_Piece(rank, name, offset, start, end))
         m = _OPT_NAME.match(name)
-        if m:
-            self.positions[(rank, int(m.group(1)), int(m.group(2)), int(m.group(3)))] = key
-        if kind == "optimizer_state" and not reader.entry(rank, name).shape:  # 0-d, e.g. torch Adam's step
-            self.scalars.setdefault((*key, what), ElementRange(rank, name, 0, 1))
-            return
-        self.pieces[(*key, what)].append(_Piece(rank, name, 0, int(meta["start"]), int(meta["end"])))
+        if m and meta.get("kind") != "param_shard":
+            self.positions[(rank, int(m.group(1)), int(m.group(2)), int(m.group(3)))] = params[0][0]
+        if scalar is not None:
+            self.scalars.setdefault(scalar, ElementRange(rank, name, 0, 1))
+            self.holders[scalar].add((rank, name))
 
     def _param(self, reader, key, shape, dtype) -> None:
         value = (tuple(int(s) for s in shape), str(dtype))
@@ -185,6 +245,57 @@ class CheckpointIndex:
                 f"checkpoint does not hold elements [{pos}, {end}) of {key[2]} of parameter {key[1]!r} (chunk {key[0]})"
             )
         return out
+
+
+class StaleIndexError(LayoutMismatchError):
+    """The checkpoint's global index does not match its rank files' own metadata."""
+
+
+class GlobalIndexView(CheckpointIndex):
+    """A :class:`CheckpointIndex` answered from the checkpoint's global index
+    (:mod:`..engine.global_index`): no rank file is opened to plan.  Every piece it hands out is
+    remembered, so that :meth:`check` can compare them with the metadata of the files the plan
+    opens anyway."""
+
+    def __init__(self, gi: GlobalIndex) -> None:
+        super().__init__()
+        self.gi = gi
+        self.used: list[tuple[tuple, _Piece]] = []
+        for key, value in gi.params.items():
+            c, pname = json.loads(key)
+            shape, dtype = value
+            self.params[(int(c), pname)] = (tuple(int(x) for x in shape), str(dtype))
+
+    def ranges(self, key: tuple[int, str, str], start: int, end: int) -> list[tuple[ElementRange, int]]:
+        found = [_Piece(r, t, o, s, e) for r, t, o, s, e in self.gi.pieces(json.dumps(list(key)), start, end)]
+        self.pieces[key] = found  # the pieces overlapping [start, end): what the base class walks
+        out = super().ranges(key, start, end)
+        self.used += [(key, p) for p in found if any(r.rank == p.rank and r.tensor == p.tensor for r, _ in out)]
+        return out
+
+    def scalar(self, key: tuple[int, str, str], start: int, end: int) -> ElementRange | None:
+        """A holder of the 0-d state ``key`` whose file the plan reads anyway when there is one."""
+        holders = self.gi.pieces(json.dumps([*key, "scalar"]), 0, 1)
+        if not holders:
+            return None
+        near = {r for r, *_ in self.gi.pieces(json.dumps([key[0], key[1], "param"]), start, end)}
+        rank, tensor, *_ = next((h for h in holders if h[0] in near), holders[0])
+        self.used.append(((*key, "scalar"), _Piece(rank, tensor, 0, 0, 1)))
+        return ElementRange(rank, tensor, 0, 1)
+
+    def check(self, local: CheckpointIndex) -> None:
+        """Raise :class:`StaleIndexError` unless every piece used is what the files' own metadata say
+        (``local``: the index of the files the plan reads)."""
+        for key, p in self.used:
+            if key[-1] == "scalar":
+                ok = (p.rank, p.tensor) in local.holders.get(key[:3], ())
+            else:
+                ok = p in local.pieces.get(key, ())
+            if not ok:
+                raise StaleIndexError(
+                    f"{self.gi.path}: rank {p.rank} tensor {p.tensor!r}: the global index says it holds "
+                    f"elements [{p.start}, {p.end}) of {key}; its file's metadata does not"
+                )
 
 
 # ---------------------------------------------------------------------------------------------- plan
@@ -234,7 +345,7 @@ def plan_restore(model, optimizer, index: CheckpointIndex, ckpt: str = "") -> li
             plan += [(r, flat[at : at + r.count]) for r, at in index.ranges((c, pname, "main"), start, end)]
         for key, value in m.state.items():
             if value.dim() == 0:
-                src = index.scalars.get((c, pname, key))
+                src = index.scalar((c, pname, key), start, end)
                 if src is None:
                     raise LayoutMismatchError(f"{ckpt}: no {key!r} for parameter {pname!r} in the checkpoint")
                 plan.append((src, value))
@@ -248,13 +359,16 @@ def plan_restore(model, optimizer, index: CheckpointIndex, ckpt: str = "") -> li
     return plan
 
 
-def _remap_training(reader: CheckpointReader, index: CheckpointIndex, optimizer, model, source_rank: int) -> dict:
+def _remap_training(
+    reader: CheckpointReader, index: CheckpointIndex, optimizer, model, source_rank: int, ranks
+) -> dict:
     """The source rank's non-tensor state, with per-parameter plain optimizer state re-keyed to this
-    rank's positions by parameter name."""
+    rank's positions by parameter name (found in the files of ``ranks``: those holding this rank's
+    parameters' state hold their plain state too)."""
     objects = reader.objects(source_rank)
     training = dict(objects["training"])
     by_param: dict[tuple[int, tuple[int, str]], dict] = {}
-    for rank in range(reader.manifest.world_size):
+    for rank in ranks:
         saved = reader.objects(rank)["training"]["optimizers"]
         for i, opt in enumerate(saved):
             for pos, plain in opt.get("plain_state", {}).items():
@@ -298,11 +412,15 @@ class ReshardPlanner(LoadPlanner):
     def plan(self, reader: CheckpointReader) -> LoadPlan:
         t0 = time.perf_counter()
         manifest: Manifest = reader.manifest
-        index = CheckpointIndex.from_reader(reader)
-        pairs = plan_restore(self.model, self.optimizer, index, reader.ckpt)
         source = reader.rank if reader.rank < manifest.world_size else 0
+        planned = self._by_global_index(reader, source)
+        if planned is None:  # no (usable) global index: the metadata of every rank file
+            index = CheckpointIndex.from_reader(reader)
+            pairs = plan_restore(self.model, self.optimizer, index, reader.ckpt)
+            planned = pairs, index, range(manifest.world_size)
+        pairs, index, ranks = planned
         objects = reader.objects(source)
-        training = _remap_training(reader, index, self.optimizer, self.model, source)
+        training = _remap_training(reader, index, self.optimizer, self.model, source, ranks)
         files = sorted({r.rank for r, _ in pairs})
         log.info(
             "rank %d: resharding iteration %d from DP %s to DP %s: %d ranges from %d of %d rank files "
@@ -319,6 +437,32 @@ class ReshardPlanner(LoadPlanner):
         )
         items = tuple(ReadItem(r, dst) for r, dst in pairs)
         return LoadPlan(self.kind, items, {**objects, "training": training})
+
+    def _by_global_index(self, reader: CheckpointReader, source: int):
+        return plan_by_global_index(
+            reader, lambda index: plan_restore(self.model, self.optimizer, index, reader.ckpt), source
+        )
+
+
+def plan_by_global_index(reader: CheckpointReader, plan_fn, source: int):
+    """``(pairs, index, ranks)``: ``pairs = plan_fn(index)`` planned from the checkpoint's global
+    index, opening only the rank files the pairs read and ``source`` (``ranks``), whose own
+    metadata are then checked against what the index said (``index``: theirs); ``None`` when the
+    checkpoint has no index, or one that is damaged or disagrees with its files (logged: the
+    caller then reads every rank file's metadata, and raises what is really wrong)."""
+    try:
+        gi = read_index(reader.ckpt, reader.manifest)
+        if gi is None:
+            return None
+        view = GlobalIndexView(gi)
+        pairs = plan_fn(view)
+        ranks = sorted({r.rank for r, _ in pairs} | {source})
+        local = CheckpointIndex.from_reader(reader, ranks)
+        view.check(local)
+    except CheckpointError as e:
+        log.warning("rank %d: %s; reading every rank file's metadata instead", reader.rank, e)
+        return None
+    return pairs, local, ranks
 
 
 def _new_dp(model) -> int | None:

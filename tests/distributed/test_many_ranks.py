@@ -21,14 +21,22 @@ def _rank(args: list[str]) -> dict:
     from datastates_megatron.engine import EngineOptions
     from datastates_megatron.engine.load_plan import ElementRange, LoadPlan, LoadPlanner, ReadItem
     from datastates_megatron.engine.manager import CheckpointManager
+    from datastates_megatron.megatron.reshard import index_summary, plan_by_global_index
 
     root = args[0]
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
     rank, world = dist.get_rank(), dist.get_world_size()
     opts = EngineOptions(cache_bytes=1 << 16, timeout_s=120, flush_threads=1)
     w = torch.full((8,), float(rank))
-    with CheckpointManager(root, opts, keep_last=2, layout={"dp": world}) as mgr:
-        mgr.register("w", w)
+    # its global identity: elements [8 rank, 8 rank + 8) of a parameter "w" (for the global index)
+    meta = {
+        "kind": "param_shard",
+        "identity": 1,
+        "chunk": 0,
+        "params": [["w", [8 * world], "float32", 8 * rank, 8 * rank + 8, 0]],
+    }
+    with CheckpointManager(root, opts, keep_last=2, layout={"dp": world}, summarize=index_summary) as mgr:
+        mgr.register("w", w, meta=meta)
         records = []
         for it in (1, 2):
             w.fill_(rank + 1000 * it)
@@ -36,8 +44,8 @@ def _rank(args: list[str]) -> dict:
             records += mgr.wait()
         latest = mgr.latest_committed
     w.zero_()
-    with CheckpointManager(root, opts, keep_last=2, layout={"dp": world}) as mgr:
-        mgr.register("w", w)
+    with CheckpointManager(root, opts, keep_last=2, layout={"dp": world}, summarize=index_summary) as mgr:
+        mgr.register("w", w, meta=meta)
         got = mgr.load()
         restored = w.tolist()
 
@@ -50,6 +58,24 @@ def _rank(args: list[str]) -> dict:
                 return LoadPlan(self.kind, (ReadItem(ElementRange(src, "w", 2, 4), w[:4]),), reader.objects(src))
 
         other = mgr.load(planner=Neighbour())
+        half = torch.empty(16)
+
+        class Half(LoadPlanner):  # a reshard to half the ranks (each twice): by identity, from the global index
+            kind = "half"
+            reads_all_ranks = True
+
+            def plan(self, reader):
+                q = reader.rank % (world // 2)
+
+                def pairs(index):
+                    return [
+                        (r, half[at : at + r.count]) for r, at in index.ranges((0, "w", "param"), 16 * q, 16 * q + 16)
+                    ]
+
+                planned = plan_by_global_index(reader, pairs, 2 * q)
+                return LoadPlan(self.kind, tuple(ReadItem(r, d) for r, d in planned[0]) if planned else ())
+
+        resharded = mgr.load(planner=Half())
     return {
         "latest": latest,
         "committed": [r.iteration for r in records],
@@ -58,6 +84,8 @@ def _rank(args: list[str]) -> dict:
         "restored": restored,
         "neighbour": w[:4].tolist(),
         "neighbour_objects": other.objects,
+        "half": half.tolist(),
+        "half_files": resharded.stats.files_opened,
     }
 
 
@@ -74,5 +102,7 @@ def test_64_ranks_commit_restart_and_read_each_others_files(tmp_path, capsys):
         assert got["loaded"] == 2 and got["restored"] == [rank + 2000.0] * 8
         assert got["neighbour"] == [(rank + 1) % WORLD + 2000.0] * 4
         assert got["neighbour_objects"] == {"rank": (rank + 1) % WORLD}
+        q = rank % (WORLD // 2)  # its half: old ranks 2q and 2q+1, the only files it opened
+        assert got["half"] == [2 * q + 2000.0] * 8 + [2 * q + 1 + 2000.0] * 8 and got["half_files"] == 2
     names = os.listdir(os.path.join(root, "iter_0000002"))
     assert "manifest.json" in names and sum(n.endswith(".dsck") for n in names) == WORLD

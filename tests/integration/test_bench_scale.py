@@ -37,6 +37,8 @@ def test_bench_scale_at_1k_ranks_within_the_bounds(tmp_path):
     assert doc["rank0_restart_cpu_s"] <= 2.0, doc
     # bounded descriptors and memory
     assert 0 < doc["reshard_max_open_files"] <= 64
+    # from the global index: the two old files of its shard, and the one whose objects it takes
+    assert doc["reshard_files_opened"] == 3
     assert 0 < doc["verify_max_open_files"] <= 64
     assert doc["peak_mb"] <= 1024
     assert os.listdir(tmp_path) == []  # the harness removes what it built

@@ -17,6 +17,7 @@ import torch
 
 from datastates_megatron.engine import CorruptCheckpointError, EngineOptions
 from datastates_megatron.engine.manager import CheckpointManager
+from datastates_megatron.engine.global_index import INDEX_NAME
 from datastates_megatron.engine.manifest import iter_dir, read_manifest
 from datastates_megatron.engine.load_plan import ElementRange, LoadPlan, ReadItem
 from datastates_megatron.engine.reader import CheckpointReader
@@ -145,26 +146,29 @@ def test_dp4_to_dp2_bf16(tmp_path):
             timeout=240,
         )
     )
-    two = _ok(
-        run_ranks(
-            WORKER,
-            2,
-            [
-                "run",
-                *TOTAL,
-                "--bf16",
-                "--bucket-size",
-                "20000",
-                "--load",
-                str(tmp_path / "ckpt"),
-                "--load-at",
-                "3",
-                "--ref-in",
-                str(tmp_path / "ref"),
-            ],
-            timeout=240,
-        )
+    assert os.path.isfile(os.path.join(iter_dir(str(tmp_path / "ckpt"), 3), INDEX_NAME))  # its global index
+    runs = run_ranks(
+        WORKER,
+        2,
+        [
+            "run",
+            *TOTAL,
+            "--bf16",
+            "--bucket-size",
+            "20000",
+            "--load",
+            str(tmp_path / "ckpt"),
+            "--load-at",
+            "3",
+            "--ref-in",
+            str(tmp_path / "ref"),
+        ],
+        timeout=240,
     )
+    two = _ok(runs)
+    # planned from that index (with their other bucket size the new shards overlap most old files here;
+    # tests/unit/test_global_index.py and tests/distributed/test_many_ranks.py count the files opened)
+    assert not any("reading every rank file's metadata instead" in r["stderr"] for r in runs), describe(runs)
     for r in two:
         assert r["mismatches"] == [], r["mismatches"]
         _close(_losses(r), _losses(four[0]), 1e-3)  # bf16 params: a last-bit flip moves the loss a little more

@@ -45,7 +45,7 @@ def _commit_on_every_rank(root: str, metadata: dict, failing: set[int] = frozens
             out.append([r.iteration for r in tier.committer.poll()])
         except CommitError as e:
             out.append(e)
-        tier.committer.close()
+        tier.close()
     return out
 
 

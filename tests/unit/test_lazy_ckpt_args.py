@@ -365,3 +365,13 @@ def test_replicas_flag_and_megatrons_replication_flags(tmp_path):
     args.replication, args.replication_jump, args.replication_factor = True, 8, 3
     with pytest.raises(OptionsError, match="--replication-factor 3 means 2"):
         config_from_args(args)
+
+
+def test_promotion_throttle_flags(tmp_path):
+    args = _parse("--save", str(tmp_path), "--lazy-ckpt-promote-slots", "1", "--lazy-ckpt-promote-mbps", "250")
+    config = config_from_args(args)
+    assert (config.promote_slots, config.promote_mbps) == (1, 250.0)
+    assert (config.manager_options().promote_slots, config.manager_options().promote_mbps) == (1, 250.0)
+    assert LazyCkptConfig(save_dir=str(tmp_path)).manager_options().promote_slots == 2  # capped by default
+    with pytest.raises(LazyCkptArgsError, match="--lazy-ckpt-promote-slots"):
+        validate_lazy_ckpt_args(_parse("--lazy-ckpt", "--save", str(tmp_path), "--lazy-ckpt-promote-slots", "-1"))

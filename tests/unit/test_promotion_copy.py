@@ -51,7 +51,7 @@ def test_the_aligned_bytes_are_copied_with_o_direct_and_only_the_tail_buffered(t
     size = os.path.getsize(tmp_path / "src")
     starts, real = [], promotion._copy_bytes
     monkeypatch.setattr(
-        promotion, "_copy_bytes", lambda fi, fo, n, start=0: starts.append(start) or real(fi, fo, n, start)
+        promotion, "_copy_bytes", lambda fi, fo, n, start=0, **kw: starts.append(start) or real(fi, fo, n, start, **kw)
     )
     _check_copy(tmp_path, state)
     aligned = size // 4096 * 4096
@@ -116,7 +116,7 @@ def test_a_failed_copy_leaves_no_partial_file_and_the_source_intact(tmp_path, mo
     _rank_file(src)
     before = open(src, "rb").read()
 
-    def disk_full(rf, fd_out, path_out, size):
+    def disk_full(rf, fd_out, path_out, size, pace=None):
         os.write(fd_out, b"partial")
         raise OSError(errno.ENOSPC, "No space left on device")
 
@@ -147,7 +147,7 @@ def test_a_source_rewritten_in_place_during_the_copy_fails_the_promotion(tmp_pat
     _rank_file(src)
     real = promotion._copy_file
 
-    def copy_then_recycled(rf, fd_out, path_out, size):
+    def copy_then_recycled(rf, fd_out, path_out, size, pace=None):
         real(rf, fd_out, path_out, size)
         with open(src, "r+b") as f:  # what take_recycled + the writer do first: zero the header
             f.write(b"\0" * 4096)

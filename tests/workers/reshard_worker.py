@@ -195,6 +195,7 @@ def _timed(fn, out: dict):
             "bytes": res.stats.bytes,
             "verify_s": res.stats.verify_s,
             "copy_s": res.stats.copy_s,
+            "files_opened": res.stats.files_opened,
         }
         return res
 

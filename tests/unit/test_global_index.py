@@ -1,0 +1,178 @@
+"""The checkpoint's global index (``engine/global_index.py``): a reshard planned from it opens only the
+old rank files overlapping its new shard (and the one whose non-tensor state it takes); a checkpoint
+without one, or with a stale or damaged one, is resharded from every file's metadata as before."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from datastates_megatron.engine import EngineOptions, SnapshotEngine
+from datastates_megatron.engine.global_index import (
+    INDEX_NAME,
+    Summaries,
+    encode_summary,
+    read_index,
+    summary_sum,
+    write_index,
+)
+from datastates_megatron.engine.load_plan import LoadPlan, ReadItem
+from datastates_megatron.engine.manifest import Manifest, RankRecord, iter_dir, rank_file_name, write_manifest
+from datastates_megatron.engine.names import is_ours_in_iteration
+from datastates_megatron.engine.reader import CheckpointReader, open_checkpoint
+from datastates_megatron.engine.errors import CorruptCheckpointError
+from datastates_megatron.megatron.reshard import CheckpointIndex, index_summary, plan_by_global_index
+
+WORLD, K, TOKEN = 16, 8, "00000000000000aa"
+
+
+def _meta(rank: int) -> dict:
+    """Rank ``rank`` holds elements [rank*K, (rank+1)*K) of ``w`` and of its ``exp_avg``, and a step."""
+    shard = {"kind": "param_shard", "identity": 1, "chunk": 0, "buffer": "buf0", "bucket": 0}
+    shard["params"] = [["w", [WORLD * K], "float32", rank * K, (rank + 1) * K, 0]]
+    state = {"kind": "optimizer_state", "identity": 1, "chunk": 0, "param": "w", "shape": [WORLD * K]}
+    state.update(dtype="float32", start=rank * K, end=(rank + 1) * K)
+    step = dict(state, key="step")
+    return {
+        "model0.buf0.bucket0.param_shard": shard,
+        "opt0.g0.p0.exp_avg": dict(state, key="exp_avg"),
+        "opt0.g0.p0.step": step,
+    }
+
+
+def _tensors(rank: int) -> dict:
+    w = torch.arange(rank * K, (rank + 1) * K, dtype=torch.float32)
+    return {"model0.buf0.bucket0.param_shard": w, "opt0.g0.p0.exp_avg": -w, "opt0.g0.p0.step": torch.tensor(3.0)}
+
+
+@pytest.fixture
+def ckpt(tmp_path):
+    """A committed WORLD-rank checkpoint with its global index, built as rank 0's commit does."""
+    root = str(tmp_path)
+    d = iter_dir(root, 5)
+    os.makedirs(d)
+    records, summaries = [], []
+    with SnapshotEngine(EngineOptions(cache_bytes=1 << 20, timeout_s=30)) as eng:
+        for r in range(WORLD):
+            eng.clear()
+            tensors = _tensors(r)
+            for name, meta in _meta(r).items():
+                eng.register(name, tensors[name], meta=meta)
+            summaries.append(encode_summary(index_summary(tensors, _meta(r))))
+            name = rank_file_name(r, TOKEN, 1)
+            got = eng.save(5, os.path.join(d, name), {"rank": r}, tag=name).durable.result(30)
+            records.append(
+                RankRecord(r, name, got.file_bytes, got.data_bytes, got.n_tensors, got.index_xxh64, got.header_xxh64)
+            )
+    manifest = Manifest(5, WORLD, TOKEN, tuple(records), {"dp": WORLD}, {}, commit_seq=2)
+    sums = np.array([h for _, h in summaries], dtype=np.int64)
+    body = Summaries(WORLD).update(sums, lambda ranks: [summaries[r][0] for r in ranks])
+    write_index(root, manifest, body)
+    write_manifest(root, manifest)
+    return root, manifest
+
+
+def _reshard(root: str, new_rank: int, new_world: int):
+    """New rank ``new_rank`` of ``new_world``: its shard of ``w``, ``exp_avg`` and the step."""
+    n = WORLD * K // new_world
+    start, end = new_rank * n, (new_rank + 1) * n
+    dst = {"param": torch.empty(n), "exp_avg": torch.empty(n)}
+    step = torch.empty(())
+
+    def plan(index):
+        pairs = [(r, dst[w][at : at + r.count]) for w in dst for r, at in index.ranges((0, "w", w), start, end)]
+        return pairs + [(index.scalar((0, "w", "step"), start, end), step)]
+
+    ckpt, manifest = open_checkpoint(root, 5)
+    with CheckpointReader(ckpt, manifest, rank=new_rank, threads=1) as reader:
+        planned = plan_by_global_index(reader, plan, source=new_rank)
+        pairs = planned[0] if planned else plan(CheckpointIndex.from_reader(reader))
+        stats = reader.execute(LoadPlan("reshard", tuple(ReadItem(r, d) for r, d in pairs)))
+        opened = sorted(reader.opened)
+    assert torch.equal(dst["param"], torch.arange(start, end, dtype=torch.float32))
+    assert torch.equal(dst["exp_avg"], -dst["param"]) and float(step) == 3.0
+    return planned is not None, opened, stats
+
+
+def test_a_resharding_rank_opens_only_the_files_overlapping_its_shard(ckpt):
+    root, _ = ckpt
+    for new_rank in range(4):  # 16 -> 4: new rank q holds old ranks 4q..4q+3, and takes old rank q's objects
+        used, opened, stats = _reshard(root, new_rank, 4)
+        assert used
+        assert opened == sorted({*range(4 * new_rank, 4 * new_rank + 4), new_rank})
+        assert stats.files_opened == len(opened)
+    used, opened, _ = _reshard(root, 5, 8)  # 16 -> 8, a shard inside old ranks 10 and 11
+    assert used and opened == [5, 10, 11]
+
+
+def test_without_an_index_every_file_is_read(ckpt):
+    root, _ = ckpt
+    os.unlink(os.path.join(iter_dir(root, 5), INDEX_NAME))  # a checkpoint written before the index
+    used, opened, _ = _reshard(root, 1, 4)
+    assert not used and opened == list(range(WORLD))
+
+
+def test_an_index_of_another_commit_is_not_used(ckpt):
+    root, manifest = ckpt
+    body = open(os.path.join(iter_dir(root, 5), INDEX_NAME), "rb").read()
+    other = Manifest(5, WORLD, TOKEN, manifest.ranks, manifest.layout, {}, commit_seq=3)  # an uncommitted re-save
+    assert read_index(iter_dir(root, 5), other) is None
+    assert body  # (and the committed one still is)
+    assert read_index(iter_dir(root, 5), manifest) is not None
+
+
+def test_a_damaged_index_is_named_and_the_reshard_reads_every_file(ckpt, caplog):
+    root, manifest = ckpt
+    path = os.path.join(iter_dir(root, 5), INDEX_NAME)
+    data = bytearray(open(path, "rb").read())
+    data[-3] ^= 0xFF
+    with open(path, "wb") as f:
+        f.write(data)
+    with pytest.raises(CorruptCheckpointError, match=f"{path}: global index checksum mismatch"):
+        read_index(iter_dir(root, 5), manifest)
+    used, opened, _ = _reshard(root, 2, 4)
+    assert not used and opened == list(range(WORLD))
+    assert INDEX_NAME in caplog.text and "reading every rank file" in caplog.text
+
+
+def test_an_index_that_disagrees_with_the_files_is_not_trusted(ckpt, caplog):
+    """A consistent, checksummed index whose pieces are not what the files' metadata say (a
+    summary sent before the registrations changed): found out on the files the plan opens."""
+    root, manifest = ckpt
+    wrong = [encode_summary(index_summary(_tensors(r), _meta((r + 1) % WORLD))) for r in range(WORLD)]
+    sums = np.array([h for _, h in wrong], dtype=np.int64)
+    write_index(root, manifest, Summaries(WORLD).update(sums, lambda ranks: [wrong[r][0] for r in ranks]))
+    used, opened, _ = _reshard(root, 1, 4)
+    assert not used and opened == list(range(WORLD))
+    assert "its file's metadata does not" in caplog.text
+
+
+def test_summaries_are_fetched_once_per_change():
+    fetched = []
+    docs = {r: encode_summary({"pieces": [["k", r, r + 1, "t", 0]], "params": {}}) for r in range(4)}
+
+    def fetch(ranks):
+        fetched.append(list(ranks))
+        return [docs[r][0] for r in ranks]
+
+    s = Summaries(4)
+    sums = np.array([docs[r][1] for r in range(4)], dtype=np.int64)
+    body = s.update(sums, fetch)
+    assert body is not None and s.update(sums, fetch) is body and fetched == [[0, 1, 2, 3]]
+    docs[2] = encode_summary({"pieces": [["k", 2, 3, "u", 0]], "params": {}})
+    sums[2] = docs[2][1]
+    assert s.update(sums, fetch) != body and fetched[-1] == [2]
+    sums[3] = 0  # a rank without a summary: no index
+    assert s.update(sums, fetch) is None
+    bad = b'{"pieces":[]},{"params":{}}'  # not one summary (its checksum matches: sent as it is)
+    docs[3] = (bad, summary_sum(bad))
+    sums[3] = docs[3][1]
+    assert s.update(sums, fetch) is None and fetched[-1] == [3]
+
+
+def test_the_index_and_its_temp_file_are_ours():
+    assert is_ours_in_iteration(INDEX_NAME) and is_ours_in_iteration(INDEX_NAME + ".tmp-123")
+    assert not is_ours_in_iteration(INDEX_NAME + ".bak")
