@@ -272,8 +272,9 @@ def _flip_in_value(root, iteration, key, bit=0):
     end = text.index(b"\n", start)
     chars = [i for i in range(start, end) if chr(text[i]).isalnum()]
     at = chars[len(chars) // 2]
-    c, flipped = chr(text[at]), chr(text[at] ^ (1 << bit))
-    assert c.isdigit() == flipped.isdigit() and flipped.isalnum(), (c, flipped)
+    c = chr(text[at])
+    # the first bit from ``bit`` on that keeps the character's class ('a' ^ 1 is a backtick: 'a' ^ 2)
+    flipped = next(f for b in range(bit, 8) if (f := chr(text[at] ^ (1 << b))).isalnum() and f.isdigit() == c.isdigit())
     with open(path, "r+b") as f:
         f.seek(at)
         f.write(flipped.encode())
