@@ -230,12 +230,11 @@ class CheckpointManager(ClosingContext):
         """A start-up that failed after threads were started: stop them (nothing was saved yet;
         a process must not hang on them at exit) and release the locks."""
         try:
-            for part in (self.promotion, self.local, self.persistent):
-                committer = getattr(part, "committer", None)
-                if part is self.promotion and part is not None:
-                    part.close()
-                elif committer is not None:
-                    committer.close()
+            if self.promotion is not None:
+                self.promotion.close()
+            for tier in (self.local, self.persistent):
+                if tier is not None:
+                    tier.stop()
             engine = getattr(self, "engine", None)
             if engine is not None:
                 engine.close()

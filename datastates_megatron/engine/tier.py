@@ -450,13 +450,18 @@ class Tier:
             return False
         return True
 
-    def close(self) -> None:
-        """Join the commit thread and the deleter; then (the writer) empty the pool: training is over, its retired
-        files only hold space."""
+    def stop(self) -> None:
+        """Join the commit thread and the deleter, and nothing else (a start-up abandoned, or a run
+        cut short: what is on disk stays as it is)."""
         if self.committer is not None:
             self.committer.close()
         if self._deleter is not None:
             self._deleter.close()  # after the committer: the last commit's retention is queued
+
+    def close(self) -> None:
+        """:meth:`stop`; then (the writer) empty the pool: training is over, its retired files only
+        hold space."""
+        self.stop()
         if self.is_writer and self._still_owned():
             try:
                 trim_recycled(self.root, keep=0)

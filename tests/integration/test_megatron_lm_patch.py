@@ -649,6 +649,8 @@ def test_parse_args_takes_the_lazy_ckpt_flags(driven):
         mapped_writes=True,
         replicas=None,
         replication_jump=None,
+        promote_slots=2,
+        promote_mbps=0.0,
     )
     errors = out["errors"]
     assert "--lazy-ckpt requires --save" in errors["no_save"]
