@@ -100,6 +100,38 @@ def _prepare_cpu_launch() -> None:
     cpu_launch.prepare()  # typing.override on Python 3.11, no triton: what the launcher does
 
 
+SMALL = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4"]
+
+
+def record_routing(args, save_checkpoint, load_checkpoint, finalize, out) -> list:
+    """Call Megatron's ``save_checkpoint``, ``load_checkpoint`` and ``maybe_finalize_async_save`` as
+    the patch or the hook routes them, the glue replaced by recorders; returns what reached the
+    glue, ``out["load_returned"]`` what the load returned."""
+    from datastates_megatron.megatron import megatron_lm
+
+    model, opt, sched = [object()], object(), object()
+    calls = []
+
+    def save(*a, **k):
+        calls.append(["save", a[0], a[1] is model, a[2] is opt, a[3] is sched, a[4], sorted(k)])
+
+    def load(*a, **k):
+        calls.append(["load", a[0] is model, a[1] is opt, a[2] is sched, sorted(k)])
+        return 100, 12.5
+
+    def fin(blocking=False, terminate=False):
+        calls.append(["finalize", blocking, terminate])
+
+    megatron_lm.save_checkpoint, megatron_lm.load_checkpoint, megatron_lm.maybe_finalize = save, load, fin
+    save_checkpoint(100, model, opt, sched, 12.5, None)
+    out["load_returned"] = list(load_checkpoint(model, opt, sched))
+    finalize(blocking=False)
+    finalize(blocking=True, terminate=True)
+    args.lazy_ckpt = False
+    finalize(blocking=True, terminate=True)  # Megatron's own path: no call
+    return calls
+
+
 # ------------------------------------------------ modes of test_megatron_lm_patch.py
 def without_package(tmp, out):
     class _Hide:  # as if datastates_megatron were not installed
@@ -206,43 +238,14 @@ def route_or_glue(mode, tmp, out):
     import megatron.training.checkpointing as checkpointing
     from datastates_megatron.megatron import megatron_lm
 
-    sys.argv = [
-        "pretrain",
-        "--lazy-ckpt",
-        "--save",
-        tmp + "/s",
-        "--load",
-        tmp + "/s",
-        "--num-layers",
-        "2",
-        "--hidden-size",
-        "64",
-        "--num-attention-heads",
-        "4",
-    ]
+    sys.argv = ["pretrain", "--lazy-ckpt", "--save", tmp + "/s", "--load", tmp + "/s", *SMALL]
     args = parse_args()
     set_args(args)
     model, opt, sched = [object()], object(), object()
     calls = []
     if mode == "route":  # the patch forwards to the glue, with Megatron's arguments
-
-        def save(*a, **k):
-            calls.append(["save", a[0], a[1] is model, a[2] is opt, a[3] is sched, a[4], sorted(k)])
-
-        def load(*a, **k):
-            calls.append(["load", a[0] is model, a[1] is opt, a[2] is sched, sorted(k)])
-            return 100, 12.5
-
-        def fin(blocking=False, terminate=False):
-            calls.append(["finalize", blocking, terminate])
-
-        megatron_lm.save_checkpoint, megatron_lm.load_checkpoint, megatron_lm.maybe_finalize = save, load, fin
-        checkpointing.save_checkpoint(100, model, opt, sched, 12.5, None)
-        out["load_returned"] = list(checkpointing.load_checkpoint(model, opt, sched))
-        async_utils.maybe_finalize_async_save(blocking=False)
-        async_utils.maybe_finalize_async_save(blocking=True, terminate=True)
-        args.lazy_ckpt = False
-        async_utils.maybe_finalize_async_save(blocking=True, terminate=True)  # Megatron's own path
+        entries = checkpointing.save_checkpoint, checkpointing.load_checkpoint, async_utils.maybe_finalize_async_save
+        calls = record_routing(args, *entries, out)
     else:  # the real glue behind the patch, with a recording checkpointer and Megatron's globals
         from megatron.core.num_microbatches_calculator import get_num_microbatches, init_num_microbatches_calculator
         from datastates_megatron.engine.objects import encode_objects
@@ -339,7 +342,7 @@ def binding_sites(out):
 
 
 def hook_route(tmp, out):
-    from datastates_megatron.megatron import hook, megatron_lm
+    from datastates_megatron.megatron import hook
 
     out["install"] = [hook.install(), hook.install()]
     binding_sites(out)
@@ -348,19 +351,7 @@ def hook_route(tmp, out):
     from megatron.training.global_vars import set_args
     from datastates_megatron.megatron.args import LazyCkptArgsError
 
-    base = [
-        "pretrain",
-        "--save",
-        tmp + "/s",
-        "--load",
-        tmp + "/s",
-        "--num-layers",
-        "2",
-        "--hidden-size",
-        "64",
-        "--num-attention-heads",
-        "4",
-    ]
+    base = ["pretrain", "--save", tmp + "/s", "--load", tmp + "/s", *SMALL]
 
     def mine(parser):
         parser.add_argument("--my-flag", type=int, default=0)
@@ -378,27 +369,8 @@ def hook_route(tmp, out):
     sys.argv = [*base, "--lazy-ckpt"]
     args = arguments.parse_args()
     set_args(args)
-    model, opt, sched = [object()], object(), object()
-    calls = []
-
-    def save(*a, **k):
-        calls.append(["save", a[0], a[1] is model, a[2] is opt, a[3] is sched, a[4], sorted(k)])
-
-    def load(*a, **k):
-        calls.append(["load", a[0] is model, a[1] is opt, a[2] is sched, sorted(k)])
-        return 100, 12.5
-
-    def fin(blocking=False, terminate=False):
-        calls.append(["finalize", blocking, terminate])
-
-    megatron_lm.save_checkpoint, megatron_lm.load_checkpoint, megatron_lm.maybe_finalize = save, load, fin
-    training.save_checkpoint(100, model, opt, sched, 12.5, None)
-    out["load_returned"] = list(training.load_checkpoint(model, opt, sched))
-    training.maybe_finalize_async_save(blocking=False)
-    training.maybe_finalize_async_save(blocking=True, terminate=True)
-    args.lazy_ckpt = False
-    training.maybe_finalize_async_save(blocking=True, terminate=True)  # Megatron's own: no call
-    out["calls"] = calls
+    entries = training.save_checkpoint, training.load_checkpoint, training.maybe_finalize_async_save
+    out["calls"] = record_routing(args, *entries, out)
 
 
 def hook_refuse(tmp, out):
@@ -482,18 +454,7 @@ def hook_newparam(tmp, out):  # a newer Megatron-LM: save_checkpoint has an opti
 
     checkpointing.save_checkpoint = save_checkpoint
     out["install"] = hook.install()
-    sys.argv = [
-        "pretrain",
-        "--save",
-        tmp + "/s",
-        "--num-layers",
-        "2",
-        "--hidden-size",
-        "64",
-        "--num-attention-heads",
-        "4",
-        "--lazy-ckpt",
-    ]
+    sys.argv = ["pretrain", "--save", tmp + "/s", *SMALL, "--lazy-ckpt"]
     set_args(arguments.parse_args())  # the hook's parse_args: it adds --lazy-ckpt
     calls = []
     megatron_lm.save_checkpoint = lambda *a, **k: calls.append([len(a), sorted(k)])
