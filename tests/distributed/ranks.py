@@ -96,7 +96,7 @@ def run_ranks(
         if callable(script):
             procs.append(_FunctionRank(script, args, e, prefix))
         elif fresh:
-            procs.append(_FreshRank(script, args, e))
+            procs.append(_FreshRank(script, args, e, prefix))
         else:
             procs.append(_ForkedRank(script, args, e, prefix))
     timed_out = _supervise(
@@ -212,11 +212,14 @@ def _supervise(procs, timeout: float, *, kill_when=None, term_when=None, stop_on
 
 
 class _Rank:
-    """One launched process: ``poll()`` (exit status or None), ``kill()`` (SIGKILL to its session),
-    ``communicate()`` (its stdout and stderr, read from ``<prefix>.out/.err`` for a forked one)."""
+    """One launched rank: ``poll()`` (exit status or None), ``kill()`` (SIGKILL to its session),
+    ``communicate()`` (waits, then its stdout and stderr, which it wrote to ``<prefix>.out/.err``:
+    files, not pipes, which nobody reads while we wait and a talkative rank would fill)."""
 
     pid: int
-    _out = _err = ""
+
+    def __init__(self, prefix: str) -> None:
+        self._out, self._err = prefix + ".out", prefix + ".err"
 
     def poll(self):
         raise NotImplementedError
@@ -229,6 +232,7 @@ class _Rank:
         _kill_session(self.pid)
 
     def communicate(self, timeout: float) -> tuple[str, str]:
+        self._wait(timeout)
         texts = []
         for path in (self._out, self._err):
             try:
@@ -239,22 +243,25 @@ class _Rank:
                 texts.append("")
         return texts[0], texts[1]
 
+    def _wait(self, timeout: float) -> None:
+        raise NotImplementedError
+
 
 class _FreshRank(_Rank):
     """A rank in a fresh interpreter (``python script.py`` / ``python -m module``)."""
 
-    def __init__(self, script: str, args: list[str], env: dict) -> None:
+    def __init__(self, script: str, args: list[str], env: dict, prefix: str) -> None:
+        super().__init__(prefix)
         cmd = [sys.executable, script] if script.endswith(".py") else [sys.executable, "-m", script]
-        self._proc = subprocess.Popen(
-            [*cmd, *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
-        )
+        with open(self._out, "w") as out, open(self._err, "w") as err:
+            self._proc = subprocess.Popen([*cmd, *args], env=env, stdout=out, stderr=err, start_new_session=True)
         self.pid = self._proc.pid
 
     def poll(self):
         return self._proc.poll()
 
-    def communicate(self, timeout: float) -> tuple[str, str]:
-        return self._proc.communicate(timeout=timeout)
+    def _wait(self, timeout: float) -> None:
+        self._proc.wait(timeout)
 
 
 class _Command(_Rank):
@@ -306,7 +313,7 @@ class _ForkedRank(_Rank):
     """A rank forked from the warm forkserver; its stdout/stderr go to ``<prefix>.out/.err``."""
 
     def __init__(self, script: str, args: list[str], env: dict, prefix: str) -> None:
-        self._out, self._err = prefix + ".out", prefix + ".err"
+        super().__init__(prefix)
         self._proc = _forkserver().Process(target=_run_as_main, args=(script, list(args), env, self._out, self._err))
         self._proc.start()
         self.pid = self._proc.pid
@@ -314,16 +321,15 @@ class _ForkedRank(_Rank):
     def poll(self):
         return self._proc.exitcode
 
-    def communicate(self, timeout: float) -> tuple[str, str]:
+    def _wait(self, timeout: float) -> None:
         self._proc.join(timeout)
-        return super().communicate(timeout)
 
 
 class _FunctionRank(_Rank):
     """A rank ``os.fork()``-ed from this process calling ``func(args)``; outputs as :class:`_ForkedRank`."""
 
     def __init__(self, func, args: list[str], env: dict, prefix: str) -> None:
-        self._out, self._err = prefix + ".out", prefix + ".err"
+        super().__init__(prefix)
         self._status = None
         self.pid = os.fork()
         if self.pid == 0:
@@ -336,10 +342,9 @@ class _FunctionRank(_Rank):
                 self._status = os.waitstatus_to_exitcode(st)
         return self._status
 
-    def communicate(self, timeout: float) -> tuple[str, str]:
+    def _wait(self, timeout: float) -> None:  # only after _supervise: the rank has been killed if need be
         if self.poll() is None:
             self._status = os.waitstatus_to_exitcode(os.waitpid(self.pid, 0)[1])
-        return super().communicate(timeout)
 
 
 def _run_function(func, args: list[str], env: dict, out_path: str, err_path: str) -> None:
@@ -347,6 +352,8 @@ def _run_function(func, args: list[str], env: dict, out_path: str, err_path: str
     code = 1
     try:
         detach_with_outputs(out_path, err_path)
+        # the caller's sys.stdout/stderr may not write to fds 1 and 2 (pytest's capture replaces them)
+        sys.stdout, sys.stderr = (open(fd, "w", closefd=False) for fd in (1, 2))
         os.environ.clear()
         os.environ.update(env)
         result = func(args)
