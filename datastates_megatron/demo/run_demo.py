@@ -22,10 +22,10 @@ import subprocess
 import sys
 import time
 
-__all__ = ["main", "kill_tree", "signal_ranks"]
+__all__ = ["main"]
 
 
-def signal_ranks(proc: subprocess.Popen, sig: int) -> list:
+def _signal_ranks(proc: subprocess.Popen, sig: int) -> list:
     """Send ``sig`` to every process under the launcher ``proc`` (torchrun starts its workers in
     sessions of their own); returns them as ``psutil`` processes."""
     import psutil
@@ -42,11 +42,11 @@ def signal_ranks(proc: subprocess.Popen, sig: int) -> list:
     return procs
 
 
-def kill_tree(proc: subprocess.Popen) -> None:
+def _kill_tree(proc: subprocess.Popen) -> None:
     """SIGKILL torchrun and every worker: a real ``kill -9`` of the whole run."""
     import psutil
 
-    procs = signal_ranks(proc, signal.SIGKILL)
+    procs = _signal_ranks(proc, signal.SIGKILL)
     if proc.poll() is None:
         proc.send_signal(signal.SIGKILL)
     psutil.wait_procs(procs, timeout=30)
@@ -76,13 +76,13 @@ def _launch(
                 with open(tracker) as f:
                     text = f.read().strip()
                 if text.isdigit() and int(text) >= kill_after:
-                    kill_tree(proc)  # kill -9 of torchrun and every rank
+                    _kill_tree(proc)  # kill -9 of torchrun and every rank
                     proc.wait()
                     print(f"  killed every rank with SIGKILL after checkpoint {text} was committed")
                     return -9
             time.sleep(0.05)
         if proc.poll() is None:
-            kill_tree(proc)
+            _kill_tree(proc)
             raise SystemExit(f"{name} run timed out after {timeout:.0f}s; log: {log_path}")
     if proc.returncode != 0:
         raise SystemExit(f"{name} run failed (exit {proc.returncode}); log: {log_path}")

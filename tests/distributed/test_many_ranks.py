@@ -8,7 +8,7 @@ import os
 import pytest
 import torch
 
-from tests.faults.forkranks import fork_ranks
+from tests.distributed.ranks import run_ranks
 
 WORLD = 64
 
@@ -93,7 +93,7 @@ def _rank(args: list[str]) -> dict:
 def test_64_ranks_commit_restart_and_read_each_others_files(tmp_path, capsys):
     root = str(tmp_path / "ckpt")
     with capsys.disabled():  # the forked ranks report on the process's own stdout, not pytest's capture
-        res = fork_ranks(_rank, WORLD, [root], timeout=600)
+        res = run_ranks(_rank, WORLD, [root], timeout=600)
     bad = [r for r in res if r["returncode"] != 0 or r["result"] is None]
     assert not bad, bad[0]["stderr"][-3000:]
     for r in res:

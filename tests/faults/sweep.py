@@ -63,7 +63,6 @@ from datastates_megatron.engine.load_plan import SameLayoutPlanner  # noqa: E402
 from datastates_megatron.engine.reader import CheckpointReader, open_checkpoint  # noqa: E402
 from tests.distributed.ranks import run_ranks  # noqa: E402
 from tests.workers import fault_worker as fw  # noqa: E402
-from tests.faults.forkranks import fork_ranks  # noqa: E402
 
 WORKER = "tests.workers.fault_worker"
 MiB = 1 << 20
@@ -91,7 +90,7 @@ class Sweep:
     def launch(self, argv, env=None, kill_when=None, timeout=180.0):
         if self.args.spawn:
             return run_ranks(WORKER, 2, argv, env=env, kill_when=kill_when, timeout=timeout)
-        return fork_ranks(fw.run, 2, argv, env=env, kill_when=kill_when, timeout=timeout)
+        return run_ranks(fw.run, 2, argv, env=env, kill_when=kill_when, timeout=timeout)
 
     def fresh(self, name: str) -> str:
         self.n += 1

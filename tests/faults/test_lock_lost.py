@@ -185,11 +185,10 @@ def _two_ranks_lock_deleted(args) -> dict:
 def test_with_two_ranks_every_rank_stops_committing_once_the_lock_is_lost(tmp_path):
     import json
 
-    from tests.distributed.ranks import describe
-    from tests.faults.forkranks import fork_ranks
+    from tests.distributed.ranks import describe, run_ranks
 
     root, report = str(tmp_path / "ckpt"), str(tmp_path / "report")
-    res = fork_ranks(_two_ranks_lock_deleted, 2, [root, report], timeout=120)
+    res = run_ranks(_two_ranks_lock_deleted, 2, [root, report], timeout=120)
     assert all(r["returncode"] == 0 for r in res), describe(res)  # no rank waits forever, none dies
     for rank in (0, 1):
         assert json.loads((tmp_path / f"report.rank{rank}").read_text())["latest"] == 1

@@ -138,11 +138,10 @@ def _two_ranks_one_cannot_mkdir(args) -> dict:
 
 
 def test_one_rank_failing_to_make_the_directory_makes_every_rank_skip_that_iteration(tmp_path):
-    from tests.distributed.ranks import describe
-    from tests.faults.forkranks import fork_ranks
+    from tests.distributed.ranks import describe, run_ranks
 
     root, report = str(tmp_path / "ckpt"), str(tmp_path / "report")
-    res = fork_ranks(_two_ranks_one_cannot_mkdir, 2, [root, report], timeout=120)
+    res = run_ranks(_two_ranks_one_cannot_mkdir, 2, [root, report], timeout=120)
     assert all(r["returncode"] == 0 for r in res), describe(res)
     got = [json.loads((tmp_path / f"report.rank{rank}").read_text()) for rank in (0, 1)]
     assert got[0]["saved"] == {"1": True, "2": False, "3": True}

@@ -11,19 +11,15 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import signal
-import subprocess
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from datastates_megatron.demo.run_demo import kill_tree, signal_ranks
 from datastates_megatron.engine.tier import committed_iterations, latest_committed
 from datastates_megatron.megatron import training_record
-from tests.distributed.ranks import free_port
+from tests.distributed.ranks import free_port, run_command
 
 MEGATRON_LM_DIR = os.environ.get("MEGATRON_LM_DIR")
 CUDA = torch.cuda.is_available()
@@ -152,36 +148,10 @@ def launch(
         **{training_record.ENV: record},
     )
     port = free_port()
+    cmds = [command(nproc, args, port, megatron_lm_dir, (k, nodes) if nodes > 1 else None) for k in range(nodes)]
     with open(log_path, "w") as log:
-        procs = [
-            subprocess.Popen(
-                command(nproc, args, port, megatron_lm_dir, (k, nodes) if nodes > 1 else None),
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                env=env,
-                start_new_session=True,
-            )
-            for k in range(nodes)
-        ]
-        deadline = time.monotonic() + timeout
-        try:
-            while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
-                if kill_when is not None and kill_when():
-                    for p in procs:
-                        kill_tree(p)
-                    kill_when = None
-                if term_when is not None and term_when():
-                    for p in procs:
-                        signal_ranks(p, signal.SIGTERM)
-                    term_when = None
-                time.sleep(0.05)
-        finally:
-            for p in procs:
-                if p.poll() is None:
-                    kill_tree(p)
-                p.wait(timeout=30)
-    codes = [p.returncode for p in procs]
-    return Run(next((c for c in codes if c), codes[0]), log_path.read_text(errors="replace"), record)
+        done = run_command(cmds, env=env, timeout=timeout, log=log, kill_when=kill_when, term_when=term_when)
+    return Run(done.returncode, log_path.read_text(errors="replace"), record)
 
 
 def committed_at_least(save: Path, iteration: int):

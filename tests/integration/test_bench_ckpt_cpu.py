@@ -4,49 +4,20 @@ table it prints has one row per rank and mode with the per-thread CPU and machin
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from tests.distributed.ranks import Finished, torchrun
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "scripts" / "bench_ckpt_cpu.py"
 MODES = ("ours", "ours-recycle", "ours-buffered")
 
 
-def _launch(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
-    env = dict(
-        os.environ,
-        CUDA_VISIBLE_DEVICES="",
-        OMP_NUM_THREADS="1",
-        PYTHONPATH=os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p),
-    )
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc_per_node",
-        "2",
-        str(SCRIPT),
-        "--layers",
-        "2",
-        "--hidden",
-        "64",
-        "--heads",
-        "4",
-        "--seq-len",
-        "32",
-        "--vocab",
-        "256",
-        "--iters",
-        "3",
-        "--warmup",
-        "1",
-        *args,
-    ]
-    return subprocess.run(cmd, env=env, cwd=str(tmp_path), capture_output=True, text=True, timeout=300)
+def _launch(tmp_path: Path, *args: str) -> Finished:
+    tiny = ["--layers", "2", "--hidden", "64", "--heads", "4", "--seq-len", "32", "--vocab", "256"]
+    return torchrun(SCRIPT, 2, [*tiny, "--iters", "3", "--warmup", "1", *args], cwd=tmp_path)
 
 
 @pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="reads per-thread CPU from /proc (Linux)")

@@ -3,58 +3,22 @@ and what it prints: one row per group, the median and end-to-end ratios, the CPU
 
 from __future__ import annotations
 
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from tests.distributed.ranks import Finished, torchrun
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "scripts" / "bench_paired.py"
 
 
-def _launch(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
-    env = dict(
-        os.environ,
-        CUDA_VISIBLE_DEVICES="",
-        OMP_NUM_THREADS="1",
-        PYTHONPATH=os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p),
-    )
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc_per_node",
-        "2",
-        str(SCRIPT),
-        "--layers",
-        "2",
-        "--hidden",
-        "64",
-        "--heads",
-        "4",
-        "--seq-len",
-        "32",
-        "--vocab",
-        "256",
-        "--block",
-        "2",
-        "--quads",
-        "2",
-        "--warmup",
-        "1",
-        "--persist-interval",
-        "3",
-        "--dir",
-        str(tmp_path / "ckpt"),
-        "--local-dir",
-        str(tmp_path / "local"),
-        *args,
-    ]
-    return subprocess.run(cmd, env=env, cwd=str(tmp_path), capture_output=True, text=True, timeout=300)
+def _launch(tmp_path: Path, *args: str) -> Finished:
+    tiny = ["--layers", "2", "--hidden", "64", "--heads", "4", "--seq-len", "32", "--vocab", "256"]
+    groups = ["--block", "2", "--quads", "2", "--warmup", "1", "--persist-interval", "3"]
+    dirs = ["--dir", str(tmp_path / "ckpt"), "--local-dir", str(tmp_path / "local")]
+    return torchrun(SCRIPT, 2, [*tiny, *groups, *dirs, *args], cwd=tmp_path)
 
 
 @pytest.mark.parametrize("tier", ["local", "disk"])

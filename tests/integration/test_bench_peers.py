@@ -11,13 +11,12 @@ partial JSON written) instead of hanging.
 from __future__ import annotations
 
 import json
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from tests.distributed.ranks import Finished, torchrun
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "scripts" / "bench_peers.py"
@@ -42,36 +41,15 @@ FAST_ENGINES = ("baseline", "torch_save", "dcp_async", "ours", "ours_local", "ou
 LAUNCH_TIMEOUT_S = 120.0
 
 
-def _launch(tmp_path: Path, *extra: str) -> tuple[subprocess.CompletedProcess, Path]:
+def _launch(tmp_path: Path, *extra: str) -> tuple[Finished, Path]:
     pytest.importorskip("megatron.core")
     pytest.importorskip("matplotlib")
     pytest.importorskip("tqdm")
     out = tmp_path / "bench.json"
-    env = dict(
-        os.environ,
-        CUDA_VISIBLE_DEVICES="",
-        OMP_NUM_THREADS="1",
-        PYTHONPATH=os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p),
-    )
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc_per_node",
-        "2",
-        str(SCRIPT),
-        *TINY,
-        "--dir",
-        str(tmp_path / "ckpt"),
-        "--json",
-        str(out),
-        *extra,
-    ]
-    try:
-        proc = subprocess.run(cmd, env=env, cwd=str(tmp_path), capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S)
-    except subprocess.TimeoutExpired as e:
-        pytest.fail(f"bench_peers.py did not finish in {LAUNCH_TIMEOUT_S}s:\n{(e.stderr or '')[-4000:]}")
+    args = [*TINY, "--dir", str(tmp_path / "ckpt"), "--json", str(out), *extra]
+    proc = torchrun(SCRIPT, 2, args, cwd=tmp_path, timeout=LAUNCH_TIMEOUT_S)
+    if proc.timed_out:
+        pytest.fail(f"bench_peers.py did not finish in {LAUNCH_TIMEOUT_S}s:\n{proc.stderr[-4000:]}")
     return proc, out
 
 

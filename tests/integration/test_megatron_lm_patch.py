@@ -24,7 +24,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import textwrap
 import types
 from pathlib import Path
 
@@ -35,16 +34,15 @@ from datastates_megatron.engine.errors import FormatVersionError, LayoutMismatch
 from datastates_megatron.engine.objects import encode_objects
 from datastates_megatron.megatron import megatron_lm
 from datastates_megatron.megatron.args import LazyCkptArgsError, add_lazy_ckpt_args
+from tests.integration.megatron_lm_driver import APPLY, apply_patches, copy_megatron, drive, result
 from tests.integration.megatron_lm_source import parameters
 
 REPO = Path(__file__).resolve().parents[2]
-APPLY = REPO / "scripts" / "apply_patches.sh"
 PATCHED_FILES = (
     "megatron/training/arguments.py",
     "megatron/training/checkpointing.py",
     "megatron/training/async_utils.py",
 )
-SUBPROCESS_TIMEOUT_S = 300
 
 
 # --------------------------------------------------------------------------- #
@@ -324,218 +322,6 @@ needs_checkout = pytest.mark.skipif(
     "core_v0.19.0 (e.g. `git archive core_v0.16.1 | tar -x -C /tmp/mlm-0.16.1`)",
 )
 
-# Runs inside the patched copy: python driver.py JOBS_JSON, JOBS = [[mode, tmp, out_json, *extra], ...].
-# Megatron is imported once; each job then runs in a forked child, so the jobs share one start-up
-# (a Megatron import takes most of a subprocess's time) but no global state.
-DRIVER = r"""
-import dataclasses, json, os, sys, traceback, types, typing
-if not hasattr(typing, "override"):
-    # Megatron-LM core_v0.19 declares Python >= 3.12 but only needs typing.override to import.
-    import typing_extensions
-    typing.override = typing_extensions.override
-
-from datastates_megatron.megatron.cpu_launch import stub_triton_modules
-stub_triton_modules()  # megatron.training imports a triton module; triton is not needed here
-
-
-def without_package(tmp, out):
-    class _Hide:  # as if datastates_megatron were not installed
-        def find_spec(self, name, path=None, target=None):
-            if name.split(".")[0] == "datastates_megatron":
-                raise ModuleNotFoundError(f"No module named {name!r}", name=name.split(".")[0])
-    sys.meta_path.insert(0, _Hide())
-    from megatron.training.arguments import parse_args
-    sys.argv = ["pretrain", "--save", tmp + "/s"]
-    out["has_lazy_ckpt"] = hasattr(parse_args(), "lazy_ckpt")
-    sys.argv = ["pretrain", "--save", tmp + "/s", "--lazy-ckpt"]
-    try:
-        parse_args()
-        out["lazy_flag_rejected"] = False
-    except SystemExit:
-        out["lazy_flag_rejected"] = True
-
-def parse(tmp, out):
-    from megatron.training.arguments import parse_args
-    from datastates_megatron.megatron.args import LazyCkptArgsError, config_from_args
-    sys.argv = ["pretrain", "--lazy-ckpt", "--save", tmp + "/s", "--load", tmp + "/l",
-                "--save-interval", "100", "--train-iters", "1000",
-                "--lazy-ckpt-host-cache-gb", "8", "--lazy-ckpt-flush-threads", "3",
-                "--lazy-ckpt-max-inflight", "1", "--lazy-ckpt-keep-last", "4",
-                "--lazy-ckpt-keep-every", "1000", "--no-lazy-ckpt-verify-on-load",
-                "--lazy-ckpt-on-error", "warn", "--lazy-ckpt-no-streaming",
-                "--lazy-ckpt-direct-io", "on", "--lazy-ckpt-timeout-s", "60",
-                "--lazy-ckpt-local-dir", tmp + "/local", "--lazy-ckpt-persist-interval", "5",
-                "--lazy-ckpt-local-keep-last", "3"]
-    args = parse_args()
-    out["lazy_ckpt"] = args.lazy_ckpt
-    out["save_interval"] = args.save_interval
-    out["train_iters"] = args.train_iters
-    out["config"] = dataclasses.asdict(config_from_args(args))
-    sys.argv = ["pretrain"]
-    out["default_lazy_ckpt"] = parse_args().lazy_ckpt
-    errors = {}
-    for name, argv in {
-        "no_save": ["--lazy-ckpt"],
-        "async_save": ["--lazy-ckpt", "--save", tmp + "/s", "--async-save"],
-        "finetune": ["--lazy-ckpt", "--save", tmp + "/s", "--finetune"],
-        "non_persistent": ["--lazy-ckpt", "--save", tmp + "/s", "--non-persistent-save-interval", "10"],
-        "bad_threads": ["--lazy-ckpt", "--save", tmp + "/s", "--lazy-ckpt-flush-threads", "0"],
-    }.items():
-        sys.argv = ["pretrain", *argv]
-        try:
-            parse_args()
-            errors[name] = None
-        except LazyCkptArgsError as e:
-            errors[name] = str(e)
-    out["errors"] = errors
-
-def mapped(tmp, out):  # Megatron-LM's local-checkpoint flags: parse_args, then its own validate_args
-    import logging
-    from megatron.training.arguments import parse_args, validate_args
-    from datastates_megatron.megatron.args import config_from_args
-    warnings = []
-    class Keep(logging.Handler):
-        def emit(self, record):
-            if record.levelno >= logging.WARNING:
-                warnings.append(record.getMessage())
-    logging.getLogger("datastates_megatron").addHandler(Keep())
-    sys.argv = ["pretrain", "--lazy-ckpt", "--save", tmp + "/s", "--save-interval", "100",
-                "--non-persistent-save-interval", "10", "--non-persistent-ckpt-type", "local",
-                "--non-persistent-local-ckpt-dir", tmp + "/local", "--replication", "--replication-jump", "4",
-                "--ckpt-format", "torch_dist", "--ckpt-fully-parallel-load",
-                "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
-                "--max-position-embeddings", "64", "--micro-batch-size", "1", "--global-batch-size", "8",
-                "--train-iters", "10", "--lr", "1e-3", "--use-distributed-optimizer", "--mock-data",
-                "--tokenizer-type", "NullTokenizer", "--vocab-size", "512"]
-    args = parse_args()
-    validate_args(args, {})  # would need nvidia-resiliency-ext for Megatron's own local checkpoints
-    config = config_from_args(args)
-    out["config"] = [config.local_dir, config.persist_interval, config.replicas, config.replication_jump]
-    out["megatron"] = [args.non_persistent_save_interval, args.non_persistent_ckpt_type, args.replication]
-    out["warnings"] = warnings
-
-def validate(tmp, out, argv_json):  # the namespace a real run saves: parse_args + validate_args, lib.sh's flags
-    from megatron.training.arguments import parse_args, validate_args
-    from datastates_megatron.engine.objects import decode_objects, encode_objects
-    from datastates_megatron.megatron import megatron_lm
-    sys.argv = ["pretrain", *json.loads(argv_json)]
-    args = parse_args()
-    validate_args(args, {})
-    stored = decode_objects(encode_objects({"extra_state": megatron_lm.build_extra_state(args, 4, 1.5)}))
-    saved = stored["extra_state"][megatron_lm.EXTRA_STATE_KEY]["args"]
-    out["exit_signal"] = saved.get("exit_signal")
-    out["saved"] = {k: saved.get(k) for k in ("lazy_ckpt", "bf16", "num_layers", "exit_signal_handler")}
-    out["enums"] = sorted(k for k, v in vars(args).items() if isinstance(v, __import__("enum").Enum))
-
-def route_or_glue(mode, tmp, out):
-    from megatron.training.arguments import parse_args
-    from megatron.training.global_vars import set_args
-    import megatron.training.async_utils as async_utils
-    import megatron.training.checkpointing as checkpointing
-    from datastates_megatron.megatron import megatron_lm
-    sys.argv = ["pretrain", "--lazy-ckpt", "--save", tmp + "/s", "--load", tmp + "/s",
-                "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4"]
-    args = parse_args()
-    set_args(args)
-    model, opt, sched = [object()], object(), object()
-    calls = []
-    if mode == "route":  # the patch forwards to the glue, with Megatron's arguments
-        def save(*a, **k):
-            calls.append(["save", a[0], a[1] is model, a[2] is opt, a[3] is sched, a[4], sorted(k)])
-        def load(*a, **k):
-            calls.append(["load", a[0] is model, a[1] is opt, a[2] is sched, sorted(k)])
-            return 100, 12.5
-        def fin(blocking=False, terminate=False):
-            calls.append(["finalize", blocking, terminate])
-        megatron_lm.save_checkpoint, megatron_lm.load_checkpoint, megatron_lm.maybe_finalize = save, load, fin
-        checkpointing.save_checkpoint(100, model, opt, sched, 12.5, None)
-        out["load_returned"] = list(checkpointing.load_checkpoint(model, opt, sched))
-        async_utils.maybe_finalize_async_save(blocking=False)
-        async_utils.maybe_finalize_async_save(blocking=True, terminate=True)
-        args.lazy_ckpt = False
-        async_utils.maybe_finalize_async_save(blocking=True, terminate=True)  # Megatron's own path
-    else:  # the real glue behind the patch, with a recording checkpointer and Megatron's globals
-        from megatron.core.num_microbatches_calculator import (
-            get_num_microbatches, init_num_microbatches_calculator)
-        from datastates_megatron.engine.objects import encode_objects
-        from datastates_megatron.engine.errors import NoCheckpointError
-        store = {}
-        class Recording:
-            def __init__(self, model, optimizer, config, opt_param_scheduler=None):
-                calls.append(["init", model is model_ref, optimizer is opt, opt_param_scheduler is sched,
-                              config.save_dir])
-                self.pending = []
-                self.on_commit = []  # the glue hangs Megatron's commit logging here
-            def save(self, iteration, extra_state=None):
-                encode_objects({"extra_state": extra_state})
-                store[iteration] = extra_state
-                self.pending.append(iteration)
-                calls.append(["save", iteration])
-            def poll(self):
-                done, self.pending = self.pending, []
-                calls.append(["poll", done])
-                return done
-            def wait(self, persist=True, promote_newest=False):
-                calls.append(["wait", persist, promote_newest])
-            def load(self, iteration=None):
-                calls.append(["load", iteration])
-                if not store:
-                    raise NoCheckpointError("none")
-                it = max(store)
-                return it, store[it]
-            def close(self):
-                calls.append(["close"])
-        model_ref = model
-        fake = types.ModuleType("datastates_megatron.megatron.checkpointer")
-        fake.LazyCheckpointer = Recording
-        sys.modules[fake.__name__] = fake
-        import inspect
-        if "step_batch_size_schedule" in inspect.signature(init_num_microbatches_calculator).parameters:
-            init_num_microbatches_calculator(0, None, 16, 2, 1, step_batch_size_schedule="0:4 800:16")
-        else:  # batch-size ramp-up 4 -> 16 over 800 samples
-            init_num_microbatches_calculator(0, [4, 4, 800], 16, 2, 1)
-        out["microbatches_before"] = get_num_microbatches()
-        out["empty_load"] = list(checkpointing.load_checkpoint(model, opt, sched))
-        args.consumed_train_samples, args.skipped_train_samples, args.consumed_valid_samples = 1600, 0, 64
-        checkpointing.save_checkpoint(100, model, opt, sched, 12.5, None, train_data_iterator=None)
-        async_utils.maybe_finalize_async_save(blocking=False)
-        args.consumed_train_samples = args.consumed_valid_samples = 0
-        out["load_returned"] = list(checkpointing.load_checkpoint(model, opt, sched))
-        out["consumed"] = [args.consumed_train_samples, args.consumed_valid_samples]
-        out["microbatches_after"] = get_num_microbatches()
-        out["loaded_iteration"] = checkpointing.get_loaded_iteration()
-        out["checkpoint_version"] = checkpointing.get_checkpoint_version()
-        async_utils.maybe_finalize_async_save(blocking=True, terminate=True)
-        out["checkpointer_after_exit"] = megatron_lm.get_checkpointer() is None
-    out["calls"] = calls
-
-
-MODES = {
-    "without-package": without_package,
-    "parse": parse,
-    "validate": validate,
-    "mapped": mapped,
-    "route": lambda tmp, out: route_or_glue("route", tmp, out),
-    "glue": lambda tmp, out: route_or_glue("glue", tmp, out),
-}
-jobs = json.loads(sys.argv[1])
-if any(job[0] != "without-package" for job in jobs):
-    import megatron.training.arguments, megatron.training.checkpointing, megatron.training.async_utils  # noqa
-for mode, tmp, out_path, *extra in jobs:
-    pid = os.fork()
-    if pid == 0:
-        out = {}
-        try:
-            MODES[mode](tmp, out, *extra)
-            payload = {"out": out}
-        except BaseException:
-            payload = {"error": traceback.format_exc()}
-        with open(out_path, "w") as f:
-            json.dump(payload, f)
-        os._exit(0)
-    os.waitpid(pid, 0)
-"""
-
 
 @pytest.fixture(
     scope="module", params=MEGATRON_LM_DIRS or [None], ids=lambda d: os.path.basename(d.rstrip("/")) if d else "none"
@@ -547,50 +333,11 @@ def megatron_copy(request, tmp_path_factory):
     base = tmp_path_factory.mktemp("megatron-lm")
     pristine, dst = base / "pristine", base / "patched"
     for copy in (pristine, dst):
-        shutil.copytree(
-            src / "megatron", copy / "megatron", ignore=shutil.ignore_patterns("__pycache__", "*.pyc", "*.so")
-        )
-        if _apply(copy, "--check").stdout.startswith("already applied:"):
-            assert _apply(copy, "--revert").returncode == 0
-    first = _apply(dst)
+        copy_megatron(src, copy)
+    first = apply_patches(dst)
     assert first.returncode == 0, first.stderr
     assert first.stdout.startswith("applied:"), first.stdout
     return pristine, dst
-
-
-def _apply(where: Path, *extra: str) -> subprocess.CompletedProcess:
-    return subprocess.run(["bash", str(APPLY), str(where), *extra], capture_output=True, text=True, timeout=120)
-
-
-def _drive(dst: Path, tmp: Path, jobs: dict[str, list[str]]) -> dict[str, dict]:
-    """Run ``jobs`` ({mode: extra args}) in one driver process in the patched copy ``dst``; each mode
-    works in its own directory ``tmp/MODE``. Returns {mode: {"out": ..., "tmp": ...} or {"error": ...}}."""
-    tmp.mkdir()
-    driver = tmp / "driver.py"
-    driver.write_text(textwrap.dedent(DRIVER))
-    spec = []
-    for mode, extra in jobs.items():
-        (tmp / mode).mkdir()
-        spec.append([mode, str(tmp / mode), str(tmp / f"{mode}.json"), *extra])
-    env = dict(
-        os.environ, PYTHONPATH=os.pathsep.join([str(dst), str(REPO)]), CUDA_VISIBLE_DEVICES="", PYTHONWARNINGS="ignore"
-    )
-    proc = subprocess.run(
-        [sys.executable, str(driver), json.dumps(spec)],
-        cwd=dst,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=SUBPROCESS_TIMEOUT_S,
-    )
-    results = {}
-    for mode in jobs:
-        path = tmp / f"{mode}.json"
-        if not path.exists():
-            results[mode] = {"error": f"driver rc={proc.returncode}:\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"}
-        else:
-            results[mode] = dict(json.loads(path.read_text()), tmp=str(tmp / mode))
-    return results
 
 
 @pytest.fixture(scope="module")
@@ -601,22 +348,15 @@ def driven(megatron_copy, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("driver")
     lib = tmp_path_factory.mktemp("launch-args")
     jobs = {"parse": [], "mapped": [], "validate": [json.dumps(_launch_args(lib))], "route": [], "glue": []}
-    return {**_drive(dst, tmp / "with", jobs), **_drive(dst, tmp / "without", {"without-package": []})}
-
-
-def _result(driven: dict, mode: str) -> tuple[dict, str]:
-    """``(out, tmp)`` of one mode, or the test fails with that mode's traceback."""
-    got = driven[mode]
-    assert "error" not in got, f"driver {mode} failed:\n{got['error']}"
-    return got["out"], got["tmp"]
+    return {**drive(dst, tmp / "with", jobs), **drive(dst, tmp / "without", {"without-package": []})}
 
 
 @needs_checkout
 def test_apply_is_idempotent_and_checkable(megatron_copy):
     _, dst = megatron_copy
-    again = _apply(dst)
+    again = apply_patches(dst)
     assert again.returncode == 0 and again.stdout.startswith("already applied:"), again.stdout
-    check = _apply(dst, "--check")
+    check = apply_patches(dst, "--check")
     assert check.returncode == 0 and check.stdout.startswith("already applied:"), check.stdout
     for rel in PATCHED_FILES:
         assert "datastates_megatron" in (dst / rel).read_text(), rel
@@ -624,7 +364,7 @@ def test_apply_is_idempotent_and_checkable(megatron_copy):
 
 @needs_checkout
 def test_parse_args_takes_the_lazy_ckpt_flags(driven):
-    out, tmp_path = _result(driven, "parse")
+    out, tmp_path = result(driven, "parse")
     assert out["lazy_ckpt"] is True and out["default_lazy_ckpt"] is False
     assert (out["save_interval"], out["train_iters"]) == (100, 1000)
     assert out["config"] == dict(
@@ -698,7 +438,7 @@ def test_megatrons_validated_args_never_fail_a_save(driven, tmp_path):
     namespace that parse_args + validate_args produce for datastates_megatron/launch/lib.sh's flags must be storable."""
     argv = _launch_args(tmp_path)
     assert "--exit-signal-handler" in argv and "--lazy-ckpt" in argv
-    out, _ = _result(driven, "validate")
+    out, _ = result(driven, "validate")
     assert "exit_signal" in out["enums"]
     assert out["exit_signal"] == "SIGTERM"
     assert out["saved"] == {"lazy_ckpt": True, "bf16": True, "num_layers": 2, "exit_signal_handler": True}
@@ -709,7 +449,7 @@ def test_megatrons_local_checkpoint_flags_map_onto_the_node_local_tier(driven):
     """--non-persistent-save-interval 10 --non-persistent-ckpt-type local --non-persistent-local-ckpt-dir:
     local every 10 (Megatron's loop), persisted every --save-interval 100; Megatron's validate_args
     passes without nvidia-resiliency-ext; --ckpt-format and --ckpt-fully-parallel-load named once."""
-    out, tmp_path = _result(driven, "mapped")
+    out, tmp_path = result(driven, "mapped")
     assert out["config"] == [f"{tmp_path}/local", 100, 1, 4]
     assert out["megatron"] == [10, None, False]
     assert len(out["warnings"]) == 1, out["warnings"]
@@ -718,7 +458,7 @@ def test_megatrons_local_checkpoint_flags_map_onto_the_node_local_tier(driven):
 
 @needs_checkout
 def test_patched_megatron_routes_to_the_glue(driven, megatron_copy):
-    out, _ = _result(driven, "route")
+    out, _ = result(driven, "route")
     _, dst = megatron_copy
     assert out["load_returned"] == [100, 12.5]
     assert (
@@ -734,7 +474,7 @@ def test_patched_megatron_routes_to_the_glue(driven, megatron_copy):
 
 @needs_checkout
 def test_glue_behind_the_patch_restores_megatron_state(driven):
-    out, tmp_path = _result(driven, "glue")
+    out, tmp_path = result(driven, "glue")
     assert out["empty_load"] == [0, 0]
     assert out["load_returned"] == [100, 12.5]
     assert out["consumed"] == [1600, 64]
@@ -750,7 +490,7 @@ def test_glue_behind_the_patch_restores_megatron_state(driven):
 
 @needs_checkout
 def test_patched_megatron_works_without_the_package(driven):
-    out, _ = _result(driven, "without-package")
+    out, _ = result(driven, "without-package")
     assert out == {"has_lazy_ckpt": False, "lazy_flag_rejected": True}
 
 
@@ -763,7 +503,7 @@ def test_an_untested_release_of_a_tested_series_is_patched_only_when_allowed(meg
     text = info.read_text()
     patch = int(re.search(r"^PATCH = (\d+)", text, re.M).group(1))
     info.write_text(re.sub(r"^PATCH = \d+", f"PATCH = {patch + 1}", text, count=1, flags=re.M))
-    refused = _apply(copy)
+    refused = apply_patches(copy)
     assert refused.returncode == 2 and " is not tested; tested versions: " in refused.stderr, refused.stderr
     assert "anyway: --allow-untested)" in refused.stderr and len(refused.stderr.splitlines()) == 1
     check = subprocess.run(
@@ -774,22 +514,22 @@ def test_an_untested_release_of_a_tested_series_is_patched_only_when_allowed(meg
         env=dict(os.environ, DSM_ALLOW_UNTESTED_MEGATRON="1"),
     )
     assert check.returncode == 0 and check.stdout.startswith("applies cleanly:"), check.stdout + check.stderr
-    applied = _apply(copy, "--allow-untested")
+    applied = apply_patches(copy, "--allow-untested")
     assert applied.returncode == 0 and applied.stdout.startswith("applied:"), applied.stdout + applied.stderr
 
 
 @needs_checkout
 def test_revert_restores_the_original_files(megatron_copy):
     src, dst = megatron_copy
-    rev = _apply(dst, "--revert")
+    rev = apply_patches(dst, "--revert")
     assert rev.returncode == 0 and rev.stdout.startswith("reverted:"), rev.stdout + rev.stderr
     for rel in PATCHED_FILES:
         assert filecmp.cmp(src / rel, dst / rel, shallow=False), rel
-    again = _apply(dst, "--revert")
+    again = apply_patches(dst, "--revert")
     assert again.returncode == 0 and again.stdout.startswith("not applied:"), again.stdout
-    check = _apply(dst, "--check")
+    check = apply_patches(dst, "--check")
     assert check.returncode == 0 and check.stdout.startswith("applies cleanly:"), check.stdout
-    reapply = _apply(dst)  # leave it patched for any test that runs after
+    reapply = apply_patches(dst)  # leave it patched for any test that runs after
     assert reapply.returncode == 0, reapply.stderr
 
 
@@ -797,12 +537,12 @@ def test_unsupported_version_is_named_without_a_checkout(tmp_path):
     fake = tmp_path / "megatron" / "core"
     fake.mkdir(parents=True)
     (fake / "package_info.py").write_text("MAJOR = 0\nMINOR = 12\nPATCH = 0\n")
-    res = _apply(tmp_path)
+    res = apply_patches(tmp_path)
     assert res.returncode == 2 and "Megatron-LM 0.12.0 is not tested; tested versions: " in res.stderr
     assert "-m datastates_megatron.megatron.run` (the runtime hook)" in res.stderr  # the way in without a patch
     assert len(res.stderr.splitlines()) == 1
 
 
 def test_a_directory_that_is_not_megatron_is_refused(tmp_path):
-    res = _apply(tmp_path)
+    res = apply_patches(tmp_path)
     assert res.returncode == 2 and "package_info.py not found" in res.stderr

@@ -3,7 +3,7 @@ state, with the faults a test asks for (slow copies, slow restores, timed SIGKIL
 
 Usable two ways: as a script (``python tests/workers/fault_worker.py MODE ...``, launched by
 ``tests/distributed/ranks.py``; prints one ``RESULT <json>`` line) and as a function
-(:func:`run`, called in a forked rank by ``tests/faults/forkranks.py``).
+(:func:`run`, called in a forked rank by ``tests/distributed/ranks.py``).
 
 Every rank appends to ``<progress>.rank<R>`` what the application has been *told*:
 ``snapshot <it>`` once the gate returned (the device->host copies of ``it`` are complete),
