@@ -8,7 +8,7 @@ first use.  It only checks that the runtime dependencies can be found: a missing
 from ._deps import check_runtime as _check_runtime
 from ._version import __version__
 
-from .megatron.config import LazyCkptConfig
+from .megatron.checkpointing.config import LazyCkptConfig
 
 _check_runtime()
 
@@ -17,7 +17,7 @@ __all__ = ["LazyCheckpointer", "LazyCkptConfig", "__version__"]
 
 def __getattr__(name):
     if name == "LazyCheckpointer":
-        from .megatron.checkpointer import LazyCheckpointer
+        from .megatron.checkpointing.checkpointer import LazyCheckpointer
 
         return LazyCheckpointer
     raise AttributeError(f"module 'datastates_megatron' has no attribute {name!r}")

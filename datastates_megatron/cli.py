@@ -857,7 +857,7 @@ def _build_parser() -> argparse.ArgumentParser:
             "      --num-layers 2 --hidden-size 64 ... --transformer-impl local --tensor-model-parallel-size 2"
         ),
     )
-    from .megatron.export_args import add_export_arguments
+    from .megatron.export.export_args import add_export_arguments
 
     add_export_arguments(exp)
 
@@ -881,7 +881,7 @@ def _build_parser() -> argparse.ArgumentParser:
 
 def _add_patch_command(sub, fmt) -> None:
     """``patch MEGATRON_DIR``: the source patch, applied from the installed package (not read-only)."""
-    from .megatron import patching, versions
+    from .megatron.megatron_lm import patching, versions
 
     pat = sub.add_parser(
         "patch",
@@ -902,7 +902,7 @@ def _add_patch_command(sub, fmt) -> None:
 
 def _check_export(args: argparse.Namespace, flags: list[str]) -> None:
     """The export's usage errors, before anything heavy is imported."""
-    from .megatron.export_args import locate_script
+    from .megatron.export.export_args import locate_script
 
     args.training_flags = flags
     if args.format == "torch":
@@ -945,12 +945,12 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "where":
             return _where(args.name, args.json)
         if args.command == "patch":
-            from .megatron.patching import main as patch
+            from .megatron.megatron_lm.patching import main as patch
 
             return patch(args)
         if args.command == "export":
             _check_export(args, flags or [])
-            from .megatron.export import run_export
+            from .megatron.export.exporter import run_export
 
             return run_export(args)
         if args.command == "inspect":

@@ -7,7 +7,7 @@
 #   scripts/apply_patches.sh MEGATRON_DIR --revert   undo it (prints "not applied" if it is not)
 #
 # The patch is picked by the version in MEGATRON_DIR/megatron/core/package_info.py from the table of
-# tested versions (datastates_megatron/megatron/versions.py). Exit status: 0 done (or nothing to do),
+# tested versions (datastates_megatron/megatron/megatron_lm/versions.py). Exit status: 0 done (or nothing to do),
 # 1 the patch does not apply, 2 usage error or untested version. Set PYTHON to choose the interpreter
 # (default: the checkout's .venv made by scripts/setup.sh, else python3; importing the package
 # checks that its runtime dependencies are installed).
@@ -15,4 +15,4 @@ set -euo pipefail
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 python=${PYTHON:-python3}
 [[ -n ${PYTHON:-} || ! -x $repo/.venv/bin/python ]] || python=$repo/.venv/bin/python
-PYTHONPATH="$repo${PYTHONPATH:+:$PYTHONPATH}" exec "$python" -m datastates_megatron.megatron.patching "$@"
+PYTHONPATH="$repo${PYTHONPATH:+:$PYTHONPATH}" exec "$python" -m datastates_megatron.megatron.megatron_lm.patching "$@"

@@ -176,7 +176,7 @@ def build(root: str, world: int) -> list:
 def _summary(rank: int, world: int) -> tuple[bytes, int]:
     """Rank ``rank``'s global-index summary, as its manager makes it from its registrations."""
     from datastates_megatron.engine.global_index import encode_summary
-    from datastates_megatron.megatron.reshard import index_summary
+    from datastates_megatron.megatron.checkpointing.reshard import index_summary
 
     metas = _meta(rank, world)
     return encode_summary(index_summary({n: torch.empty(K) for n in metas}, metas))
@@ -339,12 +339,12 @@ def restart(root: str, world: int, rank: int, store) -> tuple[int, int]:
 def reshard(root: str, world: int, new_rank: int) -> tuple[int, int]:
     """Rank ``new_rank`` of a world of N/2: its shard [2K*new_rank, 2K*(new_rank+1)) of ``w`` and
     of its ``exp_avg``, planned by parameter identity from the checkpoint's global index (as
-    :class:`~datastates_megatron.megatron.reshard.ReshardPlanner` does; non-tensor state from old
+    :class:`~datastates_megatron.megatron.checkpointing.reshard.ReshardPlanner` does; non-tensor state from old
     rank ``new_rank``) and loaded through the verifying reader.  Returns the read items and the
     rank files opened."""
     from datastates_megatron.engine.load_plan import LoadPlan, ReadItem
     from datastates_megatron.engine.reader import CheckpointReader, open_checkpoint
-    from datastates_megatron.megatron.reshard import CheckpointIndex, plan_by_global_index
+    from datastates_megatron.megatron.checkpointing.reshard import CheckpointIndex, plan_by_global_index
 
     start, end = 2 * K * new_rank, 2 * K * (new_rank + 1)
     dst = {what: torch.empty(end - start) for what in ("param", "exp_avg")}

@@ -6,7 +6,7 @@
 #   scripts/megatron_lm_tree.sh [--no-patch] VERSION DEST      e.g. 0.16.1 /tmp/mlm
 #   scripts/megatron_lm_tree.sh [--no-patch] main-DATE DEST    e.g. main-2026-08-22 /tmp/mlm
 #
-# The trees CI tests are the `source` column of datastates_megatron/megatron/versions.py.
+# The trees CI tests are the `source` column of datastates_megatron/megatron/megatron_lm/versions.py.
 # Exit status: 0 done, 1 checksum or patch failure, 2 usage or no such tarball.
 set -euo pipefail
 patch=1

@@ -4,7 +4,7 @@
 # a fresh copy of core_v0.16.1 from ../shared/megatron-lm is unpacked and patched for this run, and
 # core_v0.19.0 and main-2026-08-22 are added (MEGATRON_LM_DIRS: the patch/argument tests; main also
 # runs pretrain_gpt.py end to end). Unpatched copies of all three (MEGATRON_LM_PRISTINE_DIRS, unless
-# set) are what the runtime-hook tests train. The trees are the rows of datastates_megatron/megatron/versions.py.
+# set) are what the runtime-hook tests train. The trees are the rows of datastates_megatron/megatron/megatron_lm/versions.py.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh

@@ -1,6 +1,6 @@
 """TEST/DEMO harness: a small megatron-core GPT trained with the DistributedOptimizer.
 
-Runs on CPU over gloo (via :mod:`datastates_megatron.megatron.cuda_on_cpu`, applied
+Runs on CPU over gloo (via :mod:`datastates_megatron.megatron.cpu.cuda_on_cpu`, applied
 automatically when no GPU is present) or on GPUs over NCCL. It mirrors what
 Megatron-LM's ``get_model`` / ``get_megatron_optimizer`` / ``train_step`` do for
 TP=PP=1, with the pieces a checkpointing test needs exposed:

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from ..megatron import cuda_on_cpu
+from ..megatron.cpu import cuda_on_cpu
 
 __all__ = ["on_cpu", "init_distributed", "destroy_distributed", "build_gpt"]
 

@@ -27,7 +27,7 @@ log = logging.getLogger("datastates_megatron.demo")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    from ..megatron.args import add_lazy_ckpt_args
+    from ..megatron.megatron_lm.args import add_lazy_ckpt_args
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     g = p.add_argument_group("training (Megatron-style names)")
@@ -56,8 +56,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> int:
     args = parse_args(argv)
     from ..engine.errors import NoCheckpointError
-    from ..megatron.training_record import state_digest
-    from ..megatron.args import config_from_args, validate_lazy_ckpt_args
+    from ..megatron.cpu.training_record import state_digest
+    from ..megatron.megatron_lm.args import config_from_args, validate_lazy_ckpt_args
     from . import gpt
 
     validate_lazy_ckpt_args(args)
@@ -80,7 +80,7 @@ def main(argv=None) -> int:
     ckpt = None
     records: dict = {"rank": rank, "iterations": [], "commits": [], "resumed_from": None}
     if args.lazy_ckpt:
-        from ..megatron.checkpointer import LazyCheckpointer
+        from ..megatron.checkpointing.checkpointer import LazyCheckpointer
 
         ckpt = LazyCheckpointer(chunks, optimizer, config_from_args(args), opt_param_scheduler=scheduler)
         ckpt.on_commit.append(

@@ -109,14 +109,14 @@ dsm_run_step() {
 
 # dsm_pretrain_entry: fill the array PRETRAIN_ENTRY with what follows the interpreter (or torchrun's
 # options) to start pretrain_gpt.py. DSM_CPU=1 (a dry run of a GPU script on a laptop, login node or
-# CI, no GPU) starts it through datastates_megatron.megatron.cpu_launch; dsm_megatron_args then adds
+# CI, no GPU) starts it through datastates_megatron.megatron.cpu.launch; dsm_megatron_args then adds
 # the CPU-only flags. DSM_RUNTIME_HOOK=1 (an unpatched Megatron-LM) starts it through
-# datastates_megatron.megatron.run. Everything else is what a GPU job runs.
+# datastates_megatron.megatron.megatron_lm.run. Everything else is what a GPU job runs.
 dsm_pretrain_entry() {
     if [ "${DSM_CPU:-0}" = 1 ]; then
-        PRETRAIN_ENTRY=(-m datastates_megatron.megatron.cpu_launch "$MEGATRON_LM_DIR/pretrain_gpt.py")
+        PRETRAIN_ENTRY=(-m datastates_megatron.megatron.cpu.launch "$MEGATRON_LM_DIR/pretrain_gpt.py")
     elif [ "${DSM_RUNTIME_HOOK:-0}" = 1 ]; then
-        PRETRAIN_ENTRY=(-m datastates_megatron.megatron.run "$MEGATRON_LM_DIR/pretrain_gpt.py")
+        PRETRAIN_ENTRY=(-m datastates_megatron.megatron.megatron_lm.run "$MEGATRON_LM_DIR/pretrain_gpt.py")
     else
         PRETRAIN_ENTRY=("$MEGATRON_LM_DIR/pretrain_gpt.py")
     fi

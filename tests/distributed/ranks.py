@@ -48,7 +48,7 @@ PRELOAD = [
     "megatron.core.dist_checkpointing",
     "datastates_megatron.demo.gpt",
     "datastates_megatron.demo.train",
-    "datastates_megatron.megatron.shards",
+    "datastates_megatron.megatron.checkpointing.shards",
 ]
 _forkserver_context = None
 

@@ -21,7 +21,7 @@ def _rank(args: list[str]) -> dict:
     from datastates_megatron.engine import EngineOptions
     from datastates_megatron.engine.load_plan import ElementRange, LoadPlan, LoadPlanner, ReadItem
     from datastates_megatron.engine.manager import CheckpointManager
-    from datastates_megatron.megatron.reshard import index_summary, plan_by_global_index
+    from datastates_megatron.megatron.checkpointing.reshard import index_summary, plan_by_global_index
 
     root = args[0]
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))

@@ -22,8 +22,8 @@ import torch
 from datastates_megatron.cli import EXIT_DAMAGED, EXIT_USAGE, main
 from datastates_megatron.engine import EngineOptions
 from datastates_megatron.engine.manager import CheckpointManager
-from datastates_megatron.megatron import export_ranks
-from datastates_megatron.megatron.worker_process import run_worker
+from datastates_megatron.megatron.export import export_ranks
+from datastates_megatron.megatron.export.worker_process import run_worker
 
 ROOT = Path(__file__).resolve().parents[2]
 FLAGS = ["--", "--num-layers", "1", "--hidden-size", "8", "--num-attention-heads", "2", "--seq-length", "8"]
@@ -86,7 +86,7 @@ def test_a_worker_whose_child_dies_ends_at_once_with_the_childs_error():
     script = textwrap.dedent(
         """
         import multiprocessing as mp
-        from datastates_megatron.megatron.worker_process import watch_children
+        from datastates_megatron.megatron.export.worker_process import watch_children
 
         def write():  # megatron-core's writer without psutil: raises before it answers
             raise RuntimeError("psutil is not installed, please install it with `pip install psutil`")

@@ -105,7 +105,7 @@ def test_a_pool_file_with_other_links_is_never_taken(tmp_path):
 
 
 def test_export_torch_never_writes_through_a_link_at_its_temp_name(tmp_path, monkeypatch):
-    from datastates_megatron.megatron import export as export_mod
+    from datastates_megatron.megatron.export import exporter as export_mod
 
     outside = tmp_path / "outside"
     outside.mkdir()

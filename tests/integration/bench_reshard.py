@@ -9,7 +9,7 @@ DP=2 and checkpoints it, then loads that same checkpoint into fresh processes:
   * ``same layout``     DP=2, same buckets: ``CheckpointManager.load`` (whole rank file: verify every
                         chunk, copy every tensor);
   * ``resharded``       DP=2 with another bucket size: the names no longer match, so ``load()``
-                        restores by parameter identity (``megatron/reshard.py``) — the same bytes per
+                        restores by parameter identity (``megatron/checkpointing/reshard.py``) — the same bytes per
                         rank as above, so this isolates the cost of the resharding path itself;
   * ``resharded 2->1``  DP=1: one rank reads both old rank files;
   * ``resharded 2->4``  DP=4 (``--with-dp4``; 4 processes).

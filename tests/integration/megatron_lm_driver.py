@@ -89,13 +89,13 @@ def _prepare_imports() -> None:
         import typing_extensions
 
         typing.override = typing_extensions.override
-    from datastates_megatron.megatron.cpu_launch import stub_triton_modules
+    from datastates_megatron.megatron.cpu.launch import stub_triton_modules
 
     stub_triton_modules()  # megatron.training imports a triton module; triton is not needed here
 
 
 def _prepare_cpu_launch() -> None:
-    from datastates_megatron.megatron import cpu_launch
+    from datastates_megatron.megatron.cpu import launch as cpu_launch
 
     cpu_launch.prepare()  # typing.override on Python 3.11, no triton: what the launcher does
 
@@ -107,7 +107,7 @@ def record_routing(args, save_checkpoint, load_checkpoint, finalize, out) -> lis
     """Call Megatron's ``save_checkpoint``, ``load_checkpoint`` and ``maybe_finalize_async_save`` as
     the patch or the hook routes them, the glue replaced by recorders; returns what reached the
     glue, ``out["load_returned"]`` what the load returned."""
-    from datastates_megatron.megatron import megatron_lm
+    from datastates_megatron.megatron.megatron_lm import checkpointing as megatron_lm
 
     model, opt, sched = [object()], object(), object()
     calls = []
@@ -154,7 +154,7 @@ def without_package(tmp, out):
 
 def parse(tmp, out):
     from megatron.training.arguments import parse_args
-    from datastates_megatron.megatron.args import LazyCkptArgsError, config_from_args
+    from datastates_megatron.megatron.megatron_lm.args import LazyCkptArgsError, config_from_args
 
     sys.argv = [
         "pretrain",
@@ -219,7 +219,7 @@ def parse(tmp, out):
 def mapped(tmp, out):  # Megatron-LM's local-checkpoint flags: parse_args, then its own validate_args
     import logging
     from megatron.training.arguments import parse_args, validate_args
-    from datastates_megatron.megatron.args import config_from_args
+    from datastates_megatron.megatron.megatron_lm.args import config_from_args
 
     warnings = []
 
@@ -248,7 +248,7 @@ def mapped(tmp, out):  # Megatron-LM's local-checkpoint flags: parse_args, then 
 def validate(tmp, out, argv_json):  # the namespace a real run saves: parse_args + validate_args, lib.sh's flags
     from megatron.training.arguments import parse_args, validate_args
     from datastates_megatron.engine.objects import decode_objects, encode_objects
-    from datastates_megatron.megatron import megatron_lm
+    from datastates_megatron.megatron.megatron_lm import checkpointing as megatron_lm
 
     sys.argv = ["pretrain", *json.loads(argv_json)]
     args = parse_args()
@@ -265,7 +265,7 @@ def route_or_glue(mode, tmp, out):
     from megatron.training.global_vars import set_args
     import megatron.training.async_utils as async_utils
     import megatron.training.checkpointing as checkpointing
-    from datastates_megatron.megatron import megatron_lm
+    from datastates_megatron.megatron.megatron_lm import checkpointing as megatron_lm
 
     sys.argv = ["pretrain", "--lazy-ckpt", "--save", tmp + "/s", "--load", tmp + "/s", *SMALL]
     args = parse_args()
@@ -315,7 +315,7 @@ def route_or_glue(mode, tmp, out):
                 calls.append(["close"])
 
         model_ref = model
-        fake = types.ModuleType("datastates_megatron.megatron.checkpointer")
+        fake = types.ModuleType("datastates_megatron.megatron.checkpointing.checkpointer")
         fake.LazyCheckpointer = Recording
         sys.modules[fake.__name__] = fake
         import inspect
@@ -371,14 +371,14 @@ def binding_sites(out):
 
 
 def hook_route(tmp, out):
-    from datastates_megatron.megatron import hook
+    from datastates_megatron.megatron.megatron_lm import hook
 
     out["install"] = [hook.install(), hook.install()]
     binding_sites(out)
     import megatron.training.arguments as arguments
     import megatron.training.training as training
     from megatron.training.global_vars import set_args
-    from datastates_megatron.megatron.args import LazyCkptArgsError
+    from datastates_megatron.megatron.megatron_lm.args import LazyCkptArgsError
 
     base = ["pretrain", "--save", tmp + "/s", "--load", tmp + "/s", *SMALL]
 
@@ -403,7 +403,7 @@ def hook_route(tmp, out):
 
 
 def hook_refuse(tmp, out):
-    from datastates_megatron.megatron import hook
+    from datastates_megatron.megatron.megatron_lm import hook
 
     import megatron.training.checkpointing as checkpointing
     import megatron.training.async_utils as async_utils
@@ -438,7 +438,7 @@ def hook_refuse(tmp, out):
     namespace = {}
     exec(
         "def maybe_finalize_async_save(blocking=False, terminate=False):\n"
-        "    from datastates_megatron.megatron import megatron_lm\n",
+        "    from datastates_megatron.megatron.megatron_lm import checkpointing as megatron_lm\n",
         namespace,
     )
     errors = []
@@ -467,7 +467,7 @@ def hook_newparam(tmp, out):  # a newer Megatron-LM: save_checkpoint has an opti
     import megatron.training.checkpointing as checkpointing
     from megatron.training.global_vars import set_args
 
-    from datastates_megatron.megatron import hook, megatron_lm
+    from datastates_megatron.megatron.megatron_lm import hook, checkpointing as megatron_lm
 
     def save_checkpoint(
         iteration,
@@ -497,7 +497,7 @@ def hook_newparam(tmp, out):  # a newer Megatron-LM: save_checkpoint has an opti
 
 
 def hook_patched(tmp, out):
-    from datastates_megatron.megatron import hook
+    from datastates_megatron.megatron.megatron_lm import hook
 
     out["install"] = hook.install()
     binding_sites(out)

@@ -1,5 +1,5 @@
 """Run Megatron-LM's own ``pretrain_gpt.py`` (a tiny GPT) under torchrun through
-``datastates_megatron.megatron.cpu_launch``, and compare runs exactly.
+``datastates_megatron.megatron.cpu.launch``, and compare runs exactly.
 
 The tree comes from ``MEGATRON_LM_DIR`` (patched with scripts/apply_patches.sh; scripts/test.sh
 unpacks and patches a fresh one from ../shared/megatron-lm) unless ``launch`` is given another one
@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from datastates_megatron.engine.tier import committed_iterations, latest_committed
-from datastates_megatron.megatron import training_record
+from datastates_megatron.megatron.cpu import training_record
 from tests.distributed.ranks import free_port, run_command
 
 MEGATRON_LM_DIR = os.environ.get("MEGATRON_LM_DIR")
@@ -113,7 +113,7 @@ def command(
         "--master-port",
         str(port),
         "-m",
-        "datastates_megatron.megatron.cpu_launch",
+        "datastates_megatron.megatron.cpu.launch",
         script,
         *(NO_TE if CUDA else CPU_ONLY),
         *TINY,

@@ -2,7 +2,7 @@
 
 For each tree of ``MEGATRON_LM_DIRS`` and ``MEGATRON_LM_PRISTINE_DIRS`` (read with :mod:`ast`, no
 import): its version is a row of the table; each parameter of ``save_checkpoint`` /
-``load_checkpoint`` is one the glue takes (:mod:`datastates_megatron.megatron.call_params` says what
+``load_checkpoint`` is one the glue takes (:mod:`datastates_megatron.megatron.megatron_lm.call_params` says what
 it does with it), so a new parameter in a Megatron-LM release fails here instead of being dropped;
 and a patched tree's call of the glue passes every one of them. (The runtime hook passes every
 parameter the glue takes: tests/integration/test_runtime_hook.py records what arrives.)
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from datastates_megatron.megatron import call_params, megatron_lm, versions
+from datastates_megatron.megatron.megatron_lm import call_params, checkpointing as megatron_lm, versions
 from tests.integration.megatron_lm_source import ROUTED, parameters, patch_call
 
 TREES = sorted(

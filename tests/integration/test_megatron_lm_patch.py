@@ -1,11 +1,11 @@
 """Megatron-LM integration: the glue module, and the patch applied to a real Megatron-LM checkout.
 
-Part 1 (always runs) drives :mod:`datastates_megatron.megatron.megatron_lm` the way the patched
+Part 1 (always runs) drives :mod:`datastates_megatron.megatron.megatron_lm.checkpointing` the way the patched
 Megatron-LM does, with a recording stand-in for LazyCheckpointer (injected as the
-``datastates_megatron.megatron.checkpointer`` module) so the glue's decisions are visible.
+``datastates_megatron.megatron.checkpointing.checkpointer`` module) so the glue's decisions are visible.
 
 Part 2 needs ``MEGATRON_LM_DIRS`` or ``MEGATRON_LM_DIR`` = checkouts of tested versions
-(datastates_megatron/megatron/versions.py; scripts/megatron_lm_tree.sh unpacks them) and Megatron's CPU import dependencies
+(datastates_megatron/megatron/megatron_lm/versions.py; scripts/megatron_lm_tree.sh unpacks them) and Megatron's CPU import dependencies
 (``pip install six regex pyyaml pydantic psutil``; triton is stood in for, as ``cpu_launch`` does). It copies ``megatron/`` to a temporary
 directory, applies/re-applies/reverts ``scripts/apply_patches.sh`` and, in subprocesses, parses
 ``--lazy-ckpt ...`` with Megatron's own ``parse_args`` and checks that the patched
@@ -32,8 +32,8 @@ import torch
 
 from datastates_megatron.engine.errors import FormatVersionError, LayoutMismatchError, NoCheckpointError
 from datastates_megatron.engine.objects import encode_objects
-from datastates_megatron.megatron import megatron_lm
-from datastates_megatron.megatron.args import LazyCkptArgsError, add_lazy_ckpt_args
+from datastates_megatron.megatron.megatron_lm import checkpointing as megatron_lm
+from datastates_megatron.megatron.megatron_lm.args import LazyCkptArgsError, add_lazy_ckpt_args
 from tests.integration.megatron_lm_driver import APPLY, apply_patches, copy_megatron, drive, result
 from tests.integration.megatron_lm_source import parameters
 
@@ -90,9 +90,9 @@ class RecordingCheckpointer:
 
 @pytest.fixture
 def recording(monkeypatch):
-    fake = types.ModuleType("datastates_megatron.megatron.checkpointer")
+    fake = types.ModuleType("datastates_megatron.megatron.checkpointing.checkpointer")
     fake.LazyCheckpointer = RecordingCheckpointer
-    monkeypatch.setitem(sys.modules, "datastates_megatron.megatron.checkpointer", fake)
+    monkeypatch.setitem(sys.modules, "datastates_megatron.megatron.checkpointing.checkpointer", fake)
     RecordingCheckpointer.instances = []
     RecordingCheckpointer.store = {}
     monkeypatch.setattr(megatron_lm, "_session", None)
@@ -539,7 +539,9 @@ def test_unsupported_version_is_named_without_a_checkout(tmp_path):
     (fake / "package_info.py").write_text("MAJOR = 0\nMINOR = 12\nPATCH = 0\n")
     res = apply_patches(tmp_path)
     assert res.returncode == 2 and "Megatron-LM 0.12.0 is not tested; tested versions: " in res.stderr
-    assert "-m datastates_megatron.megatron.run` (the runtime hook)" in res.stderr  # the way in without a patch
+    assert (
+        "-m datastates_megatron.megatron.megatron_lm.run` (the runtime hook)" in res.stderr
+    )  # the way in without a patch
     assert len(res.stderr.splitlines()) == 1
 
 

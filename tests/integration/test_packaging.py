@@ -90,12 +90,12 @@ def wheel(tmp_path_factory):
 
 
 def test_wheel_metadata_license_and_unpinned_torch(wheel):
-    from datastates_megatron.megatron import versions
+    from datastates_megatron.megatron.megatron_lm import versions
 
     with zipfile.ZipFile(wheel) as z:
         names = z.namelist()
         for row in versions.TESTED:
-            assert f"datastates_megatron/megatron/patches/{row.patch}" in names, names
+            assert f"datastates_megatron/megatron/megatron_lm/patches/{row.patch}" in names, names
         meta = z.read(next(n for n in names if n.endswith(".dist-info/METADATA"))).decode()
         license_text = z.read(next(n for n in names if n.endswith(".dist-info/licenses/LICENSE"))).decode()
     assert "License-Expression: Apache-2.0" in meta
@@ -192,7 +192,7 @@ def test_install_keeps_the_environments_torch_and_cli_help_needs_no_torch(wheel,
 def _patch_from_the_installed_wheel(cli: Path, tmp_path: Path) -> None:
     """`datastates-ckpt patch` works from the wheel alone (no checkout, no torch): each tested
     version's patch is in it and applies to the three files it changes."""
-    from datastates_megatron.megatron import patching, versions
+    from datastates_megatron.megatron.megatron_lm import patching, versions
 
     untested = tmp_path / "mlm-0.12"
     (untested / "megatron" / "core").mkdir(parents=True)

@@ -4,7 +4,7 @@
 Each comparison is against a run without any checkpointing, to the bit: every iteration's grad
 norm and params norm (the lm loss Megatron logs averages over the iterations since the last log,
 so after a resume it is not comparable) and a digest of every model and optimizer tensor at the
-end (:mod:`datastates_megatron.megatron.training_record`). Dropout is 0; on CPU the shim maps the
+end (:mod:`datastates_megatron.megatron.cpu.training_record`). Dropout is 0; on CPU the shim maps the
 CUDA generator onto the CPU one. 2 ranks, gloo on CPU (NCCL on a GPU: as many ranks as GPUs, up to 2).
 """
 
@@ -18,7 +18,7 @@ import pytest
 
 from datastates_megatron.engine.run_id import local_tier_dir
 from datastates_megatron.engine.tier import committed_iterations
-from datastates_megatron.megatron import versions
+from datastates_megatron.megatron.megatron_lm import versions
 from tests.integration.megatron_lm_runs import (
     LAZY,
     MEGATRON_LM_DIR,

@@ -188,7 +188,7 @@ def test_changed_tensor_parallel_size_is_refused_naming_the_conversions(dp2):
 def test_export_torch(dp2, tmp_path):
     """The consolidated ``torch`` export (no Megatron-LM): every element equal to what the DP=2 run held.
     (The ``torch_dist`` export runs Megatron-LM: tests/integration/test_torch_dist_bridge.py.)"""
-    from datastates_megatron.megatron.export import export
+    from datastates_megatron.megatron.export.exporter import export
 
     d, _ = dp2
     path = export(str(d / "ckpt"), str(tmp_path / "torch"), "torch", iteration=3)

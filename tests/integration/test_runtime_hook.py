@@ -1,4 +1,4 @@
-"""The runtime hook (:mod:`datastates_megatron.megatron.hook`, :mod:`~datastates_megatron.megatron.run`)
+"""The runtime hook (:mod:`datastates_megatron.megatron.megatron_lm.hook`, :mod:`~datastates_megatron.megatron.megatron_lm.run`)
 on Megatron-LM trees that do NOT carry our patch.
 
 Part 1 (``MEGATRON_LM_DIRS``/``MEGATRON_LM_DIR``): ``megatron/`` of each tree is copied and the

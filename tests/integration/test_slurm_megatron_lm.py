@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 
 from datastates_megatron.engine.manifest import iter_dir, read_tracker
-from datastates_megatron.megatron import training_record
+from datastates_megatron.megatron.cpu import training_record
 from tests.integration.slurm_jobs import (
     REPO,
     Submitter,

@@ -8,7 +8,7 @@
   that one back at TP=2 PP=2): both hold the same full tensors, model and optimizer state.
 
 Megatron-LM cannot resume its own ``torch_dist`` checkpoint on CPU (torch's Adam: see
-:mod:`datastates_megatron.megatron.torch_dist`), so "resumed natively" is the uninterrupted run.
+:mod:`datastates_megatron.megatron.megatron_lm.torch_dist`), so "resumed natively" is the uninterrupted run.
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ from megatron.core.distributed import DistributedDataParallel  # noqa: E402
 
 from datastates_megatron import LazyCheckpointer, LazyCkptConfig  # noqa: E402
 from datastates_megatron.engine.errors import CheckpointError  # noqa: E402
-from datastates_megatron.megatron.checkpointer import UnsupportedModelError  # noqa: E402
+from datastates_megatron.megatron.checkpointing.checkpointer import UnsupportedModelError  # noqa: E402
 
 
 def _config(tmp_path):

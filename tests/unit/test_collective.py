@@ -70,7 +70,7 @@ class _ElsewhereError(CheckpointError):
 
 
 def test_error_classes_defined_anywhere_cross_ranks_by_name():
-    from datastates_megatron.megatron.torch_dist import ConversionError
+    from datastates_megatron.megatron.megatron_lm.torch_dist import ConversionError
 
     assert RankFailure((1,), ((1, "ConversionError", "m"),)).error_class() is ConversionError
     assert RankFailure((1,), ((1, "_ElsewhereError", "m"),)).error_class() is _ElsewhereError

@@ -8,7 +8,7 @@ import torch
 from datastates_megatron.cli import EXIT_USAGE, main
 from datastates_megatron.engine import EngineOptions
 from datastates_megatron.engine.manager import CheckpointManager
-from datastates_megatron.megatron.export import rank_command
+from datastates_megatron.megatron.export.exporter import rank_command
 
 
 @pytest.fixture

@@ -7,17 +7,17 @@ import dataclasses
 
 import pytest
 
-from datastates_megatron.megatron import flag_table
-from datastates_megatron.megatron.args import add_lazy_ckpt_args, all_options, config_from_args
-from datastates_megatron.megatron.config import LazyCkptConfig
-from datastates_megatron.megatron.flag_spec import default_text, option, options_of
+from datastates_megatron.megatron.megatron_lm import flag_table
+from datastates_megatron.megatron.megatron_lm.args import add_lazy_ckpt_args, all_options, config_from_args
+from datastates_megatron.megatron.checkpointing.config import LazyCkptConfig
+from datastates_megatron.megatron.checkpointing.flag_spec import default_text, option, options_of
 
 
 def test_docs_flag_tables_are_generated_from_the_declarations():
     text = flag_table.DOC.read_text(encoding="utf-8")
     assert flag_table.render(text) == text, (
         "docs/megatron.md drifted from the option declarations: run "
-        "python -m datastates_megatron.megatron.flag_table --write"
+        "python -m datastates_megatron.megatron.megatron_lm.flag_table --write"
     )
 
 

@@ -24,7 +24,7 @@ from datastates_megatron.engine.manifest import Manifest, RankRecord, iter_dir, 
 from datastates_megatron.engine.names import is_ours_in_iteration
 from datastates_megatron.engine.reader import CheckpointReader, open_checkpoint
 from datastates_megatron.engine.errors import CorruptCheckpointError
-from datastates_megatron.megatron.reshard import CheckpointIndex, index_summary, plan_by_global_index
+from datastates_megatron.megatron.checkpointing.reshard import CheckpointIndex, index_summary, plan_by_global_index
 
 WORLD, K, TOKEN = 16, 8, "00000000000000aa"
 

@@ -50,7 +50,11 @@ def test_local_tier_variables_become_flags(tmp_path):
 
     import argparse
 
-    from datastates_megatron.megatron.args import add_lazy_ckpt_args, config_from_args, validate_lazy_ckpt_args
+    from datastates_megatron.megatron.megatron_lm.args import (
+        add_lazy_ckpt_args,
+        config_from_args,
+        validate_lazy_ckpt_args,
+    )
 
     parser = add_lazy_ckpt_args(argparse.ArgumentParser())
     parser.add_argument("--save")
@@ -90,7 +94,7 @@ def test_wandb_only_when_a_project_is_named(tmp_path):
 
 @pytest.mark.parametrize(
     "env, module",
-    [({}, None), ({"DSM_RUNTIME_HOOK": "1"}, "run"), ({"DSM_CPU": "1"}, "cpu_launch")],
+    [({}, None), ({"DSM_RUNTIME_HOOK": "1"}, "megatron_lm.run"), ({"DSM_CPU": "1"}, "cpu.launch")],
     ids=["patched", "runtime-hook", "cpu"],
 )
 def test_pretrain_entry_picks_the_runner(tmp_path, env, module):

@@ -9,7 +9,7 @@ import logging
 import pytest
 
 from datastates_megatron.engine.errors import CheckpointError
-from datastates_megatron.megatron.args import (
+from datastates_megatron.megatron.megatron_lm.args import (
     UNSUPPORTED_MEGATRON_FLAGS,
     LazyCkptArgsError,
     add_lazy_ckpt_args,
@@ -19,7 +19,7 @@ from datastates_megatron.megatron.args import (
 )
 from datastates_megatron.engine.errors import OptionsError
 from datastates_megatron.engine.options import EngineOptions, ManagerOptions
-from datastates_megatron.megatron.config import LazyCkptConfig
+from datastates_megatron.megatron.checkpointing.config import LazyCkptConfig
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -263,14 +263,14 @@ def test_error_type(tmp_path):
 
 def test_without_lazy_ckpt_nothing_is_checked_but_ignored_flags_warn(caplog):
     args = _parse("--lazy-ckpt-host-cache-gb", "0", "--lazy-ckpt-direct-io", "on")
-    with caplog.at_level(logging.WARNING, logger="datastates_megatron.megatron.args"):
+    with caplog.at_level(logging.WARNING, logger="datastates_megatron.megatron.megatron_lm.args"):
         validate_lazy_ckpt_args(args)
     assert "--lazy-ckpt-host-cache-gb" in caplog.text and "--lazy-ckpt-direct-io" in caplog.text
     assert "without --lazy-ckpt" in caplog.text
 
 
 def test_without_lazy_ckpt_and_defaults_there_is_no_warning(caplog):
-    with caplog.at_level(logging.WARNING, logger="datastates_megatron.megatron.args"):
+    with caplog.at_level(logging.WARNING, logger="datastates_megatron.megatron.megatron_lm.args"):
         validate_lazy_ckpt_args(_parse())
     assert caplog.text == ""
 
@@ -300,7 +300,7 @@ def test_commit_telemetry_goes_to_megatron_writers(monkeypatch):
     import types
 
     from datastates_megatron.engine.commit import CommitRecord
-    from datastates_megatron.megatron import megatron_lm
+    from datastates_megatron.megatron.megatron_lm import checkpointing as megatron_lm
 
     got = {"tb": [], "wb": []}
 

@@ -8,10 +8,10 @@ import logging
 
 import pytest
 
-from datastates_megatron.megatron.args import LazyCkptArgsError, add_lazy_ckpt_args, config_from_args
-from datastates_megatron.megatron.args import validate_lazy_ckpt_args
+from datastates_megatron.megatron.megatron_lm.args import LazyCkptArgsError, add_lazy_ckpt_args, config_from_args
+from datastates_megatron.megatron.megatron_lm.args import validate_lazy_ckpt_args
 
-LOGGER = "datastates_megatron.megatron.megatron_flags"
+LOGGER = "datastates_megatron.megatron.megatron_lm.megatron_flags"
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -5,7 +5,7 @@ import torch
 
 from datastates_megatron.engine.errors import LayoutMismatchError
 from datastates_megatron.engine.objects import decode_objects, encode_objects
-from datastates_megatron.megatron import model_state
+from datastates_megatron.megatron.checkpointing import model_state
 
 
 class WithExtra(torch.nn.Module):

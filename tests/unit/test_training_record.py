@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from datastates_megatron.megatron import training_record
+from datastates_megatron.megatron.cpu import training_record
 
 
 def test_runs_are_split_and_a_cut_last_line_is_ignored(tmp_path):

@@ -1,6 +1,6 @@
 """The table of tested Megatron-LM versions, and everything that must agree with it: the README's
 compatibility matrix, the ``[megatron]`` extra, the packaged patches, the trees CI unpacks, the torch
-CI installs, and the glue's parameters (:mod:`datastates_megatron.megatron.call_params`)."""
+CI installs, and the glue's parameters (:mod:`datastates_megatron.megatron.megatron_lm.call_params`)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from datastates_megatron.megatron import call_params, megatron_lm, patching, versions
+from datastates_megatron.megatron.megatron_lm import call_params, checkpointing as megatron_lm, patching, versions
 
 REPO = Path(__file__).resolve().parents[2]
 

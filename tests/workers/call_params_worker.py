@@ -7,8 +7,8 @@ import json
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
-from datastates_megatron.megatron import call_params
-from datastates_megatron.megatron.args import LazyCkptArgsError
+from datastates_megatron.megatron.megatron_lm import call_params
+from datastates_megatron.megatron.megatron_lm.args import LazyCkptArgsError
 
 
 def _check(**groups):

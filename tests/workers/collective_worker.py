@@ -10,7 +10,7 @@ import torch.distributed as dist
 from datastates_megatron.engine import collective
 from datastates_megatron.engine.collective import Collective
 from datastates_megatron.engine.errors import CheckpointError, ForeignCheckpointError
-from datastates_megatron.megatron.args import LazyCkptArgsError
+from datastates_megatron.megatron.megatron_lm.args import LazyCkptArgsError
 
 
 def main():

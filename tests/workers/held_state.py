@@ -14,7 +14,7 @@ import json
 
 import torch
 
-from datastates_megatron.megatron.shards import distributed_optimizers
+from datastates_megatron.megatron.checkpointing.shards import distributed_optimizers
 
 
 class Fp8LikeMeta(torch.nn.Module):

@@ -8,7 +8,7 @@ import json
 import torch.distributed as dist
 
 from datastates_megatron.engine.errors import CheckpointError
-from datastates_megatron.megatron import torch_dist
+from datastates_megatron.megatron.megatron_lm import torch_dist
 
 
 def main():

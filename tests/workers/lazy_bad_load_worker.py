@@ -108,7 +108,7 @@ def unreadable_rank_files():
 def main() -> int:
     from datastates_megatron import LazyCheckpointer, LazyCkptConfig
     from datastates_megatron.demo import gpt
-    from datastates_megatron.megatron.training_record import state_digest
+    from datastates_megatron.megatron.cpu.training_record import state_digest
 
     root = sys.argv[1]
     scenarios = sys.argv[2].split(",") if len(sys.argv) > 2 else SCENARIOS

@@ -50,7 +50,7 @@ def main():
     a = p.parse_args()
     from datastates_megatron import LazyCheckpointer, LazyCkptConfig
     from datastates_megatron.demo import gpt
-    from datastates_megatron.megatron.training_record import state_digest
+    from datastates_megatron.megatron.cpu.training_record import state_digest
     from datastates_megatron.engine import CorruptCheckpointError, device_copy, load_file, writer
     from datastates_megatron.engine.device_copy import as_bytes
     from datastates_megatron.engine.hashing import xxh64

@@ -72,7 +72,7 @@ def _data(it):
 
 
 def _names(chunks):
-    from datastates_megatron.megatron.shards import parameter_names
+    from datastates_megatron.megatron.checkpointing.shards import parameter_names
 
     return {p: name for p, (_c, name) in parameter_names(chunks).items()}
 
@@ -136,7 +136,7 @@ def main():
     from datastates_megatron.demo import gpt
 
     if a.scenario == "tp2":
-        from datastates_megatron.megatron import cuda_on_cpu
+        from datastates_megatron.megatron.cpu import cuda_on_cpu
         from megatron.core import parallel_state
 
         cuda_on_cpu.install()

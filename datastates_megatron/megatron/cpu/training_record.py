@@ -8,7 +8,7 @@ Lines are flushed one by one, so a run killed with ``kill -9`` keeps every itera
 :func:`install` wraps ``megatron.training.training.training_log`` (called once per iteration, on
 every rank) and ``train`` in this process; arguments are taken by name, so core_v0.16 and core_v0.19
 (whose signatures differ in trailing parameters) are both served. Used by
-:mod:`~datastates_megatron.megatron.run` (and so ``cpu_launch``) when ``DSM_TRAINING_RECORD`` names a
+:mod:`~datastates_megatron.megatron.megatron_lm.run` (and so ``cpu_launch``) when ``DSM_TRAINING_RECORD`` names a
 path prefix.
 """
 
@@ -23,10 +23,10 @@ from collections.abc import Callable
 
 import torch
 
-from ..engine.device_copy import as_bytes
-from ..engine.hashing import xxh64
-from .model_state import capture
-from .shards import collect_shards
+from ...engine.device_copy import as_bytes
+from ...engine.hashing import xxh64
+from ..checkpointing.model_state import capture
+from ..checkpointing.shards import collect_shards
 
 __all__ = ["ENV", "install", "read", "read_runs"]
 

@@ -79,7 +79,7 @@ def capture(optimizer, scheduler) -> dict:
 def restore(state: dict, optimizer, scheduler) -> None:
     opts = list(zip(distributed_optimizers(optimizer), inner_optimizers(optimizer)))
     if len(opts) != len(state["optimizers"]):
-        from ..engine.errors import LayoutMismatchError
+        from ...engine.errors import LayoutMismatchError
 
         raise LayoutMismatchError(
             f"checkpoint has {len(state['optimizers'])} chained optimizers, this run has {len(opts)}"

@@ -1,9 +1,9 @@
-"""The flag tables of docs/megatron.md, generated from the option declarations (:mod:`.flag_spec`)
+"""The flag tables of docs/megatron.md, generated from the option declarations (:mod:`..checkpointing.flag_spec`)
 and Megatron-LM's flags (:mod:`.megatron_flags`), so that the docs cannot drift from the code.
 
-    python -m datastates_megatron.megatron.flag_table            # print the generated blocks
-    python -m datastates_megatron.megatron.flag_table --write    # replace them in docs/megatron.md
-    python -m datastates_megatron.megatron.flag_table --check    # exit 1 when docs/megatron.md differs
+    python -m datastates_megatron.megatron.megatron_lm.flag_table            # print the generated blocks
+    python -m datastates_megatron.megatron.megatron_lm.flag_table --write    # replace them in docs/megatron.md
+    python -m datastates_megatron.megatron.megatron_lm.flag_table --check    # exit 1 when docs/megatron.md differs
 
 Each block sits between ``<!-- BEGIN generated: NAME -->`` and ``<!-- END generated: NAME -->``.
 """
@@ -18,11 +18,11 @@ from collections.abc import Callable
 
 from . import megatron_flags
 from .args import all_options
-from .flag_spec import Option, default_text
+from ..checkpointing.flag_spec import Option, default_text
 
 __all__ = ["DOC", "BLOCKS", "flags_table", "megatron_flags_text", "render", "main"]
 
-DOC = pathlib.Path(__file__).resolve().parents[2] / "docs" / "megatron.md"
+DOC = pathlib.Path(__file__).resolve().parents[3] / "docs" / "megatron.md"
 
 
 def _code(text: str) -> str:
@@ -94,7 +94,7 @@ def render(text: str) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
-        prog="python -m datastates_megatron.megatron.flag_table", description=__doc__.split("\n")[0]
+        prog="python -m datastates_megatron.megatron.megatron_lm.flag_table", description=__doc__.split("\n")[0]
     )
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--write", action="store_true", help="replace the generated blocks in the document")

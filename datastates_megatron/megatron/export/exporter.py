@@ -1,7 +1,7 @@
 """Export a lazy checkpoint: one consolidated ``torch`` file, or Megatron-LM's ``torch_dist`` checkpoint.
 
 ``export(ckpt, out, "torch")`` needs no megatron: it reads every rank file through the global
-identity metadata (:class:`.reshard.CheckpointIndex`) and writes ``out/iter_NNNNNNN.pt``, a
+identity metadata (:class:`..checkpointing.reshard.CheckpointIndex`) and writes ``out/iter_NNNNNNN.pt``, a
 ``torch.save`` of::
 
     {<param name>: full tensor, ...,                     # chunk c > 0: "model<c>.<name>"
@@ -14,9 +14,9 @@ checkpoint written with TP=PP=CP=EP=1 (any DP).
 ``export(ckpt, out, "torch_dist", megatron_lm=DIR, flags=[...])`` writes ``out/iter_NNNNNNN/`` and
 ``out/latest_checkpointed_iteration.txt`` by the one conversion there is: Megatron-LM's own training
 script (``DIR/pretrain_gpt.py`` by default) with the training flags of the run that wrote the
-checkpoint, plus ``--load --ckpt-step --lazy-ckpt --lazy-ckpt-convert-to`` (:mod:`.torch_dist`'s
+checkpoint, plus ``--load --ckpt-step --lazy-ckpt --lazy-ckpt-convert-to`` (:mod:`..megatron_lm.torch_dist`'s
 ``export``: any model, any TP/PP/EP layout, the optimizer ``fully_reshardable``), run on as many gloo
-CPU ranks as the checkpoint's world size (:mod:`.export_ranks`, :mod:`.cpu_launch`; no GPU).  The
+CPU ranks as the checkpoint's world size (:mod:`.export_ranks`, :mod:`..cpu.launch`; no GPU).  The
 flags must build the model the checkpoint holds on CPU (``--transformer-impl local``); the CPU ones
 (gloo, no fusions) are added.  Its ranks run as one process group (:mod:`.worker_process`): the first
 rank that fails ends the export with its output; at ``timeout_s`` or on SIGTERM the whole group is
@@ -39,14 +39,14 @@ import tempfile
 
 import torch
 
-from .._deps import require
+from ..._deps import require
 
-from ..engine.errors import CheckpointError, FlushError, LayoutMismatchError, NoCheckpointError
-from ..engine.manifest import MANIFEST_NAME, iter_dir, read_manifest, write_tracker
-from ..engine.tier import latest_committed
-from ..engine.load_plan import LoadPlan, ReadItem
-from ..engine.reader import CheckpointReader
-from ..engine.safe_io import create_temp
+from ...engine.errors import CheckpointError, FlushError, LayoutMismatchError, NoCheckpointError
+from ...engine.manifest import MANIFEST_NAME, iter_dir, read_manifest, write_tracker
+from ...engine.tier import latest_committed
+from ...engine.load_plan import LoadPlan, ReadItem
+from ...engine.reader import CheckpointReader
+from ...engine.safe_io import create_temp
 from . import export_ranks
 from .export_args import DEFAULT_SCRIPT, FORMATS, locate_script
 from .worker_process import run_worker, sigterm_raises
@@ -92,7 +92,7 @@ def _locate(ckpt_dir: str, iteration: int | None) -> tuple[str, int]:
 def consolidate(ckpt_dir: str, iteration: int | None = None, *, verify: bool = True, threads: int = 4) -> dict:
     """The whole checkpoint as one state dict of full tensors (format: module docstring).  Reads
     every rank file once; needs memory for the whole model and optimizer state."""
-    from .reshard import CheckpointIndex
+    from ..checkpointing.reshard import CheckpointIndex
 
     path, it = _locate(ckpt_dir, iteration)
     manifest = read_manifest(path)

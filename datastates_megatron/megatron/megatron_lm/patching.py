@@ -38,7 +38,7 @@ __all__ = [
 ]
 
 EXIT_OK, EXIT_DOES_NOT_APPLY, EXIT_USAGE = 0, 1, 2
-_HOOK = "without patching, start the script with `-m datastates_megatron.megatron.run` (the runtime hook)"
+_HOOK = "without patching, start the script with `-m datastates_megatron.megatron.megatron_lm.run` (the runtime hook)"
 # every file the patch changes references datastates_megatron: guards against a git apply that
 # exits 0 but changed nothing
 PATCHED_FILES = (

@@ -19,7 +19,7 @@ import logging
 
 import torch
 
-from ..engine.errors import LayoutMismatchError
+from ...engine.errors import LayoutMismatchError
 from .shards import model_chunks_of
 
 __all__ = ["capture", "restore"]

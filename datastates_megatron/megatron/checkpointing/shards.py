@@ -12,7 +12,7 @@ the snapshot of the tensors that step is about to mutate.
 Tensor names are positional (``model0.buf0.bucket3.param_shard``, ``opt0.g1.p7.exp_avg``) and so only
 meaningful for the data-parallel size that wrote them.  Each tensor's ``meta`` (stored by the
 engine in the rank file's objects section under ``tensor_meta``) therefore also carries its *global
-identity*, which :mod:`.reshard` and :mod:`.export` use to map any element back to ``(chunk,
+identity*, which :mod:`.reshard` and :mod:`..export.exporter` use to map any element back to ``(chunk,
 parameter name, flattened element range)``.  Every identity has ``identity`` (=
 :data:`IDENTITY_VERSION`), ``chunk`` (model chunk index) and, when megatron's parallel state is
 initialised, ``tp_rank`` / ``pp_rank`` (names are local to a PP stage, shapes to a TP rank, so the

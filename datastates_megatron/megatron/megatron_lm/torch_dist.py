@@ -31,11 +31,11 @@ from typing import Any
 
 import torch
 
-from ..engine.collective import Collective
-from ..engine.errors import CheckpointError, ForeignCheckpointError
-from ..engine.foreign import ForeignCheckpoint, find_foreign, tracker_text
-from ..engine.tier import committed_iterations
-from .shards import distributed_optimizers
+from ...engine.collective import Collective
+from ...engine.errors import CheckpointError, ForeignCheckpointError
+from ...engine.foreign import ForeignCheckpoint, find_foreign, tracker_text
+from ...engine.tier import committed_iterations
+from ..checkpointing.shards import distributed_optimizers
 
 __all__ = [
     "IMPORTABLE_FORMATS",

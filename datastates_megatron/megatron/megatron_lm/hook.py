@@ -1,4 +1,4 @@
-"""Route an unpatched Megatron-LM's checkpointing to :mod:`.megatron_lm` at run time (no source patch).
+"""Route an unpatched Megatron-LM's checkpointing to :mod:`.checkpointing` at run time (no source patch).
 
 :func:`install` does in this process what the source patch (``patches/megatron-lm-*.patch``) does
 in Megatron-LM's source, by replacing module attributes:
@@ -42,7 +42,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from . import megatron_lm, versions
+from . import checkpointing as megatron_lm, versions
 from .args import add_lazy_ckpt_args, validate_lazy_ckpt_args
 
 __all__ = ["HookError", "ROUTED", "install", "megatron_lm_version"]

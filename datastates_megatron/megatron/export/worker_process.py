@@ -1,6 +1,6 @@
 """One worker process that never outlives its failure, its time limit or its parent's SIGTERM.
 
-The torch_dist export runs megatron-core in a subprocess (:mod:`.export`).  megatron-core's checkpoint
+The torch_dist export runs megatron-core in a subprocess (:mod:`.exporter`).  megatron-core's checkpoint
 writer forks writer processes and waits for them on a queue; one that dies before it answers (psutil
 missing: issue 35) leaves the worker waiting for good, and a SIGTERM to the export left that worker
 and its staging directory behind.  Here:
@@ -31,7 +31,7 @@ import subprocess
 import sys
 import threading
 
-from ..engine.errors import CheckpointError
+from ...engine.errors import CheckpointError
 
 __all__ = ["Terminated", "WorkerOutcome", "WorkerTerminatedError", "run_worker", "sigterm_raises", "watch_children"]
 

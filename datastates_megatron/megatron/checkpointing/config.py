@@ -10,15 +10,9 @@ from __future__ import annotations
 import dataclasses
 import os
 
-from ..engine.errors import OptionsError
+from ...engine.errors import OptionsError
 from .flag_spec import option
-from ..engine.options import (
-    LOCAL_FALLBACK_CHOICES,
-    ON_ERROR_CHOICES,
-    RECYCLE_CHOICES,
-    EngineOptions,
-    ManagerOptions,
-)
+from ...engine.options import LOCAL_FALLBACK_CHOICES, ON_ERROR_CHOICES, RECYCLE_CHOICES, EngineOptions, ManagerOptions
 
 __all__ = ["LazyCkptConfig", "OptionsError", "ON_ERROR_CHOICES", "LOCAL_FALLBACK_CHOICES", "RECYCLE_CHOICES"]
 
@@ -28,9 +22,9 @@ class LazyCkptConfig:
     """Options for :class:`~datastates_megatron.LazyCheckpointer`.
 
     Each field is declared once, with its flag and its meaning (:func:`.flag_spec.option`): the
-    ``--lazy-ckpt*`` flags (:mod:`.args`) and the flag table of docs/megatron.md
-    (:mod:`.flag_table`) are generated from these declarations; ``python -m
-    datastates_megatron.megatron.flag_table`` prints that table.  ``save_dir`` is required.
+    ``--lazy-ckpt*`` flags (:mod:`..megatron_lm.args`) and the flag table of docs/megatron.md
+    (:mod:`..megatron_lm.flag_table`) are generated from these declarations; ``python -m
+    datastates_megatron.megatron.megatron_lm.flag_table`` prints that table.  ``save_dir`` is required.
 
     Invalid values raise :class:`OptionsError` (a ``ValueError``) listing every problem, each under
     its field name; :meth:`engine_options` and :meth:`manager_options` build what the engine takes.

@@ -1,7 +1,7 @@
 """The ranks of the offline ``torch_dist`` export: one command on N local gloo ranks, as one process
 group that ends at its first failure.
 
-``datastates-ckpt export --format torch_dist`` (:mod:`.export`) runs Megatron-LM's own training script
+``datastates-ckpt export --format torch_dist`` (:mod:`.exporter`) runs Megatron-LM's own training script
 with ``--lazy-ckpt-convert-to`` on as many CPU ranks as the checkpoint has, through
 :func:`.worker_process.run_worker`, which kills its worker's whole process group at its time limit or
 on SIGTERM.  torchrun puts each rank in a session of its own (out of that group's reach), so the ranks
@@ -13,7 +13,7 @@ are started here instead, in the caller's group:
   printed when every rank exited 0;
 * ``rank SCRIPT ARGS...``: one rank: :func:`.worker_process.watch_children` (megatron-core's
   checkpoint writer processes: one that dies must not leave the rank waiting for it), then
-  :mod:`.cpu_launch` (the CUDA->CPU shim and the runtime hook).
+  :mod:`..cpu.launch` (the CUDA->CPU shim and the runtime hook).
 
 Thread-safety: process entry points only.
 """
@@ -91,8 +91,8 @@ def start(nproc: int, command: list[str]) -> int:
 
 
 def _rank(argv: list[str]) -> None:
-    from ..engine.faults import hold_point
-    from . import cpu_launch
+    from ...engine.faults import hold_point
+    from ..cpu import launch as cpu_launch
     from .worker_process import watch_children
 
     print(f"rank {os.environ.get('RANK')} started (pid {os.getpid()})", flush=True)

@@ -1,4 +1,4 @@
-"""Glue called by a patched Megatron-LM (``datastates_megatron/megatron/patches/``), or one routed at run time
+"""Glue called by a patched Megatron-LM (``datastates_megatron/megatron/megatron_lm/patches/``), or one routed at run time
 by :mod:`.hook`, when ``--lazy-ckpt`` is on.
 
 The patch (or the hook) only forwards calls; every decision lives here:
@@ -10,7 +10,7 @@ The patch (or the hook) only forwards calls; every decision lives here:
   ``blocking=True, terminate=True`` before it returns or exits — also on the exit-signal,
   exit-interval and exit-duration paths), which ends in :func:`finalize_at_exit` on ``terminate``.
 
-One process-wide :class:`~datastates_megatron.megatron.checkpointer.LazyCheckpointer` is created on
+One process-wide :class:`~datastates_megatron.megatron.checkpointing.checkpointer.LazyCheckpointer` is created on
 the first save or load from Megatron's global args, for the model/optimizer/scheduler of that call;
 an ``atexit`` hook commits what is still pending if the process exits without ``terminate``.
 
@@ -35,7 +35,7 @@ import time
 import types
 from typing import Any
 
-from ..engine.errors import CheckpointError, FormatVersionError, LayoutMismatchError, NoCheckpointError
+from ...engine.errors import CheckpointError, FormatVersionError, LayoutMismatchError, NoCheckpointError
 from . import call_params, torch_dist
 from .args import LazyCkptArgsError, check_host_cache_fits, config_from_args, validate_lazy_ckpt_args
 
@@ -194,7 +194,7 @@ def _session_for(args: Any, model: Any, optimizer: Any, scheduler: Any) -> _Sess
         config = config_from_args(args)
         if not config.streaming:
             check_host_cache_fits(config, largest_tensor_bytes(model), what="largest model tensor")
-        from .checkpointer import LazyCheckpointer
+        from ..checkpointing.checkpointer import LazyCheckpointer
 
         ckpt = LazyCheckpointer(model, optimizer, config, opt_param_scheduler=scheduler)
         ckpt.on_commit.append(log_commit_to_writers)

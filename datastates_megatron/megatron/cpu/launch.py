@@ -2,14 +2,14 @@
 
 For trying the real ``--lazy-ckpt`` path on a laptop or in CI, never for training::
 
-    torchrun --nproc-per-node 2 -m datastates_megatron.megatron.cpu_launch \\
+    torchrun --nproc-per-node 2 -m datastates_megatron.megatron.cpu.launch \\
         $MEGATRON_LM_DIR/pretrain_gpt.py --distributed-backend gloo --transformer-impl local \\
         --no-gradient-accumulation-fusion --no-persist-layer-norm ... --lazy-ckpt --save DIR
 
-This is :mod:`.run` (the runtime hook: a patched or unpatched Megatron-LM tree both work) with,
+This is :mod:`..megatron_lm.run` (the runtime hook: a patched or unpatched Megatron-LM tree both work) with,
 before Megatron-LM is first imported, in this process only and without editing Megatron-LM:
 
-* the CUDA->CPU shim of :mod:`datastates_megatron.megatron.cuda_on_cpu` is installed and
+* the CUDA->CPU shim of :mod:`datastates_megatron.megatron.cpu.cuda_on_cpu` is installed and
   ``torch.cuda.is_available()`` answers True (Megatron asserts it);
 * ``megatron.legacy.fused_kernels.load`` (core_v0.16) is a no-op (it builds CUDA extensions);
 * without ``triton``, each ``megatron.*`` module that imports it at its top level (found by its
@@ -35,11 +35,11 @@ import sys
 import types
 import typing
 
-from . import run
+from ..megatron_lm import run
 
 __all__ = ["imports_triton", "main", "prepare", "stub_triton_modules", "spawn_children_import_the_launcher"]
 
-_MODULE = "datastates_megatron.megatron.cpu_launch"  # this module's name also when run with -m
+_MODULE = "datastates_megatron.megatron.cpu.launch"  # this module's name also when run with -m
 
 
 # A module that imports triton unguarded, at its top level (core_v0.16: batch-invariant kernels;
@@ -147,7 +147,7 @@ def prepare() -> bool:
 
 
 def main(argv: list[str] | None = None) -> None:
-    run.main(argv, prog="datastates_megatron.megatron.cpu_launch", prepare=prepare)
+    run.main(argv, prog="datastates_megatron.megatron.cpu.launch", prepare=prepare)
 
 
 if __name__ == "__main__":

@@ -2,7 +2,7 @@
 
 Every option is declared once, on its :class:`~.config.LazyCkptConfig` field (name, type and
 default) with :func:`option` (flag, help, choices, Megatron-LM equivalent); the argparse group
-(:mod:`.args`), the flag-to-field mapping and the flag table of docs/megatron.md (:mod:`.flag_table`)
+(:mod:`..megatron_lm.args`), the flag-to-field mapping and the flag table of docs/megatron.md (:mod:`..megatron_lm.flag_table`)
 are all derived from it -- as Megatron-LM builds its own flags from dataclasses
 (``ArgumentGroupFactory``).  Fields without a flag of ours (``save_dir``: Megatron's ``--save``)
 say where their value comes from.  Immutable values: thread-safe.
@@ -33,7 +33,7 @@ class Option:
     ``field``/``default`` are filled in from the config field by :func:`options_of`; ``dest`` is the
     ``argparse`` attribute (``lazy_ckpt_<field>``).  ``default_doc`` says the default in words where
     the value alone does not (``None`` meaning "off", or computed at start-up).  ``megatron`` names
-    the Megatron-LM flags that set the same value (mapped by :mod:`.megatron_flags`).
+    the Megatron-LM flags that set the same value (mapped by :mod:`..megatron_lm.megatron_flags`).
     ``local_tier``: only meaningful with ``--lazy-ckpt-local-dir``."""
 
     flag: str | None

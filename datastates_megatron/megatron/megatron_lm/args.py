@@ -4,8 +4,8 @@ Works with Megatron-LM's parser (the patch in ``patches/`` calls :func:`add_lazy
 ``parse_args``; it can also be passed as ``extra_args_provider``) and with a plain
 :class:`argparse.ArgumentParser` that defines Megatron-like ``--save``/``--load`` flags.
 
-The flags are generated from the declarations on :class:`~.config.LazyCkptConfig`'s fields
-(:mod:`.flag_spec`), plus the two switches declared here; Megatron-LM's own checkpoint flags are
+The flags are generated from the declarations on :class:`~..checkpointing.config.LazyCkptConfig`'s fields
+(:mod:`..checkpointing.flag_spec`), plus the two switches declared here; Megatron-LM's own checkpoint flags are
 mapped, refused or ignored by :mod:`.megatron_flags`.
 
 Every function here is pure (no global state) and therefore thread-safe, except that
@@ -21,10 +21,10 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
-from ..engine.errors import CheckpointError
+from ...engine.errors import CheckpointError
 from . import megatron_flags
-from .config import LazyCkptConfig, OptionsError
-from .flag_spec import AUTO_VALUES, Option, default_text, describe, options_of
+from ..checkpointing.config import LazyCkptConfig, OptionsError
+from ..checkpointing.flag_spec import AUTO_VALUES, Option, default_text, describe, options_of
 
 __all__ = [
     "LazyCkptArgsError",

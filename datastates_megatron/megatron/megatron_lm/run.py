@@ -2,7 +2,7 @@
 
 ::
 
-    torchrun --nproc-per-node 8 -m datastates_megatron.megatron.run \\
+    torchrun --nproc-per-node 8 -m datastates_megatron.megatron.megatron_lm.run \\
         $MEGATRON_LM_DIR/pretrain_gpt.py ... --lazy-ckpt --save DIR --load DIR
 
 In this process, before the script runs as ``__main__`` (as ``python SCRIPT ARGS`` would run it):
@@ -17,9 +17,9 @@ In this process, before the script runs as ``__main__`` (as ``python SCRIPT ARGS
   ``compile_helpers`` (``make`` in ``megatron/core/datasets``) builds the dataset helpers for it
   (some GPU images have no ``python3-config``);
 * with ``DSM_TRAINING_RECORD=PREFIX`` each rank also writes an exact per-iteration record
-  (:mod:`.training_record`), which the end-to-end tests compare across runs.
+  (:mod:`..cpu.training_record`), which the end-to-end tests compare across runs.
 
-:mod:`.cpu_launch` is this runner with a CUDA->CPU shim installed first.
+:mod:`..cpu.launch` is this runner with a CUDA->CPU shim installed first.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ import sysconfig
 import tempfile
 from collections.abc import Callable
 
-from . import training_record
+from ..cpu import training_record
 
 __all__ = ["main", "run_script"]
 
@@ -85,7 +85,7 @@ def run_script(script: str, args: list[str], *, prepare: Callable[[], object] | 
 def main(
     argv: list[str] | None = None,
     *,
-    prog: str = "datastates_megatron.megatron.run",
+    prog: str = "datastates_megatron.megatron.megatron_lm.run",
     prepare: Callable[[], object] | None = None,
 ) -> None:
     """``python -m PROG PRETRAIN_SCRIPT [ARGS...]``; exit status 2 on a usage error."""

@@ -17,11 +17,11 @@ import time
 
 import torch
 
-from ..engine.commit import CommitRecord
-from ..engine.errors import CheckpointError, EngineClosedError, NoCheckpointError
-from ..engine.manager import CheckpointManager
-from ..engine.load_plan import LoadPlan, LoadPlanner, SameLayoutPlanner
-from ..engine.reader import CheckpointReader
+from ...engine.commit import CommitRecord
+from ...engine.errors import CheckpointError, EngineClosedError, NoCheckpointError
+from ...engine.manager import CheckpointManager
+from ...engine.load_plan import LoadPlan, LoadPlanner, SameLayoutPlanner
+from ...engine.reader import CheckpointReader
 from . import model_state, reshard, training_state
 from .config import LazyCkptConfig
 from .shards import (
@@ -280,7 +280,7 @@ class LazyCheckpointer:
 
         A checkpoint written at another data-parallel size (TP=PP=1, same model) is resharded on the
         fly (:mod:`.reshard`); any other layout change raises ``LayoutMismatchError`` naming
-        the conversion (``--lazy-ckpt-convert-to``, :mod:`.torch_dist`).
+        the conversion (``--lazy-ckpt-convert-to``, :mod:`..megatron_lm.torch_dist`).
         Returns ``(iteration, extra_state)``; raises ``NoCheckpointError`` when there is none."""
         self._check_open()
         self._mgr.wait()

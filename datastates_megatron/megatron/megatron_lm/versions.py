@@ -46,7 +46,7 @@ class TestedVersion:
     version: str  # what megatron/core/package_info.py says (MAJOR.MINOR.PATCH)
     source: str  # the tree: a tag, or main-DATE for a snapshot of main
     commit: str
-    patch: str  # file under datastates_megatron/megatron/patches/
+    patch: str  # file under datastates_megatron/megatron/megatron_lm/patches/
     torch: str  # torch CI runs it with (scripts/setup.sh)
     python: str  # Python CI runs it with
     end_to_end: bool = False  # CI also runs the patched pretrain_gpt.py save -> kill -9 -> resume, bit-exact

@@ -1,0 +1,1 @@
+"""What every user of LazyCheckpointer runs: the shard walk, the checkpointer, resharding, options."""

@@ -1,0 +1,1 @@
+"""The offline export of a lazy checkpoint (datastates-ckpt export)."""
