@@ -1,5 +1,9 @@
 """CheckpointManager: one rank's snapshot engine, its tiers and their promotion, and the load path.
 
+The manager wires the parts together and drives them; each tier owns its directory (lock, foreign
+checkpoint refusal, commit, retention, recycling: :class:`.tier.Tier`), and the manager uses it
+through its methods only.
+
 It turns "save these registered tensors as iteration N" into a Megatron-style checkpoint directory
 that either exists whole (committed manifest) or not at all, and loads the latest one back in place.
 Works without ``torch.distributed`` (one process) and with it (any backend: commits go through the
