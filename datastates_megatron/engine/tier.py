@@ -14,8 +14,8 @@ alone (:mod:`.foreign` reports it).  Deleting and recycling follow :mod:`.retent
 Thread-safety: :meth:`Tier.clean` runs at start-up, before the commit thread exists;
 what follows a commit (:meth:`Tier.on_commit` callbacks) runs on the tier's commit thread; the
 function :meth:`Tier.recycled` returns on a flush thread (the pool is shared by the node's ranks:
-each take is one atomic rename); every other method on the training thread.
-"""
+each take is one atomic rename); :meth:`Tier.outstanding` from any thread (retention asks it on the
+deleter thread); every other method on the training thread, :meth:`Tier.on_commit` at start-up."""
 
 from __future__ import annotations
 
