@@ -14,7 +14,7 @@ Megatron DP shard carries) with the snapshot engine, then runs, each on the real
   count the bytes each rank sends and receives.  Ranks 2..N-1 send their statuses (made from their
   files' receipts) through their own channels.  Also the calls that N ranks starting a save make
   to create the new iteration directory (mkdir and lstat, counted).  Rank 0's commit is timed up
-  to the outcome and tracker; the hand-over of its retention (``Tier.after_commit``) and the
+  to the outcome and tracker; the hand-over of its retention (``Committer._after_commit``) and the
   retention itself (on the tier's deleter thread, waited for) apart.  The first commit carries every
   rank's global-index summary; then it runs ``--repeats`` times and the median run is reported.
 * ``restart``: rank 0's resolve (find the newest committed checkpoint, read its manifest, check
@@ -251,14 +251,14 @@ def commit(root: str, world: int, receipts, repeats: int) -> dict:
             bytes0 = {r: c.sent + c.received for r, c in chans.items()}
             ticket = _ticket(receipts[0])
             with cf.ThreadPoolExecutor(1) as pool:
-                other = pool.submit(tiers[1].committer._commit, _ticket(receipts[1]))
-                m = measure(tiers[0].committer._commit, ticket)
+                other = pool.submit(tiers[1]._committer._commit, _ticket(receipts[1]))
+                m = measure(tiers[0]._committer._commit, ticket)
                 other.result(timeout=120)
-            if tiers[0].committer.latest != ITERATION or tiers[1].committer.latest != ITERATION:
+            if tiers[0].latest != ITERATION or tiers[1].latest != ITERATION:
                 m.error = m.error or "the commit did not commit on rank 0 and rank 1"
             # then, as the commit thread does (``Committer._after_commit``): hand retention over ...
             t0 = time.perf_counter()
-            tiers[0].committer._after_commit(ticket)
+            tiers[0]._committer._after_commit(ticket)
             after_s = time.perf_counter() - t0
             t0 = time.perf_counter()
             tiers[0].drain_deletions(120)  # ... and the deleter thread's retention, waited for
@@ -429,7 +429,7 @@ def _table(doc: dict) -> str:
         f"new iteration directory: {doc['mkdir_calls']} mkdir, {doc['lstat_calls']} lstat; "
         f"restart manifest bytes of rank {doc['ranks'] // 2 + 1}: {doc['restart_manifest_bytes']}; "
         f"rank 0's commit: {doc['rank0_commit_s']:.4f} s ({doc['rank0_commit_cpu_s']:.4f} CPU s) to the outcome, its retention "
-        f"handed to its deleter (Tier.after_commit) {doc['rank0_after_commit_s']:.4f} s, done there "
+        f"handed to its deleter (Committer._after_commit) {doc['rank0_after_commit_s']:.4f} s, done there "
         f"{doc['rank0_retention_s']:.4f} s later; the run's first commit (every rank's index summary) "
         f"{doc['rank0_first_commit_s']:.4f} s, {doc['first_commit_bytes_per_rank']} bytes for rank 1; "
         f"rank files opened by a resharding rank: {doc['reshard_files_opened']}",

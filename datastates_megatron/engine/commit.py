@@ -8,8 +8,9 @@ the local tier each node's first rank, sent its node's rows by rank 0) writes ``
 commit point), and rank 0 broadcasts the outcome; the tracker follows.  Otherwise nothing is
 written and every rank learns which ranks failed.  Rank 0 does O(N) work; every other rank sends
 and receives O(1) bytes (a node leader: O(its node's ranks)).
-Then the tier's retention is handed to its deleter thread (:mod:`.deleter`), and the tier's
-promotion, if any, is offered the checkpoint (:meth:`.tier.Tier.after_commit`).
+Then the committer's ``after_commit`` runs: the tier hands its retention to its deleter thread
+(:mod:`.deleter`) and offers the checkpoint to its subscribers -- the promotion, replication
+(:meth:`.tier.Tier.on_commit`).
 
 Thread-safety: ``submit``/``poll``/``drain``/``close`` are called from the training thread; the
 commit thread owns the process group and the manifest writes.
@@ -103,10 +104,22 @@ class Committer(QueueThread):
     """Owns the commit thread of one rank; a context manager, ``close()`` idempotent."""
 
     def __init__(
-        self, tier, channel: StoreChannel, world_size: int, layout: dict, next_commit_seq: int, timeout_s: float
+        self,
+        tier,
+        channel: StoreChannel,
+        world_size: int,
+        layout: dict,
+        next_commit_seq: int,
+        timeout_s: float,
+        *,
+        after_commit=None,
+        guard=None,
     ) -> None:
-        """``tier``: the :class:`.tier.Tier` whose manifests this thread writes; ``channel``: this
-        tier's own, used by the commit thread only."""
+        """``tier``: the :class:`.tier.Tier` whose manifests this thread writes (it owns this
+        committer); ``channel``: this tier's own, used by the commit thread only;
+        ``after_commit(ticket)``: run on this thread after each commit; ``guard()``: the writer's
+        check that it still owns the directory (:meth:`.dirlock.SaveDirLock.check`), run before
+        each manifest is written -- it raises ``LockLostError`` and nothing is committed then."""
         self.tier = tier
         self.root = tier.root
         self.rank = rank = tier.rank
@@ -130,9 +143,8 @@ class Committer(QueueThread):
         self._records: collections.deque[CommitRecord] = collections.deque()
         self._errors: collections.deque[BaseException] = collections.deque()
         self.latest: int | None = None
-        # the writer's check that it still owns the directory (:meth:`.dirlock.SaveDirLock.check`),
-        # run before each manifest is written; raises LockLostError (nothing is committed then)
-        self.guard = None
+        self._after = after_commit
+        self.guard = guard
         super().__init__(f"dsm-commit-r{rank}" + ("-local" if tier.name == "local" else ""))
 
     def submit(self, ticket: Ticket) -> None:
@@ -183,11 +195,13 @@ class Committer(QueueThread):
                 self._idle.notify_all()
 
     def _after_commit(self, ticket: Ticket) -> None:
-        """Retention and promotion of a committed checkpoint: outside the commit's ``try``, so that
-        nothing they raise can turn a commit into "nothing committed" (the tier logs its own
-        failures; this is the last guard)."""
+        """Retention and promotion of a committed checkpoint (``after_commit``): outside the
+        commit's ``try``, so that nothing they raise can turn a commit into "nothing committed" (the
+        tier logs its own failures; this is the last guard)."""
+        if self._after is None:
+            return
         try:
-            self.tier.after_commit(ticket)
+            self._after(ticket)
         except Exception as e:  # noqa: BLE001 - the checkpoint is committed whatever happens here
             log.error(
                 "rank %d: iteration %d is committed (%s tier), but what follows its commit failed: %r",

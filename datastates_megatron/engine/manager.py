@@ -1,5 +1,9 @@
 """CheckpointManager: one rank's snapshot engine, its tiers and their promotion, and the load path.
 
+The manager wires the parts together and drives them; each tier owns its directory (lock, foreign
+checkpoint refusal, commit, retention, recycling: :class:`.tier.Tier`), and the manager uses it
+through its methods only.
+
 It turns "save these registered tensors as iteration N" into a Megatron-style checkpoint directory
 that either exists whole (committed manifest) or not at all, and loads the latest one back in place.
 Works without ``torch.distributed`` (one process) and with it (any backend: commits go through the
@@ -10,7 +14,6 @@ training thread calls every method; the work runs on owned threads.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import logging
 import os
 import secrets
@@ -20,7 +23,6 @@ import torch
 
 from .collective import Collective
 from .commit import CommitRecord, Ticket
-from .dirlock import SaveDirLock
 from .errors import (
     CheckpointError,
     FlushError,
@@ -31,7 +33,6 @@ from .errors import (
     make_error,
 )
 from .faults import hold_point
-from .foreign import refuse_newer_foreign
 from .global_index import encode_summary
 from .manifest import RankRecord, iter_dir, rank_file_name, read_manifest, save_id
 from .options import EngineOptions, ManagerOptions
@@ -45,7 +46,7 @@ from .snapshot import SnapshotEngine
 from .source import Resolved, resolve
 from .store_channel import StoreChannel, default_store
 from .threads import ClosingContext, close_at_exit, forget
-from .tier import Tier, committed_iterations, latest_committed, report_other_runs, survey
+from .tier import Tier, committed_iterations, latest_committed, latest_to_resume, report_other_runs, survey
 
 __all__ = ["CheckpointManager", "LoadResult"]
 
@@ -174,8 +175,6 @@ class CheckpointManager(ClosingContext):
         self.local_base = os.path.abspath(local_root.format(node=self.node)) if local_root else None
         self.local_root: str | None = None  # set once the run id is agreed (_start_tiers)
         self.run_id = ""
-        self._lock: SaveDirLock | None = None
-        self._local_lock: SaveDirLock | None = None
         self.persistent = Tier(
             "persistent",
             self.root,
@@ -184,7 +183,8 @@ class CheckpointManager(ClosingContext):
             writes=list(range(self.world_size)) if self.rank == 0 else [],
             keep_last=policy.keep_last,
             keep_every=policy.keep_every,
-            recycle=policy.recycle_files == "all" and not self.local_base,
+            recycle_files=policy.recycle_files,
+            first=not self.local_base,
         )
         self.local = self.promotion = self.replication = None
         # rank 0 resolves a restore and sends each rank its record (one store round each)
@@ -195,14 +195,12 @@ class CheckpointManager(ClosingContext):
         self._first_tier = self.local or self.persistent  # where a save is committed first
         try:
             self.engine = SnapshotEngine(opts)
-            for tier, lock in ((self.persistent, self._lock), (self.local, self._local_lock)):
+            for tier in (self.persistent, self.local):
                 if tier:  # each tier's commits go through the c10d store on a connection of their own
                     channel = StoreChannel(
                         default_store(), self.rank, self.world_size, f"dsm/{token}/{tier.name}", opts.timeout_s
                     )
                     tier.open(channel, self.world_size, self.layout, opts.timeout_s)
-                    if lock is not None:  # no commit (and so no retention) once its lock file is not ours
-                        tier.committer.guard = lock.check
             if self.local:
                 from .promotion import Promotion
 
@@ -234,7 +232,7 @@ class CheckpointManager(ClosingContext):
                 self.promotion.close()
             for tier in (self.local, self.persistent):
                 if tier is not None:
-                    tier.stop()
+                    tier.abandon()
             engine = getattr(self, "engine", None)
             if engine is not None:
                 engine.close()
@@ -267,7 +265,8 @@ class CheckpointManager(ClosingContext):
             self._agree_start(e)
             raise
         self._agree_start(None)
-        self.replication = self.local.replication = replication
+        replication.follow()
+        self.replication = replication
 
     def _start_tiers(self) -> None:
         """Start-up of the tiers' writers (agreed: a failure on any rank raises on every rank).  The
@@ -283,8 +282,8 @@ class CheckpointManager(ClosingContext):
             if self.persistent.is_writer:
                 make_root(self.root)
                 found = survey(self.root)
-                refuse_newer_foreign(self.root, found.newest, option="--save")  # read-only: before the lock
-                self._lock = SaveDirLock(self.root).acquire()
+                self.persistent.refuse_foreign(found)  # read-only: before the lock
+                self.persistent.acquire()
                 self.persistent.clean(found)
                 run_id = int(ensure_run_id(self.root), 16)
         except Exception as e:  # noqa: BLE001 - every rank must hear it, not only this one
@@ -302,7 +301,7 @@ class CheckpointManager(ClosingContext):
             token=self.token,
             writes=list(self.node_ranks) if self.rank == self.node_ranks[0] else [],
             keep_last=self.policy.local_keep_last,
-            recycle=self.policy.recycle_files != "off",
+            recycle_files=self.policy.recycle_files,
             run_id=self.run_id,
         )
         try:
@@ -310,7 +309,7 @@ class CheckpointManager(ClosingContext):
                 make_root(self.local_base)  # the root given (a link there is the user's choice)
                 make_dir(self.local_root)  # ours: never a link
                 try:
-                    self._local_lock = SaveDirLock(self.local_root).acquire()
+                    self.local.acquire()
                 except SaveDirBusyError as e:
                     raise SaveDirBusyError(
                         f"{self.local_root}: this run's node-local directory is in use by another writer ({e}). "
@@ -340,11 +339,9 @@ class CheckpointManager(ClosingContext):
         self._world.raise_agreed(err, "load", report=4, own=False)
 
     def _release_lock(self) -> None:
-        for attr in ("_local_lock", "_lock"):
-            lock = getattr(self, attr, None)
-            setattr(self, attr, None)
-            if lock is not None:
-                lock.release()
+        for tier in (self.local, self.persistent):
+            if tier is not None:
+                tier.release()
 
     def _agree_token(self) -> str:
         """The run token: rank 0's random 62-bit number, on every rank."""
@@ -385,9 +382,8 @@ class CheckpointManager(ClosingContext):
             path = os.path.join(d, name)
             # overwrite a retired rank file in place when there is one (a listdir and a rename: done on
             # a flush thread just before the file is opened, not here on the training thread)
-            recycle = functools.partial(tier.take_recycled, path) if tier.recycle else None
             # one mkdir (the writer's); an iter_* symlink is refused on every rank: never written through
-            prepare = prepare_iteration_dir(d, tier.is_writer, recycle)
+            prepare = prepare_iteration_dir(d, tier.is_writer, tier.recycled(path))
             handle = self.engine.save(iteration, path, objects, tag=name, before_open=prepare)
         except CheckpointError as e:
             error, handle = e, None
@@ -402,10 +398,10 @@ class CheckpointManager(ClosingContext):
 
             failed: cf.Future = cf.Future()
             failed.set_exception(CheckpointError("save did not start"))
-            tier.committer.submit(Ticket(iteration, self._seq, failed, dict(metadata or {}), t_save))
+            tier.submit(Ticket(iteration, self._seq, failed, dict(metadata or {}), t_save))
             self._handle(error)
             return False
-        tier.committer.submit(Ticket(iteration, self._seq, handle.durable, dict(metadata or {}), t_save))
+        tier.submit(Ticket(iteration, self._seq, handle.durable, dict(metadata or {}), t_save))
         return True
 
     def wait_for_snapshot(self, group: str | None = None) -> None:
@@ -416,10 +412,10 @@ class CheckpointManager(ClosingContext):
         """Non-blocking: checkpoints committed since the last call (raises or logs failures)."""
         self._surface_errors()
         out = []
-        for committer in (t.committer for t in (self.local, self.persistent) if t):
+        for tier in (t for t in (self.local, self.persistent) if t):
             while True:
                 try:
-                    got = committer.poll()
+                    got = tier.poll()
                 except CheckpointError as e:
                     self._handle(e)
                     continue
@@ -442,11 +438,11 @@ class CheckpointManager(ClosingContext):
             self.engine.wait(timeout)
         except CheckpointError as e:
             self._handle(e)
-        self._first_tier.committer.drain(timeout)
+        self._first_tier.drain(timeout)
         if persist:
             if promote_newest and self.promotion is not None:
                 self.promotion.promote_newest()
-            self.persistent.committer.drain(timeout)
+            self.persistent.drain(timeout)
         self._drain_deletions(timeout, (self.local, self.persistent) if persist else (self._first_tier,))
         return self.poll()
 
@@ -458,7 +454,7 @@ class CheckpointManager(ClosingContext):
 
     @property
     def latest_committed(self) -> int | None:
-        return self._first_tier.committer.latest
+        return self._first_tier.latest
 
     def _surface_errors(self) -> None:
         while True:
@@ -487,13 +483,7 @@ class CheckpointManager(ClosingContext):
     def _latest_in(self, root: str) -> int:
         """The latest committed iteration under ``root`` -- refusing (``ForeignCheckpointError``)
         when a checkpoint we did not write there is newer: resuming would silently skip it."""
-        try:
-            latest = latest_committed(root)
-        except NoCheckpointError:
-            refuse_newer_foreign(root, None, option="--load", warn=False)
-            raise
-        refuse_newer_foreign(root, latest, option="--load", warn=self.rank == 0 and root != self.root)
-        return latest
+        return latest_to_resume(root, warn=self.rank == 0 and root != self.root)
 
     def load(
         self,

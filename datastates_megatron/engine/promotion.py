@@ -1,11 +1,11 @@
 """Promotion: the link from the node-local tier to the persistent one.
 
-Fed by the local tier's commits (:meth:`.tier.Tier.after_commit`), every committed checkpoint whose
+Fed by the local tier's commits (it subscribes: :meth:`.tier.Tier.on_commit`), every committed checkpoint whose
 iteration is a multiple of ``interval`` is promoted (iterations, not this run's commits: a requeued
 run promotes the same iterations as one that never stopped): each rank verifies its local file's checksums, copies the verified bytes to
 the persistent tier and fsyncs, and the persistent tier's committer agrees across ranks and writes
 the persistent manifest.  The local copy is never removed by a promotion -- only by the local tier's
-retention, which keeps what the link reports :meth:`Promotion.pending`.
+retention, which keeps what the link reports :meth:`Promotion.pending` (its ``keep``).
 
 Thread-safety: ``offer``/``schedule`` may be called from any thread (the local commit thread calls
 ``offer``); the copies run on the owned thread ``dsm-promote-r{rank}``.
@@ -160,7 +160,7 @@ class Promotion(QueueThread):
         self._lock = threading.Lock()
         self._in_flight: set[int] = set()
         self._newest: Ticket | None = None  # this run's newest local commit when it is not promoted yet
-        src.promotion = self
+        src.on_commit(self.offer, keep=self.pending)
         super().__init__(f"dsm-promote-r{self.rank}")
 
     def in_flight(self) -> set[int]:
@@ -172,7 +172,7 @@ class Promotion(QueueThread):
         """Source iterations the source tier's retention must keep: those this rank is copying and
         those whose commit on ``dst`` is still open -- the latter covers the other ranks of the node,
         still copying their own files of it, since that commit waits for every rank's copy."""
-        return self.in_flight() | {t.iteration for t in self.dst.committer.outstanding()}
+        return self.in_flight() | {t.iteration for t in self.dst.outstanding()}
 
     def offer(self, ticket: Ticket) -> None:
         """``src`` committed ``ticket``'s checkpoint: promote it when its iteration is a multiple of
@@ -218,7 +218,7 @@ class Promotion(QueueThread):
         future: cf.Future = cf.Future()
         with self._lock:
             self._in_flight.add(iteration)
-        self.dst.committer.submit(Ticket(iteration, seq, future, dict(metadata), time.perf_counter(), token))
+        self.dst.submit(Ticket(iteration, seq, future, dict(metadata), time.perf_counter(), token))
         self.put((iteration, seq, token or self.src.token, future))
 
     def _handle(self, item) -> None:

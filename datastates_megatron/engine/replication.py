@@ -153,6 +153,23 @@ class Replication:
         return Tier("replica", root, rank=self.rank, token=self.local.token, writes=[src], run_id=self.local.run_id)
 
     # ------------------------------------------------------------------ after each local commit
+    def follow(self) -> None:
+        """Subscribe to the local tier's commits (:meth:`.tier.Tier.on_commit`): each is replicated
+        on its commit thread (the next commit's retention waits for it), and the local retention
+        keeps :meth:`kept`."""
+        self.local.on_commit(self._after_commit, keep=self.kept)
+
+    def kept(self) -> set[int]:
+        """What the local tier's retention must keep: until the newest checkpoint has its
+        replicas, a lost node needs the one before it."""
+        return set() if self.last_replicated is None else {self.last_replicated}
+
+    def _after_commit(self, ticket) -> None:
+        try:
+            self.replicate(ticket)
+        except Exception as e:  # noqa: BLE001 - a lost replica never uncommits the local checkpoint
+            log.error("rank %d: replicating iteration %d failed: %r", self.rank, ticket.iteration, e)
+
     def replicate(self, ticket) -> None:
         """Commit thread, after the local commit of ``ticket``: send this rank's file to every other
         member and keep theirs (a collective of the clique: each member calls it for the same

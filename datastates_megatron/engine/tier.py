@@ -1,20 +1,26 @@
-"""A tier: one checkpoint directory and its one owner -- commit, retention, recycle pool, start-up cleanup.
+"""A tier: one checkpoint directory and its one owner -- its lock, the refusal of a newer checkpoint we
+did not write, commit, retention, recycle pool, start-up cleanup.
 
 ``persistent`` is the save directory; ``local`` a node-local one (per-node manifests), linked to the
-persistent tier by a :class:`.promotion.Promotion`.  What a tier directory holds is decided in one
+persistent tier by a :class:`.promotion.Promotion`, which subscribes to the local tier's commits
+(:meth:`Tier.on_commit`).  The manager and the promotion use a tier through its methods only
+(``submit``/``poll``/``drain``/``latest``/``outstanding``, ``acquire``/``release``, ``recycled``):
+its committer, lock and pool are its own.  What a tier directory holds is decided in one
 place, :func:`survey`: an ``iter_*`` directory whose manifest reads back is committed; one whose
 manifest exists but does not read is damaged (never loaded, never removed); one without a manifest
 holding only names we write (:mod:`.names`) is our leftover; anything else is not ours and is left
 alone (:mod:`.foreign` reports it).  Deleting and recycling follow :mod:`.retention`'s rules.
 
 Thread-safety: :meth:`Tier.clean` runs at start-up, before the commit thread exists;
-:meth:`Tier.after_commit` runs on the tier's commit thread; :meth:`Tier.take_recycled` on a flush
-thread (the pool is shared by the node's ranks: each take is one atomic rename).
-"""
+what follows a commit (:meth:`Tier.on_commit` callbacks) runs on the tier's commit thread; the
+function :meth:`Tier.recycled` returns on a flush thread (the pool is shared by the node's ranks:
+each take is one atomic rename); :meth:`Tier.outstanding` from any thread (retention asks it on the
+deleter thread); every other method on the training thread, :meth:`Tier.on_commit` at start-up."""
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import os
 import threading
@@ -22,8 +28,10 @@ import time
 
 from .commit import Committer
 from .deleter import Deleter
+from .dirlock import SaveDirLock
 from .errors import CheckpointError, CorruptCheckpointError, LockLostError, NoCheckpointError
 from .faults import crash_point
+from .foreign import refuse_newer_foreign
 from .manifest import (
     MANIFEST_NAME,
     Manifest,
@@ -55,6 +63,7 @@ __all__ = [
     "list_iterations",
     "committed_iterations",
     "latest_committed",
+    "latest_to_resume",
     "report_other_runs",
 ]
 
@@ -250,6 +259,19 @@ def latest_committed(root: str) -> int:
     return survey(root).latest()
 
 
+def latest_to_resume(root: str, *, warn: bool = False) -> int:
+    """The latest committed iteration under ``root`` -- refusing (``ForeignCheckpointError``) when a
+    checkpoint we did not write there is newer: resuming would silently skip it.  ``warn``: log the
+    older ones (left alone)."""
+    try:
+        latest = latest_committed(root)
+    except NoCheckpointError:
+        refuse_newer_foreign(root, None, option="--load", warn=False)
+        raise
+    refuse_newer_foreign(root, latest, option="--load", warn=warn)
+    return latest
+
+
 def report_other_runs(local_base: str, run_id: str) -> list[str]:
     """Name, in one warning, what a shared node-local root holds of other runs: their ``run-<id>``
     directories and checkpoints written directly under the root (before local tiers were bound to
@@ -273,11 +295,16 @@ def report_other_runs(local_base: str, run_id: str) -> list[str]:
 
 
 class Tier:
-    """One tier of one rank: its directory, its committer (:meth:`open`), its retention
-    (``keep_last``/``keep_every``; 0 keeps everything), its recycle pool and its start-up cleanup.
-    ``writes``: the ranks whose files this rank describes in the tier's manifests (empty on the
-    ranks that are not the tier's writer); only the writer deletes.  ``promotion``: the link from
-    this tier to the next one, set by :class:`.promotion.Promotion`."""
+    """One tier of one rank: its directory and everything that changes it -- the directory's
+    one-writer lock (:meth:`acquire`), the refusal of a newer checkpoint we did not write
+    (:meth:`refuse_foreign`), its committer (:meth:`open`; then :meth:`submit`, :meth:`poll`,
+    :meth:`drain`), its retention (``keep_last``/``keep_every``; 0 keeps everything), its recycle
+    pool (:meth:`recycled`) and its start-up cleanup.  ``writes``: the ranks whose files this rank
+    describes in the tier's manifests (empty on the ranks that are not the tier's writer); only the
+    writer deletes.  ``recycle_files`` (:data:`.options.RECYCLE_CHOICES`) and ``first`` (saves are
+    written here first; a promotion's copies are new files) decide whether retired rank files are
+    overwritten in place.  What follows a commit -- the promotion to the next tier, replication --
+    subscribes with :meth:`on_commit`."""
 
     def __init__(
         self,
@@ -289,7 +316,8 @@ class Tier:
         writes: list[int],
         keep_last: int = 0,
         keep_every: int = 0,
-        recycle: bool = False,
+        recycle_files: str = "off",
+        first: bool = True,
         run_id: str = "",
     ) -> None:
         self.name = name
@@ -300,10 +328,12 @@ class Tier:
         self.writes = writes
         self.keep_last = keep_last
         self.keep_every = keep_every
-        self.recycle = recycle  # retention moves rank files to the pool that the next saves overwrite
-        self.committer = None
-        self.promotion = None
-        self.replication = None  # set by the manager: copies each local commit to partner ranks
+        # retention moves rank files to the pool that the next saves overwrite: where saves write
+        # first, on the node-local tier unless "off", on a persistent tier alone only with "all"
+        self._recycle = first and recycle_files in (("local", "all") if name == "local" else ("all",))
+        self._committer: Committer | None = None
+        self._dirlock: SaveDirLock | None = None
+        self._followers: list[tuple] = []  # (callback, keep) of :meth:`on_commit`, in subscription order
         # this rank's global-index summary (:mod:`.global_index`): ``(bytes, checksum)``, set by the
         # manager; its commits send it (once per change) for the checkpoint's global index
         self.summary: tuple[bytes, int] | None = None
@@ -315,6 +345,27 @@ class Tier:
     @property
     def is_writer(self) -> bool:
         return bool(self.writes)
+
+    # ------------------------------------------------------------------ start-up (the writer)
+    def refuse_foreign(self, found: Survey, option: str = "--save") -> None:
+        """Raise ``ForeignCheckpointError`` when the directory holds a checkpoint we did not write
+        that is newer than our newest in ``found``: a resume would silently skip it.  Read-only:
+        called before :meth:`acquire`, so a refused start changes nothing."""
+        refuse_newer_foreign(self.root, found.newest, option=option)
+
+    def acquire(self) -> Tier:
+        """Take the directory's one-writer lock (:class:`.dirlock.SaveDirLock`; ``SaveDirBusyError``
+        when another job holds it).  Once held, every commit and every deletion first checks that
+        the lock file is still the one locked (nothing is committed or deleted once it is not)."""
+        if self._dirlock is None:
+            self._dirlock = SaveDirLock(self.root).acquire()
+        return self
+
+    def release(self) -> None:
+        """Release the lock (idempotent); after :meth:`close`."""
+        lock, self._dirlock = self._dirlock, None
+        if lock is not None:
+            lock.release()
 
     def clean(self, found: Survey | None = None) -> None:
         """Start-up (the writer): remove our leftovers -- uncommitted directories, files a committed
@@ -341,28 +392,62 @@ class Tier:
             log.info("rank %d: removed %d leftover(s) of ours under %s", self.rank, len(removed), self.root)
         self._next_seq = max((m.commit_seq for m in found.committed.values()), default=-1) + 1
 
-    def open(self, collective, world_size: int, layout: dict, timeout_s: float):
-        """Start the tier's commit thread (:class:`.commit.Committer`, on its own ``collective``)."""
-        self.committer = Committer(self, collective, world_size, layout, self._next_seq, timeout_s)
+    # ------------------------------------------------------------------ commits
+    def open(self, collective, world_size: int, layout: dict, timeout_s: float) -> None:
+        """Start the tier's commit thread (:class:`.commit.Committer`, on its own ``collective``),
+        guarded by the lock when this rank holds it."""
+        guard = self._dirlock.check if self._dirlock is not None else None
+        self._committer = Committer(
+            self, collective, world_size, layout, self._next_seq, timeout_s, after_commit=self._committed, guard=guard
+        )
 
-    def take_recycled(self, dst: str) -> bool:
+    def submit(self, ticket) -> None:
+        """Queue ``ticket`` (a save's, or a promotion's copy) for commit, in save order."""
+        self._committer.submit(ticket)
+
+    def poll(self) -> list:
+        """Commits completed since the last call; re-raises one stored commit error (once)."""
+        return self._committer.poll()
+
+    def drain(self, timeout: float | None = None) -> None:
+        """Block until every ticket submitted so far is committed or has failed."""
+        self._committer.drain(timeout)
+
+    def outstanding(self) -> list:
+        """The tickets submitted and not yet committed (nor failed)."""
+        return self._committer.outstanding()
+
+    @property
+    def latest(self) -> int | None:
+        """The newest iteration this run committed here (``None``: none yet)."""
+        return self._committer.latest
+
+    def on_commit(self, callback, keep=None) -> None:
+        """Subscribe ``callback(ticket)``: called on the commit thread after each commit of this
+        tier (after its retention is handed to the deleter; subscribers in order, each before the
+        next commit).  ``keep()``: iterations this tier's retention must not delete yet (a copy of
+        them is still being made elsewhere)."""
+        self._followers.append((callback, keep))
+
+    def recycled(self, path: str):
+        """What to run just before a save opens ``path`` (on a flush thread): move a retired rank
+        file of the pool into place to be overwritten -- ``None`` when this tier does not recycle."""
+        return functools.partial(self._take_recycled, path) if self._recycle else None
+
+    def _take_recycled(self, dst: str) -> bool:
         """Move a retired rank file of the pool to ``dst`` (:func:`.retention.take_recycled`)."""
         return take_recycled(self.root, dst)
 
-    def after_commit(self, ticket) -> None:
+    def _committed(self, ticket) -> None:
         """Commit thread, once ``ticket``'s save is committed: the writer hands it to its deleter
         (:mod:`.deleter`: retention and the superseded files of that iteration, off this thread);
-        then the promotion, if any, is offered it.  A deletion that fails is logged with its path and
-        retried at the next commit: it never uncommits anything nor holds back the promotion."""
+        then the subscribers (:meth:`on_commit`) are called.  A deletion that fails is logged with
+        its path and retried at the next commit: it never uncommits anything nor holds back a
+        subscriber."""
         if self.is_writer:
             self._deletions().submit(ticket)
-        if self.promotion is not None:
-            self.promotion.offer(ticket)
-        if self.replication is not None:  # on this thread: the next commit's retention waits for it
-            try:
-                self.replication.replicate(ticket)
-            except Exception as e:  # noqa: BLE001 - a lost replica never uncommits the local checkpoint
-                log.error("rank %d: replicating iteration %d failed: %r", self.rank, ticket.iteration, e)
+        for callback, _ in self._followers:
+            callback(ticket)
 
     def manifest_written(self, manifest: Manifest) -> None:
         """The commit thread wrote ``manifest`` (the writer): this tier's retention need not read it
@@ -395,7 +480,7 @@ class Tier:
     def _retain_after(self, just) -> None:
         """Deleter thread: retention after ``just``'s commit, protecting what is outstanding now."""
         try:
-            self._retain(just, self.committer.outstanding())
+            self._retain(just, self.outstanding())
         except OSError as e:
             log.warning(
                 "rank %d: retention of the %s tier after iteration %d failed (%s); nothing committed "
@@ -410,23 +495,21 @@ class Tier:
         if not self._still_owned():  # the lock was lost since the manifest was written: delete nothing
             return
         protected = {t.iteration for t in outstanding} | {just.iteration}
-        if self.promotion is not None:
-            protected |= self.promotion.pending()  # still being copied or committed on the next tier
-        if self.replication is not None and self.replication.last_replicated is not None:
-            # until the newest checkpoint has its replicas, a lost node needs the one before it
-            protected.add(self.replication.last_replicated)
+        for _, keep in self._followers:  # still being copied elsewhere (the next tier, partners)
+            if keep is not None:
+                protected |= keep()
         with self._deleter_lock:
             known = dict(self._written)
         found = survey(self.root, known)  # what this writer wrote itself is not read back
         for it in select_deletions(found.order, self.keep_last, self.keep_every, protected):
             crash_point("retention", self.rank)
             try:
-                delete_checkpoint(self.root, it, recycle=self.recycle)
+                delete_checkpoint(self.root, it, recycle=self._recycle)
             except OSError as e:  # the next ones may still go; this one is tried again next time
                 deletion_failed(iter_dir(self.root, it), e)
                 continue
             log.info("rank %d: retention deleted %s (%s tier)", self.rank, iter_dir(self.root, it), self.name)
-        if self.recycle:
+        if self._recycle:
             trim_recycled(self.root, keep=2 * len(self.writes))  # two checkpoints' worth
         # files of older saves of this iteration, superseded by its manifest -- not those of a save
         # still pending, nor of a later save of this run another rank may have started before this
@@ -441,7 +524,7 @@ class Tier:
     def _still_owned(self) -> bool:
         """Whether this job still owns the directory (its lock file is the one it locked): once not,
         another job may be using the recycle pool, and this one deletes nothing more there."""
-        guard = self.committer.guard if self.committer is not None else None
+        guard = self._committer.guard if self._committer is not None else None
         try:
             if guard is not None:
                 guard()
@@ -450,18 +533,18 @@ class Tier:
             return False
         return True
 
-    def stop(self) -> None:
-        """Join the commit thread and the deleter, and nothing else (a start-up abandoned, or a run
-        cut short: what is on disk stays as it is)."""
-        if self.committer is not None:
-            self.committer.close()
+    def abandon(self) -> None:
+        """Join the commit thread and the deleter, and nothing else: a start-up that failed, or a run
+        cut short (the directory stays as it is; :meth:`release` the lock after)."""
+        if self._committer is not None:
+            self._committer.close()
         if self._deleter is not None:
             self._deleter.close()  # after the committer: the last commit's retention is queued
 
     def close(self) -> None:
-        """:meth:`stop`; then (the writer) empty the pool: training is over, its retired files only
-        hold space."""
-        self.stop()
+        """:meth:`abandon`; then (the writer) empty the pool: training is over, its retired files
+        only hold space.  The lock is kept until :meth:`release`."""
+        self.abandon()
         if self.is_writer and self._still_owned():
             try:
                 trim_recycled(self.root, keep=0)

@@ -155,8 +155,8 @@ def test_local_retention_keeps_a_checkpoint_until_its_persistent_commit_is_done(
     ts = make_state(0, 50_000)
     hold = threading.Event()
     with _manager(persistent, keep_last=0, local_root=str(local), persist_interval=1, local_keep_last=1) as mgr:
-        real = mgr.persistent.committer._handle
-        mgr.persistent.committer._handle = lambda ticket: (hold.wait(30), real(ticket))
+        real = mgr.persistent._committer._handle
+        mgr.persistent._committer._handle = lambda ticket: (hold.wait(30), real(ticket))
         local = pathlib.Path(mgr.local_root)  # this run's directory under the node-local root
         for n, t in ts.items():
             mgr.register(n, t)

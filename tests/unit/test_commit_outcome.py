@@ -37,12 +37,12 @@ def _commit_on_every_rank(root: str, metadata: dict, failing: set[int] = frozens
             done.set_exception(CheckpointError(f"rank {rank}: disk full"))
         else:
             done.set_result(FileReceipt(3, "f", 4096 + rank, 64, 1, 7 + rank, 9 + rank))
-        tier.committer.submit(Ticket(3, 1, done, dict(metadata), time.perf_counter(), token=TOKEN))
+        tier.submit(Ticket(3, 1, done, dict(metadata), time.perf_counter(), token=TOKEN))
     out = []
     for tier in tiers:
-        tier.committer.drain(30)
+        tier.drain(30)
         try:
-            out.append([r.iteration for r in tier.committer.poll()])
+            out.append([r.iteration for r in tier.poll()])
         except CommitError as e:
             out.append(e)
         tier.close()

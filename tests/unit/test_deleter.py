@@ -43,10 +43,10 @@ def test_a_slow_deletion_holds_back_neither_the_next_commit_nor_training_but_wai
         mgr.save(1)
         mgr.wait()
         mgr.save(2)  # its commit retires iteration 1: the deletion starts and is held
-        mgr._first_tier.committer.drain(30)
+        mgr._first_tier.drain(30)
         assert started.wait(30)
         mgr.save(3)  # committed while the deletion of 1 is still held
-        mgr._first_tier.committer.drain(30)
+        mgr._first_tier.drain(30)
         assert mgr.latest_committed == 3 and os.path.isdir(iter_dir(root, 1))
         with pytest.raises(CacheTimeoutError, match="retention not done"):
             mgr.persistent.drain_deletions(0.2)
@@ -80,7 +80,7 @@ def test_a_manager_never_closed_does_not_hang_the_exit(tmp_path):
         "    mgr.wait()\n"
         # the engine's and the commit thread: closed, not what this test is about; the deleter is not
         "mgr.engine.close()\n"
-        "mgr.persistent.committer.close()\n"
+        "mgr.persistent.abandon()\n"
         "print('deleter' if mgr.persistent._deleter._thread.is_alive() else 'none', flush=True)\n"
     )
     env = dict(os.environ, PYTHONPATH=str(REPO))
