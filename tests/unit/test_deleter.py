@@ -80,7 +80,7 @@ def test_a_manager_never_closed_does_not_hang_the_exit(tmp_path):
         "    mgr.wait()\n"
         # the engine's and the commit thread: closed, not what this test is about; the deleter is not
         "mgr.engine.close()\n"
-        "mgr.persistent.abandon()\n"
+        "mgr.persistent._committer.close()\n"
         "print('deleter' if mgr.persistent._deleter._thread.is_alive() else 'none', flush=True)\n"
     )
     env = dict(os.environ, PYTHONPATH=str(REPO))
