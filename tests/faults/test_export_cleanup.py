@@ -137,7 +137,9 @@ def test_a_failing_rank_ends_the_others_and_the_export_at_once_with_its_error():
 
 def test_every_rank_succeeding_is_reported_done():
     starter = [sys.executable, "-m", export_ranks.__name__, "start", "--nproc", "2", "--"]
-    starter += [sys.executable, "-c", "import os; print('hello from', os.environ['RANK'], os.environ['WORLD_SIZE'])"]
+    # one write of a line each (below PIPE_BUF: atomic), so the two ranks' lines never interleave
+    line = "os.write(1, f\"hello from {os.environ['RANK']} {os.environ['WORLD_SIZE']}\\n\".encode())"
+    starter += [sys.executable, "-c", f"import os; {line}"]
     done = run_worker(starter, {**os.environ, "PYTHONPATH": str(ROOT)}, 60, marker=export_ranks.DONE, prefix="")
     assert done.returncode == 0 and done.done, done
     assert "hello from 0 2" in done.tail and "hello from 1 2" in done.tail, done.tail
