@@ -5,22 +5,12 @@ from __future__ import annotations
 
 import torch
 
-from datastates_megatron.engine import EngineOptions
-from datastates_megatron.engine.manager import CheckpointManager
 from datastates_megatron.engine.tier import committed_iterations
+from tests.managers import two_tier_manager
 
 
 def _manager(tmp_path, w, interval):
-    mgr = CheckpointManager(
-        str(tmp_path / "persistent"),
-        EngineOptions(cache_bytes=1 << 20, timeout_s=30),
-        keep_last=0,
-        local_root=str(tmp_path / "local"),
-        persist_interval=interval,
-        local_keep_last=0,
-    )
-    mgr.register("w", w)
-    return mgr
+    return two_tier_manager(tmp_path, w, interval, local_keep_last=0)
 
 
 def _save(mgr, w, iterations):

@@ -17,11 +17,10 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
+
+from tests.managers import one_checkpoint, stand_in_megatron_lm
 
 from datastates_megatron.cli import EXIT_DAMAGED, EXIT_USAGE, main
-from datastates_megatron.engine import EngineOptions
-from datastates_megatron.engine.manager import CheckpointManager
 from datastates_megatron.megatron.export import export_ranks
 from datastates_megatron.megatron.export.worker_process import run_worker
 
@@ -49,22 +48,13 @@ def _processes_naming(text: str) -> list[int]:
 
 @pytest.fixture
 def saved(tmp_path):
-    root = tmp_path / "ckpt"
-    w = torch.zeros(16)
-    with CheckpointManager(str(root), EngineOptions(cache_bytes=1 << 20, timeout_s=30), keep_last=0) as mgr:
-        mgr.register("w", w)
-        mgr.save(1, {"iteration": 1})
-        mgr.wait()
-    return root
+    return one_checkpoint(tmp_path / "ckpt")
 
 
 @pytest.fixture
 def tree(tmp_path):
     """A stand-in Megatron-LM checkout: its layout only (the held ranks never import it)."""
-    root = tmp_path / "megatron-lm"
-    (root / "megatron").mkdir(parents=True)
-    (root / "pretrain_gpt.py").write_text("raise SystemExit('not a real Megatron-LM')\n")
-    return root
+    return stand_in_megatron_lm(tmp_path / "megatron-lm")
 
 
 def _staging(out: Path) -> list[str]:

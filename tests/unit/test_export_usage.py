@@ -3,30 +3,21 @@
 from __future__ import annotations
 
 import pytest
-import torch
+
+from tests.managers import one_checkpoint, stand_in_megatron_lm
 
 from datastates_megatron.cli import EXIT_USAGE, main
-from datastates_megatron.engine import EngineOptions
-from datastates_megatron.engine.manager import CheckpointManager
 from datastates_megatron.megatron.export.exporter import rank_command
 
 
 @pytest.fixture
 def saved(tmp_path):
-    root = tmp_path / "ckpt"
-    with CheckpointManager(str(root), EngineOptions(cache_bytes=1 << 20, timeout_s=30), keep_last=0) as mgr:
-        mgr.register("w", torch.zeros(4))
-        mgr.save(1, {"iteration": 1})
-        mgr.wait()
-    return root
+    return one_checkpoint(tmp_path / "ckpt", numel=4)
 
 
 @pytest.fixture
 def tree(tmp_path):
-    root = tmp_path / "megatron-lm"
-    (root / "megatron").mkdir(parents=True)
-    (root / "pretrain_gpt.py").write_text("")
-    return root
+    return stand_in_megatron_lm(tmp_path / "megatron-lm", script="")
 
 
 CASES = {
