@@ -1,4 +1,4 @@
-"""Let megatron-core run on a CPU-only machine (``cpu_launch``: the CPU runs of Megatron-LM and the
+"""Let megatron-core run on a CPU-only machine (``cpu.launch``: the CPU runs of Megatron-LM and the
 offline torch_dist export's ranks; and the CPU demo/test harness).
 
 .. warning::
