@@ -398,6 +398,7 @@ def inspect_checkpoint(ckpt: str, rank: int | None = None, list_tensors: bool = 
             rf = open_rank(ckpt, m, rec.rank)
         except (CheckpointError, OSError) as e:
             row["error"] = _strip_path(str(e), os.path.join(ckpt, rec.file))
+            row["newer"] = isinstance(e, FormatVersionError)  # a newer version's file: not damage
             row.update(dict.fromkeys(_SUMMARY_KEYS))
         else:
             try:
@@ -439,7 +440,7 @@ def _render_inspect(doc: dict) -> None:
     for r in doc["ranks"]:
         print(f"\nrank {r['rank']}: {r['file']}  {_human(r['file_bytes'])} on disk, {r['n_tensors']} tensors")
         if r["error"]:
-            print(f"  DAMAGED: {r['error']}")
+            print(f"  {'NEWER FORMAT' if r.get('newer') else 'DAMAGED'}: {r['error']}")
             continue
         print(
             f"  tensors: {r['tensor_count']}, {_human(r['tensor_bytes'])} ({r['tensor_bytes']} B), "
@@ -638,7 +639,8 @@ def _open_checked(ckpt: str, m: Manifest, records: list, fail) -> list[tuple]:
         try:
             rf = open_rank(ckpt, m, rec.rank)
         except (CheckpointError, OSError) as e:
-            fail(rec, "file", f"{_strip_path(str(e), path)}; {lost}")
+            kind = "newer" if isinstance(e, FormatVersionError) else "file"  # a newer version's: not damage
+            fail(rec, kind, f"{_strip_path(str(e), path)}; {lost}")
             continue
         tensor_bytes = sum(e.nbytes for e in rf.entries.values())
         if rf.header.n_tensors != rec.n_tensors or tensor_bytes != rec.data_bytes:
@@ -650,6 +652,14 @@ def _open_checked(ckpt: str, m: Manifest, records: list, fail) -> list[tuple]:
             )
         opened.append((rec, rf))
     return opened
+
+
+def _exit_for(problems: list[bool]) -> int:
+    """The exit status of ``inspect``/``verify`` from their problems (True: a newer version's file):
+    damage wins; only newer-format files is "upgrade" (3)."""
+    if not problems:
+        return EXIT_OK
+    return EXIT_NEWER if all(problems) else EXIT_DAMAGED
 
 
 def _error_line(err: dict) -> str:
@@ -956,7 +966,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "inspect":
             doc = inspect_checkpoint(args.ckpt_dir, args.rank, args.tensors)
             _emit(doc) if args.json else _render_inspect(doc)
-            return EXIT_DAMAGED if any(r["error"] for r in doc["ranks"]) else EXIT_OK
+            return _exit_for([r.get("newer") for r in doc["ranks"] if r["error"]])
         if args.threads is not None and args.threads < 1:
             raise CliUsageError(f"--threads must be >= 1, got {args.threads}")
         if args.progress_every <= 0:
@@ -964,7 +974,7 @@ def main(argv: list[str] | None = None) -> int:
         show = False if args.quiet else (True if sys.stderr.isatty() else args.progress_every)
         doc = verify_checkpoint(args.ckpt_dir, threads=args.threads, rank=args.rank, progress=show)
         _emit(doc) if args.json else _render_verify(doc)
-        return EXIT_OK if doc["ok"] else EXIT_DAMAGED
+        return _exit_for([e["kind"] == "newer" for e in doc["errors"]])
     except BrokenPipeError:  # `| head`: stop quietly
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return EXIT_OK

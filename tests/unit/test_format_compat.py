@@ -150,3 +150,27 @@ def test_ls_exit_status_is_1_for_a_damaged_manifest_even_beside_a_newer_one(with
         f.write("{ not json")
     code, out, _ = _run(capsys, "ls", with_newer)
     assert code == EXIT_DAMAGED and "DAMAGED" in out and "NEWER FORMAT" in out
+
+
+def _newer_rank_file(root: str, rank: int) -> None:
+    """Rank ``rank``'s file in ``root`` claims rank-file format 2 (the u32 after the 8-byte magic)."""
+    m = read_manifest(root)
+    path = os.path.join(root, m.record(rank).file)
+    with open(path, "r+b") as f:
+        f.seek(8)
+        f.write((2).to_bytes(4, "little"))
+
+
+@pytest.mark.parametrize("command", ["inspect", "verify"])
+def test_a_newer_rank_file_is_upgrade_not_damage_unless_something_is_damaged(format1_root, capsys, command):
+    ckpt = iter_dir(format1_root, 7)
+    _newer_rank_file(ckpt, 1)
+    code, out, _ = _run(capsys, command, ckpt)
+    assert code == EXIT_NEWER and re.search(r"written by a newer|upgrade", out), out
+    if command == "inspect":
+        assert "NEWER FORMAT" in out and "DAMAGED" not in out
+    # and beside a damaged file, damage wins
+    rec = read_manifest(ckpt).record(0)
+    with open(os.path.join(ckpt, rec.file), "r+b") as f:
+        f.truncate(rec.file_bytes - 1)
+    assert _run(capsys, command, ckpt)[0] == EXIT_DAMAGED
