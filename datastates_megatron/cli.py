@@ -951,7 +951,7 @@ def main(argv: list[str] | None = None) -> int:
             doc = list_checkpoints(args.save_dir)
             _emit(doc) if args.json else _render_ls(doc)
             states = {row["state"] for row in doc["checkpoints"]}
-            return EXIT_DAMAGED if "damaged" in states else EXIT_NEWER if "newer" in states else EXIT_OK
+            return _exit_for([s == "newer" for s in states if s in ("damaged", "newer")])
         if args.command == "where":
             return _where(args.name, args.json)
         if args.command == "patch":

@@ -144,7 +144,7 @@ class Collective:
         """The least and the greatest int64 ``value`` of the group's ranks (one all-reduce)."""
         if value == _I64_MIN:
             raise ValueError(f"rank {self.rank}: {value} has no negation in an int64")
-        got = self._all_reduce_min(torch.tensor([value, -value], dtype=torch.int64))
+        got = self._all_reduce("MIN", torch.tensor([value, -value], dtype=torch.int64))
         return int(got[0]), -int(got[1])
 
     def agree(self, ok: bool) -> list[int]:
@@ -156,11 +156,11 @@ class Collective:
         """``(the lowest failed ranks, at most NAMED; how many ranks failed)``: one all-reduce of the
         count, then one all-reduce (a minimum) per failed rank named."""
         failed = not ok
-        count = int(self._all_reduce_sum(torch.tensor([int(failed)], dtype=torch.int64))[0])
+        count = int(self._all_reduce("SUM", torch.tensor([int(failed)], dtype=torch.int64))[0])
         named: list[int] = []
         for _ in range(min(count, NAMED)):
             mine = self.rank if failed and self.rank not in named else _I64_MAX
-            named.append(int(self._all_reduce_min(torch.tensor([mine], dtype=torch.int64))[0]))
+            named.append(int(self._all_reduce("MIN", torch.tensor([mine], dtype=torch.int64))[0]))
         return named, count
 
     def agree_error(self, err: BaseException | None, report: int = 1) -> RankFailure | None:
@@ -200,13 +200,7 @@ class Collective:
         dist.all_gather(rows, mine, group=self.group)
         return [r.cpu() for r in rows]
 
-    def _all_reduce_sum(self, t: torch.Tensor) -> torch.Tensor:
-        return self._all_reduce(t, "SUM")
-
-    def _all_reduce_min(self, t: torch.Tensor) -> torch.Tensor:
-        return self._all_reduce(t, "MIN")
-
-    def _all_reduce(self, t: torch.Tensor, op: str) -> torch.Tensor:
+    def _all_reduce(self, op: str, t: torch.Tensor) -> torch.Tensor:
         if not self._active:
             return t
         import torch.distributed as dist

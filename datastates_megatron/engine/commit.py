@@ -217,7 +217,7 @@ class Committer(QueueThread):
         status.update(iteration=ticket.iteration, seq=ticket.seq)
         if self._writes:
             status.update(writes_lo=self._writes[0], writes_n=len(self._writes))
-        summary = getattr(self.tier, "summary", None) if self._indexed else None
+        summary = self.tier.summary if self._indexed else None
         if summary is not None:
             raw, h = summary
             if h != self._published:  # sent once per change, kept in the store

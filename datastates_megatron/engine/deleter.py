@@ -15,7 +15,7 @@ loads.  Owners still close it: :meth:`close` finishes what was handed over and j
 :meth:`drain` (the manager's ``wait()``) waits for it.
 
 Thread-safety: ``submit``/``drain``/``close`` from any thread; the work runs on the owned thread
-``dsm-delete-r{rank}[-local]``, started by the first ``submit``, in submission order.
+``dsm-delete-r{rank}[-local]``, in submission order; a tier makes its deleter at its first commit.
 """
 
 from __future__ import annotations

@@ -574,9 +574,7 @@ class CheckpointManager(ClosingContext):
                 if resolved is not None and _is_checkpoint(resolved, root, iteration):
                     view = resolved  # alike on every rank: so is the test
                 else:
-                    view = resolve(
-                        root, iteration, self._resolve_chan, self.layout, check=_no_check, latest=self._latest_in
-                    )
+                    view = self._resolve(root, iteration)
             except CheckpointError as e:  # raised alike on every rank: agreed, so that rank 0 (the
                 self._agree_error(e)  # store's host) never exits before every rank has heard it
                 raise
@@ -610,20 +608,18 @@ class CheckpointManager(ClosingContext):
         )
         return LoadResult(iteration, plan.objects, manifest.metadata, stats, root, plan.kind)
 
+    def _resolve(self, root: str, iteration: int | None) -> Resolved:
+        """:func:`.source.resolve` of ``root`` for this world (collective): rank 0 reads, each rank
+        gets its record; the layout is checked by the planner, not here."""
+        return resolve(root, iteration, self._resolve_chan, self.layout, check=_no_check, latest=self._latest_in)
+
     def view(self, iteration: int, root: str | None = None):
         """Collective: checkpoint ``iteration`` (``None``: the newest committed, found by rank 0) of
         ``root`` (default: the load directory) as this rank needs it -- the manifest's header and
         this rank's record (:class:`.source.Resolved`), read by rank 0 alone -- or ``None`` when it
         is not committed there."""
         try:
-            return resolve(
-                os.path.abspath(root or self.load_root),
-                iteration,
-                self._resolve_chan,
-                self.layout,
-                check=_no_check,
-                latest=self._latest_in,
-            )
+            return self._resolve(os.path.abspath(root or self.load_root), iteration)
         except NoCheckpointError:
             return None  # every rank alike (rank 0's answer)
         except CheckpointError as e:  # agreed: rank 0, the store's host, never exits before the others heard it

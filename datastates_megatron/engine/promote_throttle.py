@@ -97,7 +97,7 @@ class PromoteSlots:
 
 class Pace:
     """Called with each block a copy wrote: sleeps so that the copy averages at most ``mbps`` MB/s
-    (``0``: never sleeps)."""
+    (``mbps`` > 0: without a cap there is no ``Pace``)."""
 
     def __init__(self, mbps: float) -> None:
         self.rate = mbps * 1e6
@@ -105,8 +105,6 @@ class Pace:
         self.t0 = time.perf_counter()
 
     def __call__(self, nbytes: int) -> None:
-        if self.rate <= 0:
-            return
         self.done += nbytes
         ahead = self.done / self.rate - (time.perf_counter() - self.t0)
         if ahead > 0:

@@ -229,7 +229,7 @@ class Promotion(QueueThread):
         try:
             make_dir(dst_dir)  # never into a directory reached through a symlink
             with self._slots.held():  # at most ``slots`` of the node's ranks copy at once
-                pace = Pace(self._mbps) if self._mbps > 0 else None
+                pace = Pace(self._mbps) if self._mbps > 0 else None  # no cap: no pacing at all
                 receipt = copy_verified(src, os.path.join(dst_dir, name), iteration, pace)
             future.set_result(receipt)
         except BaseException as e:  # noqa: BLE001 - the persistent committer reports it on every rank

@@ -3,9 +3,10 @@ did not write, commit, retention, recycle pool, start-up cleanup.
 
 ``persistent`` is the save directory; ``local`` a node-local one (per-node manifests), linked to the
 persistent tier by a :class:`.promotion.Promotion`, which subscribes to the local tier's commits
-(:meth:`Tier.on_commit`).  The manager and the promotion use a tier through its methods only
-(``submit``/``poll``/``drain``/``latest``/``outstanding``, ``acquire``/``release``, ``recycled``):
-its committer, lock and pool are its own.  What a tier directory holds is decided in one
+(:meth:`Tier.on_commit`).  The manager and the promotion use a tier through its methods
+(``submit``/``poll``/``drain``/``latest``/``outstanding``, ``acquire``/``release``, ``recycled``)
+and two plain data fields the manager sets (``run_id``, ``summary``): its committer, lock and pool
+are its own.  What a tier directory holds is decided in one
 place, :func:`survey`: an ``iter_*`` directory whose manifest reads back is committed; one whose
 manifest exists but does not read is damaged (never loaded, never removed); one without a manifest
 holding only names we write (:mod:`.names`) is our leftover; anything else is not ours and is left
@@ -432,11 +433,7 @@ class Tier:
     def recycled(self, path: str):
         """What to run just before a save opens ``path`` (on a flush thread): move a retired rank
         file of the pool into place to be overwritten -- ``None`` when this tier does not recycle."""
-        return functools.partial(self._take_recycled, path) if self._recycle else None
-
-    def _take_recycled(self, dst: str) -> bool:
-        """Move a retired rank file of the pool to ``dst`` (:func:`.retention.take_recycled`)."""
-        return take_recycled(self.root, dst)
+        return functools.partial(take_recycled, self.root, path) if self._recycle else None
 
     def _committed(self, ticket) -> None:
         """Commit thread, once ``ticket``'s save is committed: the writer hands it to its deleter
@@ -524,10 +521,9 @@ class Tier:
     def _still_owned(self) -> bool:
         """Whether this job still owns the directory (its lock file is the one it locked): once not,
         another job may be using the recycle pool, and this one deletes nothing more there."""
-        guard = self._committer.guard if self._committer is not None else None
         try:
-            if guard is not None:
-                guard()
+            if self._dirlock is not None:
+                self._dirlock.check()
         except LockLostError as e:
             log.warning("rank %d: leaving the recycle pool of %s as it is: %s", self.rank, self.root, e)
             return False

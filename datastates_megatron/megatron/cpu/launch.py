@@ -73,7 +73,7 @@ class _TritonFreeStub(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         return importlib.machinery.ModuleSpec(name, self, origin=spec.origin)
 
     def create_module(self, spec):
-        mod = types.ModuleType(spec.name, "stand-in: triton is not installed (cpu_launch)")
+        mod = types.ModuleType(spec.name, "stand-in: triton is not installed (cpu.launch)")
         mod.__getattr__ = functools.partial(_needs_triton, spec.name)  # type: ignore[attr-defined]
         return mod
 

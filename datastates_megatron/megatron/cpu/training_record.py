@@ -8,7 +8,7 @@ Lines are flushed one by one, so a run killed with ``kill -9`` keeps every itera
 :func:`install` wraps ``megatron.training.training.training_log`` (called once per iteration, on
 every rank) and ``train`` in this process; arguments are taken by name, so core_v0.16 and core_v0.19
 (whose signatures differ in trailing parameters) are both served. Used by
-:mod:`~datastates_megatron.megatron.megatron_lm.run` (and so ``cpu_launch``) when ``DSM_TRAINING_RECORD`` names a
+:mod:`~datastates_megatron.megatron.megatron_lm.run` (and so :mod:`.launch`) when ``DSM_TRAINING_RECORD`` names a
 path prefix.
 """
 
@@ -20,13 +20,6 @@ import json
 import os
 from typing import Any
 from collections.abc import Callable
-
-import torch
-
-from ...engine.device_copy import as_bytes
-from ...engine.hashing import xxh64
-from ..checkpointing.model_state import capture
-from ..checkpointing.shards import collect_shards
 
 __all__ = ["ENV", "install", "read", "read_runs"]
 
@@ -134,6 +127,13 @@ def state_digest(model, optimizer) -> dict:
     """XXH64 of every tensor a resume needs on this rank, by shard name (model buffers and extra
     state under ``model_state.<key>``): two runs whose digests are equal hold the same model and
     optimizer state to the bit."""
+    import torch  # here: the runner imports this module in every process, recording or not
+
+    from ...engine.device_copy import as_bytes
+    from ...engine.hashing import xxh64
+    from ..checkpointing.model_state import capture
+    from ..checkpointing.shards import collect_shards
+
     out = {r.name: xxh64(as_bytes(r.tensor).cpu().numpy()) for r in collect_shards(model, optimizer)}
     held = capture(model)
     for key, value in [*held["buffers"].items(), *held["extra_state"].items()]:

@@ -42,7 +42,7 @@ import torch
 from ..._deps import require
 
 from ...engine.errors import CheckpointError, FlushError, LayoutMismatchError, NoCheckpointError
-from ...engine.manifest import MANIFEST_NAME, iter_dir, read_manifest, write_tracker
+from ...engine.manifest import MANIFEST_NAME, iter_dir, iteration_of, read_manifest, write_tracker
 from ...engine.tier import latest_committed
 from ...engine.load_plan import LoadPlan, ReadItem
 from ...engine.reader import CheckpointReader
@@ -292,7 +292,7 @@ def export(
         )
     path, it = _locate(ckpt_dir, iteration)
     if fmt == "torch":
-        target = os.path.join(os.path.abspath(out_dir), f"iter_{it:07d}.pt")
+        target = iter_dir(os.path.abspath(out_dir), it) + ".pt"
         if os.path.exists(target):
             raise OutputExistsError(f"{target} exists; nothing was overwritten")
         state = consolidate(path, it, verify=verify)
@@ -320,7 +320,7 @@ def run_export(args: argparse.Namespace) -> int:
         verify=not args.no_verify,
     )
     if getattr(args, "json", False):
-        iteration = int(os.path.basename(path).split("_")[1].split(".")[0])
+        iteration = iteration_of(path.removesuffix(".pt"))
         json.dump({"path": path, "format": args.format, "iteration": iteration}, sys.stdout, sort_keys=True)
         sys.stdout.write("\n")
     else:

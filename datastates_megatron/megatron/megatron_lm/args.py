@@ -28,7 +28,6 @@ from ..checkpointing.flag_spec import AUTO_VALUES, Option, default_text, describ
 
 __all__ = [
     "LazyCkptArgsError",
-    "DIRECT_IO_CHOICES",
     "UNSUPPORTED_MEGATRON_FLAGS",
     "LAZY_CKPT",
     "CONVERT_TO",
@@ -41,7 +40,6 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-DIRECT_IO_CHOICES = AUTO_VALUES  # flag value -> config value, of every on/off/auto flag
 UNSUPPORTED_MEGATRON_FLAGS = megatron_flags.UNSUPPORTED
 
 LAZY_CKPT = Option(

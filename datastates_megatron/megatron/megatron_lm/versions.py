@@ -75,7 +75,7 @@ TESTED: tuple[TestedVersion, ...] = (
         torch="2.13.0",
         python="3.11",
         note="the tag's own version bump says 0.19.1; needs Python >= 3.12 (`typing.override`, which "
-        "`cpu_launch` adds on 3.11)",
+        "`cpu.launch` adds on 3.11)",
     ),
     TestedVersion(
         "0.20.0",
