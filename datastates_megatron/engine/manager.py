@@ -21,8 +21,8 @@ import time
 
 import torch
 
-from .collective import Collective
-from .commit import CommitRecord, Ticket
+from .dist.collective import Collective
+from .tiers.commit import CommitRecord, Ticket
 from .errors import (
     CheckpointError,
     FlushError,
@@ -32,21 +32,21 @@ from .errors import (
     error_class_named,
     make_error,
 )
-from .faults import hold_point
-from .global_index import encode_summary
-from .manifest import RankRecord, iter_dir, rank_file_name, read_manifest, save_id
+from .runtime.faults import hold_point
+from .format.global_index import encode_summary
+from .format.manifest import RankRecord, iter_dir, rank_file_name, read_manifest, save_id
 from .options import EngineOptions, ManagerOptions
-from .load_plan import LoadPlanner, SameLayoutPlanner
-from .reader import CheckpointReader, RestoreStats, open_checkpoint
-from .iteration_dir import prepare_iteration_dir
-from .replication import REPLICAS_DIR, Replication, clique_of, replication_plan
-from .run_id import RUN_SUBDIR_PREFIX, ensure_run_id, run_subdir
-from .safe_io import check_path_fits, make_dir, make_root
-from .snapshot import SnapshotEngine
-from .source import Resolved, resolve
-from .store_channel import StoreChannel, default_store
-from .threads import ClosingContext, close_at_exit, forget
-from .tier import Tier, committed_iterations, latest_committed, latest_to_resume, report_other_runs, survey
+from .load.load_plan import LoadPlanner, SameLayoutPlanner
+from .load.reader import CheckpointReader, RestoreStats, open_checkpoint
+from .fs.iteration_dir import prepare_iteration_dir
+from .tiers.replication import REPLICAS_DIR, Replication, clique_of, replication_plan
+from .tiers.run_id import RUN_SUBDIR_PREFIX, ensure_run_id, run_subdir
+from .fs.safe_io import check_path_fits, make_dir, make_root
+from .save.snapshot import SnapshotEngine
+from .load.resolve import Resolved, resolve
+from .dist.store_channel import StoreChannel, default_store
+from .runtime.threads import ClosingContext, close_at_exit, forget
+from .tiers.tier import Tier, committed_iterations, latest_committed, latest_to_resume, report_other_runs, survey
 
 __all__ = ["CheckpointManager", "LoadResult"]
 
@@ -202,7 +202,7 @@ class CheckpointManager(ClosingContext):
                     )
                     tier.open(channel, self.world_size, self.layout, opts.timeout_s)
             if self.local:
-                from .promotion import Promotion
+                from .tiers.promotion import Promotion
 
                 self.promotion = Promotion(
                     self.local,
