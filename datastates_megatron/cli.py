@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 from ._deps import MissingDependencyError
 from ._version import __version__
 from .engine.errors import CheckpointError, CorruptCheckpointError, FormatVersionError, NoCheckpointError
+from .engine.names import TRACKER_NAME
 
 if TYPE_CHECKING:
     from .engine.format.file_format import RankFile
@@ -52,7 +53,7 @@ EXIT_OK = 0  # success; for verify: every check passed
 EXIT_DAMAGED = 1  # a checkpoint is damaged (verify found a problem, a manifest or rank file is unreadable)
 EXIT_USAGE = 2  # bad arguments, or the path is not there / not a checkpoint
 EXIT_NEWER = 3  # a checkpoint was written by a newer datastates-megatron (a newer format): upgrade to read it
-_TRACKER_NAME = "latest_checkpointed_iteration.txt"  # engine.manifest.TRACKER_NAME (Megatron's), for the help text
+_TRACKER_NAME = TRACKER_NAME  # Megatron's tracker, named by the help text
 
 
 class CliUsageError(CheckpointError, ValueError):
@@ -140,7 +141,8 @@ def _objects_summary(objects) -> dict[str, str]:
 
 
 def _load_manifest(ckpt: str) -> Manifest:
-    from .engine.format.manifest import MANIFEST_NAME, read_manifest
+    from .engine.format.manifest import read_manifest
+    from .engine.names import MANIFEST_NAME
     from .engine.tiers.tier import list_iterations
 
     try:
@@ -175,7 +177,7 @@ def _load_manifest(ckpt: str) -> Manifest:
 def _retention_hint(ckpt: str) -> str:
     """When ``ckpt`` is an ``iter_*`` older than the newest checkpoint committed beside it, it was most
     likely removed by the trainer's retention after it was listed (a reader racing a saving run)."""
-    from .engine.format.manifest import iteration_of
+    from .engine.names import iteration_of
     from .engine.tiers.tier import latest_committed
 
     iteration = iteration_of(ckpt)
@@ -210,7 +212,8 @@ def _select_ranks(ckpt: str, m: Manifest, rank: int | None) -> list:
 def list_checkpoints(save_dir: str) -> dict:
     """Every ``iter_*`` directory of ``save_dir`` with its state; the ``ls --json`` document."""
     from .engine.tiers.foreign import find_foreign
-    from .engine.format.manifest import TRACKER_NAME, iter_dir, parse_tracker, read_manifest, read_tracker_text
+    from .engine.format.manifest import parse_tracker, read_manifest, read_tracker_text
+    from .engine.names import TRACKER_NAME, iter_dir
     from .engine.tiers.tier import latest_committed, list_iterations
 
     try:

@@ -94,3 +94,15 @@ def test_no_import_cycle_between_the_package_modules():
     modules = _modules()
     graph = {name: _imports(name, path, modules) for name, path in modules.items()}
     assert _cycles(graph) == []
+
+
+def test_the_names_module_imports_nothing_of_ours():
+    """Every name the package writes is made in ``engine.names``; anything may import it, so it
+    imports no module of the package (and only the stdlib)."""
+    modules = _modules()
+    name = "datastates_megatron.engine.names"
+    assert _imports(name, modules[name], modules) == set()
+    tree = ast.parse(modules[name].read_text(encoding="utf-8"))
+    imported = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    imported |= {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+    assert imported <= {"__future__", "os", "re"}, imported

@@ -11,7 +11,8 @@ import torch
 from datastates_megatron.engine import CorruptCheckpointError, EngineOptions, LayoutMismatchError
 from datastates_megatron.engine.load.load_plan import ElementRange, LoadPlan, LoadPlanner, ReadItem, SameLayoutPlanner
 from datastates_megatron.engine.manager import CheckpointManager
-from datastates_megatron.engine.format.manifest import iter_dir, read_manifest
+from datastates_megatron.engine.format.manifest import read_manifest
+from datastates_megatron.engine.names import iter_dir
 from datastates_megatron.engine.load.reader import CheckpointReader
 
 from ..faults.damage import flip

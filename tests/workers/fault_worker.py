@@ -256,7 +256,8 @@ def run(argv) -> dict:
 
 def fulldisk(a, mgr: CheckpointManager, ts, rank: int) -> dict:
     """Iteration 1 commits; the disk is filled; iteration 2 fails; space is freed; iteration 3 commits."""
-    from datastates_megatron.engine.format.manifest import iter_dir, read_manifest, read_tracker
+    from datastates_megatron.engine.format.manifest import read_manifest, read_tracker
+    from datastates_megatron.engine.names import iter_dir
     from datastates_megatron.engine.tiers.tier import latest_committed
 
     out: dict = {"errors": {}, "committed": []}

@@ -21,7 +21,8 @@ import torch.distributed as dist
 
 
 from datastates_megatron.engine.format.file_format import RankFile  # noqa: E402
-from datastates_megatron.engine.format.manifest import MANIFEST_NAME, iter_dir, read_manifest  # noqa: E402
+from datastates_megatron.engine.format.manifest import read_manifest  # noqa: E402
+from datastates_megatron.engine.names import MANIFEST_NAME, iter_dir  # noqa: E402
 from tests.faults.damage import edit_manifest, flip  # noqa: E402
 
 

@@ -56,7 +56,8 @@ def main():
     from datastates_megatron.engine.format import writer
     from datastates_megatron.engine.save.device_copy import as_bytes
     from datastates_megatron.engine.format.hashing import xxh64
-    from datastates_megatron.engine.format.manifest import iter_dir, read_manifest
+    from datastates_megatron.engine.format.manifest import read_manifest
+    from datastates_megatron.engine.names import iter_dir
     import os
 
     gpt.init_distributed(seed=7)

@@ -35,7 +35,8 @@ from ..runtime.faults import crash_point
 from ..format.file_format import RankFile, TensorEntry
 from ..format.hashing import xxh64
 from .load_plan import ElementRange, LoadPlan, LoadPlanner, ReadItem
-from ..format.manifest import Manifest, iter_dir, read_manifest
+from ..format.manifest import Manifest, read_manifest
+from ..names import iter_dir
 from ..fs.page_cache import warm_file
 from ..fs.safe_io import describe
 

@@ -26,13 +26,15 @@ from .commit import Ticket
 from ..errors import FlushError, NoCheckpointError
 from ..runtime.faults import crash_point
 from ..format.file_format import HEADER_BYTES, FileReceipt, RankFile
-from ..format.manifest import iter_dir, parse_rank_file_name, rank_file_name, read_manifest
+from ..format.manifest import read_manifest
+from ..names import iter_dir, parse_rank_file_name, rank_file_name
 from ..names import PROMOTING_SUFFIX
 from .promote_throttle import Pace, PromoteSlots
 from ..fs.safe_io import create_temp, make_dir, reopen_same
 from ..runtime.threads import QueueThread
 from .tier import Tier, survey
-from ..format.writer import ALIGN, fsync_dir, pwrite_direct
+from ..format.writer import ALIGN, pwrite_direct
+from ..fs.durable import fsync_dir
 
 __all__ = ["Promotion", "copy_verified"]
 

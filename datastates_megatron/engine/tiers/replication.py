@@ -36,25 +36,25 @@ from ..dist.collective import Collective
 from ..errors import CheckpointError, CorruptCheckpointError, OptionsError
 from ..runtime.faults import crash_point
 from ..format.file_format import FileReceipt, RankFile
-from ..format.manifest import (
-    Manifest,
+from ..format.manifest import Manifest, read_manifest, write_manifest
+from ..names import (
+    PROMOTING_SUFFIX,
+    REPLICAS_DIR,
     iter_dir,
     parse_rank_file_name,
-    read_manifest,
     rank_file_name,
+    replica_store_name,
+    replica_store_rank,
     save_id,
-    write_manifest,
 )
-from ..names import PROMOTING_SUFFIX
 from .retention import delete_checkpoint, remove_ours, select_deletions, unlink_ours
 from ..fs.safe_io import create_temp, make_dir, real_dir
 from .tier import Tier, list_iterations, survey
-from ..format.writer import fsync_dir
+from ..fs.durable import fsync_dir
 
-__all__ = ["Replication", "clique_of", "replication_plan", "REPLICAS_DIR", "ReplicaStats"]
+__all__ = ["Replication", "clique_of", "replication_plan", "ReplicaStats"]
 
 log = logging.getLogger(__name__)
-REPLICAS_DIR = "replicas"
 _CHUNK = 16 << 20  # one receive buffer of this size (sends go from the file's mapping): replication's memory
 _HDR = ("ok", "iteration", "seq", "token", "file_bytes", "manifest_bytes")
 
@@ -142,7 +142,7 @@ class Replication:
         top = os.path.join(self.local.root, REPLICAS_DIR)
         make_dir(top)
         for name in os.listdir(top) if node_sources is not None else ():
-            src = _store_rank(name)
+            src = replica_store_rank(name)
             if src is not None and src not in node_sources and real_dir(os.path.join(top, name)):
                 for it in list_iterations(os.path.join(top, name)):
                     delete_checkpoint(os.path.join(top, name), it)
@@ -157,7 +157,7 @@ class Replication:
         return self._stores[self.rank].root
 
     def _store(self, src: int) -> Tier:
-        root = os.path.join(self.local.root, REPLICAS_DIR, f"r{src:05d}")
+        root = os.path.join(self.local.root, REPLICAS_DIR, replica_store_name(src))
         return Tier("replica", root, rank=self.rank, token=self.local.token, writes=[src], run_id=self.local.run_id)
 
     # ------------------------------------------------------------------ after each local commit
@@ -398,12 +398,6 @@ class Replication:
 
     def close(self) -> None:
         """Nothing runs on its own thread; the clique group goes with the process group."""
-
-
-def _store_rank(name: str) -> int | None:
-    """The source rank of a replica directory name ``r<rank, 5+ digits>``, else None (not ours)."""
-    digits = name[1:]
-    return int(digits) if name.startswith("r") and len(digits) >= 5 and digits.isascii() and digits.isdigit() else None
 
 
 def _saves(store: Tier) -> dict[int, tuple[int, int, int]]:

@@ -42,7 +42,8 @@ import torch
 from ..._deps import require
 
 from ...engine.errors import CheckpointError, FlushError, LayoutMismatchError, NoCheckpointError
-from ...engine.format.manifest import MANIFEST_NAME, iter_dir, iteration_of, read_manifest, write_tracker
+from ...engine.format.manifest import read_manifest, write_tracker
+from ...engine.names import MANIFEST_NAME, iter_dir, iteration_of
 from ...engine.tiers.tier import latest_committed
 from ...engine.load.load_plan import LoadPlan, ReadItem
 from ...engine.load.reader import CheckpointReader
