@@ -210,11 +210,13 @@ def _select_ranks(ckpt: str, m: Manifest, rank: int | None) -> list:
 
 # ---------------------------------------------------------------------------------------------- ls
 def list_checkpoints(save_dir: str) -> dict:
-    """Every ``iter_*`` directory of ``save_dir`` with its state; the ``ls --json`` document."""
+    """Every ``iter_*`` directory of ``save_dir`` with its state, as the tier's own survey
+    (:func:`.engine.tiers.tier.survey`: what a load would pick) classifies it; the ``ls --json`` document."""
+    from .engine.errors import CheckpointAccessError
+    from .engine.format.manifest import parse_tracker, read_tracker_text
+    from .engine.names import iter_dir
     from .engine.tiers.foreign import find_foreign
-    from .engine.format.manifest import parse_tracker, read_manifest, read_tracker_text
-    from .engine.names import TRACKER_NAME, iter_dir
-    from .engine.tiers.tier import latest_committed, list_iterations
+    from .engine.tiers.tier import survey
 
     try:
         is_dir = stat.S_ISDIR(os.stat(save_dir).st_mode)
@@ -231,7 +233,8 @@ def list_checkpoints(save_dir: str) -> dict:
     rows = []
     foreign = {f.path: f.format for f in find_foreign(save_dir)}
     release = [p for p in foreign if os.path.basename(p) == "release"]
-    for it, d in [(None, p) for p in release] + [(it, iter_dir(save_dir, it)) for it in list_iterations(save_dir)]:
+    found = survey(save_dir)
+    for it, d in [(None, p) for p in release] + [(it, iter_dir(save_dir, it)) for it in found.iterations]:
         size, files, newest = _dir_usage(d)
         row = {
             "iteration": it,
@@ -253,17 +256,14 @@ def list_checkpoints(save_dir: str) -> dict:
             row.update(state="foreign", format=foreign[d])
             rows.append(row)
             continue
-        try:
-            m = read_manifest(d)
-        except NoCheckpointError:
-            pass
-        except PermissionError as e:  # CheckpointAccessError: not ours to read, not damaged
+        m, e = found.committed.get(it), found.damaged.get(it)
+        if isinstance(e, CheckpointAccessError):  # permission denied: not ours to read, not damaged
             row.update(state="unreadable", error=str(e))
-        except FormatVersionError as e:  # a newer version's: not damaged, and never removed
+        elif isinstance(e, FormatVersionError):  # a newer version's: not damaged, and never removed
             row.update(state="newer", error=str(e))
-        except (CheckpointError, OSError) as e:
+        elif e is not None:
             row.update(state="damaged", error=str(e))
-        else:
+        elif m is not None:
             row.update(
                 state="committed",
                 tier=m.tier,
@@ -276,7 +276,7 @@ def list_checkpoints(save_dir: str) -> dict:
         rows.append(row)
     latest, latest_error = None, None
     try:
-        latest = latest_committed(save_dir)
+        latest = found.latest()
     except NoCheckpointError:
         pass
     except (CheckpointError, OSError) as e:
@@ -615,35 +615,22 @@ def verify_checkpoint(
 
 
 def _open_checked(ckpt: str, m: Manifest, records: list, fail) -> list[tuple]:
-    """Open and check (against the manifest) the files of ``records``; ``fail`` for each unusable one."""
+    """Open the files of ``records`` with the reader's check against the manifest (``open_rank``);
+    ``fail`` for each unusable one, with the kind of its problem."""
+    from .engine.errors import RankFileError
     from .engine.load.reader import open_rank
-    from .engine.fs.safe_io import describe
 
     opened: list[tuple] = []
     for rec in records:
-        path = os.path.join(ckpt, rec.file)
         lost = f"its {rec.n_tensors} tensor(s) cannot be checked"
         try:
-            st = os.lstat(path)
-        except FileNotFoundError:
-            fail(rec, "missing", f"file is missing; {lost}")
-            continue
-        except OSError as e:
-            fail(rec, "file", f"cannot stat the file: {e}; {lost}")
-            continue
-        if not stat.S_ISREG(st.st_mode):  # a symlink may point outside the checkpoint: never followed
-            fail(rec, "file", f"is {describe(st.st_mode)} (not a regular file inside the checkpoint); {lost}")
-            continue
-        size = st.st_size
-        if size != rec.file_bytes:
-            what = "truncated" if size < rec.file_bytes else "longer than committed"
-            fail(rec, "size", f"file is {what}: {size} bytes, manifest says {rec.file_bytes}; {lost}")
-            continue
-        try:
             rf = open_rank(ckpt, m, rec.rank)
-        except (CheckpointError, OSError) as e:
+        except RankFileError as e:  # missing, another size, not a regular file, not the committed one
+            fail(rec, e.kind, f"{e.problem}; {lost}")
+            continue
+        except (CheckpointError, OSError) as e:  # the format refuses it
             kind = "newer" if isinstance(e, FormatVersionError) else "file"  # a newer version's: not damage
-            fail(rec, kind, f"{_strip_path(str(e), path)}; {lost}")
+            fail(rec, kind, f"{_strip_path(str(e), os.path.join(ckpt, rec.file))}; {lost}")
             continue
         tensor_bytes = sum(e.nbytes for e in rf.entries.values())
         if rf.header.n_tensors != rec.n_tensors or tensor_bytes != rec.data_bytes:

@@ -121,10 +121,8 @@ def copy_verified(src: str, dst: str, version: int, pace=None) -> FileReceipt:
     t0 = time.perf_counter()
     tmp = dst + PROMOTING_SUFFIX
     with RankFile(src) as rf:
-        for entry in rf.entries.values():
-            rf.verify_entry(entry)
+        data_bytes = rf.verify_all()
         header = rf.header
-        data_bytes = sum(e.nbytes for e in rf.entries.values())
         fd_tmp = create_temp(tmp)  # O_EXCL | O_NOFOLLOW: a link planted at the temp name is refused
         try:
             with os.fdopen(fd_tmp, "wb") as fout:  # copied from the file just verified, not the path again

@@ -349,8 +349,7 @@ class Replication:
         try:
             m = read_manifest(d)
             rf = RankFile(os.path.join(d, m.ranks[0].file))
-            for entry in rf.entries.values():
-                rf.verify_entry(entry)
+            rf.verify_all()
         except (CheckpointError, OSError) as e:
             log.error("rank %d: cannot send rank %d its replica of iteration %d: %s", self.rank, member, iteration, e)
             if rf is not None:
@@ -488,9 +487,7 @@ class _ReplicaReceiver:
 
     def _verify(self) -> None:
         with RankFile(self.tmp) as rf:
-            for entry in rf.entries.values():
-                rf.verify_entry(entry)
-            got = FileReceipt.of(rf.header, sum(e.nbytes for e in rf.entries.values()), 0, self.tmp)
+            got = FileReceipt.of(rf.header, rf.verify_all(), 0, self.tmp)
         r = self.record
         if (got.file_bytes, got.n_tensors, got.index_xxh64, got.header_xxh64, got.data_bytes) != (
             r.file_bytes,
