@@ -19,7 +19,7 @@ from __future__ import annotations
 import os
 import sys
 
-from .._deps import MissingDependencyError
+from .._deps import DIST, RUNTIME, MissingDependencyError, require
 from ..engine.errors import CheckpointError, FormatVersionError, NoCheckpointError
 from ..engine.names import TRACKER_NAME as _TRACKER_NAME  # noqa: F401  (the tracker the help names: test_cli)
 from . import export, inspect, ls, patch, verify, where
@@ -44,6 +44,8 @@ __all__ = [
 ]
 
 _RUN = {"ls": ls.run, "inspect": inspect.run, "verify": verify.run, "where": where.run, "patch": patch.run}
+_STDLIB_ONLY = {"where", "patch"}  # run without the runtime dependencies (a login node: patching needs Python only)
+_EXIT_NO_RUNTIME = 1  # a runtime dependency is missing (the help's "exit status")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -57,6 +59,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if flags is not None and args.command != "export":
         parser.error(f"{args.command} takes no arguments after --")
+    if args.command not in _STDLIB_ONLY:
+        try:
+            require(RUNTIME, DIST)
+        except MissingDependencyError as e:
+            print(f"{PROG}: error: {e}", file=sys.stderr)
+            return _EXIT_NO_RUNTIME
     try:
         if args.command == "export":
             return export.run(args, flags or [])
