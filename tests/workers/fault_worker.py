@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 
+from datastates_megatron._output import write_line  # noqa: E402
 from datastates_megatron.engine import EngineOptions, NoCheckpointError  # noqa: E402
 from datastates_megatron.engine.manager import CheckpointManager  # noqa: E402
 
@@ -314,7 +315,7 @@ def fulldisk(a, mgr: CheckpointManager, ts, rank: int) -> dict:
 
 def main() -> int:
     result = run(sys.argv[1:])
-    print("RESULT " + json.dumps(result), flush=True)
+    write_line("RESULT " + json.dumps(result))
     dist.destroy_process_group()
     return 0
 

@@ -7,6 +7,8 @@ import time
 
 import torch
 
+from datastates_megatron._output import write_line
+
 
 def _count_manifest_reads() -> list:
     """Every read_manifest call from now on, in whichever package module imported it."""
@@ -98,7 +100,7 @@ def main():
             plain_step=sorted({st["step"] for st in inner.state.values() if isinstance(st.get("step"), int)}),
         )
         ckpt.close()
-        print("RESULT " + json.dumps(result), flush=True)
+        write_line("RESULT " + json.dumps(result))
         gpt.destroy_distributed()
         return
     gpt.train_step(chunks, opt, data(1))
@@ -161,7 +163,7 @@ def main():
             b.param_data.numel() * b.param_data.element_size() for c in chunks for b in c.buffers
         )
     ckpt.close()
-    print("RESULT " + json.dumps(result), flush=True)
+    write_line("RESULT " + json.dumps(result))
     gpt.destroy_distributed()
 
 
