@@ -20,7 +20,7 @@ import subprocess
 import sys
 import time
 
-__all__ = ["FaultFS", "MountError", "why_not_available"]
+__all__ = ["Control", "FaultFS", "MountError", "why_not_available"]
 
 SERVER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "server.py")
 MOUNT_TIMEOUT_S = 30.0
@@ -46,65 +46,19 @@ def why_not_available() -> str | None:
     return None
 
 
-class FaultFS:
-    """A FUSE passthrough of ``source`` mounted on ``mount``, with faults switched on per path and
-    operation (see :mod:`tests.fusefs.server` for the rules).  A context manager."""
+class Control:
+    """The control channel of a running fault filesystem (``socket_path``: its unix socket; ``root``: its mount), e.g. from
+    a rank process that the test forked; every request is one connection of its own."""
 
-    def __init__(self, source: str, mount: str, log_path: str | None = None) -> None:
-        self.source = os.path.abspath(source)
-        self.root = os.path.abspath(mount)
-        os.makedirs(self.source, exist_ok=True)
-        os.makedirs(self.root, exist_ok=True)
-        # a unix socket path must stay short (108 bytes): not under a deep tmp_path
-        self._control = os.path.join("/tmp", f"dsm-faultfs-{os.getpid()}-{os.urandom(4).hex()}.sock")
-        self.log_path = log_path or os.path.join(os.path.dirname(self.root), "faultfs.log")
-        self._log = open(self.log_path, "ab")
-        ready_r, ready_w = os.pipe()
-        try:
-            self._proc = subprocess.Popen(
-                [sys.executable, SERVER, self.source, self.root, self._control, str(ready_w)],
-                pass_fds=(ready_w,),
-                stdin=subprocess.DEVNULL,
-                stdout=self._log,
-                stderr=self._log,
-                start_new_session=True,  # a ^C to the test does not reach the filesystem first
-            )
-        finally:
-            os.close(ready_w)
-        try:
-            self._wait_ready(ready_r)
-        except BaseException:
-            self.close()
-            raise
-        finally:
-            os.close(ready_r)
-
-    def _wait_ready(self, fd: int) -> None:
-        got, deadline = b"", time.monotonic() + MOUNT_TIMEOUT_S
-        while b"\n" not in got:
-            left = deadline - time.monotonic()
-            if left <= 0 or not select.select([fd], [], [], left)[0]:
-                raise MountError(f"{self.root}: the fault filesystem did not come up in {MOUNT_TIMEOUT_S:.0f}s")
-            chunk = os.read(fd, 64)
-            if not chunk:  # the server exited before the kernel's INIT reached it
-                self._proc.wait(STEP_TIMEOUT_S)
-                raise MountError(f"{self.root}: cannot mount the fault filesystem: {self._tail()}")
-            got += chunk
-
-    def _tail(self) -> str:
-        self._log.flush()
-        try:
-            with open(self.log_path, "rb") as f:
-                lines = f.read().decode(errors="replace").strip().splitlines()
-        except OSError:
-            return "(no log)"
-        return " | ".join(lines[-5:]) or "(no output)"
+    def __init__(self, socket_path: str, root: str) -> None:
+        self.control_path = socket_path
+        self.root = root
 
     # ---------------------------------------------------------------- control
     def _request(self, cmd: str, timeout: float = STEP_TIMEOUT_S, **args) -> dict:
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
             s.settimeout(timeout)
-            s.connect(self._control)
+            s.connect(self.control_path)
             s.sendall(json.dumps({"cmd": cmd, **args}).encode() + b"\n")
             reply = b""
             while not reply.endswith(b"\n"):
@@ -153,6 +107,62 @@ class FaultFS:
         """True once at least ``n`` calls are stalled (False after ``timeout``)."""
         return self._request("wait_blocked", timeout=timeout + STEP_TIMEOUT_S, n=n, timeout_s=timeout)["ok"]
 
+
+class FaultFS(Control):
+    """A FUSE passthrough of ``source`` mounted on ``mount``, with faults switched on per path and
+    operation (see :mod:`tests.fusefs.server` for the rules).  A context manager."""
+
+    def __init__(self, source: str, mount: str, log_path: str | None = None) -> None:
+        self.source = os.path.abspath(source)
+        os.makedirs(self.source, exist_ok=True)
+        os.makedirs(mount, exist_ok=True)
+        # a unix socket path must stay short (108 bytes): not under a deep tmp_path
+        super().__init__(
+            os.path.join("/tmp", f"dsm-faultfs-{os.getpid()}-{os.urandom(4).hex()}.sock"), os.path.abspath(mount)
+        )
+        self.log_path = log_path or os.path.join(os.path.dirname(self.root), "faultfs.log")
+        self._log = open(self.log_path, "ab")
+        ready_r, ready_w = os.pipe()
+        try:
+            self._proc = subprocess.Popen(
+                [sys.executable, SERVER, self.source, self.root, self.control_path, str(ready_w)],
+                pass_fds=(ready_w,),
+                stdin=subprocess.DEVNULL,
+                stdout=self._log,
+                stderr=self._log,
+                start_new_session=True,  # a ^C to the test does not reach the filesystem first
+            )
+        finally:
+            os.close(ready_w)
+        try:
+            self._wait_ready(ready_r)
+        except BaseException:
+            self.close()
+            raise
+        finally:
+            os.close(ready_r)
+
+    def _wait_ready(self, fd: int) -> None:
+        got, deadline = b"", time.monotonic() + MOUNT_TIMEOUT_S
+        while b"\n" not in got:
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([fd], [], [], left)[0]:
+                raise MountError(f"{self.root}: the fault filesystem did not come up in {MOUNT_TIMEOUT_S:.0f}s")
+            chunk = os.read(fd, 64)
+            if not chunk:  # the server exited before the kernel's INIT reached it
+                self._proc.wait(STEP_TIMEOUT_S)
+                raise MountError(f"{self.root}: cannot mount the fault filesystem: {self._tail()}")
+            got += chunk
+
+    def _tail(self) -> str:
+        self._log.flush()
+        try:
+            with open(self.log_path, "rb") as f:
+                lines = f.read().decode(errors="replace").strip().splitlines()
+        except OSError:
+            return "(no log)"
+        return " | ".join(lines[-5:]) or "(no output)"
+
     # ---------------------------------------------------------------- teardown
     def close(self) -> None:
         """Let every stalled call go, unmount and end the server; bounded, idempotent."""
@@ -179,7 +189,7 @@ class FaultFS:
         if os.path.ismount(self.root):
             _run(["fusermount3", "-u", "-z", self.root]) or _run(["umount", "-l", self.root])
         try:
-            os.unlink(self._control)
+            os.unlink(self.control_path)
         except FileNotFoundError:
             pass
         self._log.close()
