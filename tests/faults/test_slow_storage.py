@@ -145,3 +145,42 @@ def test_stuck_storage_becomes_an_error_not_a_hang(tmp_path, monkeypatch):
         except Exception:  # noqa: BLE001
             pass
     assert committed_iterations(str(tmp_path / "c")) == []
+
+
+def _syscall_of(thread: threading.Thread) -> int | None:
+    """The number of the syscall ``thread`` is blocked in (``/proc``), None when it runs in user space."""
+    with open(f"/proc/self/task/{thread.native_id}/syscall") as f:
+        first = f.read().split()[0]
+    return None if first == "running" or first.startswith("-") else int(first)
+
+
+def test_a_stalled_write_on_a_real_filesystem_blocks_the_flush_thread_not_save(fault_fs):
+    """Through the fault filesystem, the first write of checkpoint 1 stalls 5 s in the kernel: the
+    training thread's ``save()`` and gate return at once (the cache holds the state), a flush thread
+    is the one blocked in the syscall, and the checkpoint commits once the write returns."""
+    import os
+
+    root = os.path.join(fault_fs.root, "ckpt")
+    rule = fault_fs.fault("write", "ckpt/iter_0000001/**", stall_s=5.0, times=1)
+    with _manager(root, cache_mb=16) as mgr:
+        for n, t in _state(4).items():
+            mgr.register(n, t)
+        t0 = time.perf_counter()
+        t_call, t_gate = _save_and_gate(mgr, 1)
+        assert fault_fs.wait_blocked(1, timeout=30), "no write reached the filesystem"
+        t_blocked = time.perf_counter() - t0
+        flush = [t for t in threading.enumerate() if t.name.startswith("dsm-flush-")]
+        in_syscall = {t.name: _syscall_of(t) for t in flush}
+        assert mgr.poll() == []  # not committed while the write is stalled; poll does not wait
+        (rec,) = mgr.wait()
+        t_commit = time.perf_counter() - t0
+    assert fault_fs.hits(rule) == 1
+    assert t_call < 0.5 and t_gate < 1.0, (t_call, t_gate)
+    assert t_blocked < 4.0, t_blocked  # observed while the stall was on, the training thread free
+    import platform
+
+    pwrite = {"x86_64": 18, "aarch64": 68}.get(platform.machine())  # pwrite64's syscall number
+    if pwrite is not None:
+        assert pwrite in in_syscall.values(), f"no flush thread is blocked in pwrite64: {in_syscall}"
+    assert rec.iteration == 1 and t_commit >= 5.0, t_commit
+    print(f"save {t_call:.3f}s, gate {t_gate:.3f}s, write blocked at {t_blocked:.3f}s, committed at {t_commit:.2f}s")
