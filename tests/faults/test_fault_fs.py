@@ -135,18 +135,10 @@ def test_a_stall_of_t_seconds_then_continues_and_a_slow_target_costs_per_mib(fau
         os.close(fd)
 
 
-def test_close_with_a_call_still_held_is_bounded(tmp_path):
+def test_close_with_a_call_still_held_is_bounded(fault_fs):
     """Unmounting while a call is held (never released by the test) ends in bounded time and the
     blocked caller gets its call back."""
-    from tests.fusefs.control import FaultFS, MountError, why_not_available
-
-    why = why_not_available()
-    if why:
-        pytest.skip(why)
-    try:
-        fs = FaultFS(str(tmp_path / "src"), str(tmp_path / "mnt"))
-    except MountError as e:
-        pytest.skip(str(e))
+    fs = fault_fs
     path = os.path.join(fs.root, "f")
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
     returned = threading.Event()
@@ -173,7 +165,7 @@ def test_close_with_a_call_still_held_is_bounded(tmp_path):
         os.close(fd)
     except OSError as e:  # the server is gone: the kernel answers for it
         assert e.errno in (errno.ENOTCONN, errno.ECONNABORTED), e
-    assert not os.path.ismount(str(tmp_path / "mnt"))
+    assert not os.path.ismount(fs.root)
 
 
 def test_save_commit_retention_and_load_through_the_mount(fault_fs):
