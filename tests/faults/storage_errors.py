@@ -169,11 +169,5 @@ EXPECTED = {op: "abandoned, nothing left; 1 line (rank, file, errno); next commi
     "unlink": "that checkpoint commits; 1 line (rank, file, errno); deletion retried, done; next commits; newest loads",
 }
 
-# cells whose outcome differs from item 2's today: (why, the outcome they show)
-KNOWN = {
-    "unlink": (
-        "retention's refused deletion is reported without the rank: '<path>: could not delete (<errno>); "
-        "left in place and retried later' (engine/retention.py deletion_failed)",
-        "that checkpoint commits; 1 line (file, errno); deletion retried, done; next commits; newest loads",
-    ),
-}
+# cells whose outcome differs from item 2's today: op -> (why, the outcome they show)
+KNOWN: dict[str, tuple[str, str]] = {}
