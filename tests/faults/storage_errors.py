@@ -20,7 +20,7 @@ import os
 
 from datastates_megatron.engine import EngineOptions
 from datastates_megatron.engine.manager import CheckpointManager
-from datastates_megatron.engine.tier import committed_iterations
+from datastates_megatron.engine.tiers.tier import committed_iterations
 
 from tests.workers.fault_worker import fill, is_state_of, make_state
 

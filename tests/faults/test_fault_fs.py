@@ -16,7 +16,7 @@ import torch
 
 from datastates_megatron.engine import EngineOptions
 from datastates_megatron.engine.manager import CheckpointManager
-from datastates_megatron.engine.tier import committed_iterations
+from datastates_megatron.engine.tiers.tier import committed_iterations
 
 from tests.fusefs.server import glob_regex
 from tests.managers import two_tier_manager
