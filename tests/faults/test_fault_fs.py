@@ -18,7 +18,7 @@ from datastates_megatron.engine import EngineOptions
 from datastates_megatron.engine.manager import CheckpointManager
 from datastates_megatron.engine.tiers.tier import committed_iterations
 
-from tests.fusefs.server import glob_regex
+from tests.fusefs.rules import glob_regex
 from tests.managers import two_tier_manager
 from tests.workers.fault_worker import fill, is_state_of, make_state
 

@@ -22,7 +22,7 @@ import time
 
 __all__ = ["Control", "FaultFS", "MountError", "why_not_available"]
 
-SERVER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "server.py")
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 MOUNT_TIMEOUT_S = 30.0
 STEP_TIMEOUT_S = 10.0
 
@@ -125,8 +125,9 @@ class FaultFS(Control):
         ready_r, ready_w = os.pipe()
         try:
             self._proc = subprocess.Popen(
-                [sys.executable, SERVER, self.source, self.root, self.control_path, str(ready_w)],
+                [sys.executable, "-m", "tests.fusefs.server", self.source, self.root, self.control_path, str(ready_w)],
                 pass_fds=(ready_w,),
+                cwd=REPO,
                 stdin=subprocess.DEVNULL,
                 stdout=self._log,
                 stderr=self._log,
