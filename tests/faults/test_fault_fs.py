@@ -204,3 +204,41 @@ def test_two_tiers_and_promotion_through_the_mount(fault_fs, tmp_path):
         got = mgr.load()
         assert got.iteration == 4
         assert torch.equal(mgr.engine.registered["w"], torch.arange(50_000, dtype=torch.float32) + 4)
+
+
+_MOUNT_AND_WAIT = """
+import sys
+from tests.fusefs.control import FaultFS
+fs = FaultFS(sys.argv[1], sys.argv[2])
+fs.fault("fsync", "**", hold=True)
+print(fs._proc.pid, flush=True)
+sys.stdin.read()
+"""
+
+
+def test_a_test_process_killed_takes_its_filesystem_with_it(fault_fs, tmp_path):
+    """SIGKILL of the process that mounted it (no teardown runs): the server lets go of its stalled
+    calls, detaches the mount and ends."""
+    import subprocess
+    import sys
+
+    import psutil
+
+    from tests.fusefs.control import REPO
+
+    mount = str(tmp_path / "killed")
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _MOUNT_AND_WAIT, str(tmp_path / "killed-source"), mount],
+        cwd=REPO,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        server = psutil.Process(int(proc.stdout.readline()))
+        assert os.path.ismount(mount)
+    finally:
+        proc.kill()
+        proc.wait(30)
+    server.wait(timeout=30)
+    assert not os.path.ismount(mount)

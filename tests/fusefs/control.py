@@ -123,10 +123,22 @@ class FaultFS(Control):
         self.log_path = log_path or os.path.join(os.path.dirname(self.root), "faultfs.log")
         self._log = open(self.log_path, "ab")
         ready_r, ready_w = os.pipe()
+        # the server reads EOF here once this process (and what it forked) is gone: it then detaches
+        # the mount and ends, also after a SIGKILL of the test
+        life_r, self._life_w = os.pipe()
         try:
             self._proc = subprocess.Popen(
-                [sys.executable, "-m", "tests.fusefs.server", self.source, self.root, self.control_path, str(ready_w)],
-                pass_fds=(ready_w,),
+                [
+                    sys.executable,
+                    "-m",
+                    "tests.fusefs.server",
+                    self.source,
+                    self.root,
+                    self.control_path,
+                    str(ready_w),
+                    str(life_r),
+                ],
+                pass_fds=(ready_w, life_r),
                 cwd=REPO,
                 stdin=subprocess.DEVNULL,
                 stdout=self._log,
@@ -135,6 +147,7 @@ class FaultFS(Control):
             )
         finally:
             os.close(ready_w)
+            os.close(life_r)
         try:
             self._wait_ready(ready_r)
         except BaseException:
@@ -194,6 +207,7 @@ class FaultFS(Control):
         except FileNotFoundError:
             pass
         self._log.close()
+        os.close(self._life_w)
 
     def __enter__(self) -> FaultFS:
         return self

@@ -1,6 +1,6 @@
 """The fault filesystem's server: a FUSE passthrough of one directory that stalls or fails chosen calls.
 
-Run as its own process (``python -m tests.fusefs.server SOURCE MOUNT CONTROL READY_FD`` from the
+Run as its own process (``python -m tests.fusefs.server SOURCE MOUNT CONTROL READY_FD LIFE_FD``, from the
 repository root, started by :class:`tests.fusefs.control.FaultFS`): a stalled call is then a real
 blocked syscall in the process under test, and a test can never deadlock itself on its own
 filesystem.  Standard library and ``mfusepy`` (over Debian's libfuse3) only; the rules are
@@ -24,6 +24,7 @@ import json
 import logging
 import os
 import socket
+import subprocess
 import sys
 import threading
 import time
@@ -242,14 +243,26 @@ def _answer(conn: socket.socket, faults: Faults) -> None:
         f.flush()
 
 
+def _outlive_no_test(life_fd: int, mount: str, faults: Faults) -> None:
+    """End with the test process: ``life_fd`` reads EOF once every holder of the pipe's other end
+    (the test process, the ranks it forked) has exited or let go; then every stalled call is let go
+    and the mount detached, which ends the FUSE loop."""
+    while os.read(life_fd, 64):
+        pass
+    faults.clear()
+    subprocess.run(["fusermount3", "-u", "-z", mount], capture_output=True, timeout=30)
+
+
 def main(argv: list[str]) -> int:
-    source, mount, control, ready_fd = argv[0], argv[1], argv[2], int(argv[3])
+    source, mount, control, ready_fd, life_fd = argv[0], argv[1], argv[2], int(argv[3]), int(argv[4])
     logging.basicConfig(level=logging.WARNING, format="faultfs %(levelname)s %(message)s", stream=sys.stderr)
     faults = Faults()
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.bind(control)
     sock.listen(64)
     threading.Thread(target=_serve_control, args=(sock, faults), name="faultfs-accept", daemon=True).start()
+    args = (life_fd, mount, faults)
+    threading.Thread(target=_outlive_no_test, args=args, name="faultfs-life", daemon=True).start()
     t0 = time.monotonic()
     mfusepy.FUSE(
         Passthrough(source, faults, ready_fd),
