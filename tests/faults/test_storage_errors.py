@@ -129,3 +129,43 @@ def test_one_rank_failing_to_write_abandons_the_checkpoint_on_every_rank(fault_f
     assert "rank 1" in own and "iter_0000002/r00001-" in own and os.strerror(errno.ENOSPC) in own, own
     (other,) = got[0]["lines"]  # the other rank: one line naming the rank that failed (not its file)
     assert "rank(s) [1] failed" in other and "iteration 2" in other, other
+
+
+@pytest.mark.xfail(
+    raises=ShortOfItem2,
+    strict=True,
+    reason="item 2: a read error at restore should make every rank agree on the next candidate (here the "
+    "older checkpoint); today load() raises CorruptCheckpointError naming the file and errno, and restores nothing",
+)
+def test_a_read_error_at_restore_is_clear_and_falls_back_to_the_older_checkpoint(fault_fs, tmp_path):
+    """Checkpoints 1 and 2 are written through another mount of the same directory (so that no
+    page of theirs is cached on this one); reading checkpoint 2's rank file fails with EIO."""
+    from datastates_megatron.engine import CheckpointError, EngineOptions
+    from datastates_megatron.engine.manager import CheckpointManager
+    from tests.fusefs.control import FaultFS
+    from tests.workers.fault_worker import fill, is_state_of, make_state
+
+    ts = make_state(0, 40_000)
+    opts = EngineOptions(cache_bytes=1 << 20, timeout_s=30)
+    with FaultFS(fault_fs.source, str(tmp_path / "writer")) as writer:
+        with CheckpointManager(os.path.join(writer.root, "ckpt"), opts, keep_last=0) as mgr:
+            for n, t in ts.items():
+                mgr.register(n, t)
+            for it in (1, 2):
+                fill(ts, 0, it)
+                mgr.save(it, {"iteration": it})
+                mgr.wait()
+    rule = fault_fs.fault("read", "ckpt/iter_0000002/r*", errno=errno.EIO)
+    fill(ts, 0, 7)
+    with CheckpointManager(os.path.join(fault_fs.root, "ckpt"), opts, keep_last=0) as mgr:
+        for n, t in ts.items():
+            mgr.register(n, t)
+        try:
+            got = mgr.load()
+        except CheckpointError as e:
+            assert fault_fs.hits(rule) >= 1
+            msg = str(e)
+            assert "iter_0000002/r00000-" in msg and os.strerror(errno.EIO) in msg, msg
+            assert is_state_of(ts, 0, 7)  # nothing restored, nothing half-written
+            raise ShortOfItem2(f"load() raised instead of falling back: {msg}") from None
+    assert got.iteration == 1 and is_state_of(ts, 0, 1)
