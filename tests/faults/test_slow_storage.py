@@ -187,6 +187,24 @@ def test_a_stalled_write_on_a_real_filesystem_blocks_the_flush_thread_not_save(f
     print(f"save {t_call:.3f}s, gate {t_gate:.3f}s, write blocked at {t_blocked:.3f}s, committed at {t_commit:.2f}s")
 
 
+def test_a_slow_real_filesystem_is_hidden_by_a_cache_that_holds_the_state(fault_fs):
+    """A slow target (0.5 s per MiB written, in the fault filesystem's write calls): with a cache
+    that holds the 4 MiB state, the gate does not wait for it; the flush does."""
+    import os
+
+    root = os.path.join(fault_fs.root, "ckpt")
+    rule = fault_fs.fault("write", "ckpt/iter_*/**", s_per_mib=0.5)
+    with _manager(root, cache_mb=16) as mgr:
+        for n, t in _state(4).items():
+            mgr.register(n, t)
+        t_call, stall = _save_and_gate(mgr, 1)
+        (rec,) = mgr.wait()
+        assert mgr.engine.cache.wait_seconds == 0
+    assert fault_fs.hits(rule) >= 4
+    assert rec.flush_s >= 0.9 * 4 * 0.5 / 2, rec.flush_s  # 4 MiB at 0.5 s/MiB, two flush threads at once
+    assert stall < 0.5 * rec.flush_s, (stall, rec.flush_s)
+
+
 class HeldWriteShortfall(AssertionError):
     """What the held-write test finds short of issue 41 (the known shortfalls of its xfail)."""
 
