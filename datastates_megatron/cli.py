@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 from ._deps import MissingDependencyError
 from ._version import __version__
 from .engine.errors import CheckpointError, CorruptCheckpointError, FormatVersionError, NoCheckpointError
+from .engine.storage.url import is_object_url
 
 if TYPE_CHECKING:
     from .engine.format.file_format import RankFile
@@ -779,7 +780,11 @@ def _build_parser() -> argparse.ArgumentParser:
             "Cheap: reads manifests and stats files, never rank-file contents."
         ),
     )
-    ls.add_argument("save_dir", metavar="SAVE_DIR", help="the directory holding iter_* checkpoint directories")
+    ls.add_argument(
+        "save_dir",
+        metavar="SAVE_DIR",
+        help="the directory holding iter_* checkpoint directories, or an s3://bucket/prefix or msc://profile/path",
+    )
     ls.add_argument(
         "--json",
         action="store_true",
@@ -829,7 +834,12 @@ def _build_parser() -> argparse.ArgumentParser:
             "between tensors is not covered by checksums (it holds no data)."
         ),
     )
-    ver.add_argument("ckpt_dir", metavar="CKPT_DIR", help="one checkpoint directory, e.g. SAVE_DIR/iter_0000100")
+    ver.add_argument(
+        "ckpt_dir",
+        metavar="CKPT_DIR",
+        help="one checkpoint directory, e.g. SAVE_DIR/iter_0000100, or its URL (s3://bucket/prefix/iter_0000100: its "
+        "rank objects are fetched into a temporary directory under TMPDIR and checked there)",
+    )
     ver.add_argument("--rank", type=int, metavar="N", help="only rank N (default: every rank)")
     ver.add_argument("--threads", type=int, metavar="N", help="hashing threads (default: min(8, CPUs))")
     ver.add_argument("-q", "--quiet", action="store_true", help="no progress")
@@ -948,7 +958,12 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"{args.command} takes no arguments after --")
     try:
         if args.command == "ls":
-            doc = list_checkpoints(args.save_dir)
+            if is_object_url(args.save_dir):  # s3://, msc://
+                from .cli_objects import list_object_checkpoints
+
+                doc = list_object_checkpoints(args.save_dir, JSON_SCHEMA)
+            else:
+                doc = list_checkpoints(args.save_dir)
             _emit(doc) if args.json else _render_ls(doc)
             states = {row["state"] for row in doc["checkpoints"]}
             return _exit_for([s == "newer" for s in states if s in ("damaged", "newer")])
@@ -972,7 +987,14 @@ def main(argv: list[str] | None = None) -> int:
         if args.progress_every <= 0:
             raise CliUsageError(f"--progress-every must be > 0, got {args.progress_every}")
         show = False if args.quiet else (True if sys.stderr.isatty() else args.progress_every)
-        doc = verify_checkpoint(args.ckpt_dir, threads=args.threads, rank=args.rank, progress=show)
+        if is_object_url(args.ckpt_dir):
+            from .cli_objects import verify_object_checkpoint
+
+            doc = verify_object_checkpoint(
+                args.ckpt_dir, verify_checkpoint, threads=args.threads, rank=args.rank, progress=show
+            )
+        else:
+            doc = verify_checkpoint(args.ckpt_dir, threads=args.threads, rank=args.rank, progress=show)
         _emit(doc) if args.json else _render_verify(doc)
         return _exit_for([e["kind"] == "newer" for e in doc["errors"]])
     except BrokenPipeError:  # `| head`: stop quietly
