@@ -10,8 +10,8 @@ objects section, every data chunk (XXH64) -- and only then is it renamed into pl
 object raises :class:`.base.ObjectChecksumError` naming its URL, rank and tensor, and leaves
 nothing behind.  Nothing is copied into a live tensor before that.
 
-Memory: ``threads`` ranges of ``range_bytes`` in flight, each received into its own buffer and
-written at its offset: no buffer of the object's size.
+Memory: ``threads`` ranges of ``range_bytes`` in flight, each written at its offset as it arrives:
+no buffer of the object's size.
 
 Thread-safety: each call owns its files; calls for different ranks may run at once.
 """
@@ -57,14 +57,7 @@ def _download(storage: Storage, key: str, path: str, size: int, threads: int, ra
 
         def one(span) -> None:
             lo, hi = span
-            buf = bytearray(hi - lo)  # one range per thread in flight
-            got = storage.get_into(key, lo, buf)
-            if got != hi - lo:
-                raise ObjectChecksumError(
-                    f"{storage.url(key)}: {got} bytes at offset {lo}, expected {hi - lo} (object shorter than "
-                    "its manifest says)"
-                )
-            view, at = memoryview(buf), lo
+            view, at = memoryview(storage.get(key, lo, hi)), lo  # one range per thread in flight
             while view:
                 n = os.pwrite(fd, view, at)
                 view, at = view[n:], at + n
