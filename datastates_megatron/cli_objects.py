@@ -14,7 +14,7 @@ import tempfile
 import time
 
 from .engine.errors import CheckpointError, FormatVersionError, NoCheckpointError
-from .engine.manifest import TRACKER_NAME, iteration_of, parse_tracker
+from .engine.format.manifest import TRACKER_NAME, iteration_of, parse_tracker
 from .engine.storage import ObjectMissingError, open_storage
 
 __all__ = ["list_object_checkpoints", "verify_object_checkpoint", "split_checkpoint_url"]
@@ -103,7 +103,7 @@ def list_object_checkpoints(save_url: str, schema: int) -> dict:
 def verify_object_checkpoint(url: str, verify_dir, **options) -> dict:
     """The ``verify --json`` document of the checkpoint at ``url`` (``SAVE_URL/iter_NNNNNNN``);
     ``verify_dir(path, **options)``: the directory verification (:func:`.cli.verify_checkpoint`)."""
-    from .engine.manifest import MANIFEST_NAME
+    from .engine.format.manifest import MANIFEST_NAME
     from .engine.storage.fetch import fetch_manifest, fetch_rank
     from .engine.storage.survey import iter_prefix, manifest_key
 

@@ -84,7 +84,7 @@ def main() -> None:
     from boto3.s3.transfer import TransferConfig
     from botocore.config import Config
 
-    from datastates_megatron.engine.manifest import Manifest, RankRecord
+    from datastates_megatron.engine.format.manifest import Manifest, RankRecord
     from datastates_megatron.engine.storage import open_storage
     from datastates_megatron.engine.storage.fetch import fetch_rank
     from datastates_megatron.engine.storage.upload import upload_verified
@@ -112,7 +112,7 @@ def main() -> None:
                 client.upload_file(src, "bench", f"plain/{name}", Config=plain_cfg)
                 plain_up.append(size / (time.perf_counter() - t0))
 
-            from datastates_megatron.engine.file_format import RankFile
+            from datastates_megatron.engine.format.file_format import RankFile
 
             with RankFile(src) as rf:
                 data_bytes = sum(e.nbytes for e in rf.entries.values())

@@ -6,11 +6,11 @@ from __future__ import annotations
 import torch.distributed as dist
 
 from datastates_megatron.engine.errors import CommitError
-from datastates_megatron.engine.promotion import Promotion
+from datastates_megatron.engine.tiers.promotion import Promotion
 from datastates_megatron.engine.storage import open_storage
 from datastates_megatron.engine.storage.object_tier import ObjectTier
-from datastates_megatron.engine.store_channel import StoreChannel
-from datastates_megatron.engine.tier import Tier
+from datastates_megatron.engine.dist.store_channel import StoreChannel
+from datastates_megatron.engine.tiers.tier import Tier
 
 TOKEN, WORLD = "00000000000000dd", 2
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 from datastates_megatron.cli import EXIT_DAMAGED, EXIT_OK, main
-from datastates_megatron.engine.manifest import rank_file_name
+from datastates_megatron.engine.format.manifest import rank_file_name
 
 from ..unit.rank_files import write_checkpoint
 from .jobs import TOKEN, WORLD, Job

@@ -18,8 +18,8 @@ from datastates_megatron.engine.errors import (
     LockLostError,
     SaveDirBusyError,
 )
-from datastates_megatron.engine.manifest import Manifest, iter_dir, rank_file_name, read_manifest
-from datastates_megatron.engine.reader import CheckpointReader, open_checkpoint
+from datastates_megatron.engine.format.manifest import Manifest, iter_dir, rank_file_name, read_manifest
+from datastates_megatron.engine.load.reader import CheckpointReader, open_checkpoint
 from datastates_megatron.engine.storage import ObjectChecksumError
 from datastates_megatron.engine.storage.fetch import fetch_checkpoint
 from datastates_megatron.engine.storage.lock import ObjectLock

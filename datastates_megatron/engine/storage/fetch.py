@@ -1,7 +1,7 @@
 """Reading a checkpoint from object storage: its manifest, then each rank object by parallel ranged
 GETs into a local file, verified whole before it takes its name.
 
-Why a local file: the one load path (:mod:`..reader`: plan, validate, agree, copy) reads mapped
+Why a local file: the one load path (:mod:`..load.reader`: plan, validate, agree, copy) reads mapped
 rank files; fetching into the node-local directory keeps that path the only one, and the copy there
 is what a later restore of the same checkpoint reads again.  Why verified before it takes its
 name: the object is written to ``<name>.fetching`` (created ``O_EXCL``, never through a link), every
@@ -22,10 +22,10 @@ import concurrent.futures as cf
 import os
 
 from ..errors import CorruptCheckpointError
-from ..file_format import RankFile
-from ..hashing import xxh64
-from ..manifest import MANIFEST_NAME, Manifest, atomic_write, iter_dir
-from ..safe_io import create_temp, make_dir, make_root
+from ..format.file_format import RankFile
+from ..format.hashing import xxh64
+from ..format.manifest import MANIFEST_NAME, Manifest, atomic_write, iter_dir
+from ..fs.safe_io import create_temp, make_dir, make_root
 from .base import ObjectChecksumError, Storage
 from .survey import iter_prefix, manifest_key
 
@@ -125,7 +125,7 @@ def fetch_checkpoint(
 ) -> tuple[str, Manifest]:
     """Fetch committed ``iteration`` -- its manifest and the objects of ``ranks`` (default: every
     rank) -- into ``dest_root/iter_N/``, a checkpoint directory the one load path reads
-    (:class:`..reader.CheckpointReader`).  Returns ``(directory, manifest)``."""
+    (:class:`..load.reader.CheckpointReader`).  Returns ``(directory, manifest)``."""
     m, raw = _manifest(storage, iteration)
     make_root(dest_root)
     d = iter_dir(dest_root, iteration)

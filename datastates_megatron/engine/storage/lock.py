@@ -1,7 +1,7 @@
 """One writer per save prefix on object storage: the lock object ``<prefix>/.datastates.lock``,
 created with ``If-None-Match: *`` (:meth:`.base.Storage.create`).
 
-What differs from the POSIX lock (:mod:`..dirlock`): no kernel drops the lock when its holder dies,
+What differs from the POSIX lock (:mod:`..fs.dirlock`): no kernel drops the lock when its holder dies,
 so the lock is a *lease*.  Its body records the holder (host, pid, start time, a random nonce, the
 job id from ``DSM_JOB_ID``/``SLURM_JOB_ID``) and when the lease ends; a thread of the holder
 renews it every third of the lease with a conditional replace (``If-Match`` its own tag).  A second

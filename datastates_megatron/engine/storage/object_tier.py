@@ -1,9 +1,9 @@
 """The persistent tier on object storage: a save prefix and its one owner, with the methods of
-:class:`..tier.Tier` that the manager and the promotion call.
+:class:`..tiers.tier.Tier` that the manager and the promotion call.
 
 Its checkpoints are written by the promotion only (the node-local tier absorbs the save; a rank
 object is :func:`.upload.upload_verified` from the local file).  The commit is the committer's
-(:class:`..commit.Committer`: the same cross-rank agreement as on POSIX), which hands this tier the
+(:class:`..tiers.commit.Committer`: the same cross-rank agreement as on POSIX), which hands this tier the
 writes it cannot do with ``os`` (its ``objects`` seam): every rank object is stored before rank 0
 hears that rank's status, then the manifest is one PUT -- conditional: ``If-None-Match: *`` for a
 new iteration, ``If-Match`` the surveyed tag for a re-save -- then the tracker (informative, may
@@ -13,7 +13,7 @@ and each deletion.  Retention (the writer's deleter thread, as on POSIX) deletes
 manifest first, then the objects we wrote under it; nothing we did not write is deleted, and
 nothing outside the prefix is touched.
 
-Thread-safety: as :class:`..tier.Tier`.
+Thread-safety: as :class:`..tiers.tier.Tier`.
 """
 
 from __future__ import annotations
@@ -22,14 +22,14 @@ import logging
 import os
 import threading
 
-from ..commit import Committer
-from ..deleter import Deleter
+from ..tiers.commit import Committer
+from ..tiers.deleter import Deleter
 from ..errors import ForeignCheckpointError, LockLostError, NoCheckpointError
-from ..faults import crash_point
-from ..global_index import INDEX_NAME
-from ..manifest import MANIFEST_NAME, TRACKER_NAME, Manifest, rank_file_name
+from ..runtime.faults import crash_point
+from ..format.global_index import INDEX_NAME
+from ..format.manifest import MANIFEST_NAME, TRACKER_NAME, Manifest, rank_file_name
 from ..names import is_ours_in_iteration
-from ..retention import select_deletions
+from ..tiers.retention import select_deletions
 from .base import ObjectExistsError, ObjectStorageError, Storage
 from .lock import DEFAULT_LEASE_S, ObjectLock
 from .survey import ManifestCache, ObjectSurvey, iter_prefix, manifest_key, survey_objects
@@ -187,7 +187,7 @@ class ObjectTier:
         self.storage.put_bytes(TRACKER_NAME, f"{iteration}".encode())
 
     def write_index(self, manifest: Manifest, body: bytes) -> None:
-        from ..global_index import index_blob
+        from ..format.global_index import index_blob
 
         self.storage.put_bytes(iter_prefix(manifest.iteration) + INDEX_NAME, index_blob(manifest, body))
 

@@ -4,7 +4,7 @@ A put writes a temp name (``O_EXCL | O_NOFOLLOW``), fsyncs it, renames it into p
 directory: the object appears whole or not at all, as an S3 PUT.  A conditional create links the
 fsynced temp to the name (``link`` fails when the name exists: ``If-None-Match: *``).  Reads and
 deletions never follow a symlink; only regular files are objects.  The tier's own POSIX code
-(:mod:`..tier`, :mod:`..commit`) does not go through this class: it is here so that a caller
+(:mod:`..tiers.tier`, :mod:`..tiers.commit`) does not go through this class: it is here so that a caller
 written against :class:`.base.Storage` (the CLI, tests, a benchmark) runs on a directory too.
 
 Thread-safety: stateless apart from the root; every method may run on several threads.
@@ -18,8 +18,8 @@ import stat
 import zlib
 from collections.abc import Iterator
 
-from ..safe_io import create_temp, make_dir, open_regular
-from ..writer import fsync_dir
+from ..fs.safe_io import create_temp, make_dir, open_regular
+from ..format.writer import fsync_dir
 from .base import ObjectExistsError, ObjectInfo, ObjectMissingError, ObjectStorageError, PutReceipt, Storage
 
 __all__ = ["PosixStorage"]

@@ -1,7 +1,7 @@
 """What a save prefix on object storage holds, from one listing: committed checkpoints (their
 manifest reads back), damaged ones (a manifest that does not), our leftovers, and what is not ours.
 
-The object-storage counterpart of :func:`..tier.survey`, with the same rules: a checkpoint exists
+The object-storage counterpart of :func:`..tiers.tier.survey`, with the same rules: a checkpoint exists
 only when its manifest exists and reads back; ``iter_NNNNNNN/`` keys without one are our leftovers
 when every name is one we write (:mod:`..names`), else not ours (never deleted).  Manifests are
 cached by key and tag, so retention's survey at every commit reads only the new one.
@@ -16,7 +16,7 @@ import logging
 import threading
 
 from ..errors import CheckpointError, CorruptCheckpointError, NoCheckpointError
-from ..manifest import MANIFEST_NAME, Manifest, iteration_of
+from ..format.manifest import MANIFEST_NAME, Manifest, iteration_of
 from ..names import is_ours_in_iteration
 from .base import ObjectInfo, ObjectMissingError, Storage
 
@@ -47,7 +47,7 @@ class ObjectSurvey:
 
     @property
     def order(self) -> list[int]:
-        """Committed iterations, oldest commit first (as :attr:`..tier.Survey.order`)."""
+        """Committed iterations, oldest commit first (as :attr:`..tiers.tier.Survey.order`)."""
         return sorted(self.committed, key=lambda it: (self.committed[it].commit_seq, it))
 
     @property
@@ -79,7 +79,7 @@ class ObjectSurvey:
 
     def strays(self, iteration: int) -> list[str]:
         """Names under committed ``iteration`` that we write and its manifest does not name."""
-        from ..global_index import INDEX_NAME
+        from ..format.global_index import INDEX_NAME
 
         named = {MANIFEST_NAME, INDEX_NAME, *(r.file for r in self.committed[iteration].ranks)}
         return [n for n in self.objects.get(iteration, {}) if n not in named and is_ours_in_iteration(n)]
