@@ -18,19 +18,23 @@ Thread-safety: as :class:`..tiers.tier.Tier`.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
+import secrets
 import threading
+import time
 
 from ..tiers.commit import Committer
 from ..tiers.deleter import Deleter
-from ..errors import ForeignCheckpointError, LockLostError, NoCheckpointError
+from ..errors import CorruptCheckpointError, ForeignCheckpointError, LockLostError, NoCheckpointError
 from ..runtime.faults import crash_point
 from ..format.global_index import INDEX_NAME
 from ..format.manifest import MANIFEST_NAME, TRACKER_NAME, Manifest, rank_file_name
-from ..names import is_ours_in_iteration
+from ..names import RUN_ID_NAME, is_ours_in_iteration
 from ..tiers.retention import select_deletions
-from .base import ObjectExistsError, ObjectStorageError, Storage
+from ..tiers.run_id import is_run_id
+from .base import ObjectExistsError, ObjectMissingError, ObjectStorageError, Storage
 from .lock import DEFAULT_LEASE_S, ObjectLock
 from .survey import ManifestCache, ObjectSurvey, iter_prefix, manifest_key, survey_objects
 from .upload import upload_verified
@@ -129,6 +133,32 @@ class ObjectTier:
         if removed:
             log.info("rank %d: removed %d leftover object(s) of ours under %s", self.rank, removed, self.root)
         self._next_seq = max((m.commit_seq for m in found.committed.values()), default=-1) + 1
+
+    def ensure_run_id(self) -> str:
+        """The id of this save location's run (``.datastates.run``, :mod:`..tiers.run_id`), created
+        at its first start with a conditional create (the writer holds the lock; a lost race reads
+        the winner's)."""
+        for _ in range(2):
+            try:
+                raw = self.storage.get(RUN_ID_NAME)
+            except ObjectMissingError:
+                run_id = f"{secrets.randbits(63):016x}"
+                doc = {"run_id": run_id, "created": time.time(), "save_dir": self.root}
+                try:
+                    self.storage.create(RUN_ID_NAME, (json.dumps(doc) + "\n").encode("utf-8"))
+                    return run_id
+                except ObjectExistsError:
+                    continue
+            try:
+                run_id = json.loads(raw[:4096].decode("utf-8"))["run_id"]
+            except (ValueError, KeyError, TypeError, UnicodeDecodeError):
+                run_id = None
+            if not isinstance(run_id, str) or not is_run_id(run_id):
+                raise CorruptCheckpointError(
+                    f"{self.storage.url(RUN_ID_NAME)}: not a run id object of datastates-megatron"
+                )
+            return run_id
+        raise ObjectStorageError(f"{self.storage.url(RUN_ID_NAME)}: created and removed while it was read")
 
     # ------------------------------------------------------------------ commits
     def open(self, collective, world_size: int, layout: dict, timeout_s: float) -> None:
