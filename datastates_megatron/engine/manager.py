@@ -544,6 +544,13 @@ class CheckpointManager(ClosingContext):
                 if it < 0:
                     raise NoCheckpointError(f"{self.root}: no committed checkpoint")
             root = os.path.join(self.local_root, "fetched")
+            if self.local.is_writer:  # one fetched checkpoint kept per node: the earlier ones go
+                from .format.manifest import iteration_of
+                from .tiers.retention import remove_ours
+
+                for name in os.listdir(root) if os.path.isdir(root) else ():
+                    if iteration_of(name) not in (None, it):
+                        remove_ours(os.path.join(root, name))
             fetch_checkpoint(self.persistent.storage, it, root, None if every_rank else [self.rank])
         except Exception as e:  # noqa: BLE001 - every rank must hear it
             err = e

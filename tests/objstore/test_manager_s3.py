@@ -43,6 +43,10 @@ def test_save_to_s3_then_restore_on_a_fresh_node(bucket, s3_env, tmp_path):
     assert result.iteration == 3 and result.objects == {"iteration": 3}
     assert result.root.startswith(str(tmp_path / "node-b")) and result.root.endswith("/fetched")
     assert torch.equal(fresh, expected)
+    with _manager(url, str(tmp_path / "node-b")) as mgr:  # again, for iteration 2: 3's copy goes
+        mgr.register("w", fresh)
+        assert mgr.load(2).iteration == 2
+    assert [p.name for p in (tmp_path / "node-b").glob("run-*/fetched/*")] == ["iter_0000002"]
 
     # one byte of the newest rank object changed in the bucket: the restore refuses it, untouched
     c = s3_env.client()
