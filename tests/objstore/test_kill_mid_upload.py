@@ -74,6 +74,7 @@ def test_kill_9_mid_upload_then_resume(bucket, s3_env, tmp_path, monkeypatch):
         assert result.iteration == 2 and result.objects == {"iteration": 2}
         assert torch.equal(w, torch.full_like(w, 2.0))
         mgr.wait(persist=True)
+    assert not _open_uploads(c, bucket, "run/")  # the dead job's unfinished upload aborted at start-up
     keys = _keys(c, bucket)
     assert "run/iter_0000002/manifest.json" in keys  # promoted again by the restart
     assert "run/.datastates.lock" not in keys and "run/latest_checkpointed_iteration.txt" in keys

@@ -30,7 +30,7 @@ from ..tiers.deleter import Deleter
 from ..errors import CorruptCheckpointError, ForeignCheckpointError, LockLostError, NoCheckpointError
 from ..runtime.faults import crash_point
 from ..format.global_index import INDEX_NAME
-from ..format.manifest import MANIFEST_NAME, TRACKER_NAME, Manifest, rank_file_name
+from ..format.manifest import MANIFEST_NAME, TRACKER_NAME, Manifest, iteration_of, rank_file_name
 from ..names import RUN_ID_NAME, is_ours_in_iteration
 from ..tiers.retention import select_deletions
 from ..tiers.run_id import is_run_id
@@ -115,7 +115,8 @@ class ObjectTier:
 
     def clean(self, found: ObjectSurvey | None = None) -> None:
         """Start-up (the writer): delete our leftovers (objects of uncommitted iterations, objects
-        a committed manifest does not name); a damaged manifest's objects are kept and logged."""
+        a committed manifest does not name, unfinished uploads of ours); a damaged manifest's
+        objects are kept and logged."""
         if not self.is_writer:
             return
         found = found or self.survey()
@@ -130,6 +131,9 @@ class ObjectTier:
             for name in found.strays(it):
                 self.storage.delete(iter_prefix(it) + name)
                 removed += 1
+        abort = getattr(self.storage, "abort_unfinished", None)  # S3: uploads of a job killed mid-upload
+        if abort is not None:
+            removed += len(abort("iter_", _is_our_key))
         if removed:
             log.info("rank %d: removed %d leftover object(s) of ours under %s", self.rank, removed, self.root)
         self._next_seq = max((m.commit_seq for m in found.committed.values()), default=-1) + 1
@@ -304,3 +308,9 @@ class ObjectTier:
 
     def __repr__(self) -> str:  # pragma: no cover - for logs
         return f"ObjectTier({self.root!r}, rank={self.rank}, pid={os.getpid()})"
+
+
+def _is_our_key(key: str) -> bool:
+    """``iter_NNNNNNN/<a name we write>``."""
+    head, sep, name = key.partition("/")
+    return bool(sep) and iteration_of(head) is not None and "/" not in name and is_ours_in_iteration(name)

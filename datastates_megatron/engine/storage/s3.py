@@ -419,6 +419,26 @@ class S3Storage(Storage):
                 raise
             return
 
+    def abort_unfinished(self, prefix: str, keep) -> list[str]:
+        """Abort the multipart uploads under ``prefix`` that were never completed (a job killed while
+        uploading: invisible, but their parts are stored and billed) whose relative key ``keep(key)``
+        accepts; the keys aborted.  Only the lock holder calls it, at start-up: no upload of a live
+        writer can be among them."""
+        aborted = []
+        kw = {"Bucket": self.bucket, "Prefix": self._base + prefix}
+        while True:
+            page = self._call(
+                "list unfinished uploads", prefix, lambda kw=dict(kw): self._client.list_multipart_uploads(**kw)
+            )
+            for u in page.get("Uploads", ()):
+                rel = u["Key"][len(self._base) :]
+                if keep(rel):
+                    self._abort(rel, u["Key"], u["UploadId"])
+                    aborted.append(rel)
+            if not page.get("IsTruncated"):
+                return aborted
+            kw.update(KeyMarker=page["NextKeyMarker"], UploadIdMarker=page["NextUploadIdMarker"])
+
     def close(self) -> None:
         with self._pool_lock:
             self._closed = True
