@@ -109,9 +109,14 @@ class ObjectTier:
         return self
 
     def release(self) -> None:
+        """Release the lock (idempotent), then the storage's connections and threads: the last call
+        on a tier, after :meth:`close`."""
         lock, self._lock = self._lock, None
-        if lock is not None:
-            lock.release()
+        try:
+            if lock is not None:
+                lock.release()
+        finally:
+            self.storage.close()
 
     def clean(self, found: ObjectSurvey | None = None) -> None:
         """Start-up (the writer): delete our leftovers (objects of uncommitted iterations, objects
