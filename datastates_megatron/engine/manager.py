@@ -34,7 +34,7 @@ from .errors import (
 )
 from .runtime.faults import hold_point
 from .format.global_index import encode_summary
-from .format.manifest import RankRecord, iter_dir, rank_file_name, read_manifest, save_id
+from .format.manifest import Manifest, RankRecord, iter_dir, rank_file_name, read_manifest, save_id
 from .options import EngineOptions, ManagerOptions
 from .load.load_plan import LoadPlanner, SameLayoutPlanner
 from .load.reader import CheckpointReader, RestoreStats, open_checkpoint
@@ -529,6 +529,60 @@ class CheckpointManager(ClosingContext):
     def _persistent_committed(self) -> list[int]:
         return sorted(self.persistent.survey().committed) if self.objects else committed_iterations(self.root)
 
+    def _read_objects(self, root: str, iteration: int | None) -> tuple[str, Manifest]:
+        """Rank 0 of :func:`.load.resolve.resolve` on object storage: the manifest object of
+        ``iteration`` (``None``: the newest commit)."""
+        from .storage.base import ObjectMissingError
+        from .storage.fetch import fetch_manifest
+
+        it = iteration if iteration is not None else self._persistent_latest()
+        if it is None:
+            raise NoCheckpointError(f"{root}: no committed checkpoint")
+        try:
+            return f"{root}/iter_{it:07d}", fetch_manifest(self.persistent.storage, it)
+        except ObjectMissingError:
+            raise NoCheckpointError(f"{root}/iter_{it:07d}: no committed checkpoint") from None
+
+    def _fetch_own(self, iteration: int | None) -> Resolved:
+        """Collective: rank 0 reads the manifest object once and sends each rank its record (the
+        resolve step: O(1) bytes per rank); each rank fetches its own object into
+        ``<local tier>/fetched/iter_N/``, verified whole (:mod:`.storage.fetch`); agreed.  Its
+        directory and the one-record manifest, for the reader."""
+        from .storage.fetch import fetch_rank
+
+        try:
+            view = resolve(
+                self.root, iteration, self._resolve_chan, self.layout, check=_no_check, read=self._read_objects
+            )
+        except CheckpointError as e:  # raised alike on every rank: agreed (rank 0 hosts the store)
+            self._agree_error(e)
+            raise
+        it, err = view.manifest.iteration, None
+        try:
+            d = iter_dir(self._fetch_root(it), it)
+            make_dir(d)
+            fetch_rank(self.persistent.storage, view.manifest, self.rank, d)
+        except Exception as e:  # noqa: BLE001 - every rank must hear it
+            err = e
+        self._agree_error(err)
+        if err is not None:
+            raise err
+        return Resolved(d, view.manifest)
+
+    def _fetch_root(self, iteration: int) -> str:
+        """``<local tier>/fetched``, where this node keeps one checkpoint fetched from object
+        storage: the node's writer removes the others (only what we wrote)."""
+        root = os.path.join(self.local_root, "fetched")
+        if self.local.is_writer:
+            from .format.manifest import iteration_of
+            from .tiers.retention import remove_ours
+
+            for name in os.listdir(root) if os.path.isdir(root) else ():
+                if iteration_of(name) not in (None, iteration):
+                    remove_ours(os.path.join(root, name))
+        make_dir(root)
+        return root
+
     def _fetched(self, iteration: int | None, every_rank: bool) -> tuple[str, int]:
         """Collective: fetch checkpoint ``iteration`` (``None``: the newest, found by rank 0) of the
         persistent tier on object storage into ``<local tier>/fetched/`` -- this rank's object, or
@@ -543,14 +597,7 @@ class CheckpointManager(ClosingContext):
                 it = self._world.broadcast(-1 if it is None else it, src=0)
                 if it < 0:
                     raise NoCheckpointError(f"{self.root}: no committed checkpoint")
-            root = os.path.join(self.local_root, "fetched")
-            if self.local.is_writer:  # one fetched checkpoint kept per node: the earlier ones go
-                from .format.manifest import iteration_of
-                from .tiers.retention import remove_ours
-
-                for name in os.listdir(root) if os.path.isdir(root) else ():
-                    if iteration_of(name) not in (None, it):
-                        remove_ours(os.path.join(root, name))
+            root = self._fetch_root(it)
             fetch_checkpoint(self.persistent.storage, it, root, None if every_rank else [self.rank])
         except Exception as e:  # noqa: BLE001 - every rank must hear it
             err = e
@@ -642,11 +689,16 @@ class CheckpointManager(ClosingContext):
         ``shared``: every rank reads the same tier, so rank 0 may resolve it for all (or has:
         ``resolved``, used when it is that checkpoint)."""
         partial = shared and (planner is None or not planner.reads_all_ranks)
-        if is_object_url(root):  # fetched into the node-local tier, then read there like any local copy
-            root, iteration = self._fetched(iteration, every_rank=not partial and planner is not None)
-            shared = partial = False
+        own = None  # object storage: this rank's object fetched, its record from rank 0
+        if is_object_url(root) and partial:
+            own = self._fetch_own(iteration)
+            ckpt, manifest, iteration = own.ckpt, own.manifest, own.manifest.iteration
+        elif is_object_url(root):  # every rank's objects (and the whole manifest) fetched, read locally
+            root, iteration = self._fetched(iteration, every_rank=planner is not None)
         local = self.local_root is not None and (root == self.local_root or root.startswith(self.local_root + os.sep))
-        if partial and not local:
+        if own is not None:
+            pass  # its ckpt and one-record manifest are above
+        elif partial and not local:
             # a shared tier: its manifest (O(N)) is read by rank 0 alone, each rank gets its record
             # (raises alike on every rank; the plan still checks layout and tensors)
             try:

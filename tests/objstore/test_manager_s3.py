@@ -41,7 +41,10 @@ def test_save_to_s3_then_restore_on_a_fresh_node(bucket, s3_env, tmp_path):
         result = mgr.load()
         assert mgr.committed() == [2, 3]
     assert result.iteration == 3 and result.objects == {"iteration": 3}
-    assert result.root.startswith(str(tmp_path / "node-b")) and result.root.endswith("/fetched")
+    assert result.root == url  # read from the bucket: this rank's object fetched to node-b, verified
+    assert [p.name for p in (tmp_path / "node-b").glob("run-*/fetched/iter_0000003/*")] == [
+        k.rsplit("/", 1)[1] for k in keys if k.startswith("run1/iter_0000003/r")
+    ]
     assert torch.equal(fresh, expected)
     with _manager(url, str(tmp_path / "node-b")) as mgr:  # again, for iteration 2: 3's copy goes
         mgr.register("w", fresh)
