@@ -807,7 +807,12 @@ def _build_parser() -> argparse.ArgumentParser:
             "Reads indexes only; use `verify` to check the tensor bytes."
         ),
     )
-    ins.add_argument("ckpt_dir", metavar="CKPT_DIR", help="one checkpoint directory, e.g. SAVE_DIR/iter_0000100")
+    ins.add_argument(
+        "ckpt_dir",
+        metavar="CKPT_DIR",
+        help="one checkpoint directory, e.g. SAVE_DIR/iter_0000100, or its URL (s3://bucket/prefix/iter_0000100: its "
+        "rank objects are fetched into a temporary directory under TMPDIR)",
+    )
     ins.add_argument("--rank", type=int, metavar="N", help="only rank N (default: every rank)")
     ins.add_argument(
         "--tensors", action="store_true", help="list every tensor (name, dtype, shape, bytes, checksum chunks)"
@@ -979,7 +984,12 @@ def main(argv: list[str] | None = None) -> int:
 
             return run_export(args)
         if args.command == "inspect":
-            doc = inspect_checkpoint(args.ckpt_dir, args.rank, args.tensors)
+            if is_object_url(args.ckpt_dir):
+                from .cli_objects import inspect_object_checkpoint
+
+                doc = inspect_object_checkpoint(args.ckpt_dir, inspect_checkpoint, args.rank, args.tensors)
+            else:
+                doc = inspect_checkpoint(args.ckpt_dir, args.rank, args.tensors)
             _emit(doc) if args.json else _render_inspect(doc)
             return _exit_for([r.get("newer") for r in doc["ranks"] if r["error"]])
         if args.threads is not None and args.threads < 1:

@@ -1,10 +1,11 @@
-"""``datastates-ckpt ls`` and ``verify`` of a checkpoint on object storage (``s3://``, ``msc://``):
+"""``datastates-ckpt ls``, ``inspect`` and ``verify`` of a checkpoint on object storage (``s3://``, ``msc://``):
 the same documents as for a directory (:mod:`.cli`), read through :mod:`.engine.storage`.
 
-``ls`` lists the prefix once and reads each manifest (never a rank object).  ``verify`` fetches the
-rank objects as the store holds them, by ranged GETs, into a temporary directory (``TMPDIR``: room
-for the ranks checked; ``--rank N`` checks one) and runs the directory's verification there, so that
-both report the same problems the same way; the document names the objects by URL.
+``ls`` lists the prefix once and reads each manifest (never a rank object).  ``inspect`` and
+``verify`` fetch the rank objects as the store holds them, by ranged GETs, into a temporary
+directory (``TMPDIR``: room for the ranks shown; ``--rank N`` takes one) and run the directory's
+command there, so that both report the same problems the same way; the document names the
+checkpoint by URL.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from .engine.errors import CheckpointError, FormatVersionError, NoCheckpointErro
 from .engine.format.manifest import TRACKER_NAME, iteration_of, parse_tracker
 from .engine.storage import ObjectMissingError, open_storage
 
-__all__ = ["list_object_checkpoints", "verify_object_checkpoint", "split_checkpoint_url"]
+__all__ = ["list_object_checkpoints", "verify_object_checkpoint", "inspect_object_checkpoint", "split_checkpoint_url"]
 
 
 def split_checkpoint_url(url: str) -> tuple[str, int]:
@@ -103,13 +104,40 @@ def list_object_checkpoints(save_url: str, schema: int) -> dict:
 def verify_object_checkpoint(url: str, verify_dir, **options) -> dict:
     """The ``verify --json`` document of the checkpoint at ``url`` (``SAVE_URL/iter_NNNNNNN``);
     ``verify_dir(path, **options)``: the directory verification (:func:`.cli.verify_checkpoint`)."""
+    from .engine.storage.survey import iter_prefix
+
+    def check(st, m, d: str) -> dict:
+        doc = verify_dir(d, **options)
+        named = {r.file for r in m.ranks}
+        doc["unreferenced_files"] = sorted(
+            o.key.rpartition("/")[2]
+            for o in st.list(iter_prefix(m.iteration))
+            if o.key.endswith(".dsck") and o.key.rpartition("/")[2] not in named
+        )
+        return doc
+
+    doc = _with_fetched(url, options.get("rank"), check)
+    doc["checkpoint"] = url
+    return doc
+
+
+def inspect_object_checkpoint(url: str, inspect_dir, rank: int | None, list_tensors: bool) -> dict:
+    """The ``inspect --json`` document of the checkpoint at ``url``; ``inspect_dir``:
+    :func:`.cli.inspect_checkpoint`."""
+    doc = _with_fetched(url, rank, lambda st, m, d: inspect_dir(d, rank, list_tensors))
+    doc["checkpoint"] = url
+    return doc
+
+
+def _with_fetched(url: str, rank: int | None, use):
+    """``use(storage, manifest, directory)`` on a temporary copy of the checkpoint at ``url``: its
+    manifest and the rank objects (``rank``'s only, when given) as the store holds them."""
     from .engine.format.manifest import MANIFEST_NAME
     from .engine.storage.fetch import fetch_manifest, fetch_rank
-    from .engine.storage.survey import iter_prefix, manifest_key
+    from .engine.storage.survey import manifest_key
 
     save_url, it = split_checkpoint_url(url)
-    rank = options.get("rank")
-    with open_storage(save_url) as st, tempfile.TemporaryDirectory(prefix="dsm-verify-") as tmp:
+    with open_storage(save_url) as st, tempfile.TemporaryDirectory(prefix="dsm-ckpt-") as tmp:
         try:
             m = fetch_manifest(st, it)
         except ObjectMissingError as e:
@@ -120,15 +148,7 @@ def verify_object_checkpoint(url: str, verify_dir, **options) -> dict:
             f.write(st.get(manifest_key(it)))
         for rec in m.ranks if rank is None else [r for r in m.ranks if r.rank == rank]:
             try:
-                fetch_rank(st, m, rec.rank, d, verify=False)  # as the store holds it: verify says what is wrong
+                fetch_rank(st, m, rec.rank, d, verify=False)  # as the store holds it: the check says what is wrong
             except CheckpointError:
-                pass  # missing: the verification reports it
-        doc = verify_dir(d, **options)
-        named = {r.file for r in m.ranks}
-        doc["unreferenced_files"] = sorted(
-            o.key.rpartition("/")[2]
-            for o in st.list(iter_prefix(it))
-            if o.key.endswith(".dsck") and o.key.rpartition("/")[2] not in named
-        )
-    doc["checkpoint"] = url
-    return doc
+                pass  # missing: the check reports it
+        return use(st, m, d)

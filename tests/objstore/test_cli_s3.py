@@ -1,4 +1,4 @@
-"""``datastates-ckpt ls`` and ``verify`` given s3:// URLs, against the local S3 server."""
+"""``datastates-ckpt ls``, ``inspect`` and ``verify`` given s3:// URLs, against the local S3 server."""
 
 from __future__ import annotations
 
@@ -33,6 +33,11 @@ def test_ls_and_verify_of_a_bucket(bucket, s3_env, tmp_path, capsys):
     assert states == {1: ("committed", False, WORLD), 2: ("committed", True, WORLD), 3: ("uncommitted", False, None)}
     assert doc["latest"] == 2 and doc["tracker"] == 2 and doc["tracker_agrees"] is True
     assert main(["ls", url]) == EXIT_OK and "<- latest" in capsys.readouterr().out
+
+    assert main(["inspect", f"{url}/iter_0000002", "--rank", "1", "--json"]) == EXIT_OK
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["checkpoint"] == f"{url}/iter_0000002" and [r["rank"] for r in doc["ranks"]] == [1]
+    assert doc["ranks"][0]["error"] is None
 
     assert main(["verify", f"{url}/iter_0000002", "-q"]) == EXIT_OK
     assert "OK iter_0000002" in capsys.readouterr().out
