@@ -543,17 +543,16 @@ class CheckpointManager(ClosingContext):
         except ObjectMissingError:
             raise NoCheckpointError(f"{root}/iter_{it:07d}: no committed checkpoint") from None
 
-    def _fetch_own(self, iteration: int | None) -> Resolved:
+    def _fetch_own(self, iteration: int | None, resolved: Resolved | None = None) -> Resolved:
         """Collective: rank 0 reads the manifest object once and sends each rank its record (the
         resolve step: O(1) bytes per rank); each rank fetches its own object into
         ``<local tier>/fetched/iter_N/``, verified whole (:mod:`.storage.fetch`); agreed.  Its
-        directory and the one-record manifest, for the reader."""
+        directory and the one-record manifest, for the reader.  ``resolved``: that view already made
+        (:meth:`view`, for the checkpointer's layout check)."""
         from .storage.fetch import fetch_rank
 
         try:
-            view = resolve(
-                self.root, iteration, self._resolve_chan, self.layout, check=_no_check, read=self._read_objects
-            )
+            view = resolved or self._resolve(self.root, iteration)  # ``resolved``: alike on every rank
         except CheckpointError as e:  # raised alike on every rank: agreed (rank 0 hosts the store)
             self._agree_error(e)
             raise
@@ -691,7 +690,9 @@ class CheckpointManager(ClosingContext):
         partial = shared and (planner is None or not planner.reads_all_ranks)
         own = None  # object storage: this rank's object fetched, its record from rank 0
         if is_object_url(root) and partial:
-            own = self._fetch_own(iteration)
+            own = self._fetch_own(
+                iteration, resolved if resolved and _is_checkpoint(resolved, root, iteration) else None
+            )
             ckpt, manifest, iteration = own.ckpt, own.manifest, own.manifest.iteration
         elif is_object_url(root):  # every rank's objects (and the whole manifest) fetched, read locally
             root, iteration = self._fetched(iteration, every_rank=planner is not None)
@@ -742,6 +743,8 @@ class CheckpointManager(ClosingContext):
     def _resolve(self, root: str, iteration: int | None) -> Resolved:
         """:func:`.source.resolve` of ``root`` for this world (collective): rank 0 reads, each rank
         gets its record; the layout is checked by the planner, not here."""
+        if is_object_url(root):  # rank 0 reads the manifest object
+            return resolve(root, iteration, self._resolve_chan, self.layout, check=_no_check, read=self._read_objects)
         return resolve(root, iteration, self._resolve_chan, self.layout, check=_no_check, latest=self._latest_in)
 
     def view(self, iteration: int, root: str | None = None):
@@ -750,8 +753,6 @@ class CheckpointManager(ClosingContext):
         this rank's record (:class:`.source.Resolved`), read by rank 0 alone -- or ``None`` when it
         is not committed there."""
         root = _location(root or self.load_root)
-        if is_object_url(root):
-            return None  # read by the load itself (fetched first): no persistent view to check before
         try:
             return self._resolve(root, iteration)
         except NoCheckpointError:

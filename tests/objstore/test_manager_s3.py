@@ -38,7 +38,10 @@ def test_save_to_s3_then_restore_on_a_fresh_node(bucket, s3_env, tmp_path):
     fresh = torch.zeros_like(w)
     with _manager(url, str(tmp_path / "node-b")) as mgr:  # another node: no local copy
         mgr.register("w", fresh)
-        result = mgr.load()
+        view = mgr.view(None)  # the checkpointer's layout check: rank 0 read the manifest object
+        assert view.manifest.iteration == 3 and view.manifest.layout == {} and view.file_of(0) is not None
+        assert mgr.view(7) is None
+        result = mgr.load(resolved=view)
         assert mgr.committed() == [2, 3]
     assert result.iteration == 3 and result.objects == {"iteration": 3}
     assert result.root == url  # read from the bucket: this rank's object fetched to node-b, verified
