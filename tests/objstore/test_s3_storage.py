@@ -96,6 +96,15 @@ def test_list_stays_under_the_prefix_and_pages(bucket, s3_env):
         assert [o.key for o in st.list("iter_0000007/")] == ["iter_0000007/manifest.json"]
 
 
+def test_list_dirs_names_the_prefixes_one_level_down(bucket, tmp_path):
+    for st in (_storage(bucket), open_storage(str(tmp_path / "save"))):
+        for k in ("iter_0000002/manifest.json", "iter_0000002/r", "iter_0000010/r", "tracker", "a/b/c"):
+            st.put_bytes(k, b"x")
+        assert st.list_dirs() == ["a", "iter_0000002", "iter_0000010"]
+        assert st.list_dirs("a/") == ["b"] and st.list_dirs("iter_0000002/") == []
+        st.close()
+
+
 def test_keys_that_leave_the_prefix_are_refused(bucket):
     with _storage(bucket) as st:
         for bad in ("../escape", "/abs", "a/./b"):

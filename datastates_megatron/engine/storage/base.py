@@ -141,6 +141,11 @@ class Storage(abc.ABC):
         """Every object whose key starts with ``prefix`` (under the root), in key order."""
 
     @abc.abstractmethod
+    def list_dirs(self, prefix: str = "") -> list[str]:
+        """The names of the "directories" right under ``prefix`` (``prefix`` ends with ``/`` or is
+        empty): the first segments of the keys below it that have more after them, sorted."""
+
+    @abc.abstractmethod
     def delete(self, key: str, etag: str | None = None) -> None:
         """Delete ``key`` (only if it still has ``etag``, when given: :class:`ObjectExistsError`
         when it changed); deleting what is absent is not an error."""

@@ -18,6 +18,7 @@ Thread-safety: as :class:`..tiers.tier.Tier`.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -36,7 +37,7 @@ from ..tiers.retention import select_deletions
 from ..tiers.run_id import is_run_id
 from .base import ObjectExistsError, ObjectMissingError, ObjectStorageError, Storage
 from .lock import DEFAULT_LEASE_S, ObjectLock
-from .survey import ManifestCache, ObjectSurvey, iter_prefix, manifest_key, survey_objects
+from .survey import ManifestCache, ObjectSurvey, iter_prefix, manifest_key, survey_committed, survey_objects
 from .upload import upload_verified
 
 __all__ = ["ObjectTier"]
@@ -275,16 +276,25 @@ class ObjectTier:
         for _, keep in self._followers:
             if keep is not None:
                 protected |= keep()
-        found = self.survey()
+        # the iterations and their manifests only (O(checkpoints kept) requests); the objects of an
+        # iteration are listed when it is deleted or cleaned
+        found = survey_committed(self.storage, self._manifests)
         for it in select_deletions(found.order, self.keep_last, self.keep_every, protected):
             crash_point("retention", self.rank)
-            self.delete_checkpoint(found, it)
+            self.delete_checkpoint(self._with_objects(found, it), it)
             log.info("rank %d: retention deleted %s", self.rank, self.storage.url(iter_prefix(it)))
         if just.iteration in found.committed:  # superseded objects of this iteration's earlier saves
+            found = self._with_objects(found, just.iteration)
             keep = {rank_file_name(r, t.token or self.token, t.seq) for t in (just, *outstanding) for r in self.writes}
             for name in found.strays(just.iteration):
                 if name not in keep:
                     self.storage.delete(iter_prefix(just.iteration) + name)
+
+    def _with_objects(self, found: ObjectSurvey, iteration: int) -> ObjectSurvey:
+        """``found`` with every object of ``iteration`` listed (one listing of that prefix)."""
+        names = {o.key[len(iter_prefix(iteration)) :]: o for o in self.storage.list(iter_prefix(iteration))}
+        names = {n: o for n, o in names.items() if "/" not in n}
+        return dataclasses.replace(found, objects={**found.objects, iteration: names})
 
     def delete_checkpoint(self, found: ObjectSurvey, iteration: int) -> None:
         """Manifest first (only the one surveyed: a manifest rewritten since is not ours to delete),

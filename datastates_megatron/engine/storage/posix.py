@@ -173,6 +173,14 @@ class PosixStorage(Storage):
                     found.append(ObjectInfo(key, st.st_size, _etag(st)))
         yield from sorted(found, key=lambda o: o.key)
 
+    def list_dirs(self, prefix: str = "") -> list[str]:
+        d = self.url(prefix.rstrip("/")) if prefix else self.root
+        try:
+            names = os.listdir(d)
+        except (FileNotFoundError, NotADirectoryError):
+            return []
+        return sorted(n for n in names if stat.S_ISDIR(os.lstat(os.path.join(d, n)).st_mode))
+
     def delete(self, key: str, etag: str | None = None) -> None:
         path = self._path(key)
         info = self.head(key)

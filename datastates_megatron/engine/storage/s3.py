@@ -409,6 +409,19 @@ class S3Storage(Storage):
                 return
             token = page["NextContinuationToken"]
 
+    def list_dirs(self, prefix: str = "") -> list[str]:
+        full = self._base + prefix
+        out, token = [], None
+        while True:
+            kw = {"Bucket": self.bucket, "Prefix": full, "Delimiter": "/", "MaxKeys": 1000}
+            if token:
+                kw["ContinuationToken"] = token
+            page = self._call("list", prefix, lambda kw=kw: self._client.list_objects_v2(**kw))
+            out += [p["Prefix"][len(full) :].rstrip("/") for p in page.get("CommonPrefixes", ())]
+            if not page.get("IsTruncated"):
+                return sorted(out)
+            token = page["NextContinuationToken"]
+
     def delete(self, key: str, etag: str | None = None) -> None:
         full = self._key(key)
         kw = {"IfMatch": etag} if etag else {}

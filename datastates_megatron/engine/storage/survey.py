@@ -20,7 +20,7 @@ from ..format.manifest import MANIFEST_NAME, Manifest, iteration_of
 from ..names import is_ours_in_iteration
 from .base import ObjectInfo, ObjectMissingError, Storage
 
-__all__ = ["ObjectSurvey", "ManifestCache", "survey_objects", "manifest_key", "iter_prefix"]
+__all__ = ["ObjectSurvey", "ManifestCache", "survey_objects", "survey_committed", "manifest_key", "iter_prefix"]
 
 log = logging.getLogger(__name__)
 
@@ -149,3 +149,30 @@ def survey_objects(storage: Storage, cache: ManifestCache | None = None) -> Obje
         committed[it] = m
     cache.keep_only({manifest_key(it) for it in committed})
     return ObjectSurvey(storage.url() + "/", objects, committed, damaged, tuple(others))
+
+
+def survey_committed(storage: Storage, cache: ManifestCache) -> ObjectSurvey:
+    """What retention needs at each commit, without listing every rank object: the ``iter_*``
+    prefixes (one delimited listing), a HEAD of each one's manifest (read only when its tag is new).
+    ``objects`` then holds each iteration's manifest alone; list an iteration's objects
+    (:meth:`.base.Storage.list`) before deleting or cleaning it."""
+    objects: dict[int, dict[str, ObjectInfo]] = {}
+    committed, damaged = {}, {}
+    for name in storage.list_dirs():
+        it = iteration_of(name)
+        if it is None:
+            continue
+        info = storage.head(manifest_key(it))
+        objects[it] = {} if info is None else {MANIFEST_NAME: info}
+        if info is None:
+            continue
+        try:
+            m = cache.read(storage, info)
+        except ObjectMissingError:
+            continue
+        except CheckpointError as e:
+            damaged[it] = type(e)(str(e))
+            continue
+        committed[it] = m
+    cache.keep_only({manifest_key(it) for it in committed})
+    return ObjectSurvey(storage.url() + "/", objects, committed, damaged, ())
