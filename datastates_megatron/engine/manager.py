@@ -13,6 +13,7 @@ training thread calls every method; the work runs on owned threads.
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import dataclasses
 import logging
 import os
@@ -165,6 +166,8 @@ class CheckpointManager(ClosingContext):
         self._summarize = summarize
         self._summary_stale = summarize is not None
         self.last_commit: CommitRecord | None = None
+        self.skipped = 0  # saves this rank skipped (storage behind: ``when_behind="skip"``)
+        self._stall: _Stall | None = None  # the stall episode going on, if any
         self._world = Collective()  # the default group: start-up, restore and tier agreements
         self.token = token = self._agree_token()
         # node of this rank (torchrun's LOCAL_WORLD_SIZE); "{node}" in local_root names a per-node dir
@@ -365,10 +368,15 @@ class CheckpointManager(ClosingContext):
         self.persistent.summary = encode_summary(doc) if doc is not None else None
 
     # ------------------------------------------------------------------ save path
-    def save(self, iteration: int, objects=None, metadata: dict | None = None) -> bool:
+    def save(self, iteration: int, objects=None, metadata: dict | None = None, *, final: bool = False) -> bool:
         """Start checkpoint ``iteration`` (collective: every rank calls it in the same order).
 
-        Returns at once; ``False`` if it could not start and ``on_error="warn"``."""
+        Returns at once; ``False`` if it could not start and ``on_error="warn"``, or if it was
+        skipped: with ``when_behind="skip"`` a save this rank cannot stage without waiting for its
+        storage (:meth:`_behind`) is not staged, and every rank abandons that checkpoint at its
+        commit (:attr:`skipped` counts them here).  ``final`` (the save at the end of a run, on
+        a signal or at an exit interval): never skipped; it waits for the storage, bounded by
+        ``timeout_s``, and logs what it waited for."""
         self._check_open()
         hold_point("save")
         self._surface_errors()
@@ -376,6 +384,10 @@ class CheckpointManager(ClosingContext):
         self._refresh_summary()
         tier = self._first_tier
         d = iter_dir(tier.root, iteration)
+        behind = self._behind() if final or self.policy.when_behind == "skip" else None
+        if behind and not final:
+            return self._skip(iteration, metadata, behind)
+        t_wait = time.perf_counter()
         error = None
         try:
             name = rank_file_name(self.rank, self.token, self._seq)
@@ -391,18 +403,84 @@ class CheckpointManager(ClosingContext):
             error, handle = FlushError(f"rank {self.rank}: iteration {iteration}: {d}: save failed: {e}"), None
             error.__cause__ = e
         t_save = time.perf_counter()
+        if behind:  # a final save: it waited (bounded by timeout_s) rather than be skipped
+            log.warning(
+                "rank %d: final checkpoint of iteration %d waited %.1f s for storage of %s (%s)",
+                self.rank,
+                iteration,
+                t_save - t_wait,
+                tier.root,
+                behind,
+            )
         if handle is None:
             # the other ranks still expect this rank in the agreement for this sequence number: the
             # failed ticket goes in before the error is raised (on_error="raise") or logged
-            import concurrent.futures as cf
-
             failed: cf.Future = cf.Future()
             failed.set_exception(CheckpointError("save did not start"))
             tier.submit(Ticket(iteration, self._seq, failed, dict(metadata or {}), t_save))
             self._handle(error)
             return False
+        self._stall_ended(iteration)
         tier.submit(Ticket(iteration, self._seq, handle.durable, dict(metadata or {}), t_save))
         return True
+
+    def _behind(self) -> str | None:
+        """Why this rank cannot stage a checkpoint now without waiting for its storage, or
+        ``None``: the engine's reasons (every in-flight slot taken, no host cache room), or
+        ``max_inflight`` of this rank's files durable but not committed -- waiting for another
+        rank's (a stalled one): that bounds the files a healthy rank holds during another's stall."""
+        waiting = [t.iteration for t in self._first_tier.outstanding() if not t.skipped and _durable(t)]
+        if len(waiting) >= self.engine.options.max_inflight:
+            return f"{len(waiting)} checkpoint(s) written, waiting for the other ranks' (iterations {_span(waiting)})"
+        return self.engine.behind()
+
+    def _skip(self, iteration: int, metadata: dict | None, why: str) -> bool:
+        """Skip this save: a ticket saying so goes to the commit (every rank abandons the
+        checkpoint there); one warning starts a stall episode, the others are counted."""
+        self.skipped += 1
+        stall = self._stall
+        if stall is None:
+            stall = self._stall = _Stall(iteration, time.perf_counter())
+            log.warning(
+                "rank %d: storage behind: checkpoint of iteration %d skipped: %s, %s (oldest for %.1f s); "
+                "training goes on, the next checkpoints are attempted as usual (this stall's skips are counted)",
+                self.rank,
+                iteration,
+                self._first_tier.root,
+                why,
+                self._in_flight_s(),
+            )
+        stall.last = iteration
+        stall.count += 1
+        done: cf.Future = cf.Future()
+        done.set_exception(CheckpointError(f"rank {self.rank}: iteration {iteration}: skipped (storage behind)"))
+        self._first_tier.submit(
+            Ticket(iteration, self._seq, done, dict(metadata or {}), time.perf_counter(), skipped=True)
+        )
+        return False
+
+    def _stall_ended(self, iteration: int) -> None:
+        """A save was staged again: the end of a stall episode, if one was on, is logged once."""
+        stall, self._stall = self._stall, None
+        if stall is not None:
+            log.warning(
+                "rank %d: storage of %s caught up: %d checkpoint(s) skipped (iterations %d..%d) over %.1f s; "
+                "iteration %d staged",
+                self.rank,
+                self._first_tier.root,
+                stall.count,
+                stall.first,
+                stall.last,
+                time.perf_counter() - stall.since,
+                iteration,
+            )
+
+    def _in_flight_s(self) -> float:
+        """Seconds since the oldest checkpoint not yet committed was saved."""
+        outstanding = self._first_tier.outstanding()
+        oldest = min((t.t_save for t in outstanding if not t.skipped), default=None)
+        engine = self.engine.oldest_in_flight_s()
+        return max(engine, time.perf_counter() - oldest if oldest is not None else 0.0)
 
     def wait_for_snapshot(self, group: str | None = None) -> None:
         """Gate: returns once pending copies are complete; the caller may then mutate the tensors."""
@@ -451,6 +529,12 @@ class CheckpointManager(ClosingContext):
         for tier in tiers or (self.local, self.persistent):
             if tier is not None:
                 tier.drain_deletions(self.engine.options.timeout_s if timeout is None else timeout)
+
+    @property
+    def abandoned_skips(self) -> int:
+        """Checkpoints every rank abandoned because some rank skipped its save (this rank's
+        :attr:`skipped` included, once their commit rounds ran): what a stall cost."""
+        return self._first_tier.abandoned_skips
 
     @property
     def latest_committed(self) -> int | None:
@@ -777,6 +861,26 @@ class CheckpointManager(ClosingContext):
     def _check_open(self) -> None:
         if self._closed:
             raise CheckpointError(f"rank {self.rank}: checkpoint manager is closed")
+
+
+def _durable(ticket: Ticket) -> bool:
+    """Whether the ticket's file is written (its future settled without an error)."""
+    return ticket.durable.done() and ticket.durable.exception() is None
+
+
+def _span(iterations: list[int]) -> str:
+    """``a..b`` (or ``a``): a range of iterations in a log line, however many."""
+    return f"{iterations[0]}..{iterations[-1]}" if len(iterations) > 1 else f"{iterations[0]}"
+
+
+@dataclasses.dataclass
+class _Stall:
+    """A stall episode: consecutive saves this rank skipped (one warning at each end)."""
+
+    first: int
+    since: float
+    last: int = 0
+    count: int = 0
 
 
 def _is_checkpoint(view: Resolved, root: str, iteration: int | None) -> bool:
