@@ -74,8 +74,8 @@ def _train_with_rank_1_stalled(args) -> dict:
         "rank": rank,
         "started": started,
         "committed": committed,
-        "skipped": mgr.skipped,
-        "abandoned": mgr.abandoned_skips,
+        "skipped": getattr(mgr, "skipped", 0),  # (a build without skips: the timing below fails first)
+        "abandoned": getattr(mgr, "abandoned_skips", 0),
         "max_iter_s": max(iter_s),
         "iterations": it,
     }
