@@ -141,7 +141,14 @@ def main(argv=None) -> int:
             ckpt.poll()
         last = it
         records["iterations"].append(
-            {"iteration": it, "loss": loss, "step_s": t_step, "save_s": save_s, "iter_s": time.perf_counter() - t0}
+            {
+                "iteration": it,
+                "loss": loss,
+                "step_s": t_step,
+                "save_s": save_s,
+                "iter_s": time.perf_counter() - t0,
+                "end": time.time(),
+            }
         )
         if rank == 0 and (it % 5 == 0 or it == args.train_iters):
             print(f"iteration {it:6d} | loss {loss:.6f} | {1e3 * (time.perf_counter() - t0):.1f} ms", flush=True)

@@ -62,6 +62,7 @@ def _no_check(manifest, ckpt) -> None:
     """Resolve without a layout check: the load plan checks what it needs (a reshard reads another layout)."""
 
 
+_QUIET_S = 60.0  # after a stall episode's warnings, the next episodes that soon are logged at INFO
 _SLOTS = 8  # restore candidates each rank sends (its newest local saves)
 _DECIDE_FIELDS = ("n", *(f"{k}{i}" for i in range(_SLOTS) for k in ("it", "tok", "seq", "ms")))
 
@@ -168,6 +169,7 @@ class CheckpointManager(ClosingContext):
         self.last_commit: CommitRecord | None = None
         self.skipped = 0  # saves this rank skipped (storage behind: ``when_behind="skip"``)
         self._stall: _Stall | None = None  # the stall episode going on, if any
+        self._quiet_until = 0.0  # stall episodes starting before this are logged at INFO
         self._world = Collective()  # the default group: start-up, restore and tier agreements
         self.token = token = self._agree_token()
         # node of this rank (torchrun's LOCAL_WORLD_SIZE); "{node}" in local_root names a per-node dir
@@ -440,8 +442,14 @@ class CheckpointManager(ClosingContext):
         self.skipped += 1
         stall = self._stall
         if stall is None:
-            stall = self._stall = _Stall(iteration, time.perf_counter())
-            log.warning(
+            now = time.perf_counter()
+            # storage that keeps falling behind (checkpoints more often than it can write them)
+            # makes short episodes one after the other: those within _QUIET_S of the last one
+            # logged are counted (and logged at INFO), not warned about again
+            quiet = now < self._quiet_until
+            stall = self._stall = _Stall(iteration, now, quiet)
+            log.log(
+                logging.INFO if quiet else logging.WARNING,
                 "rank %d: storage behind: checkpoint of iteration %d skipped: %s, %s (oldest for %.1f s); "
                 "training goes on, the next checkpoints are attempted as usual (this stall's skips are counted)",
                 self.rank,
@@ -463,7 +471,10 @@ class CheckpointManager(ClosingContext):
         """A save was staged again: the end of a stall episode, if one was on, is logged once."""
         stall, self._stall = self._stall, None
         if stall is not None:
-            log.warning(
+            if not stall.quiet:
+                self._quiet_until = time.perf_counter() + _QUIET_S
+            log.log(
+                logging.INFO if stall.quiet else logging.WARNING,
                 "rank %d: storage of %s caught up: %d checkpoint(s) skipped (iterations %d..%d) over %.1f s; "
                 "iteration %d staged",
                 self.rank,
@@ -879,6 +890,7 @@ class _Stall:
 
     first: int
     since: float
+    quiet: bool  # within _QUIET_S of the last episode warned about: logged at INFO
     last: int = 0
     count: int = 0
 

@@ -40,7 +40,7 @@ import torch
 
 from ..format import data_layout, file_format, hashing
 from .device_copy import Completion, DeviceCopier, as_bytes
-from ..runtime.faults import crash_point
+from ..runtime.faults import crash_point, stall_point
 from ..errors import CacheTimeoutError, CheckpointError, CopyError, EngineClosedError, FlushError
 from ..format.file_format import FORMAT_VERSION, HEADER_BYTES, FileReceipt, Header, build_index
 from .host_cache import HostCache
@@ -547,6 +547,7 @@ class SnapshotEngine(ClosingContext):
                 completion.synchronize()
                 data = (region.tensor if source is None else source).numpy()
                 spans = [(int(layout.items[k, 2]), int(layout.items[k, 3])) for k in range(first, first + count)]
+                stall_point("write", self.options.rank, job.version)
                 try:
                     if job.writer.mapping is not None:  # memory-backed: hash and copy in one pass
                         job.checksums[first : first + count] = job.writer.copy_hashed(
