@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import os
 
-from datastates_megatron.engine.manifest import iter_dir
-from datastates_megatron.engine.tier import committed_iterations
+from datastates_megatron.engine.format.manifest import iter_dir
+from datastates_megatron.engine.tiers.tier import committed_iterations
 
 from .ranks import describe, run_ranks
 
@@ -28,7 +28,8 @@ def _train_with_rank_1_stalled(args) -> dict:
     import torch
     import torch.distributed as dist
 
-    from datastates_megatron.engine import EngineOptions, writer
+    from datastates_megatron.engine import EngineOptions
+    from datastates_megatron.engine.format import writer
     from datastates_megatron.engine.manager import CheckpointManager
 
     root = args[0]

@@ -16,10 +16,11 @@ import time
 import pytest
 import torch
 
-from datastates_megatron.engine import EngineOptions, writer
+from datastates_megatron.engine import EngineOptions
+from datastates_megatron.engine.format import writer
 from datastates_megatron.engine.manager import CheckpointManager
-from datastates_megatron.engine.manifest import iter_dir
-from datastates_megatron.engine.tier import committed_iterations
+from datastates_megatron.engine.format.manifest import iter_dir
+from datastates_megatron.engine.tiers.tier import committed_iterations
 
 MiB = 1 << 20
 PROMPT_S = 2.0  # a save that returns "at once" on a loaded two-core machine; the hold lasts 60 s
