@@ -235,6 +235,8 @@ class Committer(QueueThread):
         try:
             r = ticket.durable.result(timeout=self._timeout)
         except BaseException:  # noqa: BLE001 - the engine already stored and logged this rank's error
+            if ticket.skipped:  # dropped while waiting (a promotion replaced by a newer one)
+                status.update(skipped=1)
             return status
         status.update(
             ok=1,
