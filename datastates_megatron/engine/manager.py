@@ -233,8 +233,9 @@ class CheckpointManager(ClosingContext):
         """A start-up that failed after threads were started: stop them (nothing was saved yet;
         a process must not hang on them at exit) and release the locks."""
         try:
-            if self.promotion is not None:
-                self.promotion.close()
+            for part in (self.replication, self.promotion):
+                if part is not None:
+                    part.close()
             for tier in (self.local, self.persistent):
                 if tier is not None:
                     tier.abandon()
@@ -528,6 +529,11 @@ class CheckpointManager(ClosingContext):
         except CheckpointError as e:
             self._handle(e)
         self._first_tier.drain(timeout)
+        if persist and self.replication is not None:  # its exchanges run off the commit thread
+            try:
+                self.replication.drain(timeout)
+            except CheckpointError as e:
+                self._handle(e)
         if persist:
             if promote_newest and self.promotion is not None:
                 self.promotion.promote_newest()
@@ -598,6 +604,8 @@ class CheckpointManager(ClosingContext):
         when the load reads that checkpoint."""
         self._check_open()
         self._drain_deletions(None)  # a load never races retention of what it may read
+        if self.replication is not None:  # nor the replication thread (the clique group is the load's now)
+            self.replication.drain()
         root = os.path.abspath(root or self.load_root)
         if (planner is not None and planner.reads_all_ranks) or not (self.local_root and root == self.root):
             return self._load_from(root, iteration, verify, planner, resolved=resolved)
@@ -863,7 +871,7 @@ class CheckpointManager(ClosingContext):
                 self.engine.close(timeout)
             finally:
                 try:
-                    for part in (self.local, self.promotion, self.persistent):
+                    for part in (self.replication, self.local, self.promotion, self.persistent):
                         if part is not None:
                             part.close()
                 finally:
