@@ -165,7 +165,8 @@ class Promotion(QueueThread):
         self._interval = interval
         self._lock = threading.Lock()
         self._in_flight: set[int] = set()  # scheduled: being copied, or waiting (one at most)
-        self._waiting: tuple | None = None  # the promotion waiting for the copy thread
+        self._waiting: tuple | None = None  # (queued item, its ticket): the newest not yet being copied
+        self._dropped: set = set()  # futures of queued items replaced before the copy thread got to them
         self._newest: Ticket | None = None  # this run's newest local commit when it is not promoted yet
         self.skipped = 0  # promotions dropped for a newer one while a copy was in flight
         self._warned = False  # a drop was warned about since the last copy that completed
@@ -227,19 +228,21 @@ class Promotion(QueueThread):
         order).  ``token``: the run token in its file names, when an earlier run wrote it."""
         future: cf.Future = cf.Future()
         ticket = Ticket(iteration, seq, future, dict(metadata), time.perf_counter(), token)
+        item = (iteration, seq, token or self.src.token, future)
         with self._lock:
             self._in_flight.add(iteration)
-            dropped, self._waiting = self._waiting, (iteration, seq, token or self.src.token, future, ticket)
+            dropped, self._waiting = self._waiting, (item, ticket)
+            if dropped is not None:
+                self._dropped.add(dropped[0][3])  # decided here, under the lock: never also copied
         self.dst.submit(ticket)
-        if dropped is None:
-            self.put(True)  # the copy thread takes whichever promotion is waiting when it gets there
-        else:
-            self._drop(dropped, iteration)
+        self.put(item)
+        if dropped is not None:
+            self._drop(*dropped, newer=iteration)
 
-    def _drop(self, item, newer: int) -> None:
+    def _drop(self, item, ticket: Ticket, newer: int) -> None:
         """A waiting promotion replaced by ``newer``: its persistent commit is abandoned on every
-        rank (a skip), and the local tier's retention may delete it."""
-        iteration, _seq, _token, future, ticket = item
+        rank (a skip), and the local tier's retention may delete it; the copy thread passes it by."""
+        iteration, _seq, _token, future = item
         self.skipped += 1
         ticket.skipped = True  # before the future settles: the committer reads it then
         future.set_exception(FlushError(f"rank {self.rank}: promotion of iteration {iteration} skipped for {newer}"))
@@ -257,12 +260,14 @@ class Promotion(QueueThread):
             self.skipped,
         )
 
-    def _handle(self, _wake) -> None:
+    def _handle(self, item) -> None:
+        iteration, seq, token, future = item
         with self._lock:
-            item, self._waiting = self._waiting, None
-        if item is None:
-            return
-        iteration, seq, token, future, _ticket = item
+            if future in self._dropped:  # replaced by a newer one (settled by _drop)
+                self._dropped.discard(future)
+                return
+            if self._waiting is not None and self._waiting[0] is item:
+                self._waiting = None  # being copied now: no longer replaceable
         name = rank_file_name(self.rank, token, seq)
         src = os.path.join(iter_dir(self.src.root, iteration), name)
         dst_dir = iter_dir(self.dst.root, iteration)
