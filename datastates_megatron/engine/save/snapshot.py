@@ -274,16 +274,21 @@ class SnapshotEngine(ClosingContext):
         if not self._slots.acquire(blocking=False):
             return f"{self.options.max_inflight} version(s) in flight"
         self._slots.release()
-        if self._cache_behind(self._current_layout()):
-            return f"no host cache room ({self.cache.used} of {self.cache.capacity} bytes held by versions in flight)"
+        earlier = self._cache_behind(self._current_layout())
+        if earlier is not None:
+            return (
+                f"no host cache room ({earlier} bytes of its {self.cache.capacity} held or still needed by "
+                f"versions in flight)"
+            )
         return None
 
-    def _cache_behind(self, layout: _Layout) -> bool:
+    def _cache_behind(self, layout: _Layout) -> int | None:
         """Whether ``layout``'s regions would wait for host cache space held by earlier versions
         (regions not yet flushed, or still to be copied).  A version larger than the cache streams
         through it and waits for its own flushes by design: it is behind only while an earlier
         version still holds or needs space.  The regions a CPU tensor writes from its own memory
-        are not counted when the last version wrote from sources."""
+        are not counted when the last version wrote from sources.  Returns the bytes earlier
+        versions hold or still need when it would wait, else ``None``."""
         sizes = []
         with self._pending_lock:
             jobs = list(self._pending.values())
@@ -291,15 +296,16 @@ class SnapshotEngine(ClosingContext):
             with self._progress:
                 left = len(job.layout.regions) - job.issued if not job.issuing_done else 0
             sizes += job.layout.regions[len(job.layout.regions) - left :, 1].tolist()
-        earlier = bool(sizes) or self.cache.used > 0
+        held = self.cache.used
+        earlier = sum(sizes) + held
         sizes += [
             int(padded)
             for r, (_, padded, _, count) in enumerate(layout.regions)
             if not (self._from_source_hint and count == 1 and layout.source_ok[r])
         ]
-        if sum(sizes) > self.cache.capacity:
-            return earlier
-        return not self.cache.fits_now(sizes)
+        if sum(sizes) > self.cache.capacity:  # streams through the cache: behind while others are in it
+            return earlier or None
+        return None if self.cache.fits_now(sizes) else earlier
 
     def oldest_in_flight_s(self) -> float:
         """Seconds since the oldest pending version was saved (0: none pending)."""
