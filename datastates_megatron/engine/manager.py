@@ -44,6 +44,7 @@ from .tiers.replication import REPLICAS_DIR, Replication, clique_of, replication
 from .tiers.run_id import RUN_SUBDIR_PREFIX, ensure_run_id, run_subdir
 from .fs.safe_io import check_path_fits, make_dir, make_root
 from .save.snapshot import SnapshotEngine
+from .save.stall_report import StallReport
 from .load.resolve import Resolved, resolve
 from .dist.store_channel import StoreChannel, default_store
 from .runtime.threads import ClosingContext, close_at_exit, forget
@@ -62,7 +63,6 @@ def _no_check(manifest, ckpt) -> None:
     """Resolve without a layout check: the load plan checks what it needs (a reshard reads another layout)."""
 
 
-_QUIET_S = 60.0  # after a stall episode's warnings, the next episodes that soon are logged at INFO
 _SLOTS = 8  # restore candidates each rank sends (its newest local saves)
 _DECIDE_FIELDS = ("n", *(f"{k}{i}" for i in range(_SLOTS) for k in ("it", "tok", "seq", "ms")))
 
@@ -167,9 +167,6 @@ class CheckpointManager(ClosingContext):
         self._summarize = summarize
         self._summary_stale = summarize is not None
         self.last_commit: CommitRecord | None = None
-        self.skipped = 0  # saves this rank skipped (storage behind: ``when_behind="skip"``)
-        self._stall: _Stall | None = None  # the stall episode going on, if any
-        self._quiet_until = 0.0  # stall episodes starting before this are logged at INFO
         self._world = Collective()  # the default group: start-up, restore and tier agreements
         self.token = token = self._agree_token()
         # node of this rank (torchrun's LOCAL_WORLD_SIZE); "{node}" in local_root names a per-node dir
@@ -198,6 +195,7 @@ class CheckpointManager(ClosingContext):
         )
         self._start_tiers()
         self._first_tier = self.local or self.persistent  # where a save is committed first
+        self._stalls = StallReport(self.rank, self._first_tier.root)  # saves skipped: storage behind
         try:
             self.engine = SnapshotEngine(opts)
             for tier in (self.persistent, self.local):
@@ -423,7 +421,7 @@ class CheckpointManager(ClosingContext):
             tier.submit(Ticket(iteration, self._seq, failed, dict(metadata or {}), t_save))
             self._handle(error)
             return False
-        self._stall_ended(iteration)
+        self._stalls.staged(iteration)
         tier.submit(Ticket(iteration, self._seq, handle.durable, dict(metadata or {}), t_save))
         return True
 
@@ -438,29 +436,9 @@ class CheckpointManager(ClosingContext):
         return self.engine.behind()
 
     def _skip(self, iteration: int, metadata: dict | None, why: str) -> bool:
-        """Skip this save: a ticket saying so goes to the commit (every rank abandons the
-        checkpoint there); one warning starts a stall episode, the others are counted."""
-        self.skipped += 1
-        stall = self._stall
-        if stall is None:
-            now = time.perf_counter()
-            # storage that keeps falling behind (checkpoints more often than it can write them)
-            # makes short episodes one after the other: those within _QUIET_S of the last one
-            # logged are counted (and logged at INFO), not warned about again
-            quiet = now < self._quiet_until
-            stall = self._stall = _Stall(iteration, now, quiet)
-            log.log(
-                logging.INFO if quiet else logging.WARNING,
-                "rank %d: storage behind: checkpoint of iteration %d skipped: %s, %s (oldest for %.1f s); "
-                "training goes on, the next checkpoints are attempted as usual (this stall's skips are counted)",
-                self.rank,
-                iteration,
-                self._first_tier.root,
-                why,
-                self._in_flight_s(),
-            )
-        stall.last = iteration
-        stall.count += 1
+        """Skip this save: a ticket saying so goes to the commit, where every rank abandons the
+        checkpoint; the stall report tells it as an episode."""
+        self._stalls.skipped_save(iteration, why, self._in_flight_s())
         done: cf.Future = cf.Future()
         done.set_exception(CheckpointError(f"rank {self.rank}: iteration {iteration}: skipped (storage behind)"))
         self._first_tier.submit(
@@ -468,24 +446,10 @@ class CheckpointManager(ClosingContext):
         )
         return False
 
-    def _stall_ended(self, iteration: int) -> None:
-        """A save was staged again: the end of a stall episode, if one was on, is logged once."""
-        stall, self._stall = self._stall, None
-        if stall is not None:
-            if not stall.quiet:
-                self._quiet_until = time.perf_counter() + _QUIET_S
-            log.log(
-                logging.INFO if stall.quiet else logging.WARNING,
-                "rank %d: storage of %s caught up: %d checkpoint(s) skipped (iterations %d..%d) over %.1f s; "
-                "iteration %d staged",
-                self.rank,
-                self._first_tier.root,
-                stall.count,
-                stall.first,
-                stall.last,
-                time.perf_counter() - stall.since,
-                iteration,
-            )
+    @property
+    def skipped(self) -> int:
+        """Saves this rank skipped (storage behind: ``when_behind="skip"``)."""
+        return self._stalls.skipped
 
     def _in_flight_s(self) -> float:
         """Seconds since the oldest checkpoint not yet committed was saved."""
@@ -890,17 +854,6 @@ def _durable(ticket: Ticket) -> bool:
 def _span(iterations: list[int]) -> str:
     """``a..b`` (or ``a``): a range of iterations in a log line, however many."""
     return f"{iterations[0]}..{iterations[-1]}" if len(iterations) > 1 else f"{iterations[0]}"
-
-
-@dataclasses.dataclass
-class _Stall:
-    """A stall episode: consecutive saves this rank skipped (one warning at each end)."""
-
-    first: int
-    since: float
-    quiet: bool  # within _QUIET_S of the last episode warned about: logged at INFO
-    last: int = 0
-    count: int = 0
 
 
 def _is_checkpoint(view: Resolved, root: str, iteration: int | None) -> bool:
