@@ -568,8 +568,6 @@ class CheckpointManager(ClosingContext):
         when the load reads that checkpoint."""
         self._check_open()
         self._drain_deletions(None)  # a load never races retention of what it may read
-        if self.replication is not None:  # nor the replication thread (the clique group is the load's now)
-            self.replication.drain()
         root = os.path.abspath(root or self.load_root)
         if (planner is not None and planner.reads_all_ranks) or not (self.local_root and root == self.root):
             return self._load_from(root, iteration, verify, planner, resolved=resolved)
@@ -727,6 +725,7 @@ class CheckpointManager(ClosingContext):
         local, created = self._local_committed()
         saves, how, table = dict(local), dict.fromkeys(local, "local"), {}
         if self.replication is not None:
+            self.replication.drain()  # the clique group is the restore's from here (its thread is idle)
             replica, table, replica_created = self.replication.holdings(local)
             for it, save in replica.items():
                 if it not in saves:
