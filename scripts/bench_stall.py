@@ -8,7 +8,8 @@ The stall is the engine's in-process stall point (``DSM_STALL_AT=write:<iteratio
 :mod:`datastates_megatron.engine.faults`): from the first write of a checkpoint of iteration
 ``--stall-from`` on, every rank-file write waits until the stall ends, as a storage target that
 stops answering and then recovers (``--rank``: only that rank's writes).  Prints the median
-iteration time before the stall and during it (per rank, and their ratio; the target of
+iteration time before the stall and of the iterations overlapping it (per rank, and their ratio;
+how many ended within it, the longest; the target of
 ``--lazy-ckpt-when-behind skip`` is <= 1.2x), the checkpoints skipped, and whether the first
 checkpoint after the stall committed.
 """
@@ -94,7 +95,9 @@ def main(argv=None) -> int:
         its = {x["iteration"]: x for x in rec["iterations"]}
         start = its[a.stall_from]["end"]  # the stall begins with the first write of this checkpoint
         before = [x["iter_s"] for i, x in its.items() if 3 <= i < a.stall_from]
-        during = [x["iter_s"] for x in its.values() if start < x["end"] <= start + a.stall_s]
+        # every iteration that overlaps the stall, the one blocked through it included
+        during = [x["iter_s"] for x in its.values() if x["end"] > start and x["end"] - x["iter_s"] < start + a.stall_s]
+        done_in = sum(1 for x in its.values() if start < x["end"] <= start + a.stall_s)
         if not before or not during:
             raise SystemExit(f"rank {rec['rank']}: no iterations before or during the stall: raise --iters")
         b, d = statistics.median(before), statistics.median(during)
@@ -105,7 +108,8 @@ def main(argv=None) -> int:
         ]
         print(
             f"rank {rec['rank']}: median iteration {1e3 * b:.1f} ms before the stall ({len(before)} iterations), "
-            f"{1e3 * d:.1f} ms during it ({len(during)} iterations): ratio {d / b:.2f}x; "
+            f"{1e3 * d:.1f} ms during it ({len(during)} iterations overlap it, {done_in} ended in it, longest "
+            f"{max(during):.1f} s): ratio {d / b:.2f}x; "
             f"saves skipped here {stats.get('skipped', 0)}, checkpoints abandoned {stats.get('abandoned_skips', 0)}; "
             f"first commit after the stall: iteration {after[0] if after else None}; "
             f"last iteration {rec['last_iteration']}"
