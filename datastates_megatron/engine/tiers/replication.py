@@ -180,7 +180,9 @@ class Replication:
     def follow(self) -> None:
         """Subscribe to the local tier's commits (:meth:`.tier.Tier.on_commit`; each is handed to the
         replication thread, started here) and make the local retention keep :meth:`kept`."""
-        self._thread = threading.Thread(target=self._run, name=f"dsm-replicate-r{self.rank}", daemon=False)
+        # a daemon: a partner that never answers must not hold the interpreter's exit (close() is
+        # bounded); cut short, an exchange leaves only our temp files, which the next start removes
+        self._thread = threading.Thread(target=self._run, name=f"dsm-replicate-r{self.rank}", daemon=True)
         self._thread.start()
         self.local.on_commit(self._offer, keep=self.kept)
 
