@@ -1,7 +1,8 @@
 """A save while this rank's storage is behind is skipped and reported, never waited for (one process).
 
 Writes are held in ``RankFileWriter.write`` (an in-process hold: the version stays in flight until
-the test lets go).  ``when_behind="skip"`` (the default): ``save`` returns at once with ``False``,
+the test lets go), and in the last test by the fault filesystem (``fault_fs``: the writes stall in
+the kernel).  ``when_behind="skip"`` (the default): ``save`` returns at once with ``False``,
 the checkpoint is abandoned at its commit, one warning starts the stall and one ends it, and the
 next save after the storage caught up commits.  ``when_behind="wait"`` keeps the back-pressure,
 bounded by ``timeout_s``; a ``final`` save is never skipped."""
@@ -132,3 +133,23 @@ def test_a_final_save_is_never_skipped_it_waits_and_says_so(tmp_path, held_write
             assert mgr.skipped == 0
     assert committed_iterations(str(root)) == [1, 2, 3]
     assert any("final checkpoint of iteration 3 waited" in r.getMessage() for r in caplog.records)
+
+
+def test_through_a_stalling_filesystem_a_save_behind_is_skipped_at_once(fault_fs):
+    """Under real syscalls (the fault filesystem): the first write of checkpoints 1 and 2 stalls
+    5 s in the kernel; the save of 3 returns at once, skipped; 1 and 2 commit once the writes
+    return, and the next save commits."""
+    root = os.path.join(fault_fs.root, "ckpt")
+    rules = [fault_fs.fault("write", f"ckpt/iter_{it:07d}/**", stall_s=5.0, times=1) for it in (1, 2)]
+    with _manager(root) as mgr:
+        _register(mgr, 2)
+        assert mgr.save(1) and mgr.save(2)
+        assert fault_fs.wait_blocked(1, timeout=30), "no write reached the filesystem"
+        started, took = _timed_save(mgr, 3)
+        assert started is False and took < PROMPT_S, took
+        mgr.wait()
+        assert mgr.save(4)
+        mgr.wait()
+    assert [fault_fs.hits(r) for r in rules] == [1, 1]
+    assert committed_iterations(root) == [1, 2, 4]
+    assert _no_files_of(root, 3)
