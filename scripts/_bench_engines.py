@@ -634,6 +634,7 @@ class LazyEngine(Engine):
             host_cache_gb=opts.host_cache_gb,
             flush_threads=opts.flush_threads,
             keep_last=opts.keep_last,
+            when_behind="wait",  # every checkpoint taken, as the peers take them: a fair comparison
             **self._tier_options(w, opts),
         )
         self._ckpt = LazyCheckpointer(w.chunks, w.optimizer, config, opt_param_scheduler=w.scheduler)

@@ -83,7 +83,10 @@ def main() -> int:
         else {}
     )
     ckpt = LazyCheckpointer(
-        chunks, opt, LazyCkptConfig(save_dir=root, host_cache_gb=1.0, keep_last=2, **tier), opt_param_scheduler=sched
+        chunks,
+        opt,
+        LazyCkptConfig(save_dir=root, host_cache_gb=1.0, keep_last=2, when_behind="wait", **tier),
+        opt_param_scheduler=sched,
     )
     it = 0
 

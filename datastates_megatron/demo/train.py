@@ -134,15 +134,23 @@ def main(argv=None) -> int:
         loss = gpt.train_step(chunks, optimizer, data, scheduler=scheduler)
         t_step = time.perf_counter() - t0
         save_s = 0.0
-        if ckpt is not None and (it % args.save_interval == 0 or stop["signal"] or it == args.exit_after_iteration):
+        final = bool(stop["signal"]) or it in (args.exit_after_iteration, args.train_iters)
+        if ckpt is not None and (it % args.save_interval == 0 or final):
             t1 = time.perf_counter()
-            ckpt.save(it, {"loss": loss})
+            ckpt.save(it, {"loss": loss}, final=final)  # the last one is never skipped
             save_s = time.perf_counter() - t1
         if ckpt is not None:
             ckpt.poll()
         last = it
         records["iterations"].append(
-            {"iteration": it, "loss": loss, "step_s": t_step, "save_s": save_s, "iter_s": time.perf_counter() - t0}
+            {
+                "iteration": it,
+                "loss": loss,
+                "step_s": t_step,
+                "save_s": save_s,
+                "iter_s": time.perf_counter() - t0,
+                "end": time.time(),
+            }
         )
         if rank == 0 and (it % 5 == 0 or it == args.train_iters):
             write_line(f"iteration {it:6d} | loss {loss:.6f} | {1e3 * (time.perf_counter() - t0):.1f} ms")

@@ -13,6 +13,7 @@ training thread calls every method; the work runs on owned threads.
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import dataclasses
 import logging
 import os
@@ -45,6 +46,7 @@ from .tiers.run_id import ensure_run_id, run_subdir
 from .fs.safe_io import check_path_fits, make_dir, make_root
 from .storage.url import is_object_url
 from .save.snapshot import SnapshotEngine
+from .save.stall_report import StallReport
 from .load.resolve import Resolved, resolve
 from .dist.store_channel import StoreChannel, default_store
 from .runtime.threads import ClosingContext, close_at_exit, forget
@@ -215,6 +217,7 @@ class CheckpointManager(ClosingContext):
         )
         self._start_tiers()
         self._first_tier = self.local or self.persistent  # where a save is committed first
+        self._stalls = StallReport(self.rank, self._first_tier.root)  # saves skipped: storage behind
         try:
             self.engine = SnapshotEngine(opts)
             for tier in (self.persistent, self.local):
@@ -250,8 +253,9 @@ class CheckpointManager(ClosingContext):
         """A start-up that failed after threads were started: stop them (nothing was saved yet;
         a process must not hang on them at exit) and release the locks."""
         try:
-            if self.promotion is not None:
-                self.promotion.close()
+            for part in (self.replication, self.promotion):
+                if part is not None:
+                    part.close()
             for tier in (self.local, self.persistent):
                 if tier is not None:
                     tier.abandon()
@@ -393,10 +397,15 @@ class CheckpointManager(ClosingContext):
         self.persistent.summary = encode_summary(doc) if doc is not None else None
 
     # ------------------------------------------------------------------ save path
-    def save(self, iteration: int, objects=None, metadata: dict | None = None) -> bool:
+    def save(self, iteration: int, objects=None, metadata: dict | None = None, *, final: bool = False) -> bool:
         """Start checkpoint ``iteration`` (collective: every rank calls it in the same order).
 
-        Returns at once; ``False`` if it could not start and ``on_error="warn"``."""
+        Returns at once; ``False`` if it could not start and ``on_error="warn"``, or if it was
+        skipped: with ``when_behind="skip"`` a save this rank cannot stage without waiting for its
+        storage (:meth:`_behind`) is not staged, and every rank abandons that checkpoint at its
+        commit (:attr:`skipped` counts them here).  ``final`` (the save at the end of a run, on
+        a signal or at an exit interval): never skipped; it waits for the storage, bounded by
+        ``timeout_s``, and logs what it waited for."""
         self._check_open()
         hold_point("save")
         self._surface_errors()
@@ -404,6 +413,10 @@ class CheckpointManager(ClosingContext):
         self._refresh_summary()
         tier = self._first_tier
         d = iter_dir(tier.root, iteration)
+        behind = self._behind() if final or self.policy.when_behind == "skip" else None
+        if behind and not final:
+            return self._skip(iteration, metadata, behind)
+        t_wait = time.perf_counter()
         error = None
         try:
             name = rank_file_name(self.rank, self.token, self._seq)
@@ -419,18 +432,59 @@ class CheckpointManager(ClosingContext):
             error, handle = FlushError(f"rank {self.rank}: iteration {iteration}: {d}: save failed: {e}"), None
             error.__cause__ = e
         t_save = time.perf_counter()
+        if behind:  # a final save: it waited (bounded by timeout_s) rather than be skipped
+            log.warning(
+                "rank %d: final checkpoint of iteration %d waited %.1f s for storage of %s (%s)",
+                self.rank,
+                iteration,
+                t_save - t_wait,
+                tier.root,
+                behind,
+            )
         if handle is None:
             # the other ranks still expect this rank in the agreement for this sequence number: the
             # failed ticket goes in before the error is raised (on_error="raise") or logged
-            import concurrent.futures as cf
-
             failed: cf.Future = cf.Future()
             failed.set_exception(CheckpointError("save did not start"))
             tier.submit(Ticket(iteration, self._seq, failed, dict(metadata or {}), t_save))
             self._handle(error)
             return False
+        self._stalls.staged(iteration)
         tier.submit(Ticket(iteration, self._seq, handle.durable, dict(metadata or {}), t_save))
         return True
+
+    def _behind(self) -> str | None:
+        """Why this rank cannot stage a checkpoint now without waiting for its storage, or
+        ``None``: the engine's reasons (every in-flight slot taken, no host cache room), or
+        ``max_inflight`` of this rank's files durable but not committed -- waiting for another
+        rank's (a stalled one): that bounds the files a healthy rank holds during another's stall."""
+        waiting = [t.iteration for t in self._first_tier.outstanding() if not t.skipped and _durable(t)]
+        if len(waiting) >= self.engine.options.max_inflight:
+            return f"{len(waiting)} checkpoint(s) written, waiting for the other ranks' (iterations {_span(waiting)})"
+        return self.engine.behind()
+
+    def _skip(self, iteration: int, metadata: dict | None, why: str) -> bool:
+        """Skip this save: a ticket saying so goes to the commit, where every rank abandons the
+        checkpoint; the stall report tells it as an episode."""
+        self._stalls.skipped_save(iteration, why, self._in_flight_s())
+        done: cf.Future = cf.Future()
+        done.set_exception(CheckpointError(f"rank {self.rank}: iteration {iteration}: skipped (storage behind)"))
+        self._first_tier.submit(
+            Ticket(iteration, self._seq, done, dict(metadata or {}), time.perf_counter(), skipped=True)
+        )
+        return False
+
+    @property
+    def skipped(self) -> int:
+        """Saves this rank skipped (storage behind: ``when_behind="skip"``)."""
+        return self._stalls.skipped
+
+    def _in_flight_s(self) -> float:
+        """Seconds since the oldest checkpoint not yet committed was saved."""
+        outstanding = self._first_tier.outstanding()
+        oldest = min((t.t_save for t in outstanding if not t.skipped), default=None)
+        engine = self.engine.oldest_in_flight_s()
+        return max(engine, time.perf_counter() - oldest if oldest is not None else 0.0)
 
     def wait_for_snapshot(self, group: str | None = None) -> None:
         """Gate: returns once pending copies are complete; the caller may then mutate the tensors."""
@@ -467,6 +521,11 @@ class CheckpointManager(ClosingContext):
         except CheckpointError as e:
             self._handle(e)
         self._first_tier.drain(timeout)
+        if persist and self.replication is not None:  # its exchanges run off the commit thread
+            try:
+                self.replication.drain(timeout)
+            except CheckpointError as e:
+                self._handle(e)
         if persist:
             if promote_newest and self.promotion is not None:
                 self.promotion.promote_newest()
@@ -479,6 +538,12 @@ class CheckpointManager(ClosingContext):
         for tier in tiers or (self.local, self.persistent):
             if tier is not None:
                 tier.drain_deletions(self.engine.options.timeout_s if timeout is None else timeout)
+
+    @property
+    def abandoned_skips(self) -> int:
+        """Checkpoints every rank abandoned because some rank skipped its save (this rank's
+        :attr:`skipped` included, once their commit rounds ran): what a stall cost."""
+        return self._first_tier.abandoned_skips
 
     @property
     def latest_committed(self) -> int | None:
@@ -796,6 +861,7 @@ class CheckpointManager(ClosingContext):
         local, created = self._local_committed()
         saves, how, table = dict(local), dict.fromkeys(local, "local"), {}
         if self.replication is not None:
+            self.replication.drain()  # the clique group is the restore's from here (its thread is idle)
             replica, table, replica_created = self.replication.holdings(local)
             for it, save in replica.items():
                 if it not in saves:
@@ -901,7 +967,7 @@ class CheckpointManager(ClosingContext):
                 self.engine.close(timeout)
             finally:
                 try:
-                    for part in (self.local, self.promotion, self.persistent):
+                    for part in (self.replication, self.local, self.promotion, self.persistent):
                         if part is not None:
                             part.close()
                 finally:
@@ -915,6 +981,16 @@ class CheckpointManager(ClosingContext):
 def _location(root: str) -> str:
     """A save location as the manager keeps it: an object storage URL as given, a path absolute."""
     return root.rstrip("/") if is_object_url(root) else os.path.abspath(root)
+
+
+def _durable(ticket: Ticket) -> bool:
+    """Whether the ticket's file is written (its future settled without an error)."""
+    return ticket.durable.done() and ticket.durable.exception() is None
+
+
+def _span(iterations: list[int]) -> str:
+    """``a..b`` (or ``a``): a range of iterations in a log line, however many."""
+    return f"{iterations[0]}..{iterations[-1]}" if len(iterations) > 1 else f"{iterations[0]}"
 
 
 def _is_checkpoint(view: Resolved, root: str, iteration: int | None) -> bool:

@@ -6,13 +6,23 @@ import dataclasses
 
 from .errors import OptionsError
 
-__all__ = ["EngineOptions", "ManagerOptions", "ON_ERROR_CHOICES", "LOCAL_FALLBACK_CHOICES", "RECYCLE_CHOICES"]
+__all__ = [
+    "EngineOptions",
+    "ManagerOptions",
+    "ON_ERROR_CHOICES",
+    "LOCAL_FALLBACK_CHOICES",
+    "RECYCLE_CHOICES",
+    "WHEN_BEHIND_CHOICES",
+]
 
 ON_ERROR_CHOICES = ("raise", "warn")  # a failed save raises on the training thread, or is logged
 LOCAL_FALLBACK_CHOICES = ("all", "rank")  # who reads the persistent tier when a node lost its local copy
 # where retired rank files are overwritten in place by later saves: the node-local tier only (private
 # to the job), every tier (also the persistent one, when nothing outside the job reads it), or nowhere
 RECYCLE_CHOICES = ("local", "all", "off")
+# a save while this rank's storage is behind (earlier checkpoints still in flight, no cache room):
+# skipped and reported (training goes on), or waited for (bounded by ``timeout_s``)
+WHEN_BEHIND_CHOICES = ("skip", "wait")
 
 _ALIGN = 4096
 
@@ -126,6 +136,11 @@ class ManagerOptions:
                    ``keep_every`` (0: none).
     on_error:      ``raise``: a failed save raises on the training thread; ``warn``: it is logged,
                    nothing is committed for it and the previous checkpoint stays the latest.
+    when_behind:   a save while this rank cannot stage it without waiting (``max_inflight`` of its
+                   checkpoints not yet committed, or no host cache room for it now): ``skip`` -- it
+                   is not staged, every rank abandons that checkpoint through the commit protocol,
+                   and training goes on; ``wait`` -- the save waits (back-pressure, bounded by the
+                   engine's ``timeout_s``).  A ``final`` save (the end of a run) always waits.
     verify_on_load: re-check every checksum on load.
     restore_threads: reader threads of a restore.
     persist_interval / local_keep_last / local_fallback: the node-local tier's promotion interval
@@ -145,6 +160,7 @@ class ManagerOptions:
     keep_last: int = 0
     keep_every: int = 0
     on_error: str = "raise"
+    when_behind: str = "skip"
     verify_on_load: bool = True
     restore_threads: int = 4
     persist_interval: int = 1
@@ -166,6 +182,7 @@ class ManagerOptions:
                 problems.append((name, f"must be None or an int >= {low}, got {value!r}"))
         problems += _at_least(self, ("restore_threads", "persist_interval"), 1)
         problems += _one_of(self, "on_error", ON_ERROR_CHOICES)
+        problems += _one_of(self, "when_behind", WHEN_BEHIND_CHOICES)
         problems += _one_of(self, "local_fallback", LOCAL_FALLBACK_CHOICES)
         problems += _one_of(self, "recycle_files", RECYCLE_CHOICES)
         if problems:

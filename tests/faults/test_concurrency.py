@@ -37,8 +37,11 @@ def _slow(monkeypatch, delay_s, fail_when=None):
 
 
 def _manager(root, **kw):
+    """A 1 MiB cache for 4 MiB of state: versions stream, and a second save while the first is in
+    flight waits for it (``when_behind="wait"``: with the default it would be skipped, see
+    test_skip_when_behind.py; here two versions in flight at once are what is tested)."""
     opts = EngineOptions(cache_bytes=MiB, chunk_bytes=MiB // 4, flush_threads=2, timeout_s=60)
-    return CheckpointManager(str(root), opts, keep_last=0, **kw)
+    return CheckpointManager(str(root), opts, keep_last=0, **{"when_behind": "wait", **kw})
 
 
 def _state():

@@ -95,8 +95,9 @@ def test_cache_smaller_than_the_state_gives_a_bounded_recorded_wait(tmp_path, mo
 
 
 def test_in_flight_limit_is_a_bounded_recorded_wait(tmp_path, monkeypatch):
+    """``when_behind="wait"``: the back-pressure (the default skips: test_skip_when_behind.py)."""
     _slow_writes(monkeypatch, 0.03)
-    with _manager(tmp_path / "c", cache_mb=16, max_inflight=1) as mgr:
+    with _manager(tmp_path / "c", cache_mb=16, max_inflight=1, when_behind="wait") as mgr:
         for n, t in _state().items():
             mgr.register(n, t)
         mgr.save(1)
@@ -111,12 +112,13 @@ def test_in_flight_limit_is_a_bounded_recorded_wait(tmp_path, monkeypatch):
 
 def test_stuck_storage_becomes_an_error_not_a_hang(tmp_path, monkeypatch):
     """Every write blocks (until the test lets go, 12 s later): waiting, saving again and closing must
-    each raise ``CacheTimeoutError`` within about ``timeout_s`` (1 s here)."""
+    each raise ``CacheTimeoutError`` within about ``timeout_s`` (1 s here), with ``when_behind="wait"``
+    (the default skips those saves instead: test_skip_when_behind.py)."""
     unblock = threading.Event()
     _slow_writes(monkeypatch, 0.0, block=unblock)
     watchdog = threading.Timer(12.0, unblock.set)
     watchdog.start()
-    mgr = _manager(tmp_path / "c", cache_mb=1, timeout_s=1.0)
+    mgr = _manager(tmp_path / "c", cache_mb=1, timeout_s=1.0, when_behind="wait")
     try:
         for n, t in _state().items():
             mgr.register(n, t)

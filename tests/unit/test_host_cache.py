@@ -48,3 +48,31 @@ def test_acquire_blocks_until_release():
 def test_region_larger_than_cache_is_an_error():
     with pytest.raises(ValueError, match="cannot fit"):
         HostCache(4 * 4096, pin=False).acquire(5 * 4096, 1)
+
+
+def test_fits_now_says_what_acquire_would_place_without_waiting():
+    """``fits_now`` (the skip decision: would a save wait for the cache?) against acquiring for real
+    with no wait, from many states of the ring (wrapped, full, released out of order)."""
+    import random
+
+    rng = random.Random(7)
+    cache = HostCache(16 * 4096, pin=False)
+    live = []
+    for _ in range(300):
+        if live and rng.random() < 0.4:
+            cache.release(live.pop(rng.randrange(len(live))))
+        sizes = [rng.randint(1, 6) * 4096 - rng.randint(0, 4095) for _ in range(rng.randint(1, 4))]
+        predicted = cache.fits_now(sizes)
+        got = []
+        try:
+            for n in sizes:
+                got.append(cache.acquire(n, timeout=0))
+            placed = True
+        except CacheTimeoutError:
+            placed = False
+        assert predicted == placed, (sizes, cache.used)
+        if rng.random() < 0.5:  # keep some, to reach other states
+            live += got
+        else:
+            for r in got:
+                cache.release(r)

@@ -83,6 +83,31 @@ class HostCache:
             return self._tail
         return None
 
+    def fits_now(self, sizes) -> bool:
+        """Whether regions of ``sizes`` bytes, acquired in this order, would all be placed now,
+        without waiting for any release (a save that would have to wait for storage can be skipped
+        instead).  O(len(sizes)); nothing is reserved."""
+        with self._cond:
+            live, head, tail = bool(self._live), self._head, self._tail
+            for nbytes in sizes:
+                need = -(-max(int(nbytes), 1) // _ALIGN) * _ALIGN
+                if not live:
+                    if need > self.capacity:
+                        return False
+                    head, tail, live = 0, need, True
+                elif tail > head:
+                    if tail + need <= self.capacity:
+                        tail += need
+                    elif need <= head:  # wraps, as _try_place does
+                        tail = need
+                    else:
+                        return False
+                elif tail + need <= head:
+                    tail += need
+                else:
+                    return False
+            return True
+
     def acquire(self, nbytes: int, timeout: float) -> Region:
         """Reserve ``nbytes`` (rounded up to 4 KiB), waiting up to ``timeout`` seconds for space."""
         need = -(-max(nbytes, 1) // _ALIGN) * _ALIGN

@@ -40,7 +40,7 @@ import torch
 
 from ..format import data_layout, file_format, hashing
 from .device_copy import Completion, DeviceCopier, as_bytes
-from ..runtime.faults import crash_point
+from ..runtime.faults import crash_point, stall_point
 from ..errors import CacheTimeoutError, CheckpointError, CopyError, EngineClosedError, FlushError
 from ..format.file_format import FORMAT_VERSION, HEADER_BYTES, FileReceipt, Header, build_index
 from .host_cache import HostCache
@@ -101,6 +101,13 @@ class _Layout:
         for item, t in enumerate(tensor_of_item):
             g = entries[t].group
             self.group_last_region[g] = max(self.group_last_region.get(g, -1), int(region_of_item[item]))
+        # the regions a CPU tensor may write from its own memory (``source_writes``): one whole item
+        self.source_ok = [
+            count == 1
+            and int(self.items[first, 2]) == 0
+            and self.bytes_views[int(self.items[first, 0])].device.type == "cpu"
+            for _, _, first, count in self.regions.tolist()
+        ]
         meta = {e.name: e.meta for e in entries if e.meta is not None}
         self.meta_json = encode_objects(meta)
 
@@ -178,6 +185,7 @@ class SnapshotEngine(ClosingContext):
         self._done: collections.deque[FileReceipt] = collections.deque()
         self._seq = 0
         self._last_opened: cf.Future | None = None  # copier thread only: files are opened in save order
+        self._from_source_hint = False  # whether the last version wrote CPU tensors from their memory
         self._closed = False
         self.gate_wait_s = 0.0
         self.slot_wait_s = 0.0
@@ -223,7 +231,7 @@ class SnapshotEngine(ClosingContext):
         just before ``path`` is opened (the manager moves a recycled rank file into place there, off the
         training thread and off the gate's path; files are opened one at a time, in save order); an
         ``OSError`` from it is logged and the file is written anew.  Blocks only while ``max_inflight``
-        versions are pending (bounded by ``timeout_s``)."""
+        versions are pending (bounded by ``timeout_s``); :meth:`behind` says beforehand whether it would."""
         t0 = time.perf_counter()
         self._check_open()
         self._raise_pending()
@@ -256,6 +264,54 @@ class SnapshotEngine(ClosingContext):
         self._jobs.put(job)
         job.t_call = time.perf_counter() - t0
         return SaveHandle(job)
+
+    def behind(self) -> str | None:
+        """Why a version of the registered tensors saved now would wait for storage -- every
+        in-flight slot taken, or no host cache room for it -- or ``None`` when it would not.
+        Training thread (the one that saves): what it finds stays true until its next ``save``,
+        since only that thread takes slots and space."""
+        self._check_open()
+        if not self._slots.acquire(blocking=False):
+            return f"{self.options.max_inflight} version(s) in flight"
+        self._slots.release()
+        earlier = self._cache_behind(self._current_layout())
+        if earlier is not None:
+            return (
+                f"no host cache room ({earlier} bytes of its {self.cache.capacity} held or still needed by "
+                f"versions in flight)"
+            )
+        return None
+
+    def _cache_behind(self, layout: _Layout) -> int | None:
+        """Whether ``layout``'s regions would wait for host cache space held by earlier versions
+        (regions not yet flushed, or still to be copied).  A version larger than the cache streams
+        through it and waits for its own flushes by design: it is behind only while an earlier
+        version still holds or needs space.  The regions a CPU tensor writes from its own memory
+        are not counted when the last version wrote from sources.  Returns the bytes earlier
+        versions hold or still need when it would wait, else ``None``."""
+        sizes = []
+        with self._pending_lock:
+            jobs = list(self._pending.values())
+        for job in jobs:
+            with self._progress:
+                left = len(job.layout.regions) - job.issued if not job.issuing_done else 0
+            sizes += job.layout.regions[len(job.layout.regions) - left :, 1].tolist()
+        held = self.cache.used
+        earlier = sum(sizes) + held
+        sizes += [
+            int(padded)
+            for r, (_, padded, _, count) in enumerate(layout.regions)
+            if not (self._from_source_hint and count == 1 and layout.source_ok[r])
+        ]
+        if sum(sizes) > self.cache.capacity:  # streams through the cache: behind while others are in it
+            return earlier or None
+        return None if self.cache.fits_now(sizes) else earlier
+
+    def oldest_in_flight_s(self) -> float:
+        """Seconds since the oldest pending version was saved (0: none pending)."""
+        with self._pending_lock:
+            starts = [j.t_save for j in self._pending.values()]
+        return time.perf_counter() - min(starts) if starts else 0.0
 
     def wait_for_snapshot(self, group: str | None = None, timeout: float | None = None) -> None:
         """The gate: return once every pending copy (of ``group``, or of all) is complete.
@@ -392,7 +448,7 @@ class SnapshotEngine(ClosingContext):
             job.opened.set_result(None)
             raise
         items = layout.items
-        from_source = self._writes_from_source(job.path)
+        from_source = self._from_source_hint = self._writes_from_source(job.path)
         for r, (_, padded, first, count) in enumerate(layout.regions):
             if job.error is not None:
                 return
@@ -497,6 +553,7 @@ class SnapshotEngine(ClosingContext):
                 completion.synchronize()
                 data = (region.tensor if source is None else source).numpy()
                 spans = [(int(layout.items[k, 2]), int(layout.items[k, 3])) for k in range(first, first + count)]
+                stall_point("write", self.options.rank, job.version)
                 try:
                     if job.writer.mapping is not None:  # memory-backed: hash and copy in one pass
                         job.checksums[first : first + count] = job.writer.copy_hashed(

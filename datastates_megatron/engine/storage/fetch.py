@@ -116,8 +116,7 @@ def _verify(url: str, path: str, manifest: Manifest, rank: int) -> None:
         with RankFile(path) as rf:
             if xxh64(rf.header.pack()) != rec.header_xxh64 or rf.header.index_xxh64 != rec.index_xxh64:
                 raise CorruptCheckpointError(f"{path}: header or index is not the one the manifest committed")
-            for entry in rf.entries.values():
-                rf.verify_entry(entry)
+            rf.verify_all()
     except CorruptCheckpointError as e:
         raise ObjectChecksumError(f"{url}: rank {rank}: {str(e).replace(path, 'object')}") from None
 

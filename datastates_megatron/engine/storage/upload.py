@@ -25,10 +25,8 @@ def upload_verified(src: str, storage: Storage, key: str, version: int, pace=Non
     """Verify every checksum of the local rank file ``src``, then store it at ``key``."""
     t0 = time.perf_counter()
     with RankFile(src) as rf:
-        for entry in rf.entries.values():
-            rf.verify_entry(entry)
+        data_bytes = rf.verify_all()
         header = rf.header
-        data_bytes = sum(e.nbytes for e in rf.entries.values())
         storage.put_file(key, rf.span(0, header.file_bytes), pace=pace)
         if os.pread(rf.fileno(), HEADER_BYTES, 0) != header.pack():
             raise FlushError(f"{src}: the local file was rewritten while it was promoted to {storage.url(key)}")

@@ -55,6 +55,7 @@ _STATUS = (
     "writes_lo",  # the ranks whose files this rank describes in a manifest: [lo, lo + n)
     "writes_n",
     "summary_sum",  # the checksum of this rank's global-index summary (:mod:`.global_index`); 0: none
+    "skipped",  # 1: this rank skipped the save (its storage was behind): no file, nothing failed
 )
 _RECORD = ("file_bytes", "data_bytes", "n_tensors", "index_xxh64", "header_xxh64")  # a manifest's record, in order
 _SHOWN = 16  # ranks named in an outcome (and how many there are): the document stays small
@@ -72,6 +73,7 @@ class Ticket:
     metadata: dict
     t_save: float
     token: str | None = None  # run token in the file names (a re-promotion carries an earlier run's)
+    skipped: bool = False  # this rank skipped the save (storage behind): the checkpoint is abandoned everywhere
 
 
 @dataclasses.dataclass(frozen=True)
@@ -144,6 +146,7 @@ class Committer(QueueThread):
         self._records: collections.deque[CommitRecord] = collections.deque()
         self._errors: collections.deque[BaseException] = collections.deque()
         self.latest: int | None = None
+        self.skipped = 0  # checkpoints abandoned because some rank skipped its save (commit thread writes)
         self._after = after_commit
         self.guard = guard
         # a tier on object storage writes its manifest, tracker and index itself (no ``os`` there)
@@ -229,9 +232,14 @@ class Committer(QueueThread):
                 self._chan.publish("summary", raw)
                 self._published = h
             status.update(summary_sum=h)
+        if ticket.skipped:
+            status.update(skipped=1)
+            return status
         try:
             r = ticket.durable.result(timeout=self._timeout)
         except BaseException:  # noqa: BLE001 - the engine already stored and logged this rank's error
+            if ticket.skipped:  # dropped while waiting (a promotion replaced by a newer one)
+                status.update(skipped=1)
             return status
         status.update(
             ok=1,
@@ -319,12 +327,15 @@ class Committer(QueueThread):
         it, sq = cols["iteration"], cols["seq"]
         stray = np.flatnonzero((it != ticket.iteration) | (sq != ticket.seq))
         failed = np.flatnonzero(cols["ok"] != 1)
+        skipped = np.flatnonzero(cols["skipped"] != 0)
         return {
             "go": not stray.size and not failed.size,
             "stray": [(i, int(it[i]), int(sq[i])) for i in stray[:_SHOWN].tolist()],
             "n_stray": int(stray.size),
             "failed": failed[:_SHOWN].tolist(),
             "n_failed": int(failed.size),
+            "skipped": skipped[:_SHOWN].tolist(),
+            "n_skipped": int(skipped.size),
             "unwritten": [],
             "n_unwritten": 0,
             "total_bytes": int(cols["data_bytes"].sum()),
@@ -417,6 +428,17 @@ class Committer(QueueThread):
                 f"rank {self.rank}: ranks are out of step: rank(s) saving {_shown(outcome['stray'], outcome['n_stray'])} "
                 f"(rank, iteration, sequence), not iteration {ticket.iteration} sequence {ticket.seq}; nothing committed"
             )
+        if outcome["n_failed"] and outcome["n_failed"] == outcome["n_skipped"]:
+            # only skips (storage behind somewhere): reported by the skipping ranks, not an error here
+            self.skipped += 1
+            log.debug(
+                "rank %d: iteration %d abandoned (%s tier): rank(s) %s skipped it",
+                self.rank,
+                ticket.iteration,
+                self.tier.name,
+                _shown(outcome["skipped"], outcome["n_skipped"]),
+            )
+            return
         if outcome["n_failed"]:
             if own_failed:
                 return  # this rank's own error is already stored by the engine

@@ -7,6 +7,12 @@ the persistent tier and fsyncs, and the persistent tier's committer agrees acros
 the persistent manifest.  The local copy is never removed by a promotion -- only by the local tier's
 retention, which keeps what the link reports :meth:`Promotion.pending` (its ``keep``).
 
+Skip semantics: at most one promotion waits while a copy is in flight; a newer one replaces it, and
+the one replaced is dropped -- its persistent commit is abandoned on every rank (the ticket says
+"skipped": :mod:`.commit`), the local tier's retention may delete it, and it is counted
+(:attr:`Promotion.skipped`) and reported.  A stalled ``--save`` thus costs neither the local
+commits nor node-local space: what the link keeps is the copy in flight and the newest waiting.
+
 Thread-safety: ``offer``/``schedule`` may be called from any thread (the local commit thread calls
 ``offer``); the copies run on the owned thread ``dsm-promote-r{rank}``.
 """
@@ -158,8 +164,12 @@ class Promotion(QueueThread):
         self._mbps = mbps
         self._interval = interval
         self._lock = threading.Lock()
-        self._in_flight: set[int] = set()
+        self._in_flight: set[int] = set()  # scheduled: being copied, or waiting (one at most)
+        self._waiting: tuple | None = None  # (queued item, its ticket): the newest not yet being copied
+        self._dropped: set = set()  # futures of queued items replaced before the copy thread got to them
         self._newest: Ticket | None = None  # this run's newest local commit when it is not promoted yet
+        self.skipped = 0  # promotions dropped for a newer one while a copy was in flight
+        self._warned = False  # a drop was warned about since the last copy that completed
         src.on_commit(self.offer, keep=self.pending)
         super().__init__(f"dsm-promote-r{self.rank}")
 
@@ -171,8 +181,9 @@ class Promotion(QueueThread):
     def pending(self) -> set[int]:
         """Source iterations the source tier's retention must keep: those this rank is copying and
         those whose commit on ``dst`` is still open -- the latter covers the other ranks of the node,
-        still copying their own files of it, since that commit waits for every rank's copy."""
-        return self.in_flight() | {t.iteration for t in self.dst.outstanding()}
+        still copying their own files of it, since that commit waits for every rank's copy.  A
+        promotion this rank dropped is not kept: its commit is abandoned whatever the others copy."""
+        return self.in_flight() | {t.iteration for t in self.dst.outstanding() if not t.skipped}
 
     def offer(self, ticket: Ticket) -> None:
         """``src`` committed ``ticket``'s checkpoint: promote it when its iteration is a multiple of
@@ -219,13 +230,47 @@ class Promotion(QueueThread):
         """Promote ``src`` checkpoint ``iteration`` (collective: every rank schedules the same ones, in
         order).  ``token``: the run token in its file names, when an earlier run wrote it."""
         future: cf.Future = cf.Future()
+        ticket = Ticket(iteration, seq, future, dict(metadata), time.perf_counter(), token)
+        item = (iteration, seq, token or self.src.token, future)
         with self._lock:
             self._in_flight.add(iteration)
-        self.dst.submit(Ticket(iteration, seq, future, dict(metadata), time.perf_counter(), token))
-        self.put((iteration, seq, token or self.src.token, future))
+            dropped, self._waiting = self._waiting, (item, ticket)
+            if dropped is not None:
+                self._dropped.add(dropped[0][3])  # decided here, under the lock: never also copied
+        self.dst.submit(ticket)
+        self.put(item)
+        if dropped is not None:
+            self._drop(*dropped, newer=iteration)
+
+    def _drop(self, item, ticket: Ticket, newer: int) -> None:
+        """A waiting promotion replaced by ``newer``: its persistent commit is abandoned on every
+        rank (a skip), and the local tier's retention may delete it; the copy thread passes it by."""
+        iteration, _seq, _token, future = item
+        self.skipped += 1
+        ticket.skipped = True  # before the future settles: the committer reads it then
+        future.set_exception(FlushError(f"rank {self.rank}: promotion of iteration {iteration} skipped for {newer}"))
+        with self._lock:
+            self._in_flight.discard(iteration)
+            warn, self._warned = not self._warned, True
+        log.log(
+            logging.WARNING if warn else logging.INFO,
+            "rank %d: promotion of local checkpoint %d to %s skipped: a copy is still in flight and %d is newer "
+            "(%d promotion(s) skipped so far)",
+            self.rank,
+            iteration,
+            self.dst.root,
+            newer,
+            self.skipped,
+        )
 
     def _handle(self, item) -> None:
         iteration, seq, token, future = item
+        with self._lock:
+            if future in self._dropped:  # replaced by a newer one (settled by _drop)
+                self._dropped.discard(future)
+                return
+            if self._waiting is not None and self._waiting[0] is item:
+                self._waiting = None  # being copied now: no longer replaceable
         name = rank_file_name(self.rank, token, seq)
         src = os.path.join(iter_dir(self.src.root, iteration), name)
         dst_dir = iter_dir(self.dst.root, iteration)
@@ -240,6 +285,8 @@ class Promotion(QueueThread):
                 else:
                     receipt = copy_verified(src, os.path.join(dst_dir, name), iteration, pace)
             future.set_result(receipt)
+            with self._lock:
+                self._warned = False
         except BaseException as e:  # noqa: BLE001 - the persistent committer reports it on every rank
             err = (
                 e

@@ -15,10 +15,18 @@ fetched back for this rank after its node was replaced lands in ``replicas/r<sel
 committed (its manifest written) only once the file is complete, every checksum verified and its
 header matches the sender's manifest record.
 
-Thread-safety: :meth:`Replication.replicate` runs on the local tier's commit thread (after the
-commit, so every member handles the same checkpoints in the same order and the next commit's
-retention cannot delete a file being sent); the restore steps run on the training thread at load.
-The clique group is used by one thread at a time (load happens before any save).
+Off the commit path, with skip semantics: a local commit only hands its checkpoint to this rank's
+replication thread (``dsm-replicate-r{rank}``) and goes on, so a stalled partner never delays a
+local commit or training.  Before each exchange the clique agrees (one all-reduce of the clique)
+on the newest local commit any member has seen; every member waits until it has seen it too (the
+local commits are the same on every rank) and exchanges that one; the older ones it had not
+replicated are dropped (counted in :attr:`Replication.skipped`, reported).  What local retention
+keeps for it (:meth:`Replication.kept`): the newest checkpoint seen, the one offered to or agreed
+by the clique until its exchange is over, and the newest one whose exchange completed here.
+
+Thread-safety: :meth:`Replication.replicate` runs on the replication thread; the restore steps run
+on the training thread at load, after :meth:`Replication.drain` (the clique group is used by one
+thread at a time).
 """
 
 from __future__ import annotations
@@ -27,13 +35,14 @@ import dataclasses
 import datetime
 import logging
 import os
+import threading
 import time
 
 import numpy as np
 import torch
 
 from ..dist.collective import Collective
-from ..errors import CheckpointError, CorruptCheckpointError, OptionsError
+from ..errors import CacheTimeoutError, CheckpointError, CorruptCheckpointError, OptionsError
 from ..runtime.faults import crash_point
 from ..format.file_format import FileReceipt, RankFile
 from ..format.manifest import Manifest, read_manifest, write_manifest
@@ -123,10 +132,17 @@ class Replication:
         # not -- still finds the one before it on every partner
         self.keep_last = max(keep_last, 2) if keep_last else 0
         self.stats = ReplicaStats()
-        # the newest local checkpoint whose exchange completed here; every rank of the node has
-        # completed it too once the next local commit runs (that commit waits for every rank's
-        # commit thread, which replicates in line): local retention keeps it
+        self.timeout_s = timeout_s
+        # the newest local checkpoint whose exchange completed here: local retention keeps it
         self.last_replicated: int | None = None
+        self.skipped = 0  # local checkpoints dropped for a newer one while an exchange was in flight
+        self._cond = threading.Condition()
+        self._seen: list = []  # local commits (tickets) not yet exchanged nor dropped, oldest first
+        self._offered: int | None = None  # the iteration offered to / agreed by the clique, until exchanged
+        self._busy = False  # an agreement or exchange is in progress
+        self._closing = False
+        self._warned = False  # a drop was warned about since the last exchange that completed
+        self._thread: threading.Thread | None = None
         self.group = dist.new_group(
             clique, backend="gloo", timeout=datetime.timedelta(seconds=timeout_s), use_local_synchronization=True
         )
@@ -162,26 +178,96 @@ class Replication:
 
     # ------------------------------------------------------------------ after each local commit
     def follow(self) -> None:
-        """Subscribe to the local tier's commits (:meth:`.tier.Tier.on_commit`): each is replicated
-        on its commit thread (the next commit's retention waits for it), and the local retention
-        keeps :meth:`kept`."""
-        self.local.on_commit(self._after_commit, keep=self.kept)
+        """Subscribe to the local tier's commits (:meth:`.tier.Tier.on_commit`; each is handed to the
+        replication thread, started here) and make the local retention keep :meth:`kept`."""
+        # a daemon: a partner that never answers must not hold the interpreter's exit (close() is
+        # bounded); cut short, an exchange leaves only our temp files, which the next start removes
+        self._thread = threading.Thread(target=self._run, name=f"dsm-replicate-r{self.rank}", daemon=True)
+        self._thread.start()
+        self.local.on_commit(self._offer, keep=self.kept)
 
     def kept(self) -> set[int]:
-        """What the local tier's retention must keep: until the newest checkpoint has its
-        replicas, a lost node needs the one before it."""
-        return set() if self.last_replicated is None else {self.last_replicated}
+        """What the local tier's retention must keep: the newest checkpoint seen (the next to
+        exchange), the one offered to or agreed by the clique until its exchange is over, and the
+        newest one replicated -- until the newest has its replicas, a lost node needs it."""
+        with self._cond:
+            out = {self.last_replicated, self._offered, self._seen[-1].iteration if self._seen else None}
+        return out - {None}
 
-    def _after_commit(self, ticket) -> None:
-        try:
-            self.replicate(ticket)
-        except Exception as e:  # noqa: BLE001 - a lost replica never uncommits the local checkpoint
-            log.error("rank %d: replicating iteration %d failed: %r", self.rank, ticket.iteration, e)
+    def _offer(self, ticket) -> None:
+        """The local commit thread, after each local commit: hand it over and go on (never waits)."""
+        with self._cond:
+            self._seen.append(ticket)
+            self._cond.notify_all()
+
+    def drain(self, timeout: float | None = None) -> None:
+        """Block until every local commit handed over so far is exchanged or dropped (``wait`` and
+        ``load``: a load then uses the clique group on the training thread, alone)."""
+        timeout = self.timeout_s if timeout is None else timeout
+        with self._cond:
+            if not self._cond.wait_for(lambda: not self._seen and not self._busy, timeout):
+                raise CacheTimeoutError(
+                    f"rank {self.rank}: replication of iteration(s) {[t.iteration for t in self._seen]} "
+                    f"to clique {self.clique} not done after {timeout:.0f}s"
+                )
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: self._seen or self._closing)
+                if not self._seen:
+                    return
+                newest = self._seen[-1]
+                self._offered, self._busy = newest.iteration, True
+            try:
+                self._exchange_newest(newest)
+            except Exception as e:  # noqa: BLE001 - a lost replica never uncommits the local checkpoint
+                log.error("rank %d: replication after iteration %d failed: %r", self.rank, newest.iteration, e)
+            finally:
+                with self._cond:
+                    self._offered, self._busy = None, False
+                    self._cond.notify_all()
+
+    def _exchange_newest(self, newest) -> None:
+        """Agree with the clique on the newest local commit any member has seen, wait until this rank
+        has seen it (every rank commits the same checkpoints), drop the older ones, exchange it."""
+        import torch.distributed as dist
+
+        agreed = torch.tensor([newest.seq], dtype=torch.int64)
+        dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=self.group)
+        seq = int(agreed.item())
+        with self._cond:
+            if not self._cond.wait_for(lambda: any(t.seq >= seq for t in self._seen), self.timeout_s):
+                raise CacheTimeoutError(
+                    f"rank {self.rank}: local commit of save {seq} not seen after {self.timeout_s:.0f}s"
+                )
+            target = next(t for t in self._seen if t.seq >= seq)
+            dropped = [t for t in self._seen if t.seq < target.seq]
+            self._seen = [t for t in self._seen if t.seq > target.seq]
+            self._offered = target.iteration
+            warn = bool(dropped) and not self._warned
+            self._warned |= bool(dropped)
+        if dropped:
+            self.skipped += len(dropped)
+            log.log(
+                logging.WARNING if warn else logging.INFO,
+                "rank %d: replication of local checkpoint(s) %s to clique %s skipped: an exchange was in flight and "
+                "%d is newer (%d skipped so far)",
+                self.rank,
+                [t.iteration for t in dropped],
+                self.clique,
+                target.iteration,
+                self.skipped,
+            )
+        self.replicate(target)
+        if self.last_replicated == target.iteration:
+            with self._cond:
+                self._warned = False
 
     def replicate(self, ticket) -> None:
-        """Commit thread, after the local commit of ``ticket``: send this rank's file to every other
-        member and keep theirs (a collective of the clique: each member calls it for the same
-        commits, in order).  A failure is logged; the local checkpoint stays committed."""
+        """Replication thread, for the local commit of ``ticket`` the clique agreed on: send this
+        rank's file to every other member and keep theirs (a collective of the clique: each member
+        calls it for the same commits, in order).  A failure is logged; the local checkpoint stays committed."""
         t0 = time.perf_counter()
         crash_point("replicate", self.rank)
         token = ticket.token or self.local.token
@@ -395,8 +481,24 @@ class Replication:
         self.stats.bytes_fetched += theirs["file_bytes"]
         return self._stores[self.rank].root
 
-    def close(self) -> None:
-        """Nothing runs on its own thread; the clique group goes with the process group."""
+    def close(self, timeout: float | None = None) -> None:
+        """Exchange what was handed over (the newest), then stop the replication thread; idempotent.
+        Bounded: after ``timeout`` (default ``timeout_s``) it logs what it gave up on and returns
+        (the thread is left to end with its exchange).  The clique group goes with the process group."""
+        thread, self._thread = self._thread, None
+        if thread is None:
+            return
+        with self._cond:
+            self._closing = True
+            self._cond.notify_all()
+        thread.join(self.timeout_s if timeout is None else timeout)
+        if thread.is_alive():
+            log.error(
+                "rank %d: closed with the replication of iteration %s to clique %s still in flight; not waited for",
+                self.rank,
+                self._offered,
+                self.clique,
+            )
 
 
 def _saves(store: Tier) -> dict[int, tuple[int, int, int]]:

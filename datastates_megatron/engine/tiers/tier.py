@@ -422,6 +422,11 @@ class Tier:
         """The newest iteration this run committed here (``None``: none yet)."""
         return self._committer.latest
 
+    @property
+    def abandoned_skips(self) -> int:
+        """Checkpoints abandoned here because some rank skipped its save (its storage was behind)."""
+        return self._committer.skipped
+
     def on_commit(self, callback, keep=None) -> None:
         """Subscribe ``callback(ticket)``: called on the commit thread after each commit of this
         tier (after its retention is handed to the deleter; subscribers in order, each before the

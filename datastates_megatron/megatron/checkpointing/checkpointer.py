@@ -202,8 +202,10 @@ class LazyCheckpointer:
         self._hooked = []
 
     # ------------------------------------------------------------------ save path
-    def save(self, iteration: int, extra_state=None) -> bool:
-        """Start a checkpoint of ``iteration``; returns at once (``False``: not started, on_error=warn)."""
+    def save(self, iteration: int, extra_state=None, *, final: bool = False) -> bool:
+        """Start a checkpoint of ``iteration``; returns at once (``False``: not started, on_error=warn,
+        or skipped because this rank's storage is behind: ``when_behind``).  ``final`` (the save
+        before the run ends): never skipped; it waits for the storage, bounded by ``timeout_s``."""
         t0 = time.perf_counter()
         self._check_open()
         self.poll()
@@ -215,10 +217,17 @@ class LazyCheckpointer:
             "model_state": model_state.capture(self.model),
             "model": self._model_description,
         }
-        started = self._mgr.save(iteration, objects, metadata={"iteration": int(iteration)})
-        self._last_saved = int(iteration)
-        self._stall[int(iteration)] = time.perf_counter() - t0
+        started = self._mgr.save(iteration, objects, metadata={"iteration": int(iteration)}, final=final)
+        if started:  # the stall of a skipped save is no checkpoint's
+            self._last_saved = int(iteration)
+            self._stall[int(iteration)] = time.perf_counter() - t0
         return started
+
+    @property
+    def skipped(self) -> tuple[int, int]:
+        """(saves this rank skipped, checkpoints every rank abandoned because some rank skipped
+        its save): what storage stalls cost so far."""
+        return self._mgr.skipped, self._mgr.abandoned_skips
 
     def poll(self) -> list[int]:
         """Non-blocking: iterations committed since the last call (a background error is re-raised
@@ -269,6 +278,8 @@ class LazyCheckpointer:
             "cache_wait_s": eng.cache.wait_seconds,
             "gate_wait_s": eng.gate_wait_s,
             "slot_wait_s": eng.slot_wait_s,
+            "skipped": self._mgr.skipped,
+            "abandoned_skips": self._mgr.abandoned_skips,
             "last_commit": self.commits[-1] if self.commits else None,
         }
 

@@ -13,7 +13,14 @@ import os
 from ...engine.errors import OptionsError
 from ...engine.storage.url import is_object_url
 from .flag_spec import option
-from ...engine.options import LOCAL_FALLBACK_CHOICES, ON_ERROR_CHOICES, RECYCLE_CHOICES, EngineOptions, ManagerOptions
+from ...engine.options import (
+    LOCAL_FALLBACK_CHOICES,
+    ON_ERROR_CHOICES,
+    RECYCLE_CHOICES,
+    WHEN_BEHIND_CHOICES,
+    EngineOptions,
+    ManagerOptions,
+)
 
 __all__ = ["LazyCkptConfig", "OptionsError", "ON_ERROR_CHOICES", "LOCAL_FALLBACK_CHOICES", "RECYCLE_CHOICES"]
 
@@ -52,7 +59,8 @@ class LazyCkptConfig:
         "--lazy-ckpt-max-inflight",
         type=int,
         metavar="N",
-        help="Checkpoints that may be copying or flushing at once. A further save waits.",
+        help="Checkpoints of a rank that may be in flight (copying, flushing, or written and waiting for the "
+        "other ranks') at once. A further save is skipped, or waits: --lazy-ckpt-when-behind.",
     )
     keep_last: int = option(
         0,
@@ -80,6 +88,16 @@ class LazyCkptConfig:
         choices=ON_ERROR_CHOICES,
         help="raise: a failed background save raises in the training loop at the next poll. warn: the failure "
         "is logged, that iteration is not committed, and training continues.",
+    )
+    when_behind: str = option(
+        "skip",
+        "--lazy-ckpt-when-behind",
+        choices=WHEN_BEHIND_CHOICES,
+        help="skip: a save that a rank cannot stage without waiting for its storage (--lazy-ckpt-max-inflight "
+        "checkpoints in flight, or no host cache room) is skipped; every rank abandons that checkpoint, one "
+        "warning per stall names the rank, directory and skips, and training goes on at its pace; the next "
+        "checkpoints are attempted as usual. wait: the save waits for the storage (bounded by "
+        "--lazy-ckpt-timeout-s). The save at the end of a run, on a signal or at --exit-interval always waits.",
     )
     streaming: bool = option(
         True,

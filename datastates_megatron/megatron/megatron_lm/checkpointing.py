@@ -52,6 +52,7 @@ __all__ = [
     "build_extra_state",
     "apply_extra_state",
     "largest_tensor_bytes",
+    "is_final_save",
 ]
 
 logger = logging.getLogger(__name__)
@@ -84,6 +85,7 @@ class _Session:
     def __init__(self, ckpt: Any, model: Any, optimizer: Any, scheduler: Any) -> None:
         self.ckpt = ckpt
         self._ids = (_ids(model), id(optimizer), id(scheduler))
+        self.skips_reported = (0, 0)  # the skip counts last written to TensorBoard
 
     def matches(self, model: Any, optimizer: Any, scheduler: Any) -> bool:
         return self._ids == (_ids(model), id(optimizer), id(scheduler))
@@ -167,6 +169,54 @@ def log_commit_to_writers(record: Any, stall_s: float) -> None:
             tb.add_scalar(name, value, record.iteration)
     if wb is not None:
         wb.log(metrics, record.iteration)
+
+
+def log_skips_to_writers(session: _Session, iteration: int) -> None:
+    """The skipped checkpoints (storage behind: ``--lazy-ckpt-when-behind skip``) as TensorBoard
+    scalars, on the rank holding Megatron's writer, whenever they changed: this rank's skipped
+    saves, and the checkpoints every rank abandoned for some rank's skip."""
+    counts = session.ckpt.skipped
+    if counts == session.skips_reported:
+        return
+    session.skips_reported = counts
+    try:
+        from megatron.training.global_vars import get_tensorboard_writer
+    except ImportError:
+        return
+    tb = get_tensorboard_writer()
+    if tb is not None:
+        tb.add_scalar("lazy-ckpt/skipped-saves", float(counts[0]), iteration)
+        tb.add_scalar("lazy-ckpt/skipped-checkpoints", float(counts[1]), iteration)
+
+
+def is_final_save(args: Any, iteration: int) -> str | None:
+    """Why Megatron-LM's save of ``iteration`` is its last before the run ends (never skipped,
+    then), or ``None``: the end of training (``--train-iters``), ``--exit-interval``, a phase
+    transition, a signal received (``--exit-signal-handler``) or ``--exit-duration-in-mins`` passed
+    -- the conditions under which ``training.checkpoint_and_decide_exit`` and ``pretrain`` save and
+    then leave.  The duration is this rank's clock (Megatron's own decision is the maximum over
+    ranks, taken a moment before the save)."""
+    train_iters = getattr(args, "train_iters", None)
+    if train_iters and iteration >= train_iters:
+        return "the end of training"
+    exit_interval = getattr(args, "exit_interval", None)
+    if exit_interval and iteration % exit_interval == 0:
+        return "--exit-interval"
+    if iteration in (getattr(args, "phase_transition_iterations", None) or ()):
+        return "a phase transition"
+    try:
+        from megatron.training import global_vars, training
+    except ImportError:
+        return None
+    if getattr(args, "exit_signal_handler", False):
+        handler = global_vars.get_signal_handler()
+        if handler is not None and any(handler.signals_received()):
+            return "a signal"
+    minutes = getattr(args, "exit_duration_in_mins", None)
+    start = getattr(training, "_TRAIN_START_TIME", None)
+    if minutes and start is not None and (time.time() - start) / 60.0 > minutes:
+        return "--exit-duration-in-mins"
+    return None
 
 
 def largest_tensor_bytes(model: Any) -> int:
@@ -403,14 +453,18 @@ def save_checkpoint(
         # Only Megatron Energon loaders have state; written synchronously next to the checkpoint.
         mcp.maybe_save_dataloader_state(train_data_iterator, iteration, getattr(args, "dataloader_save", None))
     extra = build_extra_state(args, iteration, num_floating_point_operations_so_far)
+    final = is_final_save(args, iteration)
     start = time.perf_counter()
-    session.ckpt.save(iteration, extra_state=extra)
+    started = session.ckpt.save(iteration, extra_state=extra, final=final is not None)
+    log_skips_to_writers(session, iteration)
     _info(
-        "rank %d: scheduled lazy checkpoint of iteration %d to %s (training blocked %.3f s)",
+        "rank %d: %s lazy checkpoint of iteration %d to %s (training blocked %.3f s%s)",
         _rank(),
+        "scheduled" if started else "did not schedule",
         iteration,
         args.save,
         time.perf_counter() - start,
+        f"; the last before the run ends: {final}" if final else "",
     )
 
 
