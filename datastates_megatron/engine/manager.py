@@ -760,6 +760,7 @@ class CheckpointManager(ClosingContext):
         if self._closed:
             return
         forget(self)
+        bound = self.engine.options.timeout_s if timeout is None else timeout  # every join is bounded
         try:
             self.wait(timeout, promote_newest=True)
         finally:
@@ -770,7 +771,7 @@ class CheckpointManager(ClosingContext):
                 try:
                     for part in (self.local, self.promotion, self.persistent):
                         if part is not None:
-                            part.close()
+                            part.close(bound)
                 finally:
                     self._release_lock()
 

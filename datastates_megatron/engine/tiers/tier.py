@@ -529,18 +529,19 @@ class Tier:
             return False
         return True
 
-    def abandon(self) -> None:
-        """Join the commit thread and the deleter, and nothing else: a start-up that failed, or a run
-        cut short (the directory stays as it is; :meth:`release` the lock after)."""
+    def abandon(self, timeout: float | None = None) -> None:
+        """Join the commit thread and the deleter (each within ``timeout`` s when given; past it, the
+        thread is logged and left), and nothing else: a start-up that failed, or a run cut short
+        (the directory stays as it is; :meth:`release` the lock after)."""
         if self._committer is not None:
-            self._committer.close()
+            self._committer.close(timeout)
         if self._deleter is not None:
-            self._deleter.close()  # after the committer: the last commit's retention is queued
+            self._deleter.close(timeout)  # after the committer: the last commit's retention is queued
 
-    def close(self) -> None:
+    def close(self, timeout: float | None = None) -> None:
         """:meth:`abandon`; then (the writer) empty the pool: training is over, its retired files
         only hold space.  The lock is kept until :meth:`release`."""
-        self.abandon()
+        self.abandon(timeout)
         if self.is_writer and self._still_owned():
             try:
                 trim_recycled(self.root, keep=0)
