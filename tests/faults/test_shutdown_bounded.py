@@ -26,7 +26,7 @@ BOUND_S = 60.0  # close()'s bound here: a few timeouts plus the promotion's grac
 def _manager(tmp_path, **policy) -> CheckpointManager:
     mgr = CheckpointManager(
         str(tmp_path / "persistent"),
-        EngineOptions(cache_bytes=1 << 20, timeout_s=CLOSE_TIMEOUT_S),
+        EngineOptions(cache_bytes=1 << 20, timeout_s=30),
         keep_last=0,
         local_root=str(tmp_path / "local"),
         persist_interval=1,
@@ -69,6 +69,7 @@ def test_close_returns_when_another_process_holds_every_promotion_slot(tmp_path,
     fds = _hold_slots(mgr.local_root, 2)
     try:
         mgr.save(1)
+        mgr.wait(persist=False)  # committed locally: its promotion is queued
         with caplog.at_level(logging.WARNING):
             returned, seconds, raised = _close_in_thread(mgr)
         assert returned, f"close() still waiting after {BOUND_S:.0f} s (promotion slots held by another process)"
@@ -85,6 +86,7 @@ def test_close_returns_when_another_process_holds_every_promotion_slot(tmp_path,
 def test_close_returns_when_promotion_is_paced_to_almost_nothing(tmp_path, caplog):
     mgr = _manager(tmp_path, promote_mbps=1e-6)  # one byte a second
     mgr.save(1)
+    mgr.wait(persist=False)
     with caplog.at_level(logging.WARNING):
         returned, seconds, raised = _close_in_thread(mgr)
     assert returned, f"close() still waiting after {BOUND_S:.0f} s (promotion paced to 1 B/s)"
