@@ -27,7 +27,7 @@ LOCK_NAME = ".datastates.lock"  # the one-writer lock of a save directory (:mod:
 RUN_ID_NAME = ".datastates.run"  # the id of the run a save directory belongs to (:mod:`.run_id`)
 RECYCLE_DIR = ".recycle"  # retired rank files waiting to be overwritten (:mod:`.retention`)
 PROMOTING_SUFFIX = ".promoting"  # a rank file being copied to the persistent tier (:mod:`.tiers`)
-_TMP = re.compile(r"\.tmp-\d+$")  # :func:`.manifest.atomic_write`'s temp file: ``<name>.tmp-<pid>``
+_TMP = re.compile(r"\.tmp-[0-9]+\Z")  # :func:`.manifest.atomic_write`'s temp file: ``<name>.tmp-<pid>``
 
 
 def _is_temp_of(name: str, base: str) -> bool:

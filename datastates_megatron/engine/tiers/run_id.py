@@ -36,7 +36,7 @@ __all__ = [
 ]
 
 RUN_SUBDIR_PREFIX = "run-"
-_ID = re.compile(r"^[0-7][0-9a-f]{15}$")  # below 2**63: it travels as an int64
+_ID = re.compile(r"^[0-7][0-9a-f]{15}\Z")  # below 2**63: it travels as an int64
 _MAX_BYTES = 4096
 log = logging.getLogger(__name__)
 
