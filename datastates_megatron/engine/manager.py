@@ -40,6 +40,7 @@ from .load.load_plan import LoadPlanner, SameLayoutPlanner
 from .load.reader import CheckpointReader, RestoreStats, open_checkpoint
 from .fs.iteration_dir import prepare_iteration_dir
 from .tiers.replication import REPLICAS_DIR, Replication, clique_of, replication_plan
+from .names import RUN_ID_NAME
 from .tiers.run_id import RUN_SUBDIR_PREFIX, ensure_run_id, run_subdir
 from .fs.safe_io import check_path_fits, make_dir, make_root
 from .save.snapshot import SnapshotEngine
@@ -175,6 +176,7 @@ class CheckpointManager(ClosingContext):
         self.local_base = os.path.abspath(local_root.format(node=self.node)) if local_root else None
         self.local_root: str | None = None  # set once the run id is agreed (_start_tiers)
         self.run_id = ""
+        self._save_empty = False  # rank 0: --save held no checkpoint at start-up (:meth:`_warn_wiped_save`)
         self.persistent = Tier(
             "persistent",
             self.root,
@@ -215,6 +217,8 @@ class CheckpointManager(ClosingContext):
                     default_store(), self.rank, self.world_size, f"dsm/{token}/restore", opts.timeout_s
                 )
                 common = self._decide(*self._local_committed(), None, persistent=False)["local"]
+                if common and self._save_empty:
+                    self._warn_wiped_save(common[0])
                 self.promotion.resume(common[0] if common else None)
                 jump, factor = replication_plan(self.world_size, per_node, policy.replicas, policy.replication_jump)
                 if factor > 1:
@@ -223,6 +227,24 @@ class CheckpointManager(ClosingContext):
             self._abandon_start()
             raise
         close_at_exit(self)
+
+    def _warn_wiped_save(self, iteration: int) -> None:
+        """Rank 0, at start-up: ``--save`` holds no checkpoint but the node-local tier of its run does
+        -- a save directory wiped with ``rm -rf S/*`` keeps the dot-file naming the run.  Resuming
+        from it is right for a run killed before its first promotion, a surprise for a new
+        experiment: said once, with how to start fresh."""
+        log.warning(
+            "%s holds no checkpoint, but the node-local tier %s of its run %s (named by %s) holds iteration %d: "
+            "resuming from it and promoting it to %s; to start fresh instead, remove %s (and %s) before starting",
+            self.root,
+            self.local_root,
+            self.run_id,
+            os.path.join(self.root, RUN_ID_NAME),
+            iteration,
+            self.root,
+            os.path.join(self.root, RUN_ID_NAME),
+            self.local_root,
+        )
 
     def _abandon_start(self) -> None:
         """A start-up that failed after threads were started: stop them (nothing was saved yet;
@@ -282,6 +304,7 @@ class CheckpointManager(ClosingContext):
             if self.persistent.is_writer:
                 make_root(self.root)
                 found = survey(self.root)
+                self._save_empty = not found.committed and not found.damaged
                 self.persistent.refuse_foreign(found)  # read-only: before the lock
                 self.persistent.acquire()
                 self.persistent.clean(found)
