@@ -144,8 +144,13 @@ class Survey:
 
     def strays(self, iteration: int) -> list[str]:
         """Entries of committed ``iteration``'s directory that we wrote and its manifest does not name."""
-        named = {MANIFEST_NAME, INDEX_NAME, *(r.file for r in self.committed[iteration].ranks)}
-        return [n for n in _entries(iter_dir(self.root, iteration)) if n not in named and is_ours_in_iteration(n)]
+        return _strays(iter_dir(self.root, iteration), self.committed[iteration])
+
+
+def _strays(ckpt_dir: str, manifest: Manifest) -> list[str]:
+    """Entries of ``ckpt_dir`` (committed by ``manifest``) that we wrote and ``manifest`` does not name."""
+    named = {MANIFEST_NAME, INDEX_NAME, *(r.file for r in manifest.ranks)}
+    return [n for n in _entries(ckpt_dir) if n not in named and is_ours_in_iteration(n)]
 
 
 def _entries(d: str) -> list[str]:
@@ -339,8 +344,11 @@ class Tier:
         # manager; its commits send it (once per change) for the checkpoint's global index
         self.summary: tuple[bytes, int] | None = None
         self._deleter: Deleter | None = None  # the writer's retention thread (:meth:`_deletions`)
-        self._deleter_lock = threading.Lock()  # also guards _written
-        self._written: dict[str, tuple[tuple, Manifest]] = {}  # the manifests this writer wrote last
+        self._deleter_lock = threading.Lock()  # also guards _written and _kept
+        self._written: dict[int, Manifest] = {}  # iteration -> the manifests this writer wrote last
+        # iteration -> commit sequence of every checkpoint committed here, as the writer knows it: from
+        # the start-up survey, then its own commits and deletions (retention never surveys again)
+        self._kept: dict[int, int] | None = None
         self._next_seq = 0
 
     @property
@@ -392,6 +400,8 @@ class Tier:
         if removed:
             log.info("rank %d: removed %d leftover(s) of ours under %s", self.rank, len(removed), self.root)
         self._next_seq = max((m.commit_seq for m in found.committed.values()), default=-1) + 1
+        with self._deleter_lock:
+            self._kept = {it: m.commit_seq for it, m in found.committed.items()}
 
     # ------------------------------------------------------------------ commits
     def open(self, collective, world_size: int, layout: dict, timeout_s: float) -> None:
@@ -447,18 +457,15 @@ class Tier:
             callback(ticket)
 
     def manifest_written(self, manifest: Manifest) -> None:
-        """The commit thread wrote ``manifest`` (the writer): this tier's retention need not read it
-        back (14 MB at 64k ranks), racy window or not -- it replaced the old one by a rename, so any
-        later change of ours is a new inode.  Only this tier's own surveys use it; the newest few."""
-        path = os.path.join(iter_dir(self.root, manifest.iteration), MANIFEST_NAME)
-        try:
-            st = os.lstat(path)
-        except OSError:
-            return
-        key = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_mode)
+        """The commit thread wrote ``manifest`` (the writer): this tier's retention counts it among the
+        checkpoints kept and never reads it back (14 MB at 64k ranks) -- the tier knows what it
+        wrote, so a commit's metadata work does not grow with the checkpoints kept.  The newest few
+        manifests are kept for their rank-file names (the superseded files of a re-save)."""
         with self._deleter_lock:
-            self._written.pop(path, None)
-            self._written[path] = (key, manifest)
+            if self._kept is not None:
+                self._kept[manifest.iteration] = manifest.commit_seq
+            self._written.pop(manifest.iteration, None)
+            self._written[manifest.iteration] = manifest
             while len(self._written) > 4:
                 self._written.pop(next(iter(self._written)))
 
@@ -495,16 +502,17 @@ class Tier:
         for _, keep in self._followers:  # still being copied elsewhere (the next tier, partners)
             if keep is not None:
                 protected |= keep()
-        with self._deleter_lock:
-            known = dict(self._written)
-        found = survey(self.root, known)  # what this writer wrote itself is not read back
-        for it in select_deletions(found.order, self.keep_last, self.keep_every, protected):
+        order, manifest = self._commit_order(just)
+        for it in select_deletions(order, self.keep_last, self.keep_every, protected):
             crash_point("retention", self.rank)
             try:
                 delete_checkpoint(self.root, it, recycle=self._recycle, rank=self.rank)
             except OSError as e:  # the next ones may still go; this one is tried again next time
                 deletion_failed(iter_dir(self.root, it), e, self.rank)
                 continue
+            with self._deleter_lock:
+                self._kept.pop(it, None)
+                self._written.pop(it, None)
             log.info("rank %d: retention deleted %s (%s tier)", self.rank, iter_dir(self.root, it), self.name)
         if self._recycle:
             trim_recycled(self.root, keep=2 * len(self.writes))  # two checkpoints' worth
@@ -513,10 +521,27 @@ class Tier:
         # (writer) rank submitted it: it supersedes
         keep = {rank_file_name(r, t.token or self.token, t.seq) for t in (just, *outstanding) for r in self.writes}
         d = iter_dir(self.root, just.iteration)
-        for name in found.strays(just.iteration) if just.iteration in found.committed else ():
+        for name in _strays(d, manifest) if manifest is not None else ():
             parsed = parse_rank_file_name(name)
             if parsed and name not in keep and not (parsed[1] == self.token and parsed[2] > just.seq):
                 unlink_ours(os.path.join(d, name))
+
+    def _commit_order(self, just) -> tuple[list[int], Manifest | None]:
+        """The checkpoints committed here, oldest commit first, and the manifest of ``just``'s
+        iteration (``None``: not committed, or not by this writer).  From what the tier knows; only a
+        tier whose start-up survey was never taken (:meth:`clean`) surveys, once."""
+        with self._deleter_lock:
+            kept = self._kept
+        if kept is None:
+            found = survey(self.root)
+            with self._deleter_lock:
+                if self._kept is None:
+                    self._kept = {it: m.commit_seq for it, m in found.committed.items()}
+                    for it, m in self._written.items():  # written while the survey ran
+                        self._kept.setdefault(it, m.commit_seq)
+        with self._deleter_lock:
+            order = sorted(self._kept, key=lambda it: (self._kept[it], it))
+            return order, self._written.get(just.iteration)
 
     def _still_owned(self) -> bool:
         """Whether this job still owns the directory (its lock file is the one it locked): once not,
