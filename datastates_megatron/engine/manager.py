@@ -41,6 +41,7 @@ from .load.reader import CheckpointReader, RestoreStats, open_checkpoint
 from .fs.iteration_dir import prepare_iteration_dir
 from .tiers.replication import REPLICAS_DIR, Replication, clique_of, replication_plan
 from .names import RUN_ID_NAME
+from .tiers.reclaim import mark_ended, reclaim_finished_runs, unmark_ended
 from .tiers.run_id import RUN_SUBDIR_PREFIX, ensure_run_id, run_subdir
 from .fs.safe_io import check_path_fits, make_dir, make_root
 from .save.snapshot import SnapshotEngine
@@ -339,6 +340,8 @@ class CheckpointManager(ClosingContext):
                         "On one machine running several nodes, give each its own directory with {node} in "
                         "--lazy-ckpt-local-dir"
                     ) from None
+                unmark_ended(self.local_root)  # this run is live here again
+                reclaim_finished_runs(self.local_base, self.run_id)
                 report_other_runs(self.local_base, self.run_id)
                 self.local.clean()
         except Exception as e:  # noqa: BLE001 - every rank must hear it, not only this one
@@ -784,8 +787,10 @@ class CheckpointManager(ClosingContext):
             return
         forget(self)
         bound = self.engine.options.timeout_s if timeout is None else timeout  # every join is bounded
+        ended = False
         try:
             self.wait(timeout, promote_newest=True)
+            ended = True
         finally:
             self._closed = True
             try:
@@ -795,8 +800,18 @@ class CheckpointManager(ClosingContext):
                     for part in (self.local, self.promotion, self.persistent):
                         if part is not None:
                             part.close(bound)
+                    if ended and self.local is not None and self.local.is_writer:
+                        self._mark_ended()
                 finally:
                     self._release_lock()
+
+    def _mark_ended(self) -> None:
+        """The run ended cleanly on this node: the next run here may reclaim its directory once
+        nothing in it is newer than ``--save`` (:mod:`.tiers.reclaim`)."""
+        try:
+            mark_ended(self.local_root, self.run_id, self.root)
+        except (CheckpointError, OSError) as e:  # the directory then stays, as before
+            log.warning("rank %d: %s: could not mark the run as ended: %s", self.rank, self.local_root, e)
 
     def _check_open(self) -> None:
         if self._closed:

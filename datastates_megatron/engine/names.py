@@ -18,7 +18,11 @@ __all__ = [
     "RUN_ID_NAME",
     "RECYCLE_DIR",
     "PROMOTING_SUFFIX",
+    "ENDED_NAME",
+    "PROMOTE_SLOT_PREFIX",
+    "REPLICAS_DIR",
     "is_ours_in_iteration",
+    "is_ours_in_run_dir",
     "is_recycled_name",
     "is_tracker_temp",
 ]
@@ -27,6 +31,12 @@ LOCK_NAME = ".datastates.lock"  # the one-writer lock of a save directory (:mod:
 RUN_ID_NAME = ".datastates.run"  # the id of the run a save directory belongs to (:mod:`.run_id`)
 RECYCLE_DIR = ".recycle"  # retired rank files waiting to be overwritten (:mod:`.retention`)
 PROMOTING_SUFFIX = ".promoting"  # a rank file being copied to the persistent tier (:mod:`.tiers`)
+ENDED_NAME = ".datastates.ended"  # a node-local run directory whose run ended cleanly (:mod:`.tiers.reclaim`)
+PROMOTE_SLOT_PREFIX = (
+    ".promote-slot-"  # + slot number: the lock files of a run directory (:mod:`.tiers.promote_throttle`)
+)
+REPLICAS_DIR = "replicas"  # the replica stores in a run directory (:mod:`.tiers.replication`)
+_SLOT = re.compile(r"\.promote-slot-[0-9]+\Z")
 _TMP = re.compile(r"\.tmp-[0-9]+\Z")  # :func:`.manifest.atomic_write`'s temp file: ``<name>.tmp-<pid>``
 
 
@@ -62,3 +72,18 @@ def is_tracker_temp(name: str) -> bool:
     """A temp file a crash interrupted in a tier's root: of a tracker update (``<tracker>.tmp-<pid>``)
     or of the run id's creation (``.datastates.run.tmp-<pid>``)."""
     return _is_temp_of(name, TRACKER_NAME) or _is_temp_of(name, RUN_ID_NAME)
+
+
+def is_ours_in_run_dir(name: str) -> bool:
+    """Whether an entry of a node-local run directory (``run-<id>/``) is one we create: an ``iter_*``
+    directory, the recycle pool, the replica stores, the lock, the end marker, a promotion slot, the
+    tracker or the temp file of the tracker or of the end marker."""
+    from .format.manifest import iteration_of
+
+    return (
+        iteration_of(name) is not None
+        or name in (RECYCLE_DIR, REPLICAS_DIR, LOCK_NAME, ENDED_NAME, TRACKER_NAME)
+        or bool(_SLOT.match(name))
+        or is_tracker_temp(name)
+        or _is_temp_of(name, ENDED_NAME)
+    )

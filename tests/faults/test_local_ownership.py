@@ -21,6 +21,7 @@ from datastates_megatron.engine.errors import (
     SaveDirBusyError,
 )
 from datastates_megatron.engine.manager import CheckpointManager
+from datastates_megatron.engine.names import ENDED_NAME
 from datastates_megatron.engine.tiers.tier import committed_iterations
 
 
@@ -52,6 +53,7 @@ def test_a_new_run_never_loads_promotes_or_deletes_an_earlier_runs_local_checkpo
     with _manager(tmp_path / "old-save", local, w) as old:  # its local checkpoints 7 and 8 stay on the node
         _train(old, w, range(1, 9))
         old_dir = old.local_root
+    os.unlink(os.path.join(old_dir, ENDED_NAME))  # as if killed: a run that ended cleanly is reclaimed
     # and a checkpoint of a version that wrote directly under the root
     shutil.copytree(os.path.join(old_dir, "iter_0000008"), local / "iter_0000008")
     before = _digest(local)
@@ -83,11 +85,13 @@ def test_two_runs_share_one_local_root(tmp_path):
             _train(a, wa, [it], offset=100)
             _train(b, wb, [it], offset=200)
         assert committed_iterations(a.local_root) == [5] and committed_iterations(b.local_root) == [5]
-    for save, w, offset in ((tmp_path / "a", wa, 100), (tmp_path / "b", wb, 200)):
+    # a restarts first and restores its node-local copy; b ended cleanly with its newest in its --save,
+    # so a's start-up reclaimed b's directory (issue 41, item 4), and b restores from its --save
+    for save, w, offset, where in ((tmp_path / "a", wa, 100, "local"), (tmp_path / "b", wb, 200, "save")):
         w.zero_()
         with _manager(save, local, w) as mgr:
             res = mgr.load()
-            assert res.iteration == 5 and res.root == mgr.local_root
+            assert res.iteration == 5 and res.root == (mgr.local_root if where == "local" else str(save))
         assert torch.equal(w, torch.full((1000,), 5.0 + offset))
 
 

@@ -22,14 +22,13 @@ import os
 import threading
 import time
 
+from ..names import PROMOTE_SLOT_PREFIX
 from ..errors import CheckpointError, FlushError
 from ..fs.safe_io import open_for_write
 
 __all__ = ["PROMOTE_SLOT_PREFIX", "PromoteSlots", "Pace", "PromotionAbandoned"]
 
 log = logging.getLogger(__name__)
-
-PROMOTE_SLOT_PREFIX = ".promote-slot-"  # + slot number: the lock files in a node's local tier directory
 
 
 class PromotionAbandoned(FlushError):

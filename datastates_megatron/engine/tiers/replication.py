@@ -32,6 +32,7 @@ import time
 import numpy as np
 import torch
 
+from ..names import REPLICAS_DIR
 from ..dist.collective import Collective
 from ..errors import CheckpointError, CorruptCheckpointError, OptionsError
 from ..runtime.faults import crash_point
@@ -54,7 +55,6 @@ from ..format.writer import fsync_dir
 __all__ = ["Replication", "clique_of", "replication_plan", "REPLICAS_DIR", "ReplicaStats"]
 
 log = logging.getLogger(__name__)
-REPLICAS_DIR = "replicas"
 _CHUNK = 16 << 20  # one receive buffer of this size (sends go from the file's mapping): replication's memory
 _HDR = ("ok", "iteration", "seq", "token", "file_bytes", "manifest_bytes")
 

@@ -281,7 +281,8 @@ def latest_to_resume(root: str, *, warn: bool = False) -> int:
 def report_other_runs(local_base: str, run_id: str) -> list[str]:
     """Name, in one warning, what a shared node-local root holds of other runs: their ``run-<id>``
     directories and checkpoints written directly under the root (before local tiers were bound to
-    their run).  Read only: they are never loaded, promoted or deleted by this run."""
+    their run).  Read only: they are never loaded or promoted by this run (one that ended cleanly was
+    reclaimed before: :mod:`.reclaim`)."""
     try:
         names = os.listdir(local_base)
     except FileNotFoundError:
@@ -292,7 +293,8 @@ def report_other_runs(local_base: str, run_id: str) -> list[str]:
         shown = ", ".join(others[:5]) + (f" and {len(others) - 5} more" if len(others) > 5 else "")
         log.warning(
             "%s: holds node-local checkpoints of other runs (%s); this run (%s) never loads, promotes or "
-            "deletes them -- remove them when those runs are over",
+            "deletes them (those of a run that ended cleanly with all in its --save are) -- remove them when "
+            "those runs are over",
             local_base,
             shown,
             run_id,
