@@ -32,7 +32,7 @@ import numpy as np
 
 from ..errors import CorruptCheckpointError
 from .hashing import xxh64
-from .json_budget import VALUE_BYTES, check_budget, count_values
+from .json_budget import VALUE_BYTES
 from .manifest import Manifest, atomic_write, iter_dir
 from ..fs.safe_io import MANIFEST_MAX_BYTES, read_capped
 
@@ -219,12 +219,13 @@ def _split(path: str, body: memoryview) -> tuple[str, np.ndarray]:
     if tlen > len(body) - 8 or (len(body) - 8 - tlen) % (8 * _COLS):
         raise CorruptCheckpointError(f"{path}: global index tables of {tlen} bytes in a body of {len(body)}")
     raw = body[8 : 8 + tlen]
-    check_budget(raw, _TABLE_BYTES_PER_VALUE, _TABLE_VALUE_ALLOWANCE, path, "global index")
-    values, objects = count_values(raw), _count_objects(raw)
-    if values > _TABLE_MAX_VALUES or objects > _TABLE_MAX_OBJECTS:
+    values, objects = _count(raw)  # one pass, before anything is decoded or parsed
+    most = min(_TABLE_MAX_VALUES, len(raw) // _TABLE_BYTES_PER_VALUE + _TABLE_VALUE_ALLOWANCE)
+    if values > most or objects > _TABLE_MAX_OBJECTS:
         raise CorruptCheckpointError(
-            f"{path}: global index tables hold up to {values} JSON values and {objects} objects, more than "
-            f"the {_TABLE_MAX_VALUES} and {_TABLE_MAX_OBJECTS} one we write could hold; refusing to parse them "
+            f"{path}: global index tables hold up to {values} JSON values and {objects} objects in {len(raw)} "
+            f"bytes, more than the {most} and {_TABLE_MAX_OBJECTS} one we write could hold (one value per "
+            f"{_TABLE_BYTES_PER_VALUE} bytes, as a manifest); refusing to parse them "
             f"(it would take ~{values * VALUE_BYTES >> 20} MiB)"
         )
     try:
@@ -235,9 +236,15 @@ def _split(path: str, body: memoryview) -> tuple[str, np.ndarray]:
     return text, table
 
 
-def _count_objects(raw: memoryview) -> int:
-    """An upper bound on the JSON objects in ``raw`` (16 MiB windows, like :func:`.json_budget.count_values`)."""
-    return sum(bytes(raw[i : i + (16 << 20)]).count(b"{") for i in range(0, len(raw), 16 << 20))
+def _count(raw: memoryview) -> tuple[int, int]:
+    """Upper bounds on the JSON values (:func:`.json_budget.count_values`) and objects in ``raw``,
+    over 16 MiB windows."""
+    values, objects = 1, 0
+    for i in range(0, len(raw), 16 << 20):
+        part = bytes(raw[i : i + (16 << 20)])
+        objects += part.count(b"{")
+        values += part.count(b",") + part.count(b"[")
+    return values + objects, objects
 
 
 def _parse_tables(path: str, text: str) -> tuple[list, list, dict]:
