@@ -225,7 +225,7 @@ class CheckpointManager(ClosingContext):
                 if factor > 1:
                     self._start_replication(jump, factor, opts.timeout_s)
         except BaseException:
-            self._abandon_start()
+            self._abandon_start(opts.timeout_s)
             raise
         close_at_exit(self)
 
@@ -247,15 +247,15 @@ class CheckpointManager(ClosingContext):
             self.local_root,
         )
 
-    def _abandon_start(self) -> None:
+    def _abandon_start(self, timeout_s: float) -> None:
         """A start-up that failed after threads were started: stop them (nothing was saved yet;
-        a process must not hang on them at exit) and release the locks."""
+        a process must not hang on them at exit; each join bounded) and release the locks."""
         try:
             if self.promotion is not None:
-                self.promotion.close()
+                self.promotion.close(timeout_s)
             for tier in (self.local, self.persistent):
                 if tier is not None:
-                    tier.abandon()
+                    tier.abandon(timeout_s)
             engine = getattr(self, "engine", None)
             if engine is not None:
                 engine.close()
