@@ -28,13 +28,13 @@ import stat
 import time
 
 from ..errors import CheckpointError, SaveDirBusyError
-from ..format.manifest import atomic_write, iter_dir, iteration_of
+from ..format.manifest import atomic_write, iter_dir, iteration_of, read_manifest
 from ..fs.dirlock import SaveDirLock
 from ..fs.safe_io import read_capped, real_dir
 from ..names import ENDED_NAME, LOCK_NAME, RECYCLE_DIR, REPLICAS_DIR, is_ours_in_run_dir
 from .retention import remove_ours, trim_recycled, unlink_ours
 from .run_id import RUN_SUBDIR_PREFIX, is_run_id, read_run_id
-from .tier import survey
+from .tier import list_iterations, survey
 
 __all__ = ["mark_ended", "unmark_ended", "reclaim_finished_runs"]
 
@@ -90,19 +90,32 @@ def _blocker(run_dir: str, run_id: str) -> str | None:
     if doc is None:
         return "its run did not end cleanly (no end marker)"
     save_dir = doc["save_dir"]
-    try:
-        if read_run_id(save_dir) != run_id:
-            return f"its --save {save_dir} no longer belongs to run {run_id}"
-        persistent = survey(save_dir)
-    except (CheckpointError, OSError) as e:
-        return f"its --save {save_dir} cannot be read here ({e})"
-    newest_saved = max(persistent.committed, default=None)
     newest_local, damaged = _newest_local(run_dir)
     if damaged:
         return damaged
-    if newest_local is not None and (newest_saved is None or newest_local > newest_saved):
-        return f"it holds iteration {newest_local}, newer than {save_dir}'s newest ({newest_saved})"
+    try:
+        if read_run_id(save_dir) != run_id:
+            return f"its --save {save_dir} no longer belongs to run {run_id}"
+        if newest_local is not None and not _committed_at_or_after(save_dir, newest_local):
+            return f"it holds iteration {newest_local}, and {save_dir} holds no committed checkpoint as new"
+    except (CheckpointError, OSError) as e:
+        return f"its --save {save_dir} cannot be read here ({e})"
     return None
+
+
+def _committed_at_or_after(save_dir: str, iteration: int) -> bool:
+    """Whether ``save_dir`` holds a committed checkpoint of ``iteration`` or later: its manifests
+    are read newest first, and only until one reads (not every manifest of a --save that keeps
+    thousands)."""
+    for it in reversed(list_iterations(save_dir)):
+        if it < iteration:
+            return False
+        try:
+            read_manifest(iter_dir(save_dir, it))
+            return True
+        except CheckpointError:  # not committed, or damaged: an older one may still cover it
+            continue
+    return False
 
 
 def _remove_tree_of_ours(root: str) -> list[str]:
