@@ -171,15 +171,15 @@ def list_iterations(root: str) -> list[int]:
     return sorted(it for n in names if (it := iteration_of(n)) is not None and os.path.isdir(os.path.join(root, n)))
 
 
-def survey(root: str, known: dict | None = None) -> Survey:
+def survey(root: str) -> Survey:
     """The one answer to "what is committed, ours, not ours" in the tier directory ``root``.
     Incremental: a manifest whose file is unchanged since it was last read here (same inode,
-    size, mtime and ctime; :class:`_ManifestCache`) is not read again -- retention surveys the
-    directory at every commit."""
+    size, mtime and ctime; :class:`_ManifestCache`) is not read again (loads and ``ls`` survey a
+    tier again; a tier's own retention does not: it knows what it committed)."""
     iterations = list_iterations(root)
     committed, damaged = {}, {}
     for it in iterations:
-        got = _MANIFESTS.read(iter_dir(root, it), known)
+        got = _MANIFESTS.read(iter_dir(root, it))
         if isinstance(got, Manifest):
             committed[it] = got
         elif got is not None:
@@ -211,10 +211,9 @@ class _ManifestCache:
         self._lock = threading.Lock()
         self._entries: dict[str, tuple[tuple, object]] = {}
 
-    def read(self, ckpt_dir: str, known: dict | None = None) -> Manifest | CheckpointError | None:
+    def read(self, ckpt_dir: str) -> Manifest | CheckpointError | None:
         """The manifest of ``ckpt_dir``; its error (detached) when damaged or unreadable; ``None``
-        when there is none (not committed).  ``known``: ``{manifest path: (lstat key, Manifest)}``
-        the caller wrote itself (:meth:`Tier.manifest_written`), used while the key matches."""
+        when there is none (not committed)."""
         path = os.path.join(ckpt_dir, MANIFEST_NAME)
         key = None
         if real_dir(ckpt_dir):  # never through a linked directory: read_manifest refuses that itself
@@ -223,8 +222,6 @@ class _ManifestCache:
                 key = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_mode)
             except OSError:
                 key = None
-        if key is not None and known and path in known and known[path][0] == key:
-            return known[path][1]
         if key is not None:
             with self._lock:
                 hit = self._entries.get(path)
