@@ -101,17 +101,28 @@ def test_close_returns_when_promotion_is_paced_to_almost_nothing(tmp_path, caplo
     assert not [n for n in left if n.endswith(".promoting")], left
 
 
-@pytest.mark.parametrize("what", ["committer", "deleter"])
+@pytest.mark.parametrize("what", ["queue thread", "deleter"])
 def test_a_queue_thread_close_is_bounded_and_names_what_it_gave_up(what, caplog):
+    """What the committer and the promotion are built on, and the deleter itself: ``close(timeout)``
+    returns after ``timeout`` with the thread still stuck, and says so."""
     from datastates_megatron.engine.runtime.threads import QueueThread
+    from datastates_megatron.engine.tiers.deleter import Deleter
 
     release = threading.Event()
 
-    class Stuck(QueueThread):
-        def _handle(self, item):
-            release.wait(BOUND_S)
+    def stuck(item):
+        release.wait(BOUND_S)
 
-    t = Stuck(f"dsm-test-{what}")
+    if what == "deleter":
+        t = Deleter("persistent", 0, stuck)
+        name = "dsm-delete-r0"
+    else:
+
+        class Stuck(QueueThread):
+            def _handle(self, item):
+                stuck(item)
+
+        t, name = Stuck("dsm-test-queue"), "dsm-test-queue"
     t.put(1)
     t.put(2)
     try:
@@ -119,7 +130,7 @@ def test_a_queue_thread_close_is_bounded_and_names_what_it_gave_up(what, caplog)
             t0 = time.perf_counter()
             ended = t.close(0.2)
         assert not ended and time.perf_counter() - t0 < BOUND_S / 2
-        assert f"dsm-test-{what}" in caplog.text and "item(s) still queued" in caplog.text
+        assert name in caplog.text and "item(s) still queued" in caplog.text, caplog.text
     finally:
         release.set()
         assert t.close(BOUND_S)
