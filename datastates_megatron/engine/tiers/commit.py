@@ -30,15 +30,8 @@ import numpy as np
 from ..errors import CacheTimeoutError, CommitError, CorruptCheckpointError, FormatVersionError, LockLostError
 from ..runtime.faults import crash_point
 from ..format.global_index import Summaries, write_index
-from ..format.manifest import (
-    Manifest,
-    RankRecord,
-    iter_dir,
-    rank_file_name,
-    read_manifest,
-    write_manifest,
-    write_tracker,
-)
+from ..format.manifest import Manifest, RankRecord, read_manifest, write_manifest, write_tracker
+from ..names import iter_dir, rank_file_name
 from .retention import unlink_ours
 from ..dist.store_channel import StoreChannel
 from ..runtime.threads import QueueThread

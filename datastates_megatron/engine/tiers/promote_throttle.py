@@ -22,11 +22,11 @@ import os
 import threading
 import time
 
-from ..names import PROMOTE_SLOT_PREFIX
 from ..errors import CheckpointError, FlushError
 from ..fs.safe_io import open_for_write
+from ..names import PROMOTE_SLOT_PREFIX, promote_slot_name
 
-__all__ = ["PROMOTE_SLOT_PREFIX", "PromoteSlots", "Pace", "PromotionAbandoned"]
+__all__ = ["PromoteSlots", "Pace", "PromotionAbandoned"]
 
 log = logging.getLogger(__name__)
 
@@ -48,9 +48,7 @@ class PromoteSlots:
 
     def _open(self) -> list[int]:
         if not self._fds:  # slot files are created once (never through a link) and kept open
-            self._fds = [
-                open_for_write(os.path.join(self.directory, f"{PROMOTE_SLOT_PREFIX}{i}")) for i in range(self.slots)
-            ]
+            self._fds = [open_for_write(os.path.join(self.directory, promote_slot_name(i))) for i in range(self.slots)]
         return self._fds
 
     @contextlib.contextmanager

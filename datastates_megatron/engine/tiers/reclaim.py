@@ -28,12 +28,22 @@ import stat
 import time
 
 from ..errors import CheckpointError, SaveDirBusyError
-from ..format.manifest import atomic_write, iter_dir, iteration_of, read_manifest
+from ..format.manifest import read_manifest
 from ..fs.dirlock import SaveDirLock
+from ..fs.durable import atomic_write
 from ..fs.safe_io import read_capped, real_dir
-from ..names import ENDED_NAME, LOCK_NAME, RECYCLE_DIR, REPLICAS_DIR, is_ours_in_run_dir
+from ..names import (
+    ENDED_NAME,
+    LOCK_NAME,
+    RECYCLE_DIR,
+    REPLICAS_DIR,
+    RUN_SUBDIR_PREFIX,
+    is_ours_in_run_dir,
+    iter_dir,
+    iteration_of,
+)
 from .retention import remove_ours, trim_recycled, unlink_ours
-from .run_id import RUN_SUBDIR_PREFIX, is_run_id, read_run_id
+from .run_id import is_run_id, read_run_id
 from .tier import list_iterations, survey
 
 __all__ = ["mark_ended", "unmark_ended", "reclaim_finished_runs"]
