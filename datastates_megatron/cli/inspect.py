@@ -11,6 +11,7 @@ import time
 from typing import TYPE_CHECKING
 
 from ..engine.errors import CheckpointError, FormatVersionError
+from ..engine.storage.url import is_object_url
 from .common import JSON_SCHEMA, age, emit, exit_for, human, strip_path, when
 from .reading import load_manifest, select_ranks
 
@@ -165,6 +166,11 @@ def _render_inspect(doc: dict) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    doc = inspect_checkpoint(args.ckpt_dir, args.rank, args.tensors)
+    if is_object_url(args.ckpt_dir):
+        from .objects import inspect_object_checkpoint
+
+        doc = inspect_object_checkpoint(args.ckpt_dir, inspect_checkpoint, args.rank, args.tensors)
+    else:
+        doc = inspect_checkpoint(args.ckpt_dir, args.rank, args.tensors)
     emit(doc) if args.json else _render_inspect(doc)
     return exit_for([r.get("newer") for r in doc["ranks"] if r["error"]])

@@ -10,6 +10,7 @@ import time
 
 from ..engine.errors import CheckpointError, FormatVersionError, NoCheckpointError
 from ..engine.names import RANK_FILE_SUFFIX, TRACKER_NAME
+from ..engine.storage.url import is_object_url
 from .common import JSON_SCHEMA, age, emit, exit_for, human, strip_path
 
 __all__ = ["list_checkpoints", "run"]
@@ -177,7 +178,12 @@ def _render_ls(doc: dict) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    doc = list_checkpoints(args.save_dir)
+    if is_object_url(args.save_dir):  # s3://, msc://
+        from .objects import list_object_checkpoints
+
+        doc = list_object_checkpoints(args.save_dir, JSON_SCHEMA)
+    else:
+        doc = list_checkpoints(args.save_dir)
     emit(doc) if args.json else _render_ls(doc)
     states = {row["state"] for row in doc["checkpoints"]}
     return exit_for([s == "newer" for s in states if s in ("damaged", "newer")])

@@ -78,7 +78,11 @@ def _add_ls(sub, fmt) -> None:
             "Cheap: reads manifests and stats files, never rank-file contents."
         ),
     )
-    ls.add_argument("save_dir", metavar="SAVE_DIR", help="the directory holding iter_* checkpoint directories")
+    ls.add_argument(
+        "save_dir",
+        metavar="SAVE_DIR",
+        help="the directory holding iter_* checkpoint directories, or an s3://bucket/prefix or msc://profile/path",
+    )
     ls.add_argument(
         "--json",
         action="store_true",
@@ -104,7 +108,12 @@ def _add_inspect(sub, fmt) -> None:
             "Reads indexes only; use `verify` to check the tensor bytes."
         ),
     )
-    ins.add_argument("ckpt_dir", metavar="CKPT_DIR", help="one checkpoint directory, e.g. SAVE_DIR/iter_0000100")
+    ins.add_argument(
+        "ckpt_dir",
+        metavar="CKPT_DIR",
+        help="one checkpoint directory, e.g. SAVE_DIR/iter_0000100, or its URL (s3://bucket/prefix/iter_0000100: its "
+        "rank objects are fetched into a temporary directory under TMPDIR)",
+    )
     ins.add_argument("--rank", type=int, metavar="N", help="only rank N (default: every rank)")
     ins.add_argument(
         "--tensors", action="store_true", help="list every tensor (name, dtype, shape, bytes, checksum chunks)"
@@ -134,7 +143,12 @@ def _add_verify(sub, fmt) -> None:
             "between tensors is not covered by checksums (it holds no data)."
         ),
     )
-    ver.add_argument("ckpt_dir", metavar="CKPT_DIR", help="one checkpoint directory, e.g. SAVE_DIR/iter_0000100")
+    ver.add_argument(
+        "ckpt_dir",
+        metavar="CKPT_DIR",
+        help="one checkpoint directory, e.g. SAVE_DIR/iter_0000100, or its URL (s3://bucket/prefix/iter_0000100: its "
+        "rank objects are fetched into a temporary directory under TMPDIR and checked there)",
+    )
     ver.add_argument("--rank", type=int, metavar="N", help="only rank N (default: every rank)")
     ver.add_argument("--threads", type=int, metavar="N", help="hashing threads (default: min(8, CPUs))")
     ver.add_argument("-q", "--quiet", action="store_true", help="no progress")

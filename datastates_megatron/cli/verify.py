@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 from ..engine.errors import CheckpointError, FormatVersionError
 from ..engine.names import RANK_FILE_SUFFIX
+from ..engine.storage.url import is_object_url
 from .common import JSON_SCHEMA, CliUsageError, emit, exit_for, human, strip_path
 from .reading import load_manifest, select_ranks
 
@@ -232,6 +233,13 @@ def run(args: argparse.Namespace) -> int:
     if args.progress_every <= 0:
         raise CliUsageError(f"--progress-every must be > 0, got {args.progress_every}")
     show = False if args.quiet else (True if sys.stderr.isatty() else args.progress_every)
-    doc = verify_checkpoint(args.ckpt_dir, threads=args.threads, rank=args.rank, progress=show)
+    if is_object_url(args.ckpt_dir):
+        from .objects import verify_object_checkpoint
+
+        doc = verify_object_checkpoint(
+            args.ckpt_dir, verify_checkpoint, threads=args.threads, rank=args.rank, progress=show
+        )
+    else:
+        doc = verify_checkpoint(args.ckpt_dir, threads=args.threads, rank=args.rank, progress=show)
     emit(doc) if args.json else _render_verify(doc)
     return exit_for([e["kind"] == "newer" for e in doc["errors"]])

@@ -34,7 +34,7 @@ from .errors import (
 )
 from .runtime.faults import hold_point
 from .format.global_index import encode_summary
-from .format.manifest import RankRecord, read_manifest
+from .format.manifest import Manifest, RankRecord, read_manifest
 from .names import REPLICAS_DIR, RUN_SUBDIR_PREFIX, iter_dir, rank_file_name, save_id
 from .options import EngineOptions, ManagerOptions
 from .load.load_plan import LoadPlanner, SameLayoutPlanner
@@ -45,6 +45,7 @@ from .names import RUN_ID_NAME
 from .tiers.reclaim import mark_ended, reclaim_finished_runs, unmark_ended
 from .tiers.run_id import ensure_run_id, run_subdir
 from .fs.safe_io import check_path_fits, make_dir, make_root
+from .storage.url import is_object_url
 from .save.snapshot import SnapshotEngine
 from .load.resolve import Resolved, resolve
 from .dist.store_channel import StoreChannel, default_store
@@ -156,8 +157,10 @@ class CheckpointManager(ClosingContext):
         dist = _dist()
         self.rank = dist.get_rank() if dist else 0
         self.world_size = dist.get_world_size() if dist else 1
-        self.root = os.path.abspath(root)
-        self.load_root = os.path.abspath(load_root or root)
+        # s3:// or msc://: the persistent tier is an ObjectTier, written by the promotion only
+        self.objects = is_object_url(root)
+        self.root = _location(root)
+        self.load_root = _location(load_root or root)
         self.layout = dict(layout or {})
         self.on_error = policy.on_error
         self.verify_on_load = policy.verify_on_load
@@ -179,17 +182,35 @@ class CheckpointManager(ClosingContext):
         self.local_root: str | None = None  # set once the run id is agreed (_start_tiers)
         self.run_id = ""
         self._save_empty = False  # rank 0: --save held no checkpoint at start-up (:meth:`_warn_wiped_save`)
-        self.persistent = Tier(
-            "persistent",
-            self.root,
-            rank=self.rank,
-            token=token,
-            writes=list(range(self.world_size)) if self.rank == 0 else [],
-            keep_last=policy.keep_last,
-            keep_every=policy.keep_every,
-            recycle_files=policy.recycle_files,
-            first=not self.local_base,
-        )
+        if self.objects:
+            if not self.local_base:
+                raise OptionsError(
+                    "CheckpointManager",
+                    [("local_root", f"is required with a save location on object storage ({self.root})")],
+                )
+            from .storage import open_storage
+            from .storage.object_tier import ObjectTier
+
+            self.persistent = ObjectTier(
+                open_storage(self.root),
+                rank=self.rank,
+                token=token,
+                writes=list(range(self.world_size)) if self.rank == 0 else [],
+                keep_last=policy.keep_last,
+                keep_every=policy.keep_every,
+            )
+        else:
+            self.persistent = Tier(
+                "persistent",
+                self.root,
+                rank=self.rank,
+                token=token,
+                writes=list(range(self.world_size)) if self.rank == 0 else [],
+                keep_last=policy.keep_last,
+                keep_every=policy.keep_every,
+                recycle_files=policy.recycle_files,
+                first=not self.local_base,
+            )
         self.local = self.promotion = self.replication = None
         # rank 0 resolves a restore and sends each rank its record (one store round each)
         self._resolve_chan = StoreChannel(
@@ -301,9 +322,16 @@ class CheckpointManager(ClosingContext):
         run_id = 0
         try:
             for root, longest in ((self.root, _LONGEST_NAME), (self.local_base, _LONGEST_LOCAL)):
-                if root:  # ENAMETOOLONG now, not mid-save
+                if root and not is_object_url(root):  # ENAMETOOLONG now, not mid-save
                     check_path_fits(root, longest)
-            if self.persistent.is_writer:
+            if self.persistent.is_writer and self.objects:
+                found = self.persistent.survey()
+                self._save_empty = not found.committed and not found.damaged
+                self.persistent.refuse_foreign(found)  # read-only: before the lock
+                self.persistent.acquire()
+                self.persistent.clean(found)
+                run_id = int(self.persistent.ensure_run_id(), 16)
+            elif self.persistent.is_writer:
                 make_root(self.root)
                 found = survey(self.root)
                 self._save_empty = not found.committed and not found.damaged
@@ -500,7 +528,7 @@ class CheckpointManager(ClosingContext):
     def latest(self, root: str | None = None) -> int:
         """The iteration :meth:`load` restores by default: with a local tier, the newest one every
         rank can read (local or persistent; collective then); raises ``NoCheckpointError``."""
-        root = os.path.abspath(root or self.load_root)
+        root = _location(root or self.load_root)
         if self.local_root and root == self.root:
             root, iteration, _ = self._choose_tier(None)
             if iteration is not None:
@@ -510,7 +538,100 @@ class CheckpointManager(ClosingContext):
     def _latest_in(self, root: str) -> int:
         """The latest committed iteration under ``root`` -- refusing (``ForeignCheckpointError``)
         when a checkpoint we did not write there is newer: resuming would silently skip it."""
+        if is_object_url(root):
+            latest = self._persistent_latest() if root == self.root else None
+            if latest is None:
+                raise NoCheckpointError(f"{root}: no committed checkpoint")
+            return latest
         return latest_to_resume(root, warn=self.rank == 0 and root != self.root)
+
+    def _persistent_latest(self) -> int | None:
+        """The persistent tier's newest commit (``None``: none); a damaged newer manifest raises."""
+        if self.objects:
+            return self.persistent.latest_committed()
+        try:
+            return latest_committed(self.root)
+        except NoCheckpointError:
+            return None
+
+    def _persistent_committed(self) -> list[int]:
+        return sorted(self.persistent.survey().committed) if self.objects else committed_iterations(self.root)
+
+    def _read_objects(self, root: str, iteration: int | None) -> tuple[str, Manifest]:
+        """Rank 0 of :func:`.load.resolve.resolve` on object storage: the manifest object of
+        ``iteration`` (``None``: the newest commit)."""
+        from .storage.base import ObjectMissingError
+        from .storage.fetch import fetch_manifest
+
+        it = iteration if iteration is not None else self._persistent_latest()
+        if it is None:
+            raise NoCheckpointError(f"{root}: no committed checkpoint")
+        try:
+            return f"{root}/iter_{it:07d}", fetch_manifest(self.persistent.storage, it)
+        except ObjectMissingError:
+            raise NoCheckpointError(f"{root}/iter_{it:07d}: no committed checkpoint") from None
+
+    def _fetch_own(self, iteration: int | None, resolved: Resolved | None = None) -> Resolved:
+        """Collective: rank 0 reads the manifest object once and sends each rank its record (the
+        resolve step: O(1) bytes per rank); each rank fetches its own object into
+        ``<local tier>/fetched/iter_N/``, verified whole (:mod:`.storage.fetch`); agreed.  Its
+        directory and the one-record manifest, for the reader.  ``resolved``: that view already made
+        (:meth:`view`, for the checkpointer's layout check)."""
+        from .storage.fetch import fetch_rank
+
+        try:
+            view = resolved or self._resolve(self.root, iteration)  # ``resolved``: alike on every rank
+        except CheckpointError as e:  # raised alike on every rank: agreed (rank 0 hosts the store)
+            self._agree_error(e)
+            raise
+        it, err = view.manifest.iteration, None
+        try:
+            d = iter_dir(self._fetch_root(it), it)
+            make_dir(d)
+            fetch_rank(self.persistent.storage, view.manifest, self.rank, d)
+        except Exception as e:  # noqa: BLE001 - every rank must hear it
+            err = e
+        self._agree_error(err)
+        if err is not None:
+            raise err
+        return Resolved(d, view.manifest)
+
+    def _fetch_root(self, iteration: int) -> str:
+        """``<local tier>/fetched``, where this node keeps one checkpoint fetched from object
+        storage: the node's writer removes the others (only what we wrote)."""
+        root = os.path.join(self.local_root, "fetched")
+        if self.local.is_writer:
+            from .names import iteration_of
+            from .tiers.retention import remove_ours
+
+            for name in os.listdir(root) if os.path.isdir(root) else ():
+                if iteration_of(name) not in (None, iteration):
+                    remove_ours(os.path.join(root, name))
+        make_dir(root)
+        return root
+
+    def _fetched(self, iteration: int | None, every_rank: bool) -> tuple[str, int]:
+        """Collective: fetch checkpoint ``iteration`` (``None``: the newest, found by rank 0) of the
+        persistent tier on object storage into ``<local tier>/fetched/`` -- this rank's object, or
+        every rank's for a plan that reads them all -- each verified whole before it takes its name
+        (:mod:`.storage.fetch`); agreed, so that a failure on any rank raises on every rank."""
+        from .storage.fetch import fetch_checkpoint
+
+        err, it = None, iteration
+        try:
+            if it is None:
+                it = self._persistent_latest() if self.rank == 0 else None
+                it = self._world.broadcast(-1 if it is None else it, src=0)
+                if it < 0:
+                    raise NoCheckpointError(f"{self.root}: no committed checkpoint")
+            root = self._fetch_root(it)
+            fetch_checkpoint(self.persistent.storage, it, root, None if every_rank else [self.rank])
+        except Exception as e:  # noqa: BLE001 - every rank must hear it
+            err = e
+        self._agree_error(err)
+        if err is not None:
+            raise err
+        return root, it
 
     def load(
         self,
@@ -530,7 +651,7 @@ class CheckpointManager(ClosingContext):
         when the load reads that checkpoint."""
         self._check_open()
         self._drain_deletions(None)  # a load never races retention of what it may read
-        root = os.path.abspath(root or self.load_root)
+        root = _location(root or self.load_root)
         if (planner is not None and planner.reads_all_ranks) or not (self.local_root and root == self.root):
             return self._load_from(root, iteration, verify, planner, resolved=resolved)
         chosen_root, chosen, source = self._choose_tier(iteration)
@@ -561,8 +682,10 @@ class CheckpointManager(ClosingContext):
             if not self._agree(chosen_root == self.root):
                 raise
             try:
-                fallback = iteration if iteration is not None else latest_committed(self.root)
-                if fallback not in committed_iterations(self.root):
+                fallback = iteration if iteration is not None else self._persistent_latest()
+                if fallback is None:
+                    raise NoCheckpointError(f"{self.root}: no committed checkpoint")
+                if fallback not in self._persistent_committed():
                     raise NoCheckpointError(f"{iter_dir(self.root, fallback)}: not committed")
             except NoCheckpointError:
                 # a checkpoint exists but could not be restored: never "no checkpoint" (a trainer
@@ -593,8 +716,18 @@ class CheckpointManager(ClosingContext):
         ``shared``: every rank reads the same tier, so rank 0 may resolve it for all (or has:
         ``resolved``, used when it is that checkpoint)."""
         partial = shared and (planner is None or not planner.reads_all_ranks)
+        own = None  # object storage: this rank's object fetched, its record from rank 0
+        if is_object_url(root) and partial:
+            own = self._fetch_own(
+                iteration, resolved if resolved and _is_checkpoint(resolved, root, iteration) else None
+            )
+            ckpt, manifest, iteration = own.ckpt, own.manifest, own.manifest.iteration
+        elif is_object_url(root):  # every rank's objects (and the whole manifest) fetched, read locally
+            root, iteration = self._fetched(iteration, every_rank=planner is not None)
         local = self.local_root is not None and (root == self.local_root or root.startswith(self.local_root + os.sep))
-        if partial and not local:
+        if own is not None:
+            pass  # its ckpt and one-record manifest are above
+        elif partial and not local:
             # a shared tier: its manifest (O(N)) is read by rank 0 alone, each rank gets its record
             # (raises alike on every rank; the plan still checks layout and tensors)
             try:
@@ -638,6 +771,8 @@ class CheckpointManager(ClosingContext):
     def _resolve(self, root: str, iteration: int | None) -> Resolved:
         """:func:`.source.resolve` of ``root`` for this world (collective): rank 0 reads, each rank
         gets its record; the layout is checked by the planner, not here."""
+        if is_object_url(root):  # rank 0 reads the manifest object
+            return resolve(root, iteration, self._resolve_chan, self.layout, check=_no_check, read=self._read_objects)
         return resolve(root, iteration, self._resolve_chan, self.layout, check=_no_check, latest=self._latest_in)
 
     def view(self, iteration: int, root: str | None = None):
@@ -645,8 +780,9 @@ class CheckpointManager(ClosingContext):
         ``root`` (default: the load directory) as this rank needs it -- the manifest's header and
         this rank's record (:class:`.source.Resolved`), read by rank 0 alone -- or ``None`` when it
         is not committed there."""
+        root = _location(root or self.load_root)
         try:
-            return self._resolve(os.path.abspath(root or self.load_root), iteration)
+            return self._resolve(root, iteration)
         except NoCheckpointError:
             return None  # every rank alike (rank 0's answer)
         except CheckpointError as e:  # agreed: rank 0, the store's host, never exits before the others heard it
@@ -658,7 +794,7 @@ class CheckpointManager(ClosingContext):
         return self._world.agree(ok)
 
     def committed(self) -> list[int]:
-        return committed_iterations(self.root)
+        return self._persistent_committed()
 
     # ------------------------------------------------------------------ tiers
     def _local_committed(self) -> tuple[dict[int, tuple[int, int]], dict[int, int]]:
@@ -713,10 +849,7 @@ class CheckpointManager(ClosingContext):
             try:
                 answer = _newest_common(cols, iteration)
                 if persistent:
-                    try:
-                        answer["persistent"] = latest_committed(self.root)
-                    except NoCheckpointError:
-                        answer["persistent"] = None
+                    answer["persistent"] = self._persistent_latest()
             except Exception as e:  # noqa: BLE001 - every rank must hear it
                 answer = {"error": type(e).__name__, "message": str(e)[:1500]}
         answer = self._restore_chan.broadcast(answer)
@@ -757,7 +890,7 @@ class CheckpointManager(ClosingContext):
             if common is not None:
                 persistent_why = f"newer than the newest node-local checkpoint every rank has ({common[0]})"
         root, it = chosen
-        if root == self.root and it is not None and self.local_fallback == "rank":  # alike on every rank
+        if root == self.root and it is not None and self.local_fallback == "rank" and not self.objects:
             try:  # collective: rank 0 reads the persistent manifest, each rank gets its own record
                 view = self.view(it, self.root)
             except CheckpointError:
@@ -817,6 +950,11 @@ class CheckpointManager(ClosingContext):
     def _check_open(self) -> None:
         if self._closed:
             raise CheckpointError(f"rank {self.rank}: checkpoint manager is closed")
+
+
+def _location(root: str) -> str:
+    """A save location as the manager keeps it: an object storage URL as given, a path absolute."""
+    return root.rstrip("/") if is_object_url(root) else os.path.abspath(root)
 
 
 def _is_checkpoint(view: Resolved, root: str, iteration: int | None) -> bool:

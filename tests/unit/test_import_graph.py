@@ -123,6 +123,7 @@ LAYERS = (
     ("format",),  # checksums, the rank file, its writer, the manifest, the global index
     ("dist",),  # cross-rank agreement, the commit's store channel
     ("save", "tiers"),  # the snapshot engine | a tier and what it owns (commit, retention, promotion, replication)
+    ("storage",),  # the persistent tier on object storage (ObjectTier over the Storage interface; uses tiers/)
     ("load",),  # the load plan, the verifying reader, the restart's resolve step
     ("manager",),  # CheckpointManager: everything above, put together
     ("__init__",),  # the engine's public names

@@ -145,14 +145,19 @@ def _binding(m: Manifest) -> dict:
     return {"iteration": m.iteration, "commit_seq": m.commit_seq, "run_token": m.run_token, "world_size": m.world_size}
 
 
-def write_index(root: str, manifest: Manifest, body: bytes) -> str:
-    """Write the index of the commit ``manifest`` describes (before that manifest is written)."""
+def index_blob(manifest: Manifest, body: bytes) -> bytes:
+    """The index file's bytes for the commit ``manifest`` describes (a file, or an object)."""
     header = json.dumps(
         {"format_version": VERSION, **_binding(manifest), "body_bytes": len(body), "body_xxh64": xxh64(body)},
         sort_keys=True,
     ).encode()
+    return MAGIC + struct.pack("<Q", len(header)) + header + body
+
+
+def write_index(root: str, manifest: Manifest, body: bytes) -> str:
+    """Write the index of the commit ``manifest`` describes (before that manifest is written)."""
     path = os.path.join(iter_dir(root, manifest.iteration), INDEX_NAME)
-    atomic_write(path, MAGIC + struct.pack("<Q", len(header)) + header + body)
+    atomic_write(path, index_blob(manifest, body))
     return path
 
 

@@ -52,17 +52,19 @@ def resolve(
     layout: dict,
     check: Callable[[Manifest, str], None] | None = None,
     latest: Callable[[str], int] | None = None,
+    read: Callable[[str, int | None], tuple[str, Manifest]] | None = None,
 ) -> Resolved:
     """Resolve checkpoint ``iteration`` (``None``: the newest committed, or what ``latest(root)``
     says on rank 0) of the tier at ``root`` for this world (``channel.world_size`` ranks,
     ``layout``) and give this rank its record.  ``check(manifest, ckpt)`` replaces the same-layout
-    check (e.g. a reshard's own)."""
+    check (e.g. a reshard's own).  ``read(root, iteration)``: ``(checkpoint, manifest)`` on rank 0
+    (default: the directory's; object storage reads its manifest object)."""
     head, records, error = None, None, None
     if channel.is_root:
         try:
             if iteration is None and latest is not None:
                 iteration = latest(root)
-            ckpt, manifest = _read(root, iteration)
+            ckpt, manifest = (read or _read)(root, iteration)
             (check or (lambda m, c: validate_world(m, c, channel.world_size, layout)))(manifest, ckpt)
             head = {"ckpt": ckpt, "head": {k: getattr(manifest, k) for k in _HEADER}}
             records = {r: _record_doc(manifest.record(r)) for r in range(channel.world_size)}

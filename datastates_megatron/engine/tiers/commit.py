@@ -146,6 +146,8 @@ class Committer(QueueThread):
         self.latest: int | None = None
         self._after = after_commit
         self.guard = guard
+        # a tier on object storage writes its manifest, tracker and index itself (no ``os`` there)
+        self._objects = getattr(tier, "objects", None)
         super().__init__(f"dsm-commit-r{rank}" + ("-local" if tier.name == "local" else ""))
 
     def submit(self, ticket: Ticket) -> None:
@@ -275,7 +277,10 @@ class Committer(QueueThread):
             # the manifest is the commit point; the tracker is Megatron's hint and may lag it
             crash_point("before_tracker", self.rank)
             try:
-                write_tracker(self.root, ticket.iteration)
+                if self._objects is not None:
+                    self._objects.write_tracker(ticket.iteration)
+                else:
+                    write_tracker(self.root, ticket.iteration)
             except OSError as e:
                 log.warning(
                     "rank %d: iteration %d is committed but %s could not update the tracker: %s",
@@ -364,7 +369,10 @@ class Committer(QueueThread):
             _refuse_newer_format(self.root, ticket.iteration)
             self._write_index(manifest, cols)
             crash_point("before_manifest", self.rank)
-            write_manifest(self.root, manifest)
+            if self._objects is not None:
+                self._objects.write_manifest(manifest)
+            else:
+                write_manifest(self.root, manifest)
             self.tier.manifest_written(manifest)
         except CommitError as e:  # a newer format's checkpoint is there
             self._errors.append(e)
@@ -391,7 +399,9 @@ class Committer(QueueThread):
             return
         try:
             body = self._summaries.update(cols["summary_sum"], lambda ranks: self._chan.fetch("summary", ranks))
-            if body is not None:
+            if body is not None and self._objects is not None:
+                self._objects.write_index(manifest, body)
+            elif body is not None:
                 write_index(self.root, manifest, body)
         except Exception as e:  # noqa: BLE001 - a reshard then reads every rank file's metadata
             log.warning(
@@ -427,6 +437,10 @@ class Committer(QueueThread):
 
     def _discard(self, ticket: Ticket) -> None:
         """Remove the files of a save that was not committed (and its directory if nothing else is there)."""
+        if self._objects is not None:
+            names = [rank_file_name(r, ticket.token or self._token, ticket.seq) for r in self._writes]
+            self._objects.discard(ticket.iteration, names)
+            return
         d = iter_dir(self.root, ticket.iteration)
         for r in self._writes:
             unlink_ours(os.path.join(d, rank_file_name(r, ticket.token or self._token, ticket.seq)))

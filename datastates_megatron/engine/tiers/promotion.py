@@ -203,10 +203,13 @@ class Promotion(QueueThread):
         every rank has -- if ``dst`` lacks it (a run killed before its end-of-run promotion)."""
         if newest_common is None:
             return
-        try:
-            latest = survey(self.dst.root).latest()  # a damaged manifest raises, as on a load
-        except NoCheckpointError:
-            latest = None
+        if getattr(self.dst, "objects", None) is not None:  # object storage (:mod:`.storage.object_tier`)
+            latest = self.dst.latest_committed()
+        else:
+            try:
+                latest = survey(self.dst.root).latest()  # a damaged manifest raises, as on a load
+            except NoCheckpointError:
+                latest = None
         if latest is None or newest_common > latest:
             m = read_manifest(iter_dir(self.src.root, newest_common))
             _, token, seq = parse_rank_file_name(m.record(self.rank).file)
@@ -229,15 +232,20 @@ class Promotion(QueueThread):
         name = rank_file_name(self.rank, token, seq)
         src = os.path.join(iter_dir(self.src.root, iteration), name)
         dst_dir = iter_dir(self.dst.root, iteration)
+        objects = getattr(self.dst, "objects", None)  # object storage: the tier uploads (streamed, verified)
         try:
             if self._stop.is_set():
                 raise PromotionAbandoned(f"rank {self.rank}: the promotion was closed before it started")
-            make_dir(dst_dir)  # never into a directory reached through a symlink
+            if objects is None:
+                make_dir(dst_dir)  # never into a directory reached through a symlink
             self._doing = f"promoting iteration {iteration} (waiting for a promotion slot)"
             with self._slots.held(self._stop):  # at most ``slots`` of the node's ranks copy at once
                 self._doing = f"promoting iteration {iteration} (copying {src})"
                 pace = Pace(self._mbps, self._stop) if self._mbps > 0 else None  # no cap: no pacing at all
-                receipt = copy_verified(src, os.path.join(dst_dir, name), iteration, pace)
+                if objects is not None:
+                    receipt = objects.promote_file(src, iteration, name, pace)
+                else:
+                    receipt = copy_verified(src, os.path.join(dst_dir, name), iteration, pace)
             future.set_result(receipt)
         except BaseException as e:  # noqa: BLE001 - the persistent committer reports it on every rank
             err = (

@@ -54,7 +54,8 @@ _MARKER_MAX = 8192
 
 def mark_ended(run_dir: str, run_id: str, save_dir: str) -> None:
     """The run ``run_id`` ended cleanly (its writer on this node, at ``close()``)."""
-    doc = {"run_id": run_id, "save_dir": os.path.abspath(save_dir), "ended": time.time()}
+    where = save_dir if "://" in save_dir else os.path.abspath(save_dir)  # a URL: never reclaimed (read below)
+    doc = {"run_id": run_id, "save_dir": where, "ended": time.time()}
     atomic_write(os.path.join(run_dir, ENDED_NAME), (json.dumps(doc) + "\n").encode("utf-8"))
 
 

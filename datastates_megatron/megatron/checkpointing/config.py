@@ -11,6 +11,7 @@ import dataclasses
 import os
 
 from ...engine.errors import OptionsError
+from ...engine.storage.url import is_object_url
 from .flag_spec import option
 from ...engine.options import LOCAL_FALLBACK_CHOICES, ON_ERROR_CHOICES, RECYCLE_CHOICES, EngineOptions, ManagerOptions
 
@@ -220,6 +221,8 @@ class LazyCkptConfig:
                 object.__setattr__(self, name, os.fspath(getattr(self, name)))
         if not isinstance(self.host_cache_gb, (int, float)) or not self.host_cache_gb > 0:
             problems.append(("host_cache_gb", f"must be > 0, got {self.host_cache_gb}"))
+        if self.save_dir and is_object_url(self.save_dir) and not self.local_dir:
+            problems.append(("local_dir", f"is required when save_dir is on object storage ({self.save_dir})"))
         if self.local_dir and self.save_dir and os.path.realpath(self.local_dir) == os.path.realpath(self.save_dir):
             problems.append(("local_dir", f"and save_dir must differ, both are {self.save_dir!r}"))
         for build in (self.engine_options, self.manager_options):

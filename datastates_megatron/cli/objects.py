@@ -1,0 +1,155 @@
+"""``datastates-ckpt ls``, ``inspect`` and ``verify`` of a checkpoint on object storage (``s3://``, ``msc://``):
+the same documents as for a directory (:mod:`.cli`), read through :mod:`.engine.storage`.
+
+``ls`` lists the prefix once and reads each manifest (never a rank object).  ``inspect`` and
+``verify`` fetch the rank objects as the store holds them, by ranged GETs, into a temporary
+directory (``TMPDIR``: room for the ranks shown; ``--rank N`` takes one) and run the directory's
+command there, so that both report the same problems the same way; the document names the
+checkpoint by URL.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+
+from ..engine.errors import CheckpointError, FormatVersionError, NoCheckpointError
+from ..engine.format.manifest import parse_tracker
+from ..engine.names import TRACKER_NAME, iteration_of
+from ..engine.storage import ObjectMissingError, open_storage
+
+__all__ = ["list_object_checkpoints", "verify_object_checkpoint", "inspect_object_checkpoint", "split_checkpoint_url"]
+
+
+def split_checkpoint_url(url: str) -> tuple[str, int]:
+    """``(save URL, iteration)`` of ``s3://bucket/prefix/iter_NNNNNNN``."""
+    head, _, last = url.rstrip("/").rpartition("/")
+    it = iteration_of(last)
+    if it is None or "://" not in head:
+        raise NoCheckpointError(f"{url}: not a checkpoint URL (SAVE_URL/iter_NNNNNNN)")
+    return head, it
+
+
+def list_object_checkpoints(save_url: str, schema: int) -> dict:
+    """The ``ls --json`` document of the save location ``save_url``."""
+    from ..engine.storage.survey import survey_objects
+
+    with open_storage(save_url) as st:
+        found = survey_objects(st)
+        now = time.time()
+        rows = []
+        foreign = found.foreign()
+        for it in found.iterations:
+            objs = found.objects[it]
+            row = {
+                "iteration": it,
+                "path": st.url(f"iter_{it:07d}"),
+                "state": "uncommitted",
+                "format": None,
+                "tier": None,
+                "world_size": None,
+                "bytes": sum(o.size for o in objs.values()),
+                "data_bytes": None,
+                "files": len(objs),
+                "commit_seq": None,
+                "created": None,
+                "age_s": None,
+                "latest": False,
+                "error": None,
+            }
+            m = found.committed.get(it)
+            if m is not None:
+                row.update(
+                    state="committed",
+                    tier=m.tier,
+                    world_size=m.world_size,
+                    data_bytes=m.total_bytes,
+                    commit_seq=m.commit_seq,
+                    created=m.created,
+                    age_s=now - m.created,
+                )
+            elif it in found.damaged:
+                err = found.damaged[it]
+                row.update(state="newer" if isinstance(err, FormatVersionError) else "damaged", error=str(err))
+            elif it in foreign:
+                row.update(state="foreign", format="torch_dist" if ".metadata" in objs else "unknown")
+            rows.append(row)
+        latest, latest_error = None, None
+        try:
+            latest = found.latest()
+        except NoCheckpointError:
+            pass
+        except CheckpointError as e:
+            latest_error = str(e)
+        for row in rows:
+            row["latest"] = row["state"] == "committed" and row["iteration"] == latest
+        try:
+            tracker_text = st.get(TRACKER_NAME)[:64].decode("utf-8", "replace").strip()
+        except ObjectMissingError:
+            tracker_text = None
+    tracker = parse_tracker(tracker_text)
+    return {
+        "schema": schema,
+        "command": "ls",
+        "save_dir": save_url,
+        "checkpoints": rows,
+        "latest": latest,
+        "latest_error": latest_error,
+        "tracker": tracker,
+        "tracker_text": tracker_text,
+        "tracker_agrees": None if tracker_text is None or latest_error else tracker == latest,
+    }
+
+
+def verify_object_checkpoint(url: str, verify_dir, **options) -> dict:
+    """The ``verify --json`` document of the checkpoint at ``url`` (``SAVE_URL/iter_NNNNNNN``);
+    ``verify_dir(path, **options)``: the directory verification (:func:`.cli.verify_checkpoint`)."""
+    from ..engine.storage.survey import iter_prefix
+
+    def check(st, m, d: str) -> dict:
+        doc = verify_dir(d, **options)
+        named = {r.file for r in m.ranks}
+        doc["unreferenced_files"] = sorted(
+            o.key.rpartition("/")[2]
+            for o in st.list(iter_prefix(m.iteration))
+            if o.key.endswith(".dsck") and o.key.rpartition("/")[2] not in named
+        )
+        return doc
+
+    doc = _with_fetched(url, options.get("rank"), check)
+    doc["checkpoint"] = url
+    return doc
+
+
+def inspect_object_checkpoint(url: str, inspect_dir, rank: int | None, list_tensors: bool) -> dict:
+    """The ``inspect --json`` document of the checkpoint at ``url``; ``inspect_dir``:
+    :func:`.cli.inspect_checkpoint`."""
+    doc = _with_fetched(url, rank, lambda st, m, d: inspect_dir(d, rank, list_tensors))
+    doc["checkpoint"] = url
+    return doc
+
+
+def _with_fetched(url: str, rank: int | None, use):
+    """``use(storage, manifest, directory)`` on a temporary copy of the checkpoint at ``url``: its
+    manifest and the rank objects (``rank``'s only, when given) as the store holds them."""
+    from ..engine.names import MANIFEST_NAME
+    from ..engine.storage.fetch import fetch_manifest, fetch_rank
+    from ..engine.storage.survey import manifest_key
+
+    save_url, it = split_checkpoint_url(url)
+    with open_storage(save_url) as st, tempfile.TemporaryDirectory(prefix="dsm-ckpt-") as tmp:
+        try:
+            m = fetch_manifest(st, it)
+        except ObjectMissingError as e:
+            raise NoCheckpointError(f"{url}: no {MANIFEST_NAME}: not a committed checkpoint") from e
+        d = os.path.join(tmp, f"iter_{it:07d}")
+        os.mkdir(d)
+        with open(os.path.join(d, MANIFEST_NAME), "wb") as f:
+            f.write(st.get(manifest_key(it)))
+        for rec in m.ranks if rank is None else [r for r in m.ranks if r.rank == rank]:
+            try:
+                fetch_rank(st, m, rec.rank, d, verify=False)  # as the store holds it: the check says what is wrong
+            except CheckpointError:
+                pass  # missing: the check reports it
+        return use(st, m, d)

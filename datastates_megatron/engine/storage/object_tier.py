@@ -1,0 +1,340 @@
+"""The persistent tier on object storage: a save prefix and its one owner, with the methods of
+:class:`..tiers.tier.Tier` that the manager and the promotion call.
+
+Its checkpoints are written by the promotion only (the node-local tier absorbs the save; a rank
+object is :func:`.upload.upload_verified` from the local file).  The commit is the committer's
+(:class:`..tiers.commit.Committer`: the same cross-rank agreement as on POSIX), which hands this tier the
+writes it cannot do with ``os`` (its ``objects`` seam): every rank object is stored before rank 0
+hears that rank's status, then the manifest is one PUT -- conditional: ``If-None-Match: *`` for a
+new iteration, ``If-Match`` the surveyed tag for a re-save -- then the tracker (informative, may
+lag).  S3's strong read-after-write consistency makes a manifest visible to every reader once its
+PUT returns.  The one-writer lock is a lease object (:mod:`.lock`), checked before each manifest
+and each deletion.  Retention (the writer's deleter thread, as on POSIX) deletes a checkpoint
+manifest first, then the objects we wrote under it; nothing we did not write is deleted, and
+nothing outside the prefix is touched.
+
+Thread-safety: as :class:`..tiers.tier.Tier`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import secrets
+import threading
+import time
+
+from ..tiers.commit import Committer
+from ..tiers.deleter import Deleter
+from ..errors import CorruptCheckpointError, ForeignCheckpointError, LockLostError, NoCheckpointError
+from ..runtime.faults import crash_point
+from ..format.manifest import Manifest
+from ..names import (
+    INDEX_NAME,
+    MANIFEST_NAME,
+    RUN_ID_NAME,
+    TRACKER_NAME,
+    is_ours_in_iteration,
+    iteration_of,
+    rank_file_name,
+)
+from ..tiers.retention import select_deletions
+from ..tiers.run_id import is_run_id
+from .base import ObjectExistsError, ObjectMissingError, ObjectStorageError, Storage
+from .lock import DEFAULT_LEASE_S, ObjectLock
+from .survey import ManifestCache, ObjectSurvey, iter_prefix, manifest_key, survey_committed, survey_objects
+from .upload import upload_verified
+
+__all__ = ["ObjectTier"]
+
+log = logging.getLogger(__name__)
+
+
+class ObjectTier:
+    """The persistent tier of one rank on ``storage`` (see the module docstring).  ``writes``: the
+    ranks this rank describes in manifests (every rank on rank 0, else empty); only the writer
+    deletes.  ``lease_s``: the lock's lease (:mod:`.lock`)."""
+
+    name = "persistent"
+
+    def __init__(
+        self,
+        storage: Storage,
+        *,
+        rank: int,
+        token: str,
+        writes: list[int],
+        keep_last: int = 0,
+        keep_every: int = 0,
+        run_id: str = "",
+        lease_s: float = DEFAULT_LEASE_S,
+    ) -> None:
+        self.storage = storage
+        self.root = storage.url()
+        self.rank = rank
+        self.token = token
+        self.writes = writes
+        self.keep_last = keep_last
+        self.keep_every = keep_every
+        self.run_id = run_id
+        self.summary: tuple[bytes, int] | None = None
+        self.objects = self  # the committer's seam: what it cannot write with ``os``
+        self._lease_s = lease_s
+        self._lock: ObjectLock | None = None
+        self._committer: Committer | None = None
+        self._followers: list[tuple] = []
+        self._manifests = ManifestCache()
+        self._deleter: Deleter | None = None
+        self._deleter_lock = threading.Lock()
+        self._next_seq = 0
+
+    @property
+    def is_writer(self) -> bool:
+        return bool(self.writes)
+
+    # ------------------------------------------------------------------ start-up (the writer)
+    def survey(self) -> ObjectSurvey:
+        return survey_objects(self.storage, self._manifests)
+
+    def refuse_foreign(self, found: ObjectSurvey, option: str = "--save") -> None:
+        """Refuse (``ForeignCheckpointError``) when an ``iter_*`` prefix without our manifest holds
+        objects we did not write at a higher iteration than our newest commit."""
+        newest = found.newest
+        newer = {it: names for it, names in found.foreign().items() if newest is None or it > newest}
+        if newer:
+            it = min(newer)
+            raise ForeignCheckpointError(
+                f"{self.storage.url(iter_prefix(it))}: holds objects we did not write ({', '.join(newer[it][:3])}) "
+                f"newer than our latest checkpoint ({newest}); a run from {option} would silently skip it: "
+                "use another location"
+            )
+
+    def acquire(self) -> ObjectTier:
+        if self._lock is None:
+            self._lock = ObjectLock(self.storage, lease_s=self._lease_s).acquire()
+        return self
+
+    def release(self) -> None:
+        """Release the lock (idempotent), then the storage's connections and threads: the last call
+        on a tier, after :meth:`close`."""
+        lock, self._lock = self._lock, None
+        try:
+            if lock is not None:
+                lock.release()
+        finally:
+            self.storage.close()
+
+    def clean(self, found: ObjectSurvey | None = None) -> None:
+        """Start-up (the writer): delete our leftovers (objects of uncommitted iterations, objects
+        a committed manifest does not name, unfinished uploads of ours); a damaged manifest's
+        objects are kept and logged."""
+        if not self.is_writer:
+            return
+        found = found or self.survey()
+        for it, err in found.damaged.items():
+            log.warning("%s: manifest is unreadable (%s); leaving it alone", self.storage.url(iter_prefix(it)), err)
+        removed = 0
+        for it in found.leftovers():
+            for name in found.objects[it]:
+                self.storage.delete(iter_prefix(it) + name)
+                removed += 1
+        for it in found.committed:
+            for name in found.strays(it):
+                self.storage.delete(iter_prefix(it) + name)
+                removed += 1
+        abort = getattr(self.storage, "abort_unfinished", None)  # S3: uploads of a job killed mid-upload
+        if abort is not None:
+            removed += len(abort("iter_", _is_our_key))
+        if removed:
+            log.info("rank %d: removed %d leftover object(s) of ours under %s", self.rank, removed, self.root)
+        self._next_seq = max((m.commit_seq for m in found.committed.values()), default=-1) + 1
+
+    def ensure_run_id(self) -> str:
+        """The id of this save location's run (``.datastates.run``, :mod:`..tiers.run_id`), created
+        at its first start with a conditional create (the writer holds the lock; a lost race reads
+        the winner's)."""
+        for _ in range(2):
+            try:
+                raw = self.storage.get(RUN_ID_NAME)
+            except ObjectMissingError:
+                run_id = f"{secrets.randbits(63):016x}"
+                doc = {"run_id": run_id, "created": time.time(), "save_dir": self.root}
+                try:
+                    self.storage.create(RUN_ID_NAME, (json.dumps(doc) + "\n").encode("utf-8"))
+                    return run_id
+                except ObjectExistsError:
+                    continue
+            try:
+                run_id = json.loads(raw[:4096].decode("utf-8"))["run_id"]
+            except (ValueError, KeyError, TypeError, UnicodeDecodeError):
+                run_id = None
+            if not isinstance(run_id, str) or not is_run_id(run_id):
+                raise CorruptCheckpointError(
+                    f"{self.storage.url(RUN_ID_NAME)}: not a run id object of datastates-megatron"
+                )
+            return run_id
+        raise ObjectStorageError(f"{self.storage.url(RUN_ID_NAME)}: created and removed while it was read")
+
+    # ------------------------------------------------------------------ commits
+    def open(self, collective, world_size: int, layout: dict, timeout_s: float) -> None:
+        guard = self._lock.check if self._lock is not None else None
+        self._committer = Committer(
+            self, collective, world_size, layout, self._next_seq, timeout_s, after_commit=self._committed, guard=guard
+        )
+
+    def submit(self, ticket) -> None:
+        self._committer.submit(ticket)
+
+    def poll(self) -> list:
+        return self._committer.poll()
+
+    def drain(self, timeout: float | None = None) -> None:
+        self._committer.drain(timeout)
+
+    def outstanding(self) -> list:
+        return self._committer.outstanding() if self._committer is not None else []
+
+    @property
+    def latest(self) -> int | None:
+        return self._committer.latest
+
+    def latest_committed(self) -> int | None:
+        """The newest committed iteration here (``None``: none); a damaged newer manifest raises."""
+        try:
+            return self.survey().latest()
+        except NoCheckpointError:
+            return None
+
+    def on_commit(self, callback, keep=None) -> None:
+        self._followers.append((callback, keep))
+
+    def recycled(self, path: str):
+        return None  # objects are never overwritten in place
+
+    # ------------------------------------------------------------------ the promotion's copy
+    def promote_file(self, src: str, iteration: int, name: str, pace=None):
+        """Store the local rank file ``src`` as ``iter_N/name`` (verified first): its receipt."""
+        return upload_verified(src, self.storage, iter_prefix(iteration) + name, iteration, pace)
+
+    # ------------------------------------------------------------------ the committer's seam
+    def write_manifest(self, manifest: Manifest) -> None:
+        """The commit point: one conditional PUT of the manifest."""
+        key = manifest_key(manifest.iteration)
+        body = manifest.to_json()
+        old = self.storage.head(key)
+        receipt = self.storage.create(key, body) if old is None else self.storage.replace_if(key, body, old.etag)
+        self._manifests.remember(key, receipt.etag, manifest)
+
+    def manifest_written(self, manifest: Manifest) -> None:
+        """Already remembered by :meth:`write_manifest` (with the tag the PUT returned)."""
+
+    def write_tracker(self, iteration: int) -> None:
+        self.storage.put_bytes(TRACKER_NAME, f"{iteration}".encode())
+
+    def write_index(self, manifest: Manifest, body: bytes) -> None:
+        from ..format.global_index import index_blob
+
+        self.storage.put_bytes(iter_prefix(manifest.iteration) + INDEX_NAME, index_blob(manifest, body))
+
+    def discard(self, iteration: int, names: list[str]) -> None:
+        """A save that was not committed: delete its rank objects (there are no directories)."""
+        for name in names:
+            try:
+                self.storage.delete(iter_prefix(iteration) + name)
+            except ObjectStorageError as e:  # uncommitted: the next start-up removes it
+                log.warning("rank %d: %s", self.rank, e)
+
+    # ------------------------------------------------------------------ after a commit
+    def _committed(self, ticket) -> None:
+        if self.is_writer:
+            self._deletions().submit(ticket)
+        for callback, _ in self._followers:
+            callback(ticket)
+
+    def _deletions(self) -> Deleter:
+        with self._deleter_lock:
+            if self._deleter is None:
+                self._deleter = Deleter(self.name, self.rank, self._retain_after)
+            return self._deleter
+
+    def drain_deletions(self, timeout: float) -> None:
+        if self._deleter is not None:
+            self._deleter.drain(timeout)
+
+    def _retain_after(self, just) -> None:
+        try:
+            self._retain(just, self.outstanding())
+        except (OSError, LockLostError) as e:
+            log.warning(
+                "rank %d: retention of %s after iteration %d failed (%s); nothing committed is lost, it is "
+                "tried again at the next commit",
+                self.rank,
+                self.root,
+                just.iteration,
+                e,
+            )
+
+    def _retain(self, just, outstanding: list) -> None:
+        if self._lock is not None:
+            self._lock.check()  # lost: delete nothing (LockLostError, logged above)
+        protected = {t.iteration for t in outstanding} | {just.iteration}
+        for _, keep in self._followers:
+            if keep is not None:
+                protected |= keep()
+        # the iterations and their manifests only (O(checkpoints kept) requests); the objects of an
+        # iteration are listed when it is deleted or cleaned
+        found = survey_committed(self.storage, self._manifests)
+        for it in select_deletions(found.order, self.keep_last, self.keep_every, protected):
+            crash_point("retention", self.rank)
+            self.delete_checkpoint(self._with_objects(found, it), it)
+            log.info("rank %d: retention deleted %s", self.rank, self.storage.url(iter_prefix(it)))
+        if just.iteration in found.committed:  # superseded objects of this iteration's earlier saves
+            found = self._with_objects(found, just.iteration)
+            keep = {rank_file_name(r, t.token or self.token, t.seq) for t in (just, *outstanding) for r in self.writes}
+            for name in found.strays(just.iteration):
+                if name not in keep:
+                    self.storage.delete(iter_prefix(just.iteration) + name)
+
+    def _with_objects(self, found: ObjectSurvey, iteration: int) -> ObjectSurvey:
+        """``found`` with every object of ``iteration`` listed (one listing of that prefix)."""
+        names = {o.key[len(iter_prefix(iteration)) :]: o for o in self.storage.list(iter_prefix(iteration))}
+        names = {n: o for n, o in names.items() if "/" not in n}
+        return dataclasses.replace(found, objects={**found.objects, iteration: names})
+
+    def delete_checkpoint(self, found: ObjectSurvey, iteration: int) -> None:
+        """Manifest first (only the one surveyed: a manifest rewritten since is not ours to delete),
+        then every object we wrote under the iteration; others stay."""
+        names = found.objects.get(iteration, {})
+        manifest = names.get(MANIFEST_NAME)
+        if manifest is not None:
+            try:
+                self.storage.delete(manifest.key, etag=manifest.etag)
+            except ObjectExistsError:
+                log.warning("%s: rewritten since it was surveyed; not deleted", self.storage.url(manifest.key))
+                return
+        crash_point("retention_files")
+        for name, info in names.items():
+            if name != MANIFEST_NAME and is_ours_in_iteration(name):
+                self.storage.delete(info.key)
+
+    def abandon(self, timeout: float | None = None) -> None:
+        """Join the commit thread and the deleter (each within ``timeout`` s when given: past it,
+        the thread is logged and left, as :meth:`.tiers.tier.Tier.abandon`)."""
+        if self._committer is not None:
+            self._committer.close(timeout)
+        if self._deleter is not None:
+            self._deleter.close(timeout)
+
+    def close(self, timeout: float | None = None) -> None:
+        self.abandon(timeout)
+
+    def __repr__(self) -> str:  # pragma: no cover - for logs
+        return f"ObjectTier({self.root!r}, rank={self.rank}, pid={os.getpid()})"
+
+
+def _is_our_key(key: str) -> bool:
+    """``iter_NNNNNNN/<a name we write>``."""
+    head, sep, name = key.partition("/")
+    return bool(sep) and iteration_of(head) is not None and "/" not in name and is_ours_in_iteration(name)
