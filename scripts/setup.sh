@@ -6,12 +6,13 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
-if ! command -v make >/dev/null || ! command -v g++ >/dev/null; then
-  # Megatron-LM builds its dataset helpers with make and g++ at start-up
+if ! command -v make >/dev/null || ! command -v g++ >/dev/null || ! command -v strace >/dev/null; then
+  # Megatron-LM builds its dataset helpers with make and g++ at start-up; strace counts a commit's
+  # system calls (tests/faults/test_commit_metadata.py)
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
-    apt-get update -qq && apt-get install -y -qq make g++ >/dev/null
+    apt-get update -qq && apt-get install -y -qq make g++ strace >/dev/null
   else
-    echo "warning: make and g++ are needed for the Megatron-LM tests (they will fail without them)" >&2
+    echo "warning: make and g++ are needed for the Megatron-LM tests (they will fail without them), strace to count a commit's system calls (skipped without it)" >&2
   fi
 fi
 if ! command -v fusermount3 >/dev/null || ! ldconfig -p 2>/dev/null | grep libfuse3 >/dev/null; then

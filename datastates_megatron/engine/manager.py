@@ -42,6 +42,8 @@ from .load.load_plan import LoadPlanner, SameLayoutPlanner
 from .load.reader import CheckpointReader, RestoreStats, open_checkpoint
 from .fs.iteration_dir import prepare_iteration_dir
 from .tiers.replication import Replication, clique_of, replication_plan
+from .names import RUN_ID_NAME
+from .tiers.reclaim import mark_ended, reclaim_finished_runs, unmark_ended
 from .tiers.run_id import ensure_run_id, run_subdir
 from .fs.safe_io import check_path_fits, make_dir, make_root
 from .storage.url import is_object_url
@@ -181,6 +183,7 @@ class CheckpointManager(ClosingContext):
         self.local_base = os.path.abspath(local_root.format(node=self.node)) if local_root else None
         self.local_root: str | None = None  # set once the run id is agreed (_start_tiers)
         self.run_id = ""
+        self._save_empty = False  # rank 0: --save held no checkpoint at start-up (:meth:`_warn_wiped_save`)
         if self.objects:
             if not self.local_base:
                 raise OptionsError(
@@ -240,25 +243,45 @@ class CheckpointManager(ClosingContext):
                     default_store(), self.rank, self.world_size, f"dsm/{token}/restore", opts.timeout_s
                 )
                 common = self._decide(*self._local_committed(), None, persistent=False)["local"]
+                if common and self._save_empty:
+                    self._warn_wiped_save(common[0])
                 self.promotion.resume(common[0] if common else None)
                 jump, factor = replication_plan(self.world_size, per_node, policy.replicas, policy.replication_jump)
                 if factor > 1:
                     self._start_replication(jump, factor, opts.timeout_s)
         except BaseException:
-            self._abandon_start()
+            self._abandon_start(opts.timeout_s)
             raise
         close_at_exit(self)
 
-    def _abandon_start(self) -> None:
+    def _warn_wiped_save(self, iteration: int) -> None:
+        """Rank 0, at start-up: ``--save`` holds no checkpoint but the node-local tier of its run does
+        -- a save directory wiped with ``rm -rf S/*`` keeps the dot-file naming the run.  Resuming
+        from it is right for a run killed before its first promotion, a surprise for a new
+        experiment: said once, with how to start fresh."""
+        log.warning(
+            "%s holds no checkpoint, but the node-local tier %s of its run %s (named by %s) holds iteration %d: "
+            "resuming from it and promoting it to %s; to start fresh instead, remove %s (and %s) before starting",
+            self.root,
+            self.local_root,
+            self.run_id,
+            os.path.join(self.root, RUN_ID_NAME),
+            iteration,
+            self.root,
+            os.path.join(self.root, RUN_ID_NAME),
+            self.local_root,
+        )
+
+    def _abandon_start(self, timeout_s: float) -> None:
         """A start-up that failed after threads were started: stop them (nothing was saved yet;
-        a process must not hang on them at exit) and release the locks."""
+        a process must not hang on them at exit; each join bounded) and release the locks."""
         try:
             for part in (self.replication, self.promotion):
                 if part is not None:
-                    part.close()
+                    part.close(timeout_s)
             for tier in (self.local, self.persistent):
                 if tier is not None:
-                    tier.abandon()
+                    tier.abandon(timeout_s)
             engine = getattr(self, "engine", None)
             if engine is not None:
                 engine.close()
@@ -307,6 +330,7 @@ class CheckpointManager(ClosingContext):
                     check_path_fits(root, longest)
             if self.persistent.is_writer and self.objects:
                 found = self.persistent.survey()
+                self._save_empty = not found.committed and not found.damaged
                 self.persistent.refuse_foreign(found)  # read-only: before the lock
                 self.persistent.acquire()
                 self.persistent.clean(found)
@@ -314,6 +338,7 @@ class CheckpointManager(ClosingContext):
             elif self.persistent.is_writer:
                 make_root(self.root)
                 found = survey(self.root)
+                self._save_empty = not found.committed and not found.damaged
                 self.persistent.refuse_foreign(found)  # read-only: before the lock
                 self.persistent.acquire()
                 self.persistent.clean(found)
@@ -348,6 +373,8 @@ class CheckpointManager(ClosingContext):
                         "On one machine running several nodes, give each its own directory with {node} in "
                         "--lazy-ckpt-local-dir"
                     ) from None
+                unmark_ended(self.local_root)  # this run is live here again
+                reclaim_finished_runs(self.local_base, self.run_id)
                 report_other_runs(self.local_base, self.run_id)
                 self.local.clean()
         except Exception as e:  # noqa: BLE001 - every rank must hear it, not only this one
@@ -959,8 +986,11 @@ class CheckpointManager(ClosingContext):
         if self._closed:
             return
         forget(self)
+        bound = self.engine.options.timeout_s if timeout is None else timeout  # every join is bounded
+        ended = False
         try:
             self.wait(timeout, promote_newest=True)
+            ended = True
         finally:
             self._closed = True
             try:
@@ -969,9 +999,19 @@ class CheckpointManager(ClosingContext):
                 try:
                     for part in (self.replication, self.local, self.promotion, self.persistent):
                         if part is not None:
-                            part.close()
+                            part.close(bound)
+                    if ended and self.local is not None and self.local.is_writer:
+                        self._mark_ended()
                 finally:
                     self._release_lock()
+
+    def _mark_ended(self) -> None:
+        """The run ended cleanly on this node: the next run here may reclaim its directory once
+        nothing in it is newer than ``--save`` (:mod:`.tiers.reclaim`)."""
+        try:
+            mark_ended(self.local_root, self.run_id, self.root)
+        except (CheckpointError, OSError) as e:  # the directory then stays, as before
+            log.warning("rank %d: %s: could not mark the run as ended: %s", self.rank, self.local_root, e)
 
     def _check_open(self) -> None:
         if self._closed:

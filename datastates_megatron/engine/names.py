@@ -32,6 +32,7 @@ __all__ = [
     "RUN_SUBDIR_PREFIX",
     "REPLICAS_DIR",
     "PROMOTE_SLOT_PREFIX",
+    "ENDED_NAME",
     "iter_dir",
     "iteration_of",
     "rank_file_name",
@@ -43,6 +44,7 @@ __all__ = [
     "replica_store_rank",
     "promote_slot_name",
     "is_ours_in_iteration",
+    "is_ours_in_run_dir",
     "is_recycled_name",
     "is_tracker_temp",
 ]
@@ -58,9 +60,12 @@ PROMOTING_SUFFIX = ".promoting"  # a rank file being copied to the persistent ti
 RUN_SUBDIR_PREFIX = "run-"  # + run id: a run's own subdirectory of a node-local root (:mod:`.tiers.run_id`)
 REPLICAS_DIR = "replicas"  # in a run's node-local directory: the replicas kept for other ranks
 PROMOTE_SLOT_PREFIX = ".promote-slot-"  # + slot number: a node's promotion locks (:mod:`.tiers.promote_throttle`)
+ENDED_NAME = ".datastates.ended"  # a node-local run directory whose run ended cleanly (:mod:`.tiers.reclaim`)
 
-_ITER = re.compile(r"^iter_([0-9]{7,})$")
-_TMP = re.compile(r"\.tmp-\d+$")  # :func:`temp_name`: ``<name>.tmp-<pid>``
+# ``\Z``, not ``$``: "$" also matches before a final newline ("iter_0000001\n" is not ours)
+_ITER = re.compile(r"^iter_([0-9]{7,})\Z")
+_TMP = re.compile(r"\.tmp-[0-9]+\Z")  # :func:`temp_name`: ``<name>.tmp-<pid>``
+_SLOT = re.compile(r"\.promote-slot-[0-9]+\Z")
 
 
 def iter_dir(root: str, iteration: int) -> str:
@@ -168,3 +173,16 @@ def is_tracker_temp(name: str) -> bool:
     """A temp file a crash interrupted in a tier's root: of a tracker update (``<tracker>.tmp-<pid>``)
     or of the run id's creation (``.datastates.run.tmp-<pid>``)."""
     return _is_temp_of(name, TRACKER_NAME) or _is_temp_of(name, RUN_ID_NAME)
+
+
+def is_ours_in_run_dir(name: str) -> bool:
+    """Whether an entry of a node-local run directory (``run-<id>/``) is one we create: an ``iter_*``
+    directory, the recycle pool, the replica stores, the lock, the end marker, a promotion slot, the
+    tracker or the temp file of the tracker or of the end marker."""
+    return (
+        iteration_of(name) is not None
+        or name in (RECYCLE_DIR, REPLICAS_DIR, LOCK_NAME, ENDED_NAME, TRACKER_NAME)
+        or bool(_SLOT.match(name))
+        or is_tracker_temp(name)
+        or _is_temp_of(name, ENDED_NAME)
+    )

@@ -315,6 +315,78 @@ def _sparse_tib(root, outside):
     rebuild_rank_file(_rank_file(root, 2), file_bytes=1 << 40)
 
 
+def op_read_index(root: str, it: int = 2) -> str:
+    """What a resharding load does first: read iter_2's global index against its manifest."""
+    from datastates_megatron.engine.errors import CorruptCheckpointError
+    from datastates_megatron.engine.format.global_index import read_index
+
+    try:
+        got = read_index(iter_dir(root, it), read_manifest(iter_dir(root, it)))
+    except CorruptCheckpointError as e:
+        return f"refused: {str(e)[:120]}"
+    return "no index" if got is None else f"read {len(got.keys)} keys"
+
+
+def _sealed_index(tables, rows=lambda: b""):
+    """Plant in iter_2 a global index of ``tables()`` (and ``rows()``) under a valid seal: its header
+    names iter_2's commit and the body's checksum, as the writer's would (made when planted)."""
+
+    def plant(root, outside):
+        import struct
+
+        from datastates_megatron.engine.format.global_index import write_index
+
+        raw = tables()
+        write_index(root, read_manifest(iter_dir(root, 2)), struct.pack("<Q", len(raw)) + raw + rows())
+
+    return plant
+
+
+def _tables(filler: bytes, total: int) -> bytes:
+    """Index tables of about ``total`` bytes whose params hold ``filler`` repeated."""
+    head, tail = b'{"keys":[],"params":{"p":[', b'0]},"tensors":[]}'
+    return head + filler * ((total - len(head) - len(tail)) // len(filler)) + tail
+
+
+INDEX_CAP = 64 * MiB - 4096  # just under the index's size cap (the manifest's)
+INDEX_ATTACKS = [
+    # issue 41, item 7.2: 1,537 MiB and 7.0 s before the index had the manifest's bounds
+    Attack(
+        '64 MiB index tables of {"a":0}: read',
+        _sealed_index(lambda: _tables(b'{"a":0},', INDEX_CAP)),
+        op_read_index,
+        "refused",
+    ),
+    # ... and 1,015 MiB and 8.7 s for 256 MiB of strings
+    Attack(
+        "256 MiB index of strings: read",
+        _sealed_index(lambda: _tables(b'"' + b"s" * (1 << 20) + b'",', 256 * MiB)),
+        op_read_index,
+        "refused",
+    ),
+    Attack(
+        "64 MiB index of 1 MiB strings: read",
+        _sealed_index(lambda: _tables(b'"' + b"s" * (1 << 20) + b'",', INDEX_CAP)),
+        op_read_index,
+        "read",
+    ),
+    Attack(
+        "64 MiB index of short strings, one per 16 bytes: read",
+        _sealed_index(lambda: _tables(b'"ssssssssssss", ', INDEX_CAP)),
+        op_read_index,
+        "refused",
+    ),
+    Attack(
+        "64 MiB index of rows: read",
+        _sealed_index(
+            lambda: b'{"keys":["k"],"params":{},"tensors":["t"]}', lambda: bytes(48 * ((INDEX_CAP - 4096) // 48))
+        ),
+        op_read_index,
+        "read",
+    ),
+]
+
+
 def _outside_victim(root: str) -> str:
     return os.path.join(os.path.dirname(root), "outside", "precious.bin")
 

@@ -133,3 +133,15 @@ def test_a_damaged_manifest_kept_by_a_survey_holds_no_traceback_nor_cause(tmp_pa
     (err,) = found.damaged.values()
     assert sorted(found.committed) == [2]
     assert err.__traceback__ is None and err.__cause__ is None and err.__context__ is None
+
+
+@pytest.mark.parametrize("attack", attacks.INDEX_ATTACKS, ids=[a.name for a in attacks.INDEX_ATTACKS])
+def test_a_crafted_global_index_costs_no_more_than_the_stated_bound(attack, tmp_path, warm):
+    """Issue 41, item 7.2: a ``global_index.dsgi`` under a valid seal is read (or refused) within
+    the manifest's bound -- 64 MiB + 2x the crafted bytes, 2 s per 64 MiB."""
+    got = attacks.run_attack(attack, str(tmp_path), limit_s=120)
+    assert "TRACEBACK" not in got["outcome"], got
+    assert got["as_specified"] and got["outside_unchanged"], got
+    memory, seconds = attacks.bound(got["planted"])
+    assert got["rss_growth"] <= memory, f"peak RSS growth {got['rss_growth'] >> 20} MiB over {memory >> 20} MiB: {got}"
+    assert got["wall_s"] <= seconds, f"{got['wall_s']:.1f} s over {seconds:.1f} s: {got}"

@@ -21,6 +21,7 @@ from datastates_megatron.engine.errors import (
     SaveDirBusyError,
 )
 from datastates_megatron.engine.manager import CheckpointManager
+from datastates_megatron.engine.names import ENDED_NAME
 from datastates_megatron.engine.tiers.tier import committed_iterations
 
 
@@ -52,6 +53,7 @@ def test_a_new_run_never_loads_promotes_or_deletes_an_earlier_runs_local_checkpo
     with _manager(tmp_path / "old-save", local, w) as old:  # its local checkpoints 7 and 8 stay on the node
         _train(old, w, range(1, 9))
         old_dir = old.local_root
+    os.unlink(os.path.join(old_dir, ENDED_NAME))  # as if killed: a run that ended cleanly is reclaimed
     # and a checkpoint of a version that wrote directly under the root
     shutil.copytree(os.path.join(old_dir, "iter_0000008"), local / "iter_0000008")
     before = _digest(local)
@@ -83,11 +85,13 @@ def test_two_runs_share_one_local_root(tmp_path):
             _train(a, wa, [it], offset=100)
             _train(b, wb, [it], offset=200)
         assert committed_iterations(a.local_root) == [5] and committed_iterations(b.local_root) == [5]
-    for save, w, offset in ((tmp_path / "a", wa, 100), (tmp_path / "b", wb, 200)):
+    # a restarts first and restores its node-local copy; b ended cleanly with its newest in its --save,
+    # so a's start-up reclaimed b's directory (issue 41, item 4), and b restores from its --save
+    for save, w, offset, where in ((tmp_path / "a", wa, 100, "local"), (tmp_path / "b", wb, 200, "save")):
         w.zero_()
         with _manager(save, local, w) as mgr:
             res = mgr.load()
-            assert res.iteration == 5 and res.root == mgr.local_root
+            assert res.iteration == 5 and res.root == (mgr.local_root if where == "local" else str(save))
         assert torch.equal(w, torch.full((1000,), 5.0 + offset))
 
 
@@ -141,3 +145,46 @@ def test_a_run_id_out_of_range_or_a_link_at_the_run_directory_is_refused(tmp_pat
     with pytest.raises(CheckpointError, match="run-0123456789abcdef"):
         _manager(save, local, torch.zeros(1000))
     assert os.listdir(victim) == []  # nothing written through the link
+
+
+def test_a_wiped_save_directory_whose_run_id_survived_says_so_before_resuming(tmp_path, caplog):
+    """Issue 41, item 7, finding 4: ``rm -rf S/*`` keeps ``S/.datastates.run``; the next experiment
+    then resumes the wiped run's node-local iteration.  It may (the run id says it is that run's),
+    but not silently: one warning on rank 0 names the run id, the iteration and how to start fresh."""
+    from datastates_megatron.engine.names import RUN_ID_NAME
+
+    save, local, w = tmp_path / "save", tmp_path / "local", torch.zeros(64)
+    mgr = _manager(save, local, w, persist_interval=1)
+    for it in (1, 2):
+        w.fill_(float(it))
+        mgr.save(it)
+        mgr.wait()
+    run_id = mgr.run_id
+    mgr.close()
+    for name in os.listdir(save):  # what `rm -rf S/*` removes: everything but the dot-files
+        if not name.startswith("."):
+            p = save / name
+            shutil.rmtree(p) if p.is_dir() else p.unlink()
+    assert (save / RUN_ID_NAME).exists() and committed_iterations(str(save)) == []
+    with caplog.at_level(logging.WARNING):
+        mgr = _manager(save, local, torch.zeros(64), persist_interval=1)
+    try:
+        said = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING and run_id in r.getMessage()]
+        assert len(said) == 1, caplog.text
+        line = said[0]
+        assert "\n" not in line and "iteration 2" in line and str(save) in line, line
+        assert RUN_ID_NAME in line and "start fresh" in line, line
+        assert mgr.load().iteration == 2  # and then it resumes, as it said
+    finally:
+        mgr.close()
+
+
+def test_no_such_warning_when_the_save_directory_holds_the_checkpoint(tmp_path, caplog):
+    save, local, w = tmp_path / "save", tmp_path / "local", torch.zeros(64)
+    mgr = _manager(save, local, w, persist_interval=1)
+    mgr.save(1)
+    mgr.wait()
+    mgr.close()
+    with caplog.at_level(logging.WARNING):
+        _manager(save, local, torch.zeros(64), persist_interval=1).close()
+    assert "start fresh" not in caplog.text

@@ -175,3 +175,59 @@ def test_a_newer_rank_file_is_upgrade_not_damage_unless_something_is_damaged(for
     with open(os.path.join(ckpt, rec.file), "r+b") as f:
         f.truncate(rec.file_bytes - 1)
     assert _run(capsys, command, ckpt)[0] == EXIT_DAMAGED
+
+
+def _digests(directory: str) -> dict[str, bytes]:
+    out = {}
+    for name in sorted(os.listdir(directory)):
+        with open(os.path.join(directory, name), "rb") as f:
+            out[name] = f.read()
+    return out
+
+
+@pytest.mark.parametrize("on_error", ["raise", "warn"])
+def test_a_re_save_of_a_newer_format_iteration_is_refused_and_touches_nothing_of_it(with_newer, on_error, caplog):
+    """Issue 41, item 7, finding 3: the job loads the previous iteration, as the refusal suggests,
+    and saves the newer checkpoint's iteration again; that commit must not replace the newer
+    manifest, nor delete its rank file (errors.py: nothing deletes it)."""
+    from datastates_megatron.engine import CheckpointError
+
+    root = with_newer
+    newer = _digests(iter_dir(root, 3))
+    w = torch.zeros(64)
+    with CheckpointManager(
+        root, EngineOptions(cache_bytes=1 << 20, timeout_s=30), keep_last=0, on_error=on_error
+    ) as mgr:
+        mgr.register("w", w)
+        mgr.load(2)
+        w.fill_(3.0)
+        mgr.save(3, {"iteration": 3})
+        if on_error == "raise":
+            with pytest.raises(CheckpointError, match=r"iter_0000003.*newer format.*9\.9\.9.*left as it is"):
+                mgr.wait()
+        else:
+            mgr.wait()
+            assert re.search(r"iter_0000003.*newer format.*9\.9\.9.*left as it is", caplog.text), caplog.text
+        mgr.save(4, {"iteration": 4})  # the next checkpoint commits as usual
+        mgr.wait()
+    assert _digests(iter_dir(root, 3)) == newer  # the newer manifest and its rank file, byte for byte
+    assert read_manifest(iter_dir(root, 4)).iteration == 4
+
+
+@pytest.mark.parametrize("bad", ["1.2.3\n", "1.2.3\n\n", "\n1.2.3"])
+def test_a_writer_version_with_a_newline_is_not_a_version(bad):
+    from datastates_megatron._version import VERSION_RE
+
+    assert not VERSION_RE.match(bad) and VERSION_RE.match("1.2.3+local.4")
+
+
+def test_names_with_a_final_newline_are_not_ours():
+    """``$`` matches before a final newline: every name pattern ends at the end of the text."""
+    from datastates_megatron.engine.format.manifest import iteration_of, parse_tracker
+    from datastates_megatron.engine.names import is_ours_in_iteration
+    from datastates_megatron.engine.tiers.run_id import is_run_id
+
+    assert iteration_of("iter_0000001\n") is None and iteration_of("iter_0000001") == 1
+    assert not is_ours_in_iteration(MANIFEST_NAME + ".tmp-12\n") and is_ours_in_iteration(MANIFEST_NAME + ".tmp-12")
+    assert not is_run_id("0123456789abcdef\n") and is_run_id("0123456789abcdef")
+    assert parse_tracker("12") == 12

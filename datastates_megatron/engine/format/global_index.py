@@ -32,11 +32,11 @@ import numpy as np
 
 from ..errors import CorruptCheckpointError
 from .hashing import xxh64
-from .json_budget import check_budget
+from .json_budget import VALUE_BYTES
 from .manifest import Manifest
 from ..fs.durable import atomic_write
 from ..names import INDEX_NAME, iter_dir
-from ..fs.safe_io import read_capped
+from ..fs.safe_io import MANIFEST_MAX_BYTES, read_capped
 
 __all__ = ["GlobalIndex", "Summaries", "encode_summary", "summary_sum", "read_index", "write_index"]
 
@@ -44,9 +44,17 @@ log = logging.getLogger(__name__)
 
 MAGIC = b"DSGIDX01"
 VERSION = 1
-INDEX_MAX_BYTES = 1 << 30  # 64k ranks of two tensors each: ~5 MiB
+# the manifest's bounds (:mod:`.json_budget`): a file of at most its size cap (64k ranks of two
+# tensors each: ~5 MiB), tables of at most one JSON value per 16 bytes -- and, since a dict costs
+# more than ``VALUE_BYTES``, at most a few objects (ours hold two: the top level and ``params``) and
+# at most ``_TABLE_MAX_VALUES`` values in all, so that a parse costs a bounded constant beyond the
+# text itself (docs/reliability.md: 64 MiB + 2x the file)
+INDEX_MAX_BYTES = MANIFEST_MAX_BYTES
 _HEADER_MAX = 4096
-_TABLE_BYTES_PER_VALUE = 4  # names and params as we write them: a value per 4+ bytes
+_TABLE_BYTES_PER_VALUE = 16
+_TABLE_VALUE_ALLOWANCE = 1 << 16
+_TABLE_MAX_VALUES = 1 << 19  # ~50 MiB parsed (a key costs ~12 counted values: ~40k keys)
+_TABLE_MAX_OBJECTS = 64
 _COLS = 6  # key id, start, end, rank, tensor id, offset
 
 
@@ -203,25 +211,62 @@ def read_index(ckpt: str, manifest: Manifest) -> GlobalIndex | None:
     body = view[16 + hlen :]
     if header.get("body_bytes") != len(body) or header.get("body_xxh64") != xxh64(body):
         raise CorruptCheckpointError(f"{path}: global index checksum mismatch: the file was altered")
-    return _parse(path, body, manifest.world_size)
+    text, table = _split(path, body)
+    del view, body, data  # the file's bytes go before the parse: at most the text and its values at once
+    keys, tensors, params = _parse_tables(path, text)
+    del text
+    return _checked(path, keys, tensors, params, table, manifest.world_size)
 
 
-def _parse(path: str, body, world_size: int) -> GlobalIndex:
+def _split(path: str, body: memoryview) -> tuple[str, np.ndarray]:
+    """The tables' JSON text (checked against the bounds before it is decoded) and a copy of the
+    pieces (so that the file's bytes can be freed)."""
     (tlen,) = struct.unpack_from("<Q", body, 0)
     if tlen > len(body) - 8 or (len(body) - 8 - tlen) % (8 * _COLS):
         raise CorruptCheckpointError(f"{path}: global index tables of {tlen} bytes in a body of {len(body)}")
-    raw = bytes(body[8 : 8 + tlen])
-    check_budget(raw, _TABLE_BYTES_PER_VALUE, 1024, path, "global index")
+    raw = body[8 : 8 + tlen]
+    values, objects = _count(raw)  # one pass, before anything is decoded or parsed
+    most = min(_TABLE_MAX_VALUES, len(raw) // _TABLE_BYTES_PER_VALUE + _TABLE_VALUE_ALLOWANCE)
+    if values > most or objects > _TABLE_MAX_OBJECTS:
+        raise CorruptCheckpointError(
+            f"{path}: global index tables hold up to {values} JSON values and {objects} objects in {len(raw)} "
+            f"bytes, more than the {most} and {_TABLE_MAX_OBJECTS} one we write could hold (one value per "
+            f"{_TABLE_BYTES_PER_VALUE} bytes, as a manifest); refusing to parse them "
+            f"(it would take ~{values * VALUE_BYTES >> 20} MiB)"
+        )
     try:
-        tables = json.loads(raw)
-    except (UnicodeDecodeError, ValueError, RecursionError) as e:
+        text = str(raw, "utf-8")
+    except UnicodeDecodeError as e:
+        raise CorruptCheckpointError(f"{path}: global index tables are not UTF-8: {e.reason}") from None
+    table = np.frombuffer(body, dtype="<i8", offset=8 + tlen).reshape(-1, _COLS).copy()
+    return text, table
+
+
+def _count(raw: memoryview) -> tuple[int, int]:
+    """Upper bounds on the JSON values (:func:`.json_budget.count_values`) and objects in ``raw``,
+    over 16 MiB windows."""
+    values, objects = 1, 0
+    for i in range(0, len(raw), 16 << 20):
+        part = bytes(raw[i : i + (16 << 20)])
+        objects += part.count(b"{")
+        values += part.count(b",") + part.count(b"[")
+    return values + objects, objects
+
+
+def _parse_tables(path: str, text: str) -> tuple[list, list, dict]:
+    try:
+        tables = json.loads(text)
+    except (ValueError, RecursionError) as e:
         raise CorruptCheckpointError(f"{path}: global index tables are not JSON: {type(e).__name__}") from None
     keys, tensors, params = (tables.get(f) if isinstance(tables, dict) else None for f in ("keys", "tensors", "params"))
     if not (isinstance(keys, list) and isinstance(tensors, list) and isinstance(params, dict)):
         raise CorruptCheckpointError(f"{path}: global index tables lack keys, tensors or params")
     if not all(isinstance(x, str) for x in (*keys, *tensors)):
         raise CorruptCheckpointError(f"{path}: global index names are not all strings")
-    table = np.frombuffer(body, dtype="<i8", offset=8 + tlen).reshape(-1, _COLS)
+    return keys, tensors, params
+
+
+def _checked(path: str, keys: list, tensors: list, params: dict, table: np.ndarray, world_size: int) -> GlobalIndex:
     bad = (
         (table[:, 0] < 0)
         | (table[:, 0] >= len(keys))

@@ -39,9 +39,9 @@ __all__ = [
 
 MANIFEST_FORMAT = "datastates-megatron-manifest"
 MANIFEST_VERSION = 1  # the newest format this code writes; it reads every format from 1 up to it
-_SAFE_NAME = re.compile(r"^[A-Za-z0-9._-]+$")
-_TOKEN = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
-_DIGITS = re.compile(rb"^[0-9]{1,18}$")  # ASCII only: ``str.isdigit`` accepts '\u00b2' and other scripts' digits
+_SAFE_NAME = re.compile(r"^[A-Za-z0-9._-]+\Z")
+_TOKEN = re.compile(r"^[A-Za-z0-9_-]{1,64}\Z")
+_DIGITS = re.compile(rb"^[0-9]{1,18}\Z")  # ASCII only: ``str.isdigit`` accepts '\u00b2' and other scripts' digits
 _U64 = 1 << 64
 _MAX_WORLD = 1 << 31
 _TIERS = ("persistent", "local")

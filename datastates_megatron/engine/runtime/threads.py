@@ -58,7 +58,8 @@ class QueueThread:
     """A named thread (non-daemon unless asked) that handles queued items in order until ``close()``.
 
     Subclasses implement ``_handle(item)``; ``close()`` is idempotent and joins the thread after the
-    items queued before it are handled.  ``put`` may be called from any thread."""
+    items queued before it are handled -- for at most ``timeout`` seconds when given, after which it
+    logs what it gave up on (:meth:`_busy_with`) and returns.  ``put`` may be called from any thread."""
 
     def __init__(self, name: str, daemon: bool = False) -> None:
         """``daemon``: only for work that a process exit may cut short at any point (idempotent,
@@ -71,12 +72,26 @@ class QueueThread:
     def put(self, item) -> None:
         self._queue.put(item)
 
-    def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        self._queue.put(None)
-        self._thread.join()
+    def close(self, timeout: float | None = None) -> bool:
+        """Stop after the items queued so far; returns whether the thread ended (within ``timeout``
+        seconds when given: a shutdown never waits without a bound on storage that does not answer)."""
+        if not self._closed:
+            self._closed = True
+            self._queue.put(None)
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            log.error(
+                "gave up after %.0f s waiting for thread %s to stop: %s; what it was doing is not done",
+                timeout,
+                self._thread.name,
+                self._busy_with(),
+            )
+            return False
+        return True
+
+    def _busy_with(self) -> str:
+        """What the thread is doing, for the line :meth:`close` logs when it gives up on it."""
+        return f"{self._queue.qsize()} item(s) still queued"
 
     def _run(self) -> None:
         while (item := self._queue.get()) is not None:

@@ -319,14 +319,16 @@ class ObjectTier:
             if name != MANIFEST_NAME and is_ours_in_iteration(name):
                 self.storage.delete(info.key)
 
-    def abandon(self) -> None:
+    def abandon(self, timeout: float | None = None) -> None:
+        """Join the commit thread and the deleter (each within ``timeout`` s when given: past it,
+        the thread is logged and left, as :meth:`.tiers.tier.Tier.abandon`)."""
         if self._committer is not None:
-            self._committer.close()
+            self._committer.close(timeout)
         if self._deleter is not None:
-            self._deleter.close()
+            self._deleter.close(timeout)
 
-    def close(self) -> None:
-        self.abandon()
+    def close(self, timeout: float | None = None) -> None:
+        self.abandon(timeout)
 
     def __repr__(self) -> str:  # pragma: no cover - for logs
         return f"ObjectTier({self.root!r}, rank={self.rank}, pid={os.getpid()})"

@@ -27,10 +27,10 @@ import time
 
 import numpy as np
 
-from ..errors import CacheTimeoutError, CommitError, LockLostError
+from ..errors import CacheTimeoutError, CommitError, CorruptCheckpointError, FormatVersionError, LockLostError
 from ..runtime.faults import crash_point
 from ..format.global_index import Summaries, write_index
-from ..format.manifest import Manifest, RankRecord, write_manifest, write_tracker
+from ..format.manifest import Manifest, RankRecord, read_manifest, write_manifest, write_tracker
 from ..names import iter_dir, rank_file_name
 from .retention import unlink_ours
 from ..dist.store_channel import StoreChannel
@@ -377,6 +377,7 @@ class Committer(QueueThread):
             )
             if self.guard is not None:  # the directory is still ours (its lock file is the one we locked)
                 self.guard()
+            _refuse_newer_format(self.root, ticket.iteration)
             self._write_index(manifest, cols)
             crash_point("before_manifest", self.rank)
             if self._objects is not None:
@@ -384,6 +385,9 @@ class Committer(QueueThread):
             else:
                 write_manifest(self.root, manifest)
             self.tier.manifest_written(manifest)
+        except CommitError as e:  # a newer format's checkpoint is there
+            self._errors.append(e)
+            return False
         except LockLostError as e:
             err = CommitError(f"rank {self.rank}: iteration {ticket.iteration}: not committed: {e}")
             err.__cause__ = e
@@ -473,6 +477,23 @@ class Committer(QueueThread):
         """The tickets submitted and not processed yet (any thread)."""
         with self._lock:
             return list(self._outstanding.values())
+
+
+def _refuse_newer_format(root: str, iteration: int) -> None:
+    """Raise :class:`CommitError` when ``iteration`` already holds a checkpoint in a newer format
+    than this version writes: a re-save must never replace its manifest (nor, then, let retention
+    take its files for strays).  A damaged manifest there is replaced, as before; none costs one
+    failed open."""
+    d = iter_dir(root, iteration)
+    try:
+        read_manifest(d)
+    except FormatVersionError as e:
+        raise CommitError(
+            f"{d}: holds a checkpoint in a newer format ({e}); it is left as it is and this save of iteration "
+            f"{iteration} is not committed (save another iteration, or load it with a newer datastates-megatron)"
+        ) from None
+    except (CorruptCheckpointError, OSError):  # none there (NoCheckpointError is one), or damaged
+        pass
 
 
 def _shown(ranks: list, n: int) -> str:

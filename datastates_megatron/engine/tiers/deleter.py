@@ -1,6 +1,7 @@
 """A tier's retention, off its commit thread (as Orbax's deleter): the commit thread hands each
-committed checkpoint over and goes on to the next commit; this thread surveys the directory, deletes
-what retention selects and removes the superseded files of that iteration.
+committed checkpoint over and goes on to the next commit; this thread deletes what retention selects
+(from what the tier knows it committed, never a survey of the directory) and removes the superseded
+files of that iteration.
 
 Why: deleting a retired checkpoint costs one unlink per rank file (N on the persistent tier's
 writer: 1.25 s at 16k ranks on tmpfs), and on the commit thread it delayed the next commit by that

@@ -28,7 +28,7 @@ __all__ = ["FORMATS", "ForeignCheckpoint", "find_foreign", "foreign_format", "re
 
 log = logging.getLogger(__name__)
 FORMATS = ("torch_dist", "torch", "unknown")
-_NAME = re.compile(r"^iter_(\d{7,})$")
+_NAME = re.compile(r"^iter_([0-9]{7,})\Z")
 _TORCH_DIST = {".metadata", "common.pt", "metadata.json"}
 
 

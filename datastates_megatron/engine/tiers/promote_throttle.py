@@ -19,15 +19,20 @@ import contextlib
 import fcntl
 import logging
 import os
+import threading
 import time
 
-from ..errors import CheckpointError
+from ..errors import CheckpointError, FlushError
 from ..fs.safe_io import open_for_write
-from ..names import promote_slot_name
+from ..names import PROMOTE_SLOT_PREFIX, promote_slot_name
 
-__all__ = ["PromoteSlots", "Pace"]
+__all__ = ["PromoteSlots", "Pace", "PromotionAbandoned"]
 
 log = logging.getLogger(__name__)
+
+
+class PromotionAbandoned(FlushError):
+    """A promotion given up at shutdown (waiting for a slot, or paced): its local copy stays."""
 
 
 class PromoteSlots:
@@ -47,8 +52,10 @@ class PromoteSlots:
         return self._fds
 
     @contextlib.contextmanager
-    def held(self):
-        """Hold a slot for the body: a free one if there is one, else wait for slot ``rank % slots``."""
+    def held(self, stop: threading.Event | None = None):
+        """Hold a slot for the body: a free one if there is one, else wait for one to free up.
+        ``stop``: once set, a wait gives up (:class:`PromotionAbandoned`) -- a shutdown must not wait
+        for a slot that another process may hold for ever."""
         if self.slots <= 0:
             yield None
             return
@@ -60,25 +67,34 @@ class PromoteSlots:
             self.slots = 0
             yield None
             return
+        stop = stop or threading.Event()
         first = self.rank % self.slots
         order = [(first + i) % self.slots for i in range(self.slots)]
-        got = None
-        for i in order:
-            try:
-                fcntl.flock(fds[i], fcntl.LOCK_EX | fcntl.LOCK_NB)
-                got = i
-                break
-            except BlockingIOError:
-                continue
-        if got is None:
-            t0 = time.perf_counter()
-            fcntl.flock(fds[first], fcntl.LOCK_EX)  # every slot is copying: wait for this one
-            got = first
-            log.debug("rank %d: waited %.3f s for a promotion slot", self.rank, time.perf_counter() - t0)
+        t0, pause = time.perf_counter(), 0.005
+        got = self._try(fds, order)
+        while got is None:  # every slot is copying: poll (a blocking flock could not be given up)
+            if stop.wait(pause):
+                raise PromotionAbandoned(
+                    f"rank {self.rank}: gave up after {time.perf_counter() - t0:.1f} s waiting for a promotion slot "
+                    f"({self.directory}/{PROMOTE_SLOT_PREFIX}*: held by other processes)"
+                )
+            pause = min(2 * pause, 0.25)
+            got = self._try(fds, order)
+        log.debug("rank %d: waited %.3f s for a promotion slot", self.rank, time.perf_counter() - t0)
         try:
             yield got
         finally:
             fcntl.flock(fds[got], fcntl.LOCK_UN)
+
+    @staticmethod
+    def _try(fds: list[int], order: list[int]) -> int | None:
+        for i in order:
+            try:
+                fcntl.flock(fds[i], fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return i
+            except BlockingIOError:
+                continue
+        return None
 
     def close(self) -> None:
         fds, self._fds = self._fds, []
@@ -94,15 +110,20 @@ class PromoteSlots:
 
 class Pace:
     """Called with each block a copy wrote: sleeps so that the copy averages at most ``mbps`` MB/s
-    (``mbps`` > 0: without a cap there is no ``Pace``)."""
+    (``mbps`` > 0: without a cap there is no ``Pace``).  ``stop``: once set, the copy is given up
+    (:class:`PromotionAbandoned`) instead of sleeping on."""
 
-    def __init__(self, mbps: float) -> None:
+    def __init__(self, mbps: float, stop: threading.Event | None = None) -> None:
         self.rate = mbps * 1e6
         self.done = 0
         self.t0 = time.perf_counter()
+        self._stop = stop or threading.Event()
 
     def __call__(self, nbytes: int) -> None:
         self.done += nbytes
         ahead = self.done / self.rate - (time.perf_counter() - self.t0)
-        if ahead > 0:
-            time.sleep(ahead)
+        if ahead > 0 and self._stop.wait(ahead):
+            raise PromotionAbandoned(
+                f"gave up a copy paced to {self.rate / 1e6:g} MB/s after {self.done} bytes "
+                f"({time.perf_counter() - self.t0:.1f} s)"
+            )

@@ -35,7 +35,7 @@ from ..format.file_format import HEADER_BYTES, FileReceipt, RankFile
 from ..format.manifest import read_manifest
 from ..names import iter_dir, parse_rank_file_name, rank_file_name
 from ..names import PROMOTING_SUFFIX
-from .promote_throttle import Pace, PromoteSlots
+from .promote_throttle import Pace, PromoteSlots, PromotionAbandoned
 from ..fs.safe_io import create_temp, make_dir, reopen_same
 from ..runtime.threads import QueueThread
 from .tier import Tier, survey
@@ -46,6 +46,7 @@ __all__ = ["Promotion", "copy_verified"]
 
 log = logging.getLogger(__name__)
 _COPY_BLOCK = 16 << 20
+_GRACE_S = 10.0  # how long close() waits for a copy it gave up on to stop (a slot wait stops in 0.25 s)
 
 
 def _copy_bytes(fd_in: int, fd_out: int, size: int, start: int = 0, pace=None) -> None:
@@ -170,6 +171,8 @@ class Promotion(QueueThread):
         self._newest: Ticket | None = None  # this run's newest local commit when it is not promoted yet
         self.skipped = 0  # promotions dropped for a newer one while a copy was in flight
         self._warned = False  # a drop was warned about since the last copy that completed
+        self._stop = threading.Event()  # set by close() past its timeout: the copies in progress give up
+        self._doing = "idle"  # what the copy thread is doing, for close()'s report
         src.on_commit(self.offer, keep=self.pending)
         super().__init__(f"dsm-promote-r{self.rank}")
 
@@ -276,10 +279,14 @@ class Promotion(QueueThread):
         dst_dir = iter_dir(self.dst.root, iteration)
         objects = getattr(self.dst, "objects", None)  # object storage: the tier uploads (streamed, verified)
         try:
+            if self._stop.is_set():
+                raise PromotionAbandoned(f"rank {self.rank}: the promotion was closed before it started")
             if objects is None:
                 make_dir(dst_dir)  # never into a directory reached through a symlink
-            with self._slots.held():  # at most ``slots`` of the node's ranks copy at once
-                pace = Pace(self._mbps) if self._mbps > 0 else None  # no cap: no pacing at all
+            self._doing = f"promoting iteration {iteration} (waiting for a promotion slot)"
+            with self._slots.held(self._stop):  # at most ``slots`` of the node's ranks copy at once
+                self._doing = f"promoting iteration {iteration} (copying {src})"
+                pace = Pace(self._mbps, self._stop) if self._mbps > 0 else None  # no cap: no pacing at all
                 if objects is not None:
                     receipt = objects.promote_file(src, iteration, name, pace)
                 else:
@@ -289,7 +296,9 @@ class Promotion(QueueThread):
                 self._warned = False
         except BaseException as e:  # noqa: BLE001 - the persistent committer reports it on every rank
             err = (
-                e
+                PromotionAbandoned(f"rank {self.rank}: promoting iteration {iteration} given up at close: {e}")
+                if isinstance(e, PromotionAbandoned)
+                else e
                 if isinstance(e, FlushError)
                 else FlushError(
                     f"rank {self.rank}: promoting iteration {iteration} from {src} to {dst_dir} failed: {e}"
@@ -298,10 +307,32 @@ class Promotion(QueueThread):
             log.error("%s", err)
             future.set_exception(err)
         finally:
+            self._doing = "idle"
             with self._lock:
                 self._in_flight.discard(iteration)
 
-    def close(self) -> None:
-        """Join the copy thread (after the promotions queued before), then release the slot files."""
-        super().close()
-        self._slots.close()
+    def _busy_with(self) -> str:
+        return f"{self._doing}, {self._queue.qsize()} more queued"
+
+    def close(self, timeout: float | None = None) -> bool:
+        """Join the copy thread after the promotions queued before, then release the slot files.
+        ``timeout``: past it, what is left is given up -- a copy waiting for a slot that other
+        processes hold, or paced by a tiny ``mbps``, stops (its persistent commit fails on every
+        rank; the local copy stays and the next start promotes it) -- and the thread has
+        ``_GRACE_S`` more to end; then this logs what it gave up on and returns.  Returns whether
+        the thread ended."""
+        ended = super().close() if timeout is None else self._close_bounded(timeout)
+        if ended:
+            self._slots.close()  # the thread is done with them (else they go with the process)
+        return ended
+
+    def _close_bounded(self, timeout: float) -> bool:
+        self._closed = True
+        self._queue.put(None)
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            log.warning(
+                "rank %d: giving up the promotions left after %.0f s: %s", self.rank, timeout, self._busy_with()
+            )
+            self._stop.set()
+        return super().close(_GRACE_S)

@@ -3,7 +3,8 @@
 Why: node-local storage (``/dev/shm``, a local SSD) outlives jobs and is shared by every job on a
 node.  A local checkpoint is only ever this run's when it is bound to the ``--save`` it promotes to:
 the id names the run's own subdirectory of the node-local root (``run-<id>``) and is written into
-every manifest, so another run's local checkpoint is never loaded, promoted or deleted, and several
+every manifest, so another run's local checkpoint is never loaded or promoted (nor deleted, but
+by :mod:`.reclaim` once that run ended cleanly with everything in its ``--save``), and several
 runs may share one node-local root.  The file (``.datastates.run``, JSON) is written atomically by the
 save directory's lock holder at the run's first start.  It also records the save directory's inode:
 a copy of the directory (``cp -r``: a branch of the run, a restored backup) carries the file but not
@@ -33,7 +34,7 @@ __all__ = [
     "run_subdir",
 ]
 
-_ID = re.compile(r"^[0-7][0-9a-f]{15}$")  # below 2**63: it travels as an int64
+_ID = re.compile(r"^[0-7][0-9a-f]{15}\Z")  # below 2**63: it travels as an int64
 _MAX_BYTES = 4096
 log = logging.getLogger(__name__)
 

@@ -143,8 +143,13 @@ class Survey:
 
     def strays(self, iteration: int) -> list[str]:
         """Entries of committed ``iteration``'s directory that we wrote and its manifest does not name."""
-        named = {MANIFEST_NAME, INDEX_NAME, *(r.file for r in self.committed[iteration].ranks)}
-        return [n for n in _entries(iter_dir(self.root, iteration)) if n not in named and is_ours_in_iteration(n)]
+        return _strays(iter_dir(self.root, iteration), self.committed[iteration])
+
+
+def _strays(ckpt_dir: str, manifest: Manifest) -> list[str]:
+    """Entries of ``ckpt_dir`` (committed by ``manifest``) that we wrote and ``manifest`` does not name."""
+    named = {MANIFEST_NAME, INDEX_NAME, *(r.file for r in manifest.ranks)}
+    return [n for n in _entries(ckpt_dir) if n not in named and is_ours_in_iteration(n)]
 
 
 def _entries(d: str) -> list[str]:
@@ -165,15 +170,15 @@ def list_iterations(root: str) -> list[int]:
     return sorted(it for n in names if (it := iteration_of(n)) is not None and os.path.isdir(os.path.join(root, n)))
 
 
-def survey(root: str, known: dict | None = None) -> Survey:
+def survey(root: str) -> Survey:
     """The one answer to "what is committed, ours, not ours" in the tier directory ``root``.
     Incremental: a manifest whose file is unchanged since it was last read here (same inode,
-    size, mtime and ctime; :class:`_ManifestCache`) is not read again -- retention surveys the
-    directory at every commit."""
+    size, mtime and ctime; :class:`_ManifestCache`) is not read again (loads and ``ls`` survey a
+    tier again; a tier's own retention does not: it knows what it committed)."""
     iterations = list_iterations(root)
     committed, damaged = {}, {}
     for it in iterations:
-        got = _MANIFESTS.read(iter_dir(root, it), known)
+        got = _MANIFESTS.read(iter_dir(root, it))
         if isinstance(got, Manifest):
             committed[it] = got
         elif got is not None:
@@ -205,10 +210,9 @@ class _ManifestCache:
         self._lock = threading.Lock()
         self._entries: dict[str, tuple[tuple, object]] = {}
 
-    def read(self, ckpt_dir: str, known: dict | None = None) -> Manifest | CheckpointError | None:
+    def read(self, ckpt_dir: str) -> Manifest | CheckpointError | None:
         """The manifest of ``ckpt_dir``; its error (detached) when damaged or unreadable; ``None``
-        when there is none (not committed).  ``known``: ``{manifest path: (lstat key, Manifest)}``
-        the caller wrote itself (:meth:`Tier.manifest_written`), used while the key matches."""
+        when there is none (not committed)."""
         path = os.path.join(ckpt_dir, MANIFEST_NAME)
         key = None
         if real_dir(ckpt_dir):  # never through a linked directory: read_manifest refuses that itself
@@ -217,8 +221,6 @@ class _ManifestCache:
                 key = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_mode)
             except OSError:
                 key = None
-        if key is not None and known and path in known and known[path][0] == key:
-            return known[path][1]
         if key is not None:
             with self._lock:
                 hit = self._entries.get(path)
@@ -275,7 +277,8 @@ def latest_to_resume(root: str, *, warn: bool = False) -> int:
 def report_other_runs(local_base: str, run_id: str) -> list[str]:
     """Name, in one warning, what a shared node-local root holds of other runs: their ``run-<id>``
     directories and checkpoints written directly under the root (before local tiers were bound to
-    their run).  Read only: they are never loaded, promoted or deleted by this run."""
+    their run).  Read only: they are never loaded or promoted by this run (one that ended cleanly was
+    reclaimed before: :mod:`.reclaim`)."""
     try:
         names = os.listdir(local_base)
     except FileNotFoundError:
@@ -286,7 +289,8 @@ def report_other_runs(local_base: str, run_id: str) -> list[str]:
         shown = ", ".join(others[:5]) + (f" and {len(others) - 5} more" if len(others) > 5 else "")
         log.warning(
             "%s: holds node-local checkpoints of other runs (%s); this run (%s) never loads, promotes or "
-            "deletes them -- remove them when those runs are over",
+            "deletes them (those of a run that ended cleanly with all in its --save are) -- remove them when "
+            "those runs are over",
             local_base,
             shown,
             run_id,
@@ -338,8 +342,11 @@ class Tier:
         # manager; its commits send it (once per change) for the checkpoint's global index
         self.summary: tuple[bytes, int] | None = None
         self._deleter: Deleter | None = None  # the writer's retention thread (:meth:`_deletions`)
-        self._deleter_lock = threading.Lock()  # also guards _written
-        self._written: dict[str, tuple[tuple, Manifest]] = {}  # the manifests this writer wrote last
+        self._deleter_lock = threading.Lock()  # also guards _written and _kept
+        self._written: dict[int, Manifest] = {}  # iteration -> the manifests this writer wrote last
+        # iteration -> commit sequence of every checkpoint committed here, as the writer knows it: from
+        # the start-up survey, then its own commits and deletions (retention never surveys again)
+        self._kept: dict[int, int] | None = None
         self._next_seq = 0
 
     @property
@@ -391,6 +398,8 @@ class Tier:
         if removed:
             log.info("rank %d: removed %d leftover(s) of ours under %s", self.rank, len(removed), self.root)
         self._next_seq = max((m.commit_seq for m in found.committed.values()), default=-1) + 1
+        with self._deleter_lock:
+            self._kept = {it: m.commit_seq for it, m in found.committed.items()}
 
     # ------------------------------------------------------------------ commits
     def open(self, collective, world_size: int, layout: dict, timeout_s: float) -> None:
@@ -451,18 +460,15 @@ class Tier:
             callback(ticket)
 
     def manifest_written(self, manifest: Manifest) -> None:
-        """The commit thread wrote ``manifest`` (the writer): this tier's retention need not read it
-        back (14 MB at 64k ranks), racy window or not -- it replaced the old one by a rename, so any
-        later change of ours is a new inode.  Only this tier's own surveys use it; the newest few."""
-        path = os.path.join(iter_dir(self.root, manifest.iteration), MANIFEST_NAME)
-        try:
-            st = os.lstat(path)
-        except OSError:
-            return
-        key = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_mode)
+        """The commit thread wrote ``manifest`` (the writer): this tier's retention counts it among the
+        checkpoints kept and never reads it back (14 MB at 64k ranks) -- the tier knows what it
+        wrote, so a commit's metadata work does not grow with the checkpoints kept.  The newest few
+        manifests are kept for their rank-file names (the superseded files of a re-save)."""
         with self._deleter_lock:
-            self._written.pop(path, None)
-            self._written[path] = (key, manifest)
+            if self._kept is not None:
+                self._kept[manifest.iteration] = manifest.commit_seq
+            self._written.pop(manifest.iteration, None)
+            self._written[manifest.iteration] = manifest
             while len(self._written) > 4:
                 self._written.pop(next(iter(self._written)))
 
@@ -499,16 +505,17 @@ class Tier:
         for _, keep in self._followers:  # still being copied elsewhere (the next tier, partners)
             if keep is not None:
                 protected |= keep()
-        with self._deleter_lock:
-            known = dict(self._written)
-        found = survey(self.root, known)  # what this writer wrote itself is not read back
-        for it in select_deletions(found.order, self.keep_last, self.keep_every, protected):
+        order, manifest = self._commit_order(just)
+        for it in select_deletions(order, self.keep_last, self.keep_every, protected):
             crash_point("retention", self.rank)
             try:
                 delete_checkpoint(self.root, it, recycle=self._recycle, rank=self.rank)
             except OSError as e:  # the next ones may still go; this one is tried again next time
                 deletion_failed(iter_dir(self.root, it), e, self.rank)
                 continue
+            with self._deleter_lock:
+                self._kept.pop(it, None)
+                self._written.pop(it, None)
             log.info("rank %d: retention deleted %s (%s tier)", self.rank, iter_dir(self.root, it), self.name)
         if self._recycle:
             trim_recycled(self.root, keep=2 * len(self.writes))  # two checkpoints' worth
@@ -517,10 +524,27 @@ class Tier:
         # (writer) rank submitted it: it supersedes
         keep = {rank_file_name(r, t.token or self.token, t.seq) for t in (just, *outstanding) for r in self.writes}
         d = iter_dir(self.root, just.iteration)
-        for name in found.strays(just.iteration) if just.iteration in found.committed else ():
+        for name in _strays(d, manifest) if manifest is not None else ():
             parsed = parse_rank_file_name(name)
             if parsed and name not in keep and not (parsed[1] == self.token and parsed[2] > just.seq):
                 unlink_ours(os.path.join(d, name))
+
+    def _commit_order(self, just) -> tuple[list[int], Manifest | None]:
+        """The checkpoints committed here, oldest commit first, and the manifest of ``just``'s
+        iteration (``None``: not committed, or not by this writer).  From what the tier knows; only a
+        tier whose start-up survey was never taken (:meth:`clean`) surveys, once."""
+        with self._deleter_lock:
+            kept = self._kept
+        if kept is None:
+            found = survey(self.root)
+            with self._deleter_lock:
+                if self._kept is None:
+                    self._kept = {it: m.commit_seq for it, m in found.committed.items()}
+                    for it, m in self._written.items():  # written while the survey ran
+                        self._kept.setdefault(it, m.commit_seq)
+        with self._deleter_lock:
+            order = sorted(self._kept, key=lambda it: (self._kept[it], it))
+            return order, self._written.get(just.iteration)
 
     def _still_owned(self) -> bool:
         """Whether this job still owns the directory (its lock file is the one it locked): once not,
@@ -533,18 +557,19 @@ class Tier:
             return False
         return True
 
-    def abandon(self) -> None:
-        """Join the commit thread and the deleter, and nothing else: a start-up that failed, or a run
-        cut short (the directory stays as it is; :meth:`release` the lock after)."""
+    def abandon(self, timeout: float | None = None) -> None:
+        """Join the commit thread and the deleter (each within ``timeout`` s when given; past it, the
+        thread is logged and left), and nothing else: a start-up that failed, or a run cut short
+        (the directory stays as it is; :meth:`release` the lock after)."""
         if self._committer is not None:
-            self._committer.close()
+            self._committer.close(timeout)
         if self._deleter is not None:
-            self._deleter.close()  # after the committer: the last commit's retention is queued
+            self._deleter.close(timeout)  # after the committer: the last commit's retention is queued
 
-    def close(self) -> None:
+    def close(self, timeout: float | None = None) -> None:
         """:meth:`abandon`; then (the writer) empty the pool: training is over, its retired files
         only hold space.  The lock is kept until :meth:`release`."""
-        self.abandon()
+        self.abandon(timeout)
         if self.is_writer and self._still_owned():
             try:
                 trim_recycled(self.root, keep=0)

@@ -148,7 +148,8 @@ class LazyCkptConfig:
         megatron="--non-persistent-ckpt-type local --non-persistent-local-ckpt-dir DIR",
         help="Optional fast node-local tier (NVMe, /dev/shm). Checkpoints land here first, under "
         "DIR/run-<id>/ (the run's id, created in --save): a directory several runs share, or one an earlier "
-        "job left behind, is safe; another run's checkpoints are never loaded, promoted or deleted. {node} "
+        "job left behind, is safe; another run's checkpoints are never loaded or promoted, and deleted only "
+        "once that run ended cleanly with every one in its --save (logged). {node} "
         "in DIR is replaced by the node's index (rank // LOCAL_WORLD_SIZE): give each node its own "
         "directory when several nodes run on one machine. Must differ from --save.",
     )
