@@ -32,9 +32,9 @@ WORLD, K, TOKEN = 16, 8, "00000000000000aa"
 
 def _meta(rank: int) -> dict:
     """Rank ``rank`` holds elements [rank*K, (rank+1)*K) of ``w`` and of its ``exp_avg``, and a step."""
-    shard = {"kind": "param_shard", "identity": 1, "chunk": 0, "buffer": "buf0", "bucket": 0}
+    shard = {"kind": "param_shard", "identity": 2, "chunk": 0, "buffer": "buf0", "bucket": 0}
     shard["params"] = [["w", [WORLD * K], "float32", rank * K, (rank + 1) * K, 0]]
-    state = {"kind": "optimizer_state", "identity": 1, "chunk": 0, "param": "w", "shape": [WORLD * K]}
+    state = {"kind": "optimizer_state", "identity": 2, "chunk": 0, "param": "w", "shape": [WORLD * K]}
     state.update(dtype="float32", start=rank * K, end=(rank + 1) * K)
     step = dict(state, key="step")
     return {
@@ -84,8 +84,8 @@ def _reshard(root: str, new_rank: int, new_world: int):
     step = torch.empty(())
 
     def plan(index):
-        pairs = [(r, dst[w][at : at + r.count]) for w in dst for r, at in index.ranges((0, "w", w), start, end)]
-        return pairs + [(index.scalar((0, "w", "step"), start, end), step)]
+        pairs = [(r, dst[w][at : at + r.count]) for w in dst for r, at in index.ranges(("", 0, "w", w), start, end)]
+        return pairs + [(index.scalar(("", 0, "w", "step"), start, end), step)]
 
     ckpt, manifest = open_checkpoint(root, 5)
     with CheckpointReader(ckpt, manifest, rank=new_rank, threads=1) as reader:

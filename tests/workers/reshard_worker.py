@@ -12,6 +12,10 @@ Scenarios (each prints ``RESULT <json>`` on every rank):
   after it, a reference of every full parameter and of this rank's main params / Adam states (taken
   with megatron-core's own accessors, not our metadata) to ``--ref-out``.  Reports every loss.
 * ``tp2``: the same model with tensor-parallel size 2; ``load()`` must refuse.
+
+With ``--warm N`` the model first trains N iterations (so the optimizer holds state).  When
+``load()`` raises, the result has the error and a digest of every live tensor (parameters, buffers,
+param buffers, main params, optimizer state, scheduler) taken before and after it.
 """
 
 import argparse
@@ -45,6 +49,7 @@ def _args():
     p.add_argument("--layers", type=int, default=MODEL["num_layers"])
     p.add_argument("--hidden", type=int, default=MODEL["hidden"])
     p.add_argument("--no-verify", action="store_true")
+    p.add_argument("--warm", type=int, default=0, help="iterations trained before the load")
     return p.parse_args()
 
 
@@ -132,6 +137,37 @@ def compare_with_reference(chunks, opt, ref_dir) -> list[str]:
     return bad
 
 
+def live_digest(chunks, opt, sched) -> str:
+    """SHA-256 over every live tensor of the model and optimizer (and the scheduler's state)."""
+    import hashlib
+
+    from datastates_megatron.megatron.checkpointing.shards import inner_optimizers, param_buffers
+
+    h = hashlib.sha256()
+
+    def add(label, t):
+        h.update(label.encode())
+        h.update(t.detach().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+
+    for c, chunk in enumerate(chunks):
+        for name, t in [*chunk.named_parameters(), *chunk.named_buffers()]:
+            add(f"{c}.{name}", t)
+    for c, bname, buf in param_buffers(chunks):
+        add(f"{c}.{bname}", buf.param_data)
+    for i, inner in enumerate(inner_optimizers(opt)):
+        for g, pg in enumerate(inner.param_groups):
+            h.update(repr(sorted((k, v) for k, v in pg.items() if k != "params")).encode())
+            for j, p in enumerate(pg["params"]):
+                add(f"opt{i}.g{g}.p{j}", p)
+                for k, v in sorted(inner.state.get(p, {}).items()):
+                    if isinstance(v, torch.Tensor):
+                        add(f"opt{i}.g{g}.p{j}.{k}", v)
+                    else:
+                        h.update(repr(v).encode())
+    h.update(repr(sorted(sched.state_dict().items())).encode())
+    return h.hexdigest()
+
+
 def main():
     a = _args()
     from datastates_megatron import LazyCheckpointer, LazyCkptConfig
@@ -156,15 +192,19 @@ def main():
     losses = {}
     with LazyCheckpointer(chunks, opt, cfg, opt_param_scheduler=sched) as ckpt:
         start = 0
+        for it in range(1, a.warm + 1):
+            gpt.train_step(chunks, opt, _data(it), scheduler=sched)
         if a.load is not None:
             timing = result["restore"] = {}
             ckpt._mgr.load = _timed(ckpt._mgr.load, timing)
             torch.distributed.barrier()
+            before = live_digest(chunks, opt, sched)
             t0 = time.perf_counter()
             try:
                 start, _ = ckpt.load(a.load_at)
             except Exception as e:  # noqa: BLE001 - reported to the test
                 result["error"] = f"{type(e).__name__}: {e}"
+                result["digest_before"], result["digest_after"] = before, live_digest(chunks, opt, sched)
                 write_line("RESULT " + json.dumps(result))
                 gpt.destroy_distributed()
                 return

@@ -278,9 +278,10 @@ class LazyCheckpointer:
         all-gathered across data-parallel ranks), model buffers and extra state, main params,
         optimizer state, scheduler, RNG.
 
-        A checkpoint written at another data-parallel size (TP=PP=1, same model) is resharded on the
-        fly (:mod:`.reshard`); any other layout change raises ``LayoutMismatchError`` naming
-        the conversion (``--lazy-ckpt-convert-to``, :mod:`..megatron_lm.torch_dist`).
+        A checkpoint written at another data-parallel size (same model, TP, PP, VPP, CP and EP) is
+        resharded on the fly (:mod:`.reshard`); any other layout change raises
+        ``LayoutMismatchError`` on every rank before a live tensor changes, naming a parameter, its
+        shapes, both layouts and the conversion (``--lazy-ckpt-convert-to``, :mod:`..megatron_lm.torch_dist`).
         Returns ``(iteration, extra_state)``; raises ``NoCheckpointError`` when there is none."""
         self._check_open()
         self._mgr.wait()
@@ -331,9 +332,10 @@ class LazyCheckpointer:
         return result.iteration, result.objects["extra_state"]
 
     def _planner(self, other_dp: bool) -> LoadPlanner:
-        """The planner the manifest's layout calls for: another data-parallel size is resharded by
-        parameter identity; this run's layout is restored by :class:`_SameLayoutFirst`."""
-        identity = reshard.ReshardPlanner(self.model, self.optimizer)
+        """The planner the manifest's layout calls for: another layout is planned by parameter
+        identity (a data-parallel change resharded, any other refused); this run's layout is
+        restored by :class:`_SameLayoutFirst`."""
+        identity = reshard.ReshardPlanner(self.model, self.optimizer, self._mgr.layout)
         if other_dp:
             return identity
         same = SameLayoutPlanner(self._mgr.engine.registered, self._mgr.world_size, self._mgr.layout)
