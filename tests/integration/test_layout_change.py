@@ -1,0 +1,56 @@
+"""A lazy checkpoint resumed at another data-parallel size under TP, PP and EP, by Megatron-LM's own
+``pretrain_gpt.py`` on CPU ranks with a plain ``--lazy-ckpt --load`` (no flag, no conversion), against
+the reference path: the same checkpoint converted at the old layout with ``--lazy-ckpt-convert-to``
+(Megatron's ``torch_dist``) and imported by Megatron-LM's own loader at the new one.  Both continue
+from iteration 4 in the new layout; every iteration's grad norm and params norm on every rank, and
+the digest of every model and optimizer tensor at the end, must be equal to the bit.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.integration.megatron_lm_runs import LAZY, MEGATRON_LM_DIR, assert_same_training, latest, launch
+
+pytestmark = pytest.mark.skipif(
+    not MEGATRON_LM_DIR,
+    reason="MEGATRON_LM_DIR is not set (scripts/test.sh unpacks and patches one from ../shared/megatron-lm)",
+)
+
+ITERS = 8
+SAVED = 4
+TP2 = ["--tensor-model-parallel-size", "2"]
+PP2 = ["--pipeline-model-parallel-size", "2"]
+MOE = ["--num-experts", "4", "--expert-model-parallel-size", "2", "--moe-router-topk", "2", "--no-bias-gelu-fusion"]
+# name: (layout flags, ranks before, ranks after, what rank 0 logs)
+CASES = {
+    "tp2_dp2_to_tp2_dp1": (TP2, 4, 2, "TP2×PP1×DP2 → TP2×PP1×DP1"),
+    "tp2_pp2_dp2_to_tp2_pp2_dp1": ([*TP2, *PP2], 8, 4, "TP2×PP2×DP2 → TP2×PP2×DP1"),
+    "ep2_dp4_to_ep2_dp2": (MOE, 4, 2, "TP1×PP1×DP4×EP2 → TP1×PP1×DP2×EP2"),
+}
+DEFAULT = "tp2_dp2_to_tp2_dp1"
+
+
+@pytest.mark.parametrize(
+    "case", [pytest.param(name, marks=() if name == DEFAULT else pytest.mark.slow) for name in CASES]
+)
+def test_data_parallel_change_on_a_plain_load_equals_the_torch_dist_conversion(tmp_path, case):
+    flags, before, after, change = CASES[case]
+    lazy, exported = tmp_path / "lazy", tmp_path / "exported"
+    common = ["--train-iters", str(ITERS), *flags, "--save-interval", str(SAVED), *LAZY]
+    first = launch(tmp_path, "first", [*common, "--exit-interval", str(SAVED), "--save", str(lazy)], nproc=before)
+    assert first.returncode == 0 and latest(lazy) == SAVED, first.describe()
+    convert = [*common, "--load", str(lazy), "--save", str(lazy), "--lazy-ckpt-convert-to", str(exported)]
+    converted = launch(tmp_path, "export", convert, nproc=before)
+    assert converted.returncode == 0, converted.describe()
+    imported = launch(
+        tmp_path, "imported", [*common, "--load", str(exported), "--save", str(tmp_path / "ref")], nproc=after
+    )
+    assert imported.returncode == 0, imported.describe()
+    assert f"imported Megatron torch_dist checkpoint of iteration {SAVED}" in imported.log
+    resumed = launch(tmp_path, "resumed", [*common, "--load", str(lazy), "--save", str(lazy)], nproc=after)
+    assert resumed.returncode == 0, resumed.describe()
+    assert f"resharding iteration {SAVED}: {change}" in resumed.log, resumed.describe()
+    assert f"loaded lazy checkpoint of iteration {SAVED}" in resumed.log
+    assert latest(lazy) == ITERS  # and it saved on, in the new layout
+    assert_same_training(resumed, imported, range(SAVED + 1, ITERS + 1), ranks=after)
