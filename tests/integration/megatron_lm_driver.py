@@ -203,7 +203,7 @@ def parse(tmp, out):
     for name, argv in {
         "no_save": ["--lazy-ckpt"],
         "async_save": ["--lazy-ckpt", "--save", tmp + "/s", "--async-save"],
-        "finetune": ["--lazy-ckpt", "--save", tmp + "/s", "--finetune"],
+        "no_save_optim": ["--lazy-ckpt", "--save", tmp + "/s", "--no-save-optim"],
         "non_persistent": ["--lazy-ckpt", "--save", tmp + "/s", "--non-persistent-save-interval", "10"],
         "bad_threads": ["--lazy-ckpt", "--save", tmp + "/s", "--lazy-ckpt-flush-threads", "0"],
     }.items():

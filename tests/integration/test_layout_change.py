@@ -22,11 +22,14 @@ SAVED = 4
 TP2 = ["--tensor-model-parallel-size", "2"]
 PP2 = ["--pipeline-model-parallel-size", "2"]
 MOE = ["--num-experts", "4", "--expert-model-parallel-size", "2", "--moe-router-topk", "2", "--no-bias-gelu-fusion"]
-# name: (layout flags, ranks before, ranks after, what rank 0 logs)
+# name: (layout flags, ranks before, ranks after, what rank 0 logs, flags of the reference import)
 CASES = {
-    "tp2_dp2_to_tp2_dp1": (TP2, 4, 2, "TP2×PP1×DP2 → TP2×PP1×DP1"),
-    "tp2_pp2_dp2_to_tp2_pp2_dp1": ([*TP2, *PP2], 8, 4, "TP2×PP2×DP2 → TP2×PP2×DP1"),
-    "ep2_dp4_to_ep2_dp2": (MOE, 4, 2, "TP1×PP1×DP4×EP2 → TP1×PP1×DP2×EP2"),
+    "tp2_dp2_to_tp2_dp1": (TP2, 4, 2, "TP2×PP1×DP2 → TP2×PP1×DP1", []),
+    "tp2_pp2_dp2_to_tp2_pp2_dp1": ([*TP2, *PP2], 8, 4, "TP2×PP2×DP2 → TP2×PP2×DP1", []),
+    # with EP > 1 Megatron-LM shards its RNG state by DP rank, and its own load at another DP size
+    # fails on it ("Missing key in checkpoint state_dict: rng_state/..."): the reference leaves the
+    # RNG out (these runs draw nothing from it: no dropout, top-k routing)
+    "ep2_dp4_to_ep2_dp2": (MOE, 4, 2, "TP1×PP1×DP4×EP2 → TP1×PP1×DP2×EP2", ["--no-load-rng"]),
 }
 DEFAULT = "tp2_dp2_to_tp2_dp1"
 
@@ -35,7 +38,7 @@ DEFAULT = "tp2_dp2_to_tp2_dp1"
     "case", [pytest.param(name, marks=() if name == DEFAULT else pytest.mark.slow) for name in CASES]
 )
 def test_data_parallel_change_on_a_plain_load_equals_the_torch_dist_conversion(tmp_path, case):
-    flags, before, after, change = CASES[case]
+    flags, before, after, change, reference = CASES[case]
     lazy, exported = tmp_path / "lazy", tmp_path / "exported"
     common = ["--train-iters", str(ITERS), *flags, "--save-interval", str(SAVED), *LAZY]
     first = launch(tmp_path, "first", [*common, "--exit-interval", str(SAVED), "--save", str(lazy)], nproc=before)
@@ -44,7 +47,10 @@ def test_data_parallel_change_on_a_plain_load_equals_the_torch_dist_conversion(t
     converted = launch(tmp_path, "export", convert, nproc=before)
     assert converted.returncode == 0, converted.describe()
     imported = launch(
-        tmp_path, "imported", [*common, "--load", str(exported), "--save", str(tmp_path / "ref")], nproc=after
+        tmp_path,
+        "imported",
+        [*common, *reference, "--load", str(exported), "--save", str(tmp_path / "ref")],
+        nproc=after,
     )
     assert imported.returncode == 0, imported.describe()
     assert f"imported Megatron torch_dist checkpoint of iteration {SAVED}" in imported.log

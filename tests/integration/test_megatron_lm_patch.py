@@ -395,7 +395,7 @@ def test_parse_args_takes_the_lazy_ckpt_flags(driven):
     errors = out["errors"]
     assert "--lazy-ckpt requires --save" in errors["no_save"]
     assert "--lazy-ckpt cannot be combined with --async-save" in errors["async_save"]
-    assert "--lazy-ckpt cannot be combined with --finetune" in errors["finetune"]
+    assert "--lazy-ckpt cannot be combined with --no-save-optim" in errors["no_save_optim"]
     assert "--non-persistent-save-interval" in errors["non_persistent"]
     assert "--lazy-ckpt-flush-threads must be >= 1" in errors["bad_threads"]
 

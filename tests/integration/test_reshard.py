@@ -175,6 +175,17 @@ def test_dp4_to_dp2_bf16(tmp_path):
         _close(_losses(r), _losses(four[0]), 1e-3)  # bf16 params: a last-bit flip moves the loss a little more
 
 
+@needs_megatron
+def test_model_only_load_at_another_dp_size(dp2):
+    """``load(optimizer=False, rng=False)`` (``--finetune``, ``--no-load-optim``): every parameter of
+    the DP=2 run at DP=1, the fresh optimizer and scheduler left as they were."""
+    d, _ = dp2
+    args = ["run", "--total", "3", "--model-only", "--load", str(d / "ckpt"), "--load-at", "3"]
+    (one,) = _ok(run_ranks(WORKER, 1, [*args, "--ref-in", str(d / "ref")], timeout=240))
+    assert "error" not in one, one
+    assert one["mismatches"] == [] and one["optimizer_states"] == 0 and one["scheduler_steps"] == 0, one
+
+
 def _refused(results):
     """Every rank's error (one line), with every live tensor as it was before the load."""
     errors = []

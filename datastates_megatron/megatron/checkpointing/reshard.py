@@ -387,12 +387,13 @@ def plan_restore(
     old: dict | None = None,
     new: dict | None = None,
     by_slice: dict | None = None,
+    optimizer_state: bool = True,
 ) -> list[tuple[ElementRange, torch.Tensor]]:
     """``(source range, destination view)`` for every element this rank must restore: its shard of
-    each DDP bucket, its non-view main params and every tensor of their optimizer state.  ``old``,
-    ``new``: the checkpoint's and this run's layouts (named in a refusal; any change but the
-    data-parallel size is refused).  ``by_slice``, when given, is filled with ``{slice: old ranks}``:
-    the old rank files the plan reads per model-parallel slice."""
+    each DDP bucket, its non-view main params and every tensor of their optimizer state (those two
+    only with ``optimizer_state``).  ``old``, ``new``: the checkpoint's and this run's layouts (named
+    in a refusal; any change but the data-parallel size is refused).  ``by_slice``, when given, is
+    filled with ``{slice: old ranks}``: the old rank files the plan reads per model-parallel slice."""
     old, new = dict(old or {}), dict(new or old or {})
     keys = parameter_keys(model)
     _check_params(index, keys, ckpt, old, new)
@@ -415,7 +416,7 @@ def plan_restore(
             b.buf, b.bucket, b.dp_rank, b.dp_size, names
         ):
             add((sl, b.chunk, pname, "param"), start, end, b.shard[offset : offset + end - start])
-    for shard in main_shards(optimizer, buckets):
+    for shard in main_shards(optimizer, buckets) if optimizer_state else ():
         m = shard.main
         if shard.owner is None:
             raise LayoutMismatchError(
@@ -502,10 +503,13 @@ class ReshardPlanner(LoadPlanner):
     kind = "reshard"
     reads_all_ranks = True
 
-    def __init__(self, model, optimizer, layout: dict | None = None) -> None:
+    def __init__(self, model, optimizer, layout: dict | None = None, optimizer_state: bool = True) -> None:
+        """``optimizer_state=False``: the model only (its param buffers; main params and optimizer
+        state are left as they are, and the plan's ``training`` is the source rank's, not re-keyed)."""
         self.model = model
         self.optimizer = optimizer
         self.layout = dict(layout) if layout is not None else None
+        self.optimizer_state = optimizer_state
 
     def plan(self, reader: CheckpointReader) -> LoadPlan:
         t0 = time.perf_counter()
@@ -516,7 +520,9 @@ class ReshardPlanner(LoadPlanner):
 
         def plan_fn(index):
             by_slice.clear()
-            return plan_restore(self.model, self.optimizer, index, reader.ckpt, old, new, by_slice)
+            return plan_restore(
+                self.model, self.optimizer, index, reader.ckpt, old, new, by_slice, self.optimizer_state
+            )
 
         planned = plan_by_global_index(reader, plan_fn, None)
         if planned is None:  # no (usable) global index: the metadata of every rank file
@@ -525,7 +531,9 @@ class ReshardPlanner(LoadPlanner):
         pairs, index, ranks = planned
         source = source_rank(reader.rank, manifest.world_size, by_slice)
         objects = reader.objects(source)
-        training = _remap_training(reader, index, self.optimizer, self.model, source, sorted({*ranks, source}))
+        training = objects["training"]
+        if self.optimizer_state:
+            training = _remap_training(reader, index, self.optimizer, self.model, source, sorted({*ranks, source}))
         files = sorted({r.rank for r, _ in pairs})
         if reader.rank == 0 and old != new:
             log.info("resharding iteration %d: %s → %s", manifest.iteration, layout_text(old), layout_text(new))
