@@ -8,6 +8,8 @@ the digest of every model and optimizer tensor at the end, must be equal to the 
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 
 from tests.integration.megatron_lm_runs import LAZY, MEGATRON_LM_DIR, assert_same_training, latest, launch
@@ -34,18 +36,38 @@ CASES = {
 DEFAULT = "tp2_dp2_to_tp2_dp1"
 
 
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """Per case (built on first use): the lazy checkpoint of iteration 4 at the old layout, and the
+    same converted there to torch_dist (``--lazy-ckpt-convert-to``)."""
+    built = {}
+
+    def get(case: str):
+        if case not in built:
+            flags, before = CASES[case][0], CASES[case][1]
+            tmp = tmp_path_factory.mktemp(case)
+            lazy, exported = tmp / "lazy", tmp / "exported"
+            common = ["--train-iters", str(ITERS), *flags, "--save-interval", str(SAVED), *LAZY]
+            first = launch(tmp, "first", [*common, "--exit-interval", str(SAVED), "--save", str(lazy)], nproc=before)
+            assert first.returncode == 0 and latest(lazy) == SAVED, first.describe()
+            convert = [*common, "--load", str(lazy), "--save", str(lazy), "--lazy-ckpt-convert-to", str(exported)]
+            converted = launch(tmp, "export", convert, nproc=before)
+            assert converted.returncode == 0, converted.describe()
+            built[case] = lazy, exported
+        return built[case]
+
+    return get
+
+
 @pytest.mark.parametrize(
     "case", [pytest.param(name, marks=() if name == DEFAULT else pytest.mark.slow) for name in CASES]
 )
-def test_data_parallel_change_on_a_plain_load_equals_the_torch_dist_conversion(tmp_path, case):
-    flags, before, after, change, reference = CASES[case]
-    lazy, exported = tmp_path / "lazy", tmp_path / "exported"
+def test_data_parallel_change_on_a_plain_load_equals_the_torch_dist_conversion(tmp_path, saved, case):
+    flags, _, after, change, reference = CASES[case]
+    original, exported = saved(case)
+    lazy = tmp_path / "lazy"
+    shutil.copytree(original, lazy, ignore=shutil.ignore_patterns(".datastates.lock"))  # the resumed run saves on in it
     common = ["--train-iters", str(ITERS), *flags, "--save-interval", str(SAVED), *LAZY]
-    first = launch(tmp_path, "first", [*common, "--exit-interval", str(SAVED), "--save", str(lazy)], nproc=before)
-    assert first.returncode == 0 and latest(lazy) == SAVED, first.describe()
-    convert = [*common, "--load", str(lazy), "--save", str(lazy), "--lazy-ckpt-convert-to", str(exported)]
-    converted = launch(tmp_path, "export", convert, nproc=before)
-    assert converted.returncode == 0, converted.describe()
     imported = launch(
         tmp_path,
         "imported",
@@ -60,3 +82,23 @@ def test_data_parallel_change_on_a_plain_load_equals_the_torch_dist_conversion(t
     assert f"loaded lazy checkpoint of iteration {SAVED}" in resumed.log
     assert latest(lazy) == ITERS  # and it saved on, in the new layout
     assert_same_training(resumed, imported, range(SAVED + 1, ITERS + 1), ranks=after)
+
+
+def test_finetune_from_a_lazy_checkpoint_at_another_dp_size_equals_the_torch_dist_path(tmp_path, saved):
+    """``--finetune`` from the TP2 × DP2 lazy checkpoint at TP2 × DP1: the model only, from iteration
+    0, a fresh optimizer and scheduler -- every iteration's norms and the final digest equal to
+    Megatron-LM's own ``--finetune`` load of the same checkpoint converted to torch_dist."""
+    flags, _, after, change, _ = CASES[DEFAULT]
+    lazy, exported = saved(DEFAULT)
+    common = ["--train-iters", str(SAVED), *flags, "--save-interval", str(SAVED), *LAZY, "--finetune"]
+    imported = launch(
+        tmp_path, "imported", [*common, "--load", str(exported), "--save", str(tmp_path / "ref")], nproc=after
+    )
+    assert imported.returncode == 0, imported.describe()
+    tuned = launch(tmp_path, "tuned", [*common, "--load", str(lazy), "--save", str(tmp_path / "tuned")], nproc=after)
+    assert tuned.returncode == 0, tuned.describe()
+    assert f"resharding iteration {SAVED}: {change}" in tuned.log, tuned.describe()
+    assert f"loaded the model of lazy checkpoint of iteration {SAVED} under {lazy} (--finetune)" in tuned.log
+    # iterations 1..4 again (the iteration reset), the first update from a fresh Adam (params norm)
+    assert_same_training(tuned, imported, range(1, SAVED + 1), ranks=after)
+    assert latest(tmp_path / "tuned") == SAVED
