@@ -8,7 +8,7 @@ From the checkpoint's global index (or the metadata of every old rank file) this
 tensor, offset, [start, end))`` -- and then, for this rank's *new* shards (its slice of each DDP
 bucket, dense buffers by the data-parallel group and expert buffers by the expert data-parallel group,
 its main-param shards and their Adam states), the exact element ranges to read: :class:`ReshardPlanner`
-makes them a load plan for the engine's one verifying reader (:class:`~..engine.reader.CheckpointReader`:
+makes them a load plan for the engine's one verifying reader (:class:`~..engine.load.reader.CheckpointReader`:
 zero-copy ``mmap`` views of the old files on shared storage, every checksum chunk they touch verified
 once, before anything is copied in place).  No rank gathers the full state.  The caller
 (``LazyCheckpointer.load``) then all-gathers the param buffers across the new DP groups.
