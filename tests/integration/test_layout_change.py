@@ -21,6 +21,7 @@ pytestmark = pytest.mark.skipif(
 
 ITERS = 8
 SAVED = 4
+TIMEOUT_S = 900.0  # a run of 8 CPU ranks on a busy 2-core machine
 TP2 = ["--tensor-model-parallel-size", "2"]
 PP2 = ["--pipeline-model-parallel-size", "2"]
 MOE = ["--num-experts", "4", "--expert-model-parallel-size", "2", "--moe-router-topk", "2", "--no-bias-gelu-fusion"]
@@ -48,10 +49,16 @@ def saved(tmp_path_factory):
             tmp = tmp_path_factory.mktemp(case)
             lazy, exported = tmp / "lazy", tmp / "exported"
             common = ["--train-iters", str(ITERS), *flags, "--save-interval", str(SAVED), *LAZY]
-            first = launch(tmp, "first", [*common, "--exit-interval", str(SAVED), "--save", str(lazy)], nproc=before)
+            first = launch(
+                tmp,
+                "first",
+                [*common, "--exit-interval", str(SAVED), "--save", str(lazy)],
+                nproc=before,
+                timeout=TIMEOUT_S,
+            )
             assert first.returncode == 0 and latest(lazy) == SAVED, first.describe()
             convert = [*common, "--load", str(lazy), "--save", str(lazy), "--lazy-ckpt-convert-to", str(exported)]
-            converted = launch(tmp, "export", convert, nproc=before)
+            converted = launch(tmp, "export", convert, nproc=before, timeout=TIMEOUT_S)
             assert converted.returncode == 0, converted.describe()
             built[case] = lazy, exported
         return built[case]
@@ -76,7 +83,9 @@ def test_data_parallel_change_on_a_plain_load_equals_the_torch_dist_conversion(t
     )
     assert imported.returncode == 0, imported.describe()
     assert f"imported Megatron torch_dist checkpoint of iteration {SAVED}" in imported.log
-    resumed = launch(tmp_path, "resumed", [*common, "--load", str(lazy), "--save", str(lazy)], nproc=after)
+    resumed = launch(
+        tmp_path, "resumed", [*common, "--load", str(lazy), "--save", str(lazy)], nproc=after, timeout=TIMEOUT_S
+    )
     assert resumed.returncode == 0, resumed.describe()
     assert f"resharding iteration {SAVED}: {change}" in resumed.log, resumed.describe()
     assert f"loaded lazy checkpoint of iteration {SAVED}" in resumed.log
@@ -95,7 +104,13 @@ def test_finetune_from_a_lazy_checkpoint_at_another_dp_size_equals_the_torch_dis
         tmp_path, "imported", [*common, "--load", str(exported), "--save", str(tmp_path / "ref")], nproc=after
     )
     assert imported.returncode == 0, imported.describe()
-    tuned = launch(tmp_path, "tuned", [*common, "--load", str(lazy), "--save", str(tmp_path / "tuned")], nproc=after)
+    tuned = launch(
+        tmp_path,
+        "tuned",
+        [*common, "--load", str(lazy), "--save", str(tmp_path / "tuned")],
+        nproc=after,
+        timeout=TIMEOUT_S,
+    )
     assert tuned.returncode == 0, tuned.describe()
     assert f"resharding iteration {SAVED}: {change}" in tuned.log, tuned.describe()
     assert f"loaded the model of lazy checkpoint of iteration {SAVED} under {lazy} (--finetune)" in tuned.log
