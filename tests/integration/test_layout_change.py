@@ -80,6 +80,7 @@ def test_data_parallel_change_on_a_plain_load_equals_the_torch_dist_conversion(t
         "imported",
         [*common, *reference, "--load", str(exported), "--save", str(tmp_path / "ref")],
         nproc=after,
+        timeout=TIMEOUT_S,
     )
     assert imported.returncode == 0, imported.describe()
     assert f"imported Megatron torch_dist checkpoint of iteration {SAVED}" in imported.log
@@ -101,7 +102,11 @@ def test_finetune_from_a_lazy_checkpoint_at_another_dp_size_equals_the_torch_dis
     lazy, exported = saved(DEFAULT)
     common = ["--train-iters", str(SAVED), *flags, "--save-interval", str(SAVED), *LAZY, "--finetune"]
     imported = launch(
-        tmp_path, "imported", [*common, "--load", str(exported), "--save", str(tmp_path / "ref")], nproc=after
+        tmp_path,
+        "imported",
+        [*common, "--load", str(exported), "--save", str(tmp_path / "ref")],
+        nproc=after,
+        timeout=TIMEOUT_S,
     )
     assert imported.returncode == 0, imported.describe()
     tuned = launch(
