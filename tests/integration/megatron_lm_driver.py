@@ -304,7 +304,7 @@ def route_or_glue(mode, tmp, out):
             def wait(self, persist=True, promote_newest=False):
                 calls.append(["wait", persist, promote_newest])
 
-            def load(self, iteration=None):
+            def load(self, iteration=None, *, optimizer=True, rng=True):
                 calls.append(["load", iteration])
                 if not store:
                     raise NoCheckpointError("none")
