@@ -186,6 +186,25 @@ def test_model_only_load_at_another_dp_size(dp2):
     assert one["mismatches"] == [] and one["optimizer_states"] == 0 and one["scheduler_steps"] == 0, one
 
 
+@needs_megatron
+def test_model_only_load_of_a_bf16_model_refreshes_its_main_params(tmp_path):
+    """bf16 DP=2 -> DP=1, model only: the fp32 main params follow the restored bf16 parameters (as
+    Megatron-LM's ``reload_model_params`` after a load without the optimizer)."""
+    common = ["run", "--bf16", "--total", "3"]
+    _ok(
+        run_ranks(
+            WORKER,
+            2,
+            [*common, "--save", str(tmp_path / "ckpt"), "--save-at", "3", "--ref-out", str(tmp_path / "ref")],
+            timeout=240,
+        )
+    )
+    load = ["--model-only", "--load", str(tmp_path / "ckpt"), "--load-at", "3", "--ref-in", str(tmp_path / "ref")]
+    (one,) = _ok(run_ranks(WORKER, 1, [*common, *load], timeout=240))
+    assert "error" not in one, one
+    assert one["mismatches"] == [] and one["stale_main_params"] == 0 and one["optimizer_states"] == 0, one
+
+
 def _refused(results):
     """Every rank's error (one line), with every live tensor as it was before the load."""
     errors = []

@@ -99,6 +99,17 @@ def _optimizer_view(chunks, opt):
     return out
 
 
+def _stale_main_params(opt) -> int:
+    """How many fp32 main-param shards of bf16/fp16 parameters differ from their (restored) parameter."""
+    stale = 0
+    for do in opt.chained_optimizers:
+        for models, mains in zip(do.model_float16_groups, do.shard_fp32_from_float16_groups):
+            for mp, main in zip(models, mains):
+                r = do._get_model_param_range_map(mp)["param"]
+                stale += not torch.equal(main.view(-1), mp.detach().view(-1)[r.start : r.end].float())
+    return stale
+
+
 def _dump_reference(path, chunks, opt):
     params = {name: p.detach().clone() for p, name in _names(chunks).items()}
     torch.save({"params": params, "states": _optimizer_view(chunks, opt)}, path)
@@ -221,6 +232,7 @@ def main():
                     f"param {n}" for p, n in _names(chunks).items() if not torch.equal(p, params[n])
                 ]
                 result["optimizer_states"] = sum(len(o.optimizer.state) for o in opt.chained_optimizers)
+                result["stale_main_params"] = _stale_main_params(opt)
                 result["scheduler_steps"] = sched.num_steps
             elif a.ref_in:
                 result["mismatches"] = compare_with_reference(chunks, opt, a.ref_in)[:20]
