@@ -24,11 +24,14 @@ SAVED = 4
 TIMEOUT_S = 900.0  # a run of 8 CPU ranks on a busy 2-core machine
 TP2 = ["--tensor-model-parallel-size", "2"]
 PP2 = ["--pipeline-model-parallel-size", "2"]
+VP2 = [*PP2, "--num-layers", "4", "--num-layers-per-virtual-pipeline-stage", "1"]
 MOE = ["--num-experts", "4", "--expert-model-parallel-size", "2", "--moe-router-topk", "2", "--no-bias-gelu-fusion"]
 # name: (layout flags, ranks before, ranks after, what rank 0 logs, flags of the reference import)
 CASES = {
     "tp2_dp2_to_tp2_dp1": (TP2, 4, 2, "TP2×PP1×DP2 → TP2×PP1×DP1", []),
     "tp2_pp2_dp2_to_tp2_pp2_dp1": ([*TP2, *PP2], 8, 4, "TP2×PP2×DP2 → TP2×PP2×DP1", []),
+    # interleaved schedule: 2 model chunks per rank (4 layers over PP=2 x VP=2)
+    "pp2_vp2_dp2_to_pp2_vp2_dp1": (VP2, 4, 2, "TP1×PP2×VPP2×DP2 → TP1×PP2×VPP2×DP1", []),
     # with EP > 1 Megatron-LM shards its RNG state by DP rank, and its own load at another DP size
     # fails on it ("Missing key in checkpoint state_dict: rng_state/..."): the reference leaves the
     # RNG out (these runs draw nothing from it: no dropout, top-k routing)
