@@ -24,14 +24,13 @@ SAVED = 4
 TIMEOUT_S = 900.0  # a run of 8 CPU ranks on a busy 2-core machine
 TP2 = ["--tensor-model-parallel-size", "2"]
 PP2 = ["--pipeline-model-parallel-size", "2"]
+# interleaved schedule: 2 model chunks per rank (4 layers over PP=2 x VP=2)
 VP2 = [*PP2, "--num-layers", "4", "--num-layers-per-virtual-pipeline-stage", "1"]
 MOE = ["--num-experts", "4", "--expert-model-parallel-size", "2", "--moe-router-topk", "2", "--no-bias-gelu-fusion"]
 # name: (layout flags, ranks before, ranks after, what rank 0 logs, flags of the reference import)
 CASES = {
     "tp2_dp2_to_tp2_dp1": (TP2, 4, 2, "TP2×PP1×DP2 → TP2×PP1×DP1", []),
     "tp2_pp2_dp2_to_tp2_pp2_dp1": ([*TP2, *PP2], 8, 4, "TP2×PP2×DP2 → TP2×PP2×DP1", []),
-    # interleaved schedule: 2 model chunks per rank (4 layers over PP=2 x VP=2)
-    "pp2_vp2_dp2_to_pp2_vp2_dp1": (VP2, 4, 2, "TP1×PP2×VPP2×DP2 → TP1×PP2×VPP2×DP1", []),
     # with EP > 1 Megatron-LM shards its RNG state by DP rank, and its own load at another DP size
     # fails on it ("Missing key in checkpoint state_dict: rng_state/..."): the reference leaves the
     # RNG out (these runs draw nothing from it: no dropout, top-k routing)
@@ -125,3 +124,32 @@ def test_finetune_from_a_lazy_checkpoint_at_another_dp_size_equals_the_torch_dis
     # iterations 1..4 again (the iteration reset), the first update from a fresh Adam (params norm)
     assert_same_training(tuned, imported, range(1, SAVED + 1), ranks=after)
     assert latest(tmp_path / "tuned") == SAVED
+
+
+@pytest.mark.slow
+def test_data_parallel_change_under_the_interleaved_schedule_continues_the_training(tmp_path):
+    """PP2 × VPP2 × DP2 -> DP1.  Megatron-LM's own torch_dist load at another DP size under the
+    interleaved schedule restores other weights (seen with core_v0.16.1: grad norm 1.0675 at the
+    first iteration after it, where the run continued at DP2 has 1.1711), so there is no bit-exact
+    reference: the first iteration after the reshard must match the same-layout continuation up to
+    the reduction order of the other DP size (rel. 1e-4; the wrong weights are 9 % off)."""
+    lazy = tmp_path / "lazy"
+    common = ["--train-iters", str(ITERS), *VP2, "--save-interval", str(SAVED), *LAZY]
+    first = launch(
+        tmp_path, "first", [*common, "--exit-interval", str(SAVED), "--save", str(lazy)], nproc=4, timeout=TIMEOUT_S
+    )
+    assert first.returncode == 0 and latest(lazy) == SAVED, first.describe()
+    same = [*common, "--exit-interval", str(SAVED + 1), "--load", str(lazy), "--save", str(tmp_path / "same")]
+    continued = launch(tmp_path, "continued", same, nproc=4, timeout=TIMEOUT_S)
+    assert continued.returncode == 0, continued.describe()
+    resumed = launch(
+        tmp_path, "resumed", [*common, "--load", str(lazy), "--save", str(lazy)], nproc=2, timeout=TIMEOUT_S
+    )
+    assert resumed.returncode == 0, resumed.describe()
+    assert f"resharding iteration {SAVED}: TP1×PP2×VPP2×DP2 → TP1×PP2×VPP2×DP1" in resumed.log, resumed.describe()
+    want = continued.iterations(0)[SAVED + 1]
+    for rank in range(2):
+        got = resumed.iterations(rank)
+        assert sorted(got) == list(range(SAVED + 1, ITERS + 1)), (rank, sorted(got))
+        for key in ("grad_norm", "params_norm"):
+            assert got[SAVED + 1][key] == pytest.approx(want[key], rel=1e-4), (rank, key, got[SAVED + 1], want)
