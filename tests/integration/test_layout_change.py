@@ -129,10 +129,10 @@ def test_finetune_from_a_lazy_checkpoint_at_another_dp_size_equals_the_torch_dis
 @pytest.mark.slow
 def test_data_parallel_change_under_the_interleaved_schedule_continues_the_training(tmp_path):
     """PP2 × VPP2 × DP2 -> DP1.  Megatron-LM's own torch_dist load at another DP size under the
-    interleaved schedule restores other weights (seen with core_v0.16.1: grad norm 1.0675 at the
+    interleaved schedule continues differently (seen with core_v0.16.1: grad norm 1.0675 at the
     first iteration after it, where the run continued at DP2 has 1.1711), so there is no bit-exact
     reference: the first iteration after the reshard must match the same-layout continuation up to
-    the reduction order of the other DP size (rel. 1e-4; the wrong weights are 9 % off)."""
+    the reduction order of the other DP size (rel. 1e-4; that import is 9 % off)."""
     lazy = tmp_path / "lazy"
     common = ["--train-iters", str(ITERS), *VP2, "--save-interval", str(SAVED), *LAZY]
     first = launch(
