@@ -132,7 +132,7 @@ def _meta(rank: int, world: int) -> dict:
     """The identity metadata of a DP shard: rank ``rank`` holds elements [rank*K, (rank+1)*K)."""
     shard = {
         "kind": "param_shard",
-        "identity": 1,
+        "identity": 2,
         "chunk": 0,
         "buffer": "buf0",
         "bucket": 0,
@@ -142,7 +142,7 @@ def _meta(rank: int, world: int) -> dict:
     }
     state = {
         "kind": "optimizer_state",
-        "identity": 1,
+        "identity": 2,
         "chunk": 0,
         "key": "exp_avg",
         "param": "w",
@@ -350,7 +350,9 @@ def reshard(root: str, world: int, new_rank: int) -> tuple[int, int]:
     dst = {what: torch.empty(end - start) for what in ("param", "exp_avg")}
 
     def plan(index):
-        return [(r, dst[what][at : at + r.count]) for what in dst for r, at in index.ranges((0, "w", what), start, end)]
+        return [
+            (r, dst[what][at : at + r.count]) for what in dst for r, at in index.ranges(("", 0, "w", what), start, end)
+        ]
 
     ckpt, manifest = open_checkpoint(root, ITERATION)
     with CheckpointReader(ckpt, manifest, rank=new_rank, verify=True, threads=1) as reader:

@@ -31,7 +31,7 @@ def _rank(args: list[str]) -> dict:
     # its global identity: elements [8 rank, 8 rank + 8) of a parameter "w" (for the global index)
     meta = {
         "kind": "param_shard",
-        "identity": 1,
+        "identity": 2,
         "chunk": 0,
         "params": [["w", [8 * world], "float32", 8 * rank, 8 * rank + 8, 0]],
     }
@@ -69,7 +69,8 @@ def _rank(args: list[str]) -> dict:
 
                 def pairs(index):
                     return [
-                        (r, half[at : at + r.count]) for r, at in index.ranges((0, "w", "param"), 16 * q, 16 * q + 16)
+                        (r, half[at : at + r.count])
+                        for r, at in index.ranges(("", 0, "w", "param"), 16 * q, 16 * q + 16)
                     ]
 
                 planned = plan_by_global_index(reader, pairs, 2 * q)

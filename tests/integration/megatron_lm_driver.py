@@ -203,7 +203,7 @@ def parse(tmp, out):
     for name, argv in {
         "no_save": ["--lazy-ckpt"],
         "async_save": ["--lazy-ckpt", "--save", tmp + "/s", "--async-save"],
-        "finetune": ["--lazy-ckpt", "--save", tmp + "/s", "--finetune"],
+        "no_save_optim": ["--lazy-ckpt", "--save", tmp + "/s", "--no-save-optim"],
         "non_persistent": ["--lazy-ckpt", "--save", tmp + "/s", "--non-persistent-save-interval", "10"],
         "bad_threads": ["--lazy-ckpt", "--save", tmp + "/s", "--lazy-ckpt-flush-threads", "0"],
     }.items():
@@ -304,7 +304,7 @@ def route_or_glue(mode, tmp, out):
             def wait(self, persist=True, promote_newest=False):
                 calls.append(["wait", persist, promote_newest])
 
-            def load(self, iteration=None):
+            def load(self, iteration=None, *, optimizer=True, rng=True):
                 calls.append(["load", iteration])
                 if not store:
                     raise NoCheckpointError("none")

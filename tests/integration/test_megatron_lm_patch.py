@@ -76,8 +76,8 @@ class RecordingCheckpointer:
     def wait(self, persist=True, promote_newest=False):
         self.calls.append(("wait", persist, promote_newest))
 
-    def load(self, iteration=None):
-        self.calls.append(("load", iteration))
+    def load(self, iteration=None, *, optimizer=True, rng=True):
+        self.calls.append(("load", iteration) if optimizer and rng else ("load", iteration, optimizer, rng))
         if not RecordingCheckpointer.store or (iteration is not None and iteration not in RecordingCheckpointer.store):
             raise NoCheckpointError(f"no lazy checkpoint under {self.config.effective_load_dir}")
         it = max(RecordingCheckpointer.store) if iteration is None else iteration
@@ -153,6 +153,31 @@ def test_save_then_load_restores_megatron_fields(tmp_path, recording):
         8,
         32,
     )
+
+
+@pytest.mark.parametrize(
+    "flag, optimizer, rng",
+    [("--finetune", False, False), ("--no-load-optim", False, True), ("--no-load-rng", True, False)],
+)
+def test_partial_load_flags_load_what_megatron_lm_loads(tmp_path, recording, flag, optimizer, rng):
+    """As Megatron-LM: --finetune loads the model only, from iteration 0 and no consumed samples (the
+    saving run's arguments unchecked, its FLOPs counter kept); --no-load-optim leaves out the optimizer
+    and scheduler, --no-load-rng the RNG."""
+    model, opt, sched = _objects()
+    saving = _args(tmp_path, consumed_train_samples=640)
+    megatron_lm.save_checkpoint(10, model, opt, sched, 1.5e12, None, args=saving)
+    megatron_lm.finalize_at_exit()
+    attr = flag[2:].replace("-", "_")
+    resumed = (
+        _args(tmp_path, hidden_size=128, **{attr: True}) if flag == "--finetune" else _args(tmp_path, **{attr: True})
+    )
+    got = megatron_lm.load_checkpoint(model, opt, sched, args=resumed)
+    ckpt = recording.instances[-1]
+    assert ckpt.calls == [("load", None, optimizer, rng)], ckpt.calls
+    if flag == "--finetune":
+        assert got == (0, 1.5e12) and resumed.consumed_train_samples == 0
+    else:
+        assert got == (10, 1.5e12) and resumed.consumed_train_samples == 640
 
 
 def test_finalize_lifecycle(tmp_path, recording):
@@ -395,7 +420,7 @@ def test_parse_args_takes_the_lazy_ckpt_flags(driven):
     errors = out["errors"]
     assert "--lazy-ckpt requires --save" in errors["no_save"]
     assert "--lazy-ckpt cannot be combined with --async-save" in errors["async_save"]
-    assert "--lazy-ckpt cannot be combined with --finetune" in errors["finetune"]
+    assert "--lazy-ckpt cannot be combined with --no-save-optim" in errors["no_save_optim"]
     assert "--non-persistent-save-interval" in errors["non_persistent"]
     assert "--lazy-ckpt-flush-threads must be >= 1" in errors["bad_threads"]
 

@@ -176,13 +176,69 @@ def test_dp4_to_dp2_bf16(tmp_path):
 
 
 @needs_megatron
-def test_changed_tensor_parallel_size_is_refused_naming_the_conversions(dp2):
+def test_model_only_load_at_another_dp_size(dp2):
+    """``load(optimizer=False, rng=False)`` (``--finetune``, ``--no-load-optim``): every parameter of
+    the DP=2 run at DP=1, the fresh optimizer and scheduler left as they were."""
     d, _ = dp2
-    for r in _ok(run_ranks(WORKER, 2, ["tp2", "--load", str(d / "ckpt"), "--load-at", "3"], timeout=240)):
+    args = ["run", "--total", "3", "--model-only", "--load", str(d / "ckpt"), "--load-at", "3"]
+    (one,) = _ok(run_ranks(WORKER, 1, [*args, "--ref-in", str(d / "ref")], timeout=240))
+    assert "error" not in one, one
+    assert one["mismatches"] == [] and one["optimizer_states"] == 0 and one["scheduler_steps"] == 0, one
+
+
+@needs_megatron
+def test_model_only_load_of_a_bf16_model_refreshes_its_main_params(tmp_path):
+    """bf16 DP=2 -> DP=1, model only: the fp32 main params follow the restored bf16 parameters (as
+    Megatron-LM's ``reload_model_params`` after a load without the optimizer)."""
+    common = ["run", "--bf16", "--total", "3"]
+    _ok(
+        run_ranks(
+            WORKER,
+            2,
+            [*common, "--save", str(tmp_path / "ckpt"), "--save-at", "3", "--ref-out", str(tmp_path / "ref")],
+            timeout=240,
+        )
+    )
+    load = ["--model-only", "--load", str(tmp_path / "ckpt"), "--load-at", "3", "--ref-in", str(tmp_path / "ref")]
+    (one,) = _ok(run_ranks(WORKER, 1, [*common, *load], timeout=240))
+    assert "error" not in one, one
+    assert one["mismatches"] == [] and one["stale_main_params"] == 0 and one["optimizer_states"] == 0, one
+
+
+def _refused(results):
+    """Every rank's error (one line), with every live tensor as it was before the load."""
+    errors = []
+    for r in _ok(results):
         err = r["error"]
-        assert err.startswith("LayoutMismatchError") and "tp=1 in checkpoint, 2 now" in err, err
+        assert "\n" not in err and r["digest_before"] == r["digest_after"], (err, r)
+        errors.append(err)
+    return errors
+
+
+@needs_megatron
+def test_changed_tensor_parallel_size_is_refused_naming_a_parameter_and_the_conversions(dp2):
+    d, _ = dp2
+    args = ["tp2", "--warm", "1", "--load", str(d / "ckpt"), "--load-at", "3"]
+    for err in _refused(run_ranks(WORKER, 2, args, timeout=240)):
+        assert err.startswith("LayoutMismatchError") and "(TP1×PP1×DP2) in this run (TP2×PP1×DP1)" in err, err
+        # rank 0 (slice pp0.tp0) holds the same parameters at other shapes; rank 1's slice is not in the checkpoint
+        assert "(slice pp0.tp0, chunk 0) is float32 [" in err and "in the checkpoint, float32 [" in err, err
+        assert "(slice pp0.tp1, chunk 0) is absent in the checkpoint, float32 [" in err, err
+        assert "only the data-parallel size may change on load (tp differ)" in err, err
         assert f"--load {d / 'ckpt'} --lazy-ckpt-convert-to OUT_DIR" in err, err
         assert f"datastates-ckpt export {d / 'ckpt'} OUT_DIR --megatron-lm DIR -- TRAINING_FLAGS" in err, err
+
+
+@needs_megatron
+def test_another_model_is_refused_before_any_live_tensor_changes(dp2):
+    """A DP change into a model of another hidden size: one line naming a parameter, both shapes and
+    both layouts, on every rank, and every live tensor (model and optimizer) as it was."""
+    d, _ = dp2
+    args = ["run", "--warm", "1", "--hidden", "96", "--load", str(d / "ckpt"), "--load-at", "3"]
+    (err,) = _refused(run_ranks(WORKER, 1, args, timeout=240))
+    assert err.startswith("LayoutMismatchError") and "(TP1×PP1×DP2) in this run (TP1×PP1×DP1)" in err, err
+    assert "(slice pp0.tp0, chunk 0) is float32 [" in err and "in the checkpoint, float32 [" in err, err
+    assert "96" in err and "only the data-parallel size" not in err, err
 
 
 @needs_megatron

@@ -4,6 +4,7 @@ without one, or with a stale or damaged one, is resharded from every file's meta
 
 from __future__ import annotations
 
+import json
 import os
 
 import numpy as np
@@ -24,17 +25,17 @@ from datastates_megatron.engine.format.manifest import Manifest, RankRecord, wri
 from datastates_megatron.engine.names import iter_dir, rank_file_name
 from datastates_megatron.engine.names import is_ours_in_iteration
 from datastates_megatron.engine.load.reader import CheckpointReader, open_checkpoint
-from datastates_megatron.engine.errors import CorruptCheckpointError
+from datastates_megatron.engine.errors import CorruptCheckpointError, LayoutMismatchError
 from datastates_megatron.megatron.checkpointing.reshard import CheckpointIndex, index_summary, plan_by_global_index
 
 WORLD, K, TOKEN = 16, 8, "00000000000000aa"
 
 
-def _meta(rank: int) -> dict:
+def _meta(rank: int, identity: int = 2) -> dict:
     """Rank ``rank`` holds elements [rank*K, (rank+1)*K) of ``w`` and of its ``exp_avg``, and a step."""
-    shard = {"kind": "param_shard", "identity": 1, "chunk": 0, "buffer": "buf0", "bucket": 0}
+    shard = {"kind": "param_shard", "identity": identity, "chunk": 0, "buffer": "buf0", "bucket": 0}
     shard["params"] = [["w", [WORLD * K], "float32", rank * K, (rank + 1) * K, 0]]
-    state = {"kind": "optimizer_state", "identity": 1, "chunk": 0, "param": "w", "shape": [WORLD * K]}
+    state = {"kind": "optimizer_state", "identity": identity, "chunk": 0, "param": "w", "shape": [WORLD * K]}
     state.update(dtype="float32", start=rank * K, end=(rank + 1) * K)
     step = dict(state, key="step")
     return {
@@ -52,7 +53,11 @@ def _tensors(rank: int) -> dict:
 @pytest.fixture
 def ckpt(tmp_path):
     """A committed WORLD-rank checkpoint with its global index, built as rank 0's commit does."""
-    root = str(tmp_path)
+    return _build(str(tmp_path))
+
+
+def _build(root: str, identity: int = 2):
+    """The checkpoint of :func:`ckpt`, its tensors of global identity version ``identity``."""
     d = iter_dir(root, 5)
     os.makedirs(d)
     records, summaries = [], []
@@ -60,9 +65,9 @@ def ckpt(tmp_path):
         for r in range(WORLD):
             eng.clear()
             tensors = _tensors(r)
-            for name, meta in _meta(r).items():
+            for name, meta in _meta(r, identity).items():
                 eng.register(name, tensors[name], meta=meta)
-            summaries.append(encode_summary(index_summary(tensors, _meta(r))))
+            summaries.append(encode_summary(_summary_of(tensors, _meta(r, identity))))
             name = rank_file_name(r, TOKEN, 1)
             got = eng.save(5, os.path.join(d, name), {"rank": r}, tag=name).durable.result(30)
             records.append(
@@ -76,6 +81,22 @@ def ckpt(tmp_path):
     return root, manifest
 
 
+def _summary_of(tensors: dict, metas: dict) -> dict:
+    """``index_summary``, or for identity 1 the summary its writers made (keys without a slice)."""
+    if all(m["identity"] == 2 for m in metas.values()):
+        return index_summary(tensors, metas)
+    pieces = [[json.dumps([0, "w", m.get("key", "param")]), r.start, r.stop, n, 0] for n, m, r in _ranges(metas)]
+    return {"params": {json.dumps([0, "w"]): [[WORLD * K], "float32"]}, "pieces": pieces}
+
+
+def _ranges(metas):
+    for name, m in metas.items():
+        if m.get("key") == "step":
+            continue
+        lo, hi = (m["params"][0][3], m["params"][0][4]) if m["kind"] == "param_shard" else (m["start"], m["end"])
+        yield name, m, range(lo, hi)
+
+
 def _reshard(root: str, new_rank: int, new_world: int):
     """New rank ``new_rank`` of ``new_world``: its shard of ``w``, ``exp_avg`` and the step."""
     n = WORLD * K // new_world
@@ -84,8 +105,8 @@ def _reshard(root: str, new_rank: int, new_world: int):
     step = torch.empty(())
 
     def plan(index):
-        pairs = [(r, dst[w][at : at + r.count]) for w in dst for r, at in index.ranges((0, "w", w), start, end)]
-        return pairs + [(index.scalar((0, "w", "step"), start, end), step)]
+        pairs = [(r, dst[w][at : at + r.count]) for w in dst for r, at in index.ranges(("", 0, "w", w), start, end)]
+        return pairs + [(index.scalar(("", 0, "w", "step"), start, end), step)]
 
     ckpt, manifest = open_checkpoint(root, 5)
     with CheckpointReader(ckpt, manifest, rank=new_rank, threads=1) as reader:
@@ -107,6 +128,21 @@ def test_a_resharding_rank_opens_only_the_files_overlapping_its_shard(ckpt):
         assert stats.files_opened == len(opened)
     used, opened, _ = _reshard(root, 5, 8)  # 16 -> 8, a shard inside old ranks 10 and 11
     assert used and opened == [5, 10, 11]
+
+
+def test_a_checkpoint_of_identity_1_is_refused_naming_the_conversion(tmp_path, caplog):
+    """Identity 1 recorded no model-parallel slice: by identity it is refused (its index is not used),
+    naming the conversion that still works; the consolidating export (TP=PP=EP=1) still reads it."""
+    root, _ = _build(str(tmp_path), identity=1)
+    with pytest.raises(LayoutMismatchError) as refused:
+        _reshard(root, 1, 4)
+    msg = str(refused.value)
+    assert "has global identity version 1, not 2" in msg and "--lazy-ckpt-convert-to OUT_DIR" in msg, msg
+    assert "is not [slice, chunk, parameter]" in caplog.text  # the index was not used
+    ckpt, manifest = open_checkpoint(root, 5)
+    with CheckpointReader(ckpt, manifest, threads=1) as reader:
+        legacy = CheckpointIndex.from_reader(reader, legacy=True)
+    assert legacy.params == {("", 0, "w"): ((WORLD * K,), "float32")}
 
 
 def test_without_an_index_every_file_is_read(ckpt):

@@ -12,6 +12,10 @@ Scenarios (each prints ``RESULT <json>`` on every rank):
   after it, a reference of every full parameter and of this rank's main params / Adam states (taken
   with megatron-core's own accessors, not our metadata) to ``--ref-out``.  Reports every loss.
 * ``tp2``: the same model with tensor-parallel size 2; ``load()`` must refuse.
+
+With ``--warm N`` the model first trains N iterations (so the optimizer holds state).  When
+``load()`` raises, the result has the error and a digest of every live tensor (parameters, buffers,
+param buffers, main params, optimizer state, scheduler) taken before and after it.
 """
 
 import argparse
@@ -45,6 +49,8 @@ def _args():
     p.add_argument("--layers", type=int, default=MODEL["num_layers"])
     p.add_argument("--hidden", type=int, default=MODEL["hidden"])
     p.add_argument("--no-verify", action="store_true")
+    p.add_argument("--warm", type=int, default=0, help="iterations trained before the load")
+    p.add_argument("--model-only", action="store_true", help="load(optimizer=False, rng=False)")
     return p.parse_args()
 
 
@@ -93,6 +99,17 @@ def _optimizer_view(chunks, opt):
     return out
 
 
+def _stale_main_params(opt) -> int:
+    """How many fp32 main-param shards of bf16/fp16 parameters differ from their (restored) parameter."""
+    stale = 0
+    for do in opt.chained_optimizers:
+        for models, mains in zip(do.model_float16_groups, do.shard_fp32_from_float16_groups):
+            for mp, main in zip(models, mains):
+                r = do._get_model_param_range_map(mp)["param"]
+                stale += not torch.equal(main.view(-1), mp.detach().view(-1)[r.start : r.end].float())
+    return stale
+
+
 def _dump_reference(path, chunks, opt):
     params = {name: p.detach().clone() for p, name in _names(chunks).items()}
     torch.save({"params": params, "states": _optimizer_view(chunks, opt)}, path)
@@ -132,6 +149,37 @@ def compare_with_reference(chunks, opt, ref_dir) -> list[str]:
     return bad
 
 
+def live_digest(chunks, opt, sched) -> str:
+    """SHA-256 over every live tensor of the model and optimizer (and the scheduler's state)."""
+    import hashlib
+
+    from datastates_megatron.megatron.checkpointing.shards import inner_optimizers, param_buffers
+
+    h = hashlib.sha256()
+
+    def add(label, t):
+        h.update(label.encode())
+        h.update(t.detach().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+
+    for c, chunk in enumerate(chunks):
+        for name, t in [*chunk.named_parameters(), *chunk.named_buffers()]:
+            add(f"{c}.{name}", t)
+    for c, bname, buf in param_buffers(chunks):
+        add(f"{c}.{bname}", buf.param_data)
+    for i, inner in enumerate(inner_optimizers(opt)):
+        for g, pg in enumerate(inner.param_groups):
+            h.update(repr(sorted((k, v) for k, v in pg.items() if k != "params")).encode())
+            for j, p in enumerate(pg["params"]):
+                add(f"opt{i}.g{g}.p{j}", p)
+                for k, v in sorted(inner.state.get(p, {}).items()):
+                    if isinstance(v, torch.Tensor):
+                        add(f"opt{i}.g{g}.p{j}.{k}", v)
+                    else:
+                        h.update(repr(v).encode())
+    h.update(repr(sorted(sched.state_dict().items())).encode())
+    return h.hexdigest()
+
+
 def main():
     a = _args()
     from datastates_megatron import LazyCheckpointer, LazyCkptConfig
@@ -156,22 +204,37 @@ def main():
     losses = {}
     with LazyCheckpointer(chunks, opt, cfg, opt_param_scheduler=sched) as ckpt:
         start = 0
+        for it in range(1, a.warm + 1):
+            gpt.train_step(chunks, opt, _data(it), scheduler=sched)
         if a.load is not None:
             timing = result["restore"] = {}
             ckpt._mgr.load = _timed(ckpt._mgr.load, timing)
             torch.distributed.barrier()
+            before = live_digest(chunks, opt, sched)
             t0 = time.perf_counter()
             try:
-                start, _ = ckpt.load(a.load_at)
+                if a.model_only:
+                    start, _ = ckpt.load(a.load_at, optimizer=False, rng=False)
+                else:
+                    start, _ = ckpt.load(a.load_at)
             except Exception as e:  # noqa: BLE001 - reported to the test
                 result["error"] = f"{type(e).__name__}: {e}"
+                result["digest_before"], result["digest_after"] = before, live_digest(chunks, opt, sched)
                 write_line("RESULT " + json.dumps(result))
                 gpt.destroy_distributed()
                 return
             result["load_s"] = time.perf_counter() - t0
             torch.distributed.barrier()
             result["load_all_s"] = time.perf_counter() - t0
-            if a.ref_in:
+            if a.ref_in and a.model_only:
+                params, _, _ = _full_reference(a.ref_in)
+                result["mismatches"] = [
+                    f"param {n}" for p, n in _names(chunks).items() if not torch.equal(p, params[n])
+                ]
+                result["optimizer_states"] = sum(len(o.optimizer.state) for o in opt.chained_optimizers)
+                result["stale_main_params"] = _stale_main_params(opt)
+                result["scheduler_steps"] = sched.num_steps
+            elif a.ref_in:
                 result["mismatches"] = compare_with_reference(chunks, opt, a.ref_in)[:20]
         for it in range(start + 1, a.total + 1):
             losses[it] = gpt.train_step(chunks, opt, _data(it), scheduler=sched)

@@ -27,6 +27,7 @@ from .config import LazyCkptConfig
 from .shards import (
     bucket_shards,
     collect_shards,
+    distributed_optimizers,
     inner_optimizers,
     main_params,
     model_chunks_of,
@@ -284,14 +285,17 @@ class LazyCheckpointer:
         }
 
     # ------------------------------------------------------------------ load path
-    def load(self, iteration: int | None = None):
+    def load(self, iteration: int | None = None, *, optimizer: bool = True, rng: bool = True):
         """Restore the latest committed checkpoint (or ``iteration``) in place: model shards (then
         all-gathered across data-parallel ranks), model buffers and extra state, main params,
-        optimizer state, scheduler, RNG.
+        optimizer state, scheduler, RNG.  ``optimizer=False`` (Megatron-LM's ``--no-load-optim``,
+        ``--finetune``): the model only; main params are refreshed from it, optimizer state and
+        scheduler are left as they are.  ``rng=False`` (``--no-load-rng``): the RNG states too.
 
-        A checkpoint written at another data-parallel size (TP=PP=1, same model) is resharded on the
-        fly (:mod:`.reshard`); any other layout change raises ``LayoutMismatchError`` naming
-        the conversion (``--lazy-ckpt-convert-to``, :mod:`..megatron_lm.torch_dist`).
+        A checkpoint written at another data-parallel size (same model, TP, PP, VPP, CP and EP) is
+        resharded on the fly (:mod:`.reshard`); any other layout change raises
+        ``LayoutMismatchError`` on every rank before a live tensor changes, naming a parameter, its
+        shapes, both layouts and the conversion (``--lazy-ckpt-convert-to``, :mod:`..megatron_lm.torch_dist`).
         Returns ``(iteration, extra_state)``; raises ``NoCheckpointError`` when there is none."""
         self._check_open()
         self._mgr.wait()
@@ -313,10 +317,11 @@ class LazyCheckpointer:
             manifest, ckpt_dir, self._mgr.world_size, self._mgr.layout
         )
         self._drain_param_gathers()
-        created = self._ensure_optimizer_state()
+        created = self._ensure_optimizer_state() if optimizer else []
         try:
             self._refresh()
-            result = self._mgr.load(asked, planner=self._planner(other_dp), resolved=view)
+            planner = self._planner(other_dp) if optimizer else self._model_planner()
+            result = self._mgr.load(asked, planner=planner, resolved=view)
         except BaseException:
             for inner in created:  # leave a fresh optimizer as fresh as it was
                 inner.state.clear()
@@ -325,7 +330,11 @@ class LazyCheckpointer:
         self._gather_params()
         where = f"rank {self.rank}: iteration {result.iteration}"
         model_state.restore(result.objects.get("model_state"), self.model, where=where)
-        training_state.restore(result.objects["training"], self.optimizer, self.scheduler)
+        training_state.restore(
+            result.objects["training"], self.optimizer, self.scheduler, with_optimizer=optimizer, with_rng=rng
+        )
+        if not optimizer:
+            self._reload_main_params()
         self.restored_from, self.restored_bytes = result.root, result.stats.bytes
         log.info(
             "rank %d: restored iteration %d (%s plan, %.1f MB, %.1f MB verified, read-ahead %.2f s, verify %.2f s, "
@@ -342,13 +351,25 @@ class LazyCheckpointer:
         return result.iteration, result.objects["extra_state"]
 
     def _planner(self, other_dp: bool) -> LoadPlanner:
-        """The planner the manifest's layout calls for: another data-parallel size is resharded by
-        parameter identity; this run's layout is restored by :class:`_SameLayoutFirst`."""
-        identity = reshard.ReshardPlanner(self.model, self.optimizer)
+        """The planner the manifest's layout calls for: another layout is planned by parameter
+        identity (a data-parallel change resharded, any other refused); this run's layout is
+        restored by :class:`_SameLayoutFirst`."""
+        identity = reshard.ReshardPlanner(self.model, self.optimizer, self._mgr.layout)
         if other_dp:
             return identity
         same = SameLayoutPlanner(self._mgr.engine.registered, self._mgr.world_size, self._mgr.layout)
         return _SameLayoutFirst(same, identity)
+
+    def _model_planner(self) -> LoadPlanner:
+        """A model-only load: the param buffers by parameter identity, in any reshardable layout."""
+        return reshard.ReshardPlanner(self.model, self.optimizer, self._mgr.layout, optimizer_state=False)
+
+    def _reload_main_params(self) -> None:
+        """After a model-only load, the fp32 main params of a bf16/fp16 model from the restored
+        model params, as Megatron-LM's loader does (in fp32 they are the param buffer itself)."""
+        config = getattr(distributed_optimizers(self.optimizer)[0], "config", None)
+        if getattr(config, "bf16", False) or getattr(config, "fp16", False):
+            self.optimizer.reload_model_params()
 
     def _ensure_optimizer_state(self) -> list:
         """Adam state is created lazily by the first step; a fresh optimizer gets it the way

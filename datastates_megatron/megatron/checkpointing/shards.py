@@ -12,11 +12,16 @@ the snapshot of the tensors that step is about to mutate.
 Tensor names are positional (``model0.buf0.bucket3.param_shard``, ``opt0.g1.p7.exp_avg``) and so only
 meaningful for the data-parallel size that wrote them.  Each tensor's ``meta`` (stored by the
 engine in the rank file's objects section under ``tensor_meta``) therefore also carries its *global
-identity*, which :mod:`.reshard` and :mod:`..export.exporter` use to map any element back to ``(chunk,
-parameter name, flattened element range)``.  Every identity has ``identity`` (=
-:data:`IDENTITY_VERSION`), ``chunk`` (model chunk index) and, when megatron's parallel state is
-initialised, ``tp_rank`` / ``pp_rank`` (names are local to a PP stage, shapes to a TP rank, so the
-full identity is ``(pp_rank, tp_rank, chunk, name)``; resharding today needs TP=PP=1); names are those of
+identity*, which :mod:`.reshard` and :mod:`..export.exporter` use to map any element back to ``(slice,
+chunk, parameter name, flattened element range)``.  Every identity has ``identity`` (=
+:data:`IDENTITY_VERSION`), ``slice`` and ``chunk`` (model chunk index: the virtual pipeline stage on
+this rank).  ``slice`` names the model-parallel slice the parameter belongs to, which fixes what a
+name and a shape mean: ``pp<P>.tp<T>`` for a dense parameter (names are local to a pipeline stage,
+shapes to a tensor-parallel rank), ``pp<P>.ep<E>.etp<T>`` for an expert parameter (an
+``expert_parallel_buffers`` parameter: local expert numbering, sharded by the expert data-parallel
+group), ``""`` without megatron's parallel state.  Ranks with the same slice hold the same
+parameters; a data-parallel change keeps every slice, so a new rank finds its new shards' elements
+among the old ranks of its own slice.  Names are those of
 ``chunk.module.named_parameters()`` without leading ``module.`` prefixes; shapes and dtypes are the
 model parameter's; element ranges index the flattened parameter:
 
@@ -59,12 +64,16 @@ __all__ = [
     "main_shards",
     "storage_span",
     "model_parallel_coords",
+    "expert_params",
+    "parameter_keys",
+    "slice_of",
+    "bucket_slice",
     "model_description",
 ]
 
 log = logging.getLogger(__name__)
 
-IDENTITY_VERSION = 1  # bumped if the meaning of the identity fields below changes
+IDENTITY_VERSION = 2  # bumped if the meaning of the identity fields below changes (2: ``slice``)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -280,15 +289,49 @@ def main_param_owners(optimizer) -> list[list[list]]:
 
 
 def model_parallel_coords() -> dict:
-    """``{"tp_rank", "pp_rank"}`` of this process, or ``{}`` without megatron's parallel state."""
+    """``{"tp", "pp", "ep", "etp"}``: this process's tensor-, pipeline-, expert- and expert-tensor-parallel
+    ranks, or ``{}`` without megatron's parallel state."""
     try:
         from megatron.core import parallel_state as ps
 
         if ps.model_parallel_is_initialized():
-            return {"tp_rank": ps.get_tensor_model_parallel_rank(), "pp_rank": ps.get_pipeline_model_parallel_rank()}
+            return {
+                "tp": ps.get_tensor_model_parallel_rank(),
+                "pp": ps.get_pipeline_model_parallel_rank(),
+                "ep": ps.get_expert_model_parallel_rank(),
+                "etp": ps.get_expert_tensor_parallel_rank(),
+            }
     except ImportError:
         pass
     return {}
+
+
+def slice_of(coords: dict, expert: bool) -> str:
+    """The model-parallel slice of a parameter on a rank with ``coords`` (:func:`model_parallel_coords`):
+    ``pp<P>.tp<T>``, or ``pp<P>.ep<E>.etp<T>`` for an expert parameter; ``""`` without coordinates."""
+    if not coords:
+        return ""
+    if expert:
+        return f"pp{coords['pp']}.ep{coords['ep']}.etp{coords['etp']}"
+    return f"pp{coords['pp']}.tp{coords['tp']}"
+
+
+def expert_params(model) -> set:
+    """The parameters held by ``expert_parallel_buffers`` (sharded by the expert data-parallel group)."""
+    out = set()
+    for _c, bname, buf in param_buffers(model):
+        if bname.startswith("ep_"):
+            out.update(getattr(buf, "param_index_map", {}))
+    return out
+
+
+def parameter_keys(model, coords: dict | None = None) -> dict:
+    """``{param: (slice, chunk index, name)}``: each parameter's global identity on this rank
+    (``coords`` default: :func:`model_parallel_coords`)."""
+    names = parameter_names(model)
+    coords = model_parallel_coords() if coords is None else coords
+    experts = expert_params(model)
+    return {p: (slice_of(coords, p in experts), c, name) for p, (c, name) in names.items()}
 
 
 def storage_span(t: torch.Tensor) -> tuple[int, int]:
@@ -304,7 +347,7 @@ def collect_shards(model, optimizer) -> list[ShardRef]:
         for buf in getattr(do, "buffers", []) or []:
             owner[id(buf)] = i
     names = parameter_names(model)
-    coords = model_parallel_coords() if names else {}
+    keys = parameter_keys(model) if names else {}
     refs: list[ShardRef] = []
     buckets = bucket_shards(model)
     for b in buckets:
@@ -313,7 +356,7 @@ def collect_shards(model, optimizer) -> list[ShardRef]:
         if names:
             meta.update(
                 identity=IDENTITY_VERSION,
-                **coords,
+                slice=bucket_slice(b, keys),
                 chunk=b.chunk,
                 buffer=b.buffer,
                 bucket=b.bucket_index,
@@ -327,10 +370,10 @@ def collect_shards(model, optimizer) -> list[ShardRef]:
         ident = {}
         if shard.owner is not None and shard.owner[0] in names:
             mp, start, end = shard.owner
-            c, pname = names[mp]
+            sl, c, pname = keys[mp]
             ident = {
                 "identity": IDENTITY_VERSION,
-                **coords,
+                "slice": sl,
                 "chunk": c,
                 "param": pname,
                 "shape": list(mp.shape),
@@ -345,6 +388,14 @@ def collect_shards(model, optimizer) -> list[ShardRef]:
             meta = {"kind": "optimizer_state", "key": key, **ident}
             refs.append(ShardRef(f"{m.name}.{key}", value.detach(), group, meta))
     return refs
+
+
+def bucket_slice(b: BucketShard, keys: dict) -> str:
+    """The slice of every parameter of bucket ``b`` (one buffer holds dense or expert parameters only)."""
+    slices = {keys[p][0] for p in b.buf.param_index_map if p in keys}
+    if len(slices) > 1:
+        raise ValueError(f"model chunk {b.chunk} {b.buffer}: parameters of several model-parallel slices {slices}")
+    return slices.pop() if slices else ""
 
 
 def _unwrap(module):

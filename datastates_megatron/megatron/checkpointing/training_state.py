@@ -76,7 +76,16 @@ def capture(optimizer, scheduler) -> dict:
     }
 
 
-def restore(state: dict, optimizer, scheduler) -> None:
+def restore(state: dict, optimizer, scheduler, *, with_optimizer: bool = True, with_rng: bool = True) -> None:
+    """Put :func:`capture`'s values back: optimizer groups, plain state, grad scaler and scheduler
+    (``with_optimizer``) and the RNG states (``with_rng``)."""
+    if with_optimizer:
+        _restore_optimizer(state, optimizer, scheduler)
+    if with_rng:
+        restore_rng(state["rng"])
+
+
+def _restore_optimizer(state: dict, optimizer, scheduler) -> None:
     opts = list(zip(distributed_optimizers(optimizer), inner_optimizers(optimizer)))
     if len(opts) != len(state["optimizers"]):
         from ...engine.errors import LayoutMismatchError
@@ -99,4 +108,3 @@ def restore(state: dict, optimizer, scheduler) -> None:
         # OptimizerParamScheduler.load_state_dict *adds* the saved step count: start from zero
         scheduler.num_steps = 0
         scheduler.load_state_dict(state["scheduler"])
-    restore_rng(state["rng"])

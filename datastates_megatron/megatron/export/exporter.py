@@ -103,31 +103,32 @@ def consolidate(ckpt_dir: str, iteration: int | None = None, *, verify: bool = T
             f"{path}: export needs a checkpoint written with TP=PP=CP=EP=1; layout is {manifest.layout}"
         )
     with CheckpointReader(path, manifest, verify=verify, threads=threads) as reader:
-        index = CheckpointIndex.from_reader(reader)
+        index = CheckpointIndex.from_reader(reader, legacy=True)  # TP=PP=EP=1: any identity version
         plan = []
         out: dict = {}
         optimizer: dict = {}
         whats: dict = {}
-        for c, name, what in index.pieces:
-            whats.setdefault((c, name), set()).add(what)
-        for c, name, what in index.scalars:
-            whats.setdefault((c, name), set()).add(what)
-        for (c, name), (shape, dtype) in sorted(index.params.items()):
+        for sl, c, name, what in index.pieces:
+            whats.setdefault((sl, c, name), set()).add(what)
+        for sl, c, name, what in index.scalars:
+            whats.setdefault((sl, c, name), set()).add(what)
+        for (sl, c, name), (shape, dtype) in sorted(index.params.items()):
             key = name if c == 0 else f"model{c}.{name}"
             numel = math.prod(shape)
             out[key] = torch.empty(shape, dtype=getattr(torch, dtype))
-            plan += [(r, out[key].view(-1)[at : at + r.count]) for r, at in index.ranges((c, name, "param"), 0, numel)]
+            pkey = (sl, c, name)
+            plan += [(r, out[key].view(-1)[at : at + r.count]) for r, at in index.ranges((*pkey, "param"), 0, numel)]
             states = {}
-            for what in sorted(whats.get((c, name), ()) - {"param"}):
-                scalar = index.scalars.get((c, name, what))
+            for what in sorted(whats.get(pkey, ()) - {"param"}):
+                scalar = index.scalars.get((*pkey, what))
                 if scalar is not None:  # torch Adam's step
                     states[what] = torch.empty((), dtype=reader.entry(scalar.rank, scalar.tensor).dtype)
                     plan.append((scalar, states[what]))
                     continue
-                first = index.pieces[(c, name, what)][0]
+                first = index.pieces[(*pkey, what)][0]
                 states[what] = torch.empty(shape, dtype=reader.entry(first.rank, first.tensor).dtype)
                 plan += [
-                    (r, states[what].view(-1)[at : at + r.count]) for r, at in index.ranges((c, name, what), 0, numel)
+                    (r, states[what].view(-1)[at : at + r.count]) for r, at in index.ranges((*pkey, what), 0, numel)
                 ]
             if states:
                 optimizer[key] = states

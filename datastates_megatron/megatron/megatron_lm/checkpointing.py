@@ -358,6 +358,25 @@ def apply_extra_state(args: Any, iteration: int, extra_state: Any, *, where: str
     return meg.get("num_floating_point_operations_so_far", 0)
 
 
+def _partial_load(args: Any) -> tuple[bool, bool, bool]:
+    """``(finetune, load the optimizer, load the RNG)`` from Megatron-LM's ``--finetune``,
+    ``--no-load-optim`` and ``--no-load-rng``, with Megatron-LM's meaning: ``--finetune`` loads the
+    model only (and resets the iteration and consumed samples); the optimizer state comes with the
+    scheduler."""
+    finetune = bool(getattr(args, "finetune", False))
+    return (
+        finetune,
+        not finetune and not getattr(args, "no_load_optim", False),
+        not finetune and not getattr(args, "no_load_rng", False),
+    )
+
+
+def _flops_of(extra_state: Any) -> int | float:
+    """The FLOPs counter a checkpoint carries (Megatron-LM returns it with ``--finetune`` too)."""
+    meg = (extra_state or {}).get(EXTRA_STATE_KEY) if isinstance(extra_state, dict) else None
+    return (meg or {}).get("num_floating_point_operations_so_far", 0)
+
+
 def _after_load(args: Any, iteration: int, optimizer: Any) -> None:
     """What Megatron's own load_checkpoint does to global state besides restoring tensors."""
     try:
@@ -545,11 +564,9 @@ def load_checkpoint(
             found.path,
         )
     else:
+        finetune, load_optim, load_rng = _partial_load(args)
         try:
-            if requested is None:
-                iteration, extra_state = session.ckpt.load()
-            else:
-                iteration, extra_state = session.ckpt.load(iteration=requested)
+            iteration, extra_state = session.ckpt.load(requested, optimizer=load_optim, rng=load_rng)
         except NoCheckpointError:
             if requested is not None or convert_to:
                 raise
@@ -573,9 +590,23 @@ def load_checkpoint(
             _info("rank %d: no lazy checkpoint under --load %s; starting from scratch", _rank(), args.load)
             return 0, 0
         where = f" under {args.load}"
-        num_flops = apply_extra_state(args, iteration, extra_state, where=where)
+        if finetune:  # as Megatron-LM: the model only, its arguments unchecked, samples and iteration from 0
+            num_flops = _flops_of(extra_state)
+            _info(
+                "rank %d: loaded the model of lazy checkpoint of iteration %d%s (--finetune)", _rank(), iteration, where
+            )
+            iteration = 0
+        else:
+            num_flops = apply_extra_state(args, iteration, extra_state, where=where)
+            skipped = [flag for flag, loaded in (("optimizer", load_optim), ("RNG", load_rng)) if not loaded]
+            _info(
+                "rank %d: loaded lazy checkpoint of iteration %d%s%s",
+                _rank(),
+                iteration,
+                where,
+                f" (not loaded: {', '.join(skipped)})" if skipped else "",
+            )
         _after_load(args, iteration, optimizer)
-        _info("rank %d: loaded lazy checkpoint of iteration %d%s", _rank(), iteration, where)
     if convert_to:
         torch_dist.export(args, convert_to, iteration, ddp_model, optimizer, opt_param_scheduler, num_flops)
         finalize_at_exit()

@@ -39,13 +39,6 @@ UNSUPPORTED: tuple[tuple[str, str, str], ...] = (
         "--use-checkpoint-args",
         "lazy checkpoints store no pickled args; pass the model arguments explicitly",
     ),
-    (
-        "finetune",
-        "--finetune",
-        "use --pretrained-checkpoint (a Megatron checkpoint loaded natively when --load holds no lazy checkpoint yet)",
-    ),
-    ("no_load_optim", "--no-load-optim", "lazy checkpoints always restore the optimizer"),
-    ("no_load_rng", "--no-load-rng", "lazy checkpoints always restore the RNG state"),
     ("no_save_optim", "--no-save-optim", "lazy checkpoints always contain the optimizer"),
     ("no_save_rng", "--no-save-rng", "lazy checkpoints always contain the RNG state"),
     (

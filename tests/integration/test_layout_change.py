@@ -1,0 +1,155 @@
+"""A lazy checkpoint resumed at another data-parallel size under TP, PP and EP, by Megatron-LM's own
+``pretrain_gpt.py`` on CPU ranks with a plain ``--lazy-ckpt --load`` (no flag, no conversion), against
+the reference path: the same checkpoint converted at the old layout with ``--lazy-ckpt-convert-to``
+(Megatron's ``torch_dist``) and imported by Megatron-LM's own loader at the new one.  Both continue
+from iteration 4 in the new layout; every iteration's grad norm and params norm on every rank, and
+the digest of every model and optimizer tensor at the end, must be equal to the bit.
+"""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+
+from tests.integration.megatron_lm_runs import LAZY, MEGATRON_LM_DIR, assert_same_training, latest, launch
+
+pytestmark = pytest.mark.skipif(
+    not MEGATRON_LM_DIR,
+    reason="MEGATRON_LM_DIR is not set (scripts/test.sh unpacks and patches one from ../shared/megatron-lm)",
+)
+
+ITERS = 8
+SAVED = 4
+TIMEOUT_S = 900.0  # a run of 8 CPU ranks on a busy 2-core machine
+TP2 = ["--tensor-model-parallel-size", "2"]
+PP2 = ["--pipeline-model-parallel-size", "2"]
+# interleaved schedule: 2 model chunks per rank (4 layers over PP=2 x VP=2)
+VP2 = [*PP2, "--num-layers", "4", "--num-layers-per-virtual-pipeline-stage", "1"]
+MOE = ["--num-experts", "4", "--expert-model-parallel-size", "2", "--moe-router-topk", "2", "--no-bias-gelu-fusion"]
+# name: (layout flags, ranks before, ranks after, what rank 0 logs, flags of the reference import)
+CASES = {
+    "tp2_dp2_to_tp2_dp1": (TP2, 4, 2, "TP2×PP1×DP2 → TP2×PP1×DP1", []),
+    "tp2_pp2_dp2_to_tp2_pp2_dp1": ([*TP2, *PP2], 8, 4, "TP2×PP2×DP2 → TP2×PP2×DP1", []),
+    # with EP > 1 Megatron-LM shards its RNG state by DP rank, and its own load at another DP size
+    # fails on it ("Missing key in checkpoint state_dict: rng_state/..."): the reference leaves the
+    # RNG out (these runs draw nothing from it: no dropout, top-k routing)
+    "ep2_dp4_to_ep2_dp2": (MOE, 4, 2, "TP1×PP1×DP4×EP2 → TP1×PP1×DP2×EP2", ["--no-load-rng"]),
+}
+DEFAULT = "tp2_dp2_to_tp2_dp1"
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """Per case (built on first use): the lazy checkpoint of iteration 4 at the old layout, and the
+    same converted there to torch_dist (``--lazy-ckpt-convert-to``)."""
+    built = {}
+
+    def get(case: str):
+        if case not in built:
+            flags, before = CASES[case][0], CASES[case][1]
+            tmp = tmp_path_factory.mktemp(case)
+            lazy, exported = tmp / "lazy", tmp / "exported"
+            common = ["--train-iters", str(ITERS), *flags, "--save-interval", str(SAVED), *LAZY]
+            first = launch(
+                tmp,
+                "first",
+                [*common, "--exit-interval", str(SAVED), "--save", str(lazy)],
+                nproc=before,
+                timeout=TIMEOUT_S,
+            )
+            assert first.returncode == 0 and latest(lazy) == SAVED, first.describe()
+            convert = [*common, "--load", str(lazy), "--save", str(lazy), "--lazy-ckpt-convert-to", str(exported)]
+            converted = launch(tmp, "export", convert, nproc=before, timeout=TIMEOUT_S)
+            assert converted.returncode == 0, converted.describe()
+            built[case] = lazy, exported
+        return built[case]
+
+    return get
+
+
+@pytest.mark.parametrize(
+    "case", [pytest.param(name, marks=() if name == DEFAULT else pytest.mark.slow) for name in CASES]
+)
+def test_data_parallel_change_on_a_plain_load_equals_the_torch_dist_conversion(tmp_path, saved, case):
+    flags, _, after, change, reference = CASES[case]
+    original, exported = saved(case)
+    lazy = tmp_path / "lazy"
+    shutil.copytree(original, lazy, ignore=shutil.ignore_patterns(".datastates.lock"))  # the resumed run saves on in it
+    common = ["--train-iters", str(ITERS), *flags, "--save-interval", str(SAVED), *LAZY]
+    imported = launch(
+        tmp_path,
+        "imported",
+        [*common, *reference, "--load", str(exported), "--save", str(tmp_path / "ref")],
+        nproc=after,
+        timeout=TIMEOUT_S,
+    )
+    assert imported.returncode == 0, imported.describe()
+    assert f"imported Megatron torch_dist checkpoint of iteration {SAVED}" in imported.log
+    resumed = launch(
+        tmp_path, "resumed", [*common, "--load", str(lazy), "--save", str(lazy)], nproc=after, timeout=TIMEOUT_S
+    )
+    assert resumed.returncode == 0, resumed.describe()
+    assert f"resharding iteration {SAVED}: {change}" in resumed.log, resumed.describe()
+    assert f"loaded lazy checkpoint of iteration {SAVED}" in resumed.log
+    assert latest(lazy) == ITERS  # and it saved on, in the new layout
+    assert_same_training(resumed, imported, range(SAVED + 1, ITERS + 1), ranks=after)
+
+
+def test_finetune_from_a_lazy_checkpoint_at_another_dp_size_equals_the_torch_dist_path(tmp_path, saved):
+    """``--finetune`` from the TP2 × DP2 lazy checkpoint at TP2 × DP1: the model only, from iteration
+    0, a fresh optimizer and scheduler -- every iteration's norms and the final digest equal to
+    Megatron-LM's own ``--finetune`` load of the same checkpoint converted to torch_dist."""
+    flags, _, after, change, _ = CASES[DEFAULT]
+    lazy, exported = saved(DEFAULT)
+    common = ["--train-iters", str(SAVED), *flags, "--save-interval", str(SAVED), *LAZY, "--finetune"]
+    imported = launch(
+        tmp_path,
+        "imported",
+        [*common, "--load", str(exported), "--save", str(tmp_path / "ref")],
+        nproc=after,
+        timeout=TIMEOUT_S,
+    )
+    assert imported.returncode == 0, imported.describe()
+    tuned = launch(
+        tmp_path,
+        "tuned",
+        [*common, "--load", str(lazy), "--save", str(tmp_path / "tuned")],
+        nproc=after,
+        timeout=TIMEOUT_S,
+    )
+    assert tuned.returncode == 0, tuned.describe()
+    assert f"resharding iteration {SAVED}: {change}" in tuned.log, tuned.describe()
+    assert f"loaded the model of lazy checkpoint of iteration {SAVED} under {lazy} (--finetune)" in tuned.log
+    # iterations 1..4 again (the iteration reset), the first update from a fresh Adam (params norm)
+    assert_same_training(tuned, imported, range(1, SAVED + 1), ranks=after)
+    assert latest(tmp_path / "tuned") == SAVED
+
+
+@pytest.mark.slow
+def test_data_parallel_change_under_the_interleaved_schedule_continues_the_training(tmp_path):
+    """PP2 × VPP2 × DP2 -> DP1.  Megatron-LM's own torch_dist load at another DP size under the
+    interleaved schedule continues differently (seen with core_v0.16.1: grad norm 1.0675 at the
+    first iteration after it, where the run continued at DP2 has 1.1711), so there is no bit-exact
+    reference: the first iteration after the reshard must match the same-layout continuation up to
+    the reduction order of the other DP size (rel. 1e-4; that import is 9 % off)."""
+    lazy = tmp_path / "lazy"
+    common = ["--train-iters", str(ITERS), *VP2, "--save-interval", str(SAVED), *LAZY]
+    first = launch(
+        tmp_path, "first", [*common, "--exit-interval", str(SAVED), "--save", str(lazy)], nproc=4, timeout=TIMEOUT_S
+    )
+    assert first.returncode == 0 and latest(lazy) == SAVED, first.describe()
+    same = [*common, "--exit-interval", str(SAVED + 1), "--load", str(lazy), "--save", str(tmp_path / "same")]
+    continued = launch(tmp_path, "continued", same, nproc=4, timeout=TIMEOUT_S)
+    assert continued.returncode == 0, continued.describe()
+    resumed = launch(
+        tmp_path, "resumed", [*common, "--load", str(lazy), "--save", str(lazy)], nproc=2, timeout=TIMEOUT_S
+    )
+    assert resumed.returncode == 0, resumed.describe()
+    assert f"resharding iteration {SAVED}: TP1×PP2×VPP2×DP2 → TP1×PP2×VPP2×DP1" in resumed.log, resumed.describe()
+    want = continued.iterations(0)[SAVED + 1]
+    for rank in range(2):
+        got = resumed.iterations(rank)
+        assert sorted(got) == list(range(SAVED + 1, ITERS + 1)), (rank, sorted(got))
+        for key in ("grad_norm", "params_norm"):
+            assert got[SAVED + 1][key] == pytest.approx(want[key], rel=1e-4), (rank, key, got[SAVED + 1], want)
