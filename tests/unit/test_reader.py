@@ -4,6 +4,7 @@ destination, and the cross-rank agreement is joined exactly once on every path."
 from __future__ import annotations
 
 import errno
+import os
 
 import pytest
 import torch
@@ -143,3 +144,63 @@ def test_the_same_layout_planner_plans_every_registered_tensor_whole(ckpt):
     assert plan.kind == "same_layout" and plan.objects == {"iteration": 5}
     assert torch.equal(targets["w"], W) and torch.equal(targets["b"], B)
     assert stats.bytes == 40_000 + 14 and stats.verified_bytes == 40_000 + 14
+
+
+def _whole(ckpt_dir, manifest):
+    """A plan that reads every tensor whole: the files go through the read-and-verify pass."""
+    return SameLayoutPlanner(
+        {"w": torch.zeros(10_000), "b": torch.zeros(7, dtype=torch.bfloat16)}, 1, dict(manifest.layout)
+    )
+
+
+def test_a_whole_file_is_read_and_verified_in_one_pass_then_copied(ckpt):
+    d, m = ckpt
+    planner = _whole(d, m)
+    with CheckpointReader(d, m, threads=3) as reader:
+        _, stats = reader.load(planner)
+    assert torch.equal(planner.targets["w"], W) and torch.equal(planner.targets["b"], B)
+    assert stats.read_bytes == stats.verified_bytes == stats.bytes == 40_000 + 14
+
+
+def test_a_corrupt_chunk_of_a_whole_file_read_is_refused_before_any_copy(ckpt):
+    d, m = ckpt
+    with CheckpointReader(d, m) as reader:
+        offset = reader.entry(0, "w").offset + 7 * 4096 + 1
+    flip(f"{d}/{m.ranks[0].file}", offset, 1)
+    planner, agree = _whole(d, m), _Agreement()
+    with CheckpointReader(d, m, threads=2) as reader:
+        with pytest.raises(CorruptCheckpointError, match=r"checksum mismatch in tensor 'w' \(chunk 7,"):
+            reader.load(planner, agree)
+    assert len(agree.calls) == 1 and not planner.targets["w"].any() and not planner.targets["b"].any()
+
+
+class _TruncateAfterPlanning(LoadPlanner):
+    """The same-layout plan, after which the (open, mapped) rank file loses its tail on disk."""
+
+    kind = "truncating"
+
+    def __init__(self, inner: SameLayoutPlanner) -> None:
+        self.inner = inner
+
+    def plan(self, reader):
+        plan = self.inner.plan(reader)
+        rf = reader.rank_file(0)
+        os.truncate(rf.path, reader.entry(0, "w").offset + 100)
+        return plan
+
+
+def test_a_file_that_shrinks_under_the_reader_is_refused_before_any_copy(ckpt):
+    d, m = ckpt
+    planner, agree = _whole(d, m), _Agreement()
+    with CheckpointReader(d, m) as reader:
+        with pytest.raises(CorruptCheckpointError, match=r"ends at byte"):
+            reader.load(_TruncateAfterPlanning(planner), agree)
+    assert len(agree.calls) == 1 and not planner.targets["w"].any()
+
+
+def test_a_strided_destination_is_copied_through_the_mapping(ckpt):
+    d, m = ckpt
+    strided = torch.zeros(10_000, 2)[:, 0]
+    with CheckpointReader(d, m) as reader:
+        stats = reader.execute(_plan(("w", 0, 10_000, strided, "strided")))
+    assert torch.equal(strided, W) and stats.read_bytes == 40_000
