@@ -39,6 +39,7 @@ import argparse
 import contextlib
 import functools
 import gc
+import importlib
 import json
 import logging
 import os
@@ -82,6 +83,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--engines",
         default=",".join(SAME_ENGINES),
         help="same-layout engines, from: " + ",".join(SAME_ENGINES),
+    )
+    p.add_argument(
+        "--before",
+        default=None,
+        metavar="TREE",
+        help="also restore the same checkpoint with the package of this checkout (an older commit's "
+        "files), imported under another name in the same processes and run in the same rounds: "
+        "before/after from one command",
     )
     p.add_argument("--no-reshard", action="store_true", help="skip the data-parallel change")
     p.add_argument("--with-dp4", action="store_true", help="also load at 4 ranks (2 -> 4)")
@@ -187,7 +196,8 @@ class PhaseClock:
             "all_gather": s.get("all_gather", 0.0),
         }
         out["other"] = max(0.0, total_s - sum(out.values()))
-        out["bytes_read"] = getattr(st, "read_bytes", 0)
+        # an older reader (--before) reads whole files ahead and does not count them
+        out["bytes_read"] = getattr(st, "read_bytes", st.bytes if st.read_ahead_s else 0)
         out["bytes_copied"] = st.bytes
         out["bytes_verified"] = st.verified_bytes
         return out
@@ -201,6 +211,40 @@ def _param_mismatches(chunks: list, ref: dict[str, torch.Tensor]) -> list[str]:
     live = _full_params(chunks)
     bad = sorted(set(ref) ^ set(live))
     return bad + [k for k, v in ref.items() if k in live and not torch.equal(live[k], v)]
+
+
+class OursFrom(be.Engine):
+    """``LazyCheckpointer.load()`` of package ``pkg`` (this tree's, or ``--before``'s) restoring the
+    checkpoint under ``load_dir`` into the live workload; its own saves (none) go to ``scratch``."""
+
+    persists = True
+
+    def __init__(self, w: be.Workload, pkg: Any, load_dir: Path, scratch: Path, host_cache_gb: float) -> None:
+        super().__init__(w, be.BenchOptions())
+        config = pkg.LazyCkptConfig(save_dir=str(scratch), load_dir=str(load_dir), host_cache_gb=host_cache_gb)
+        self._ckpt = pkg.LazyCheckpointer(w.chunks, w.optimizer, config, opt_param_scheduler=w.scheduler)
+
+    def restore(self) -> int | None:
+        return self._ckpt.load()[0]
+
+    def close(self) -> None:
+        if self._ckpt is not None:
+            ckpt, self._ckpt = self._ckpt, None
+            ckpt.close()
+
+
+def import_before(tree: str, root: Path) -> Any:
+    """The package of checkout ``tree`` as ``dsm_before`` (its imports are relative), so that the old
+    and the new restore run in the same processes and rounds (collective)."""
+    dst = root / "before_pkg"
+    if torch.distributed.get_rank() == 0:
+        shutil.rmtree(dst, ignore_errors=True)
+        shutil.copytree(
+            Path(tree) / "datastates_megatron", dst / "dsm_before", ignore=shutil.ignore_patterns("__pycache__")
+        )
+    _barrier()
+    sys.path.insert(0, str(dst))
+    return importlib.import_module("dsm_before")
 
 
 # --------------------------------------------------------------------------- #
@@ -229,14 +273,21 @@ def phase_same(args: argparse.Namespace) -> dict:
         eng.drain()
         engines[name] = eng
         _barrier()
+    if args.before:
+        pkg = import_before(args.before, root)
+        w = be.Workload(chunks, optimizer, scheduler, root / "ours", io_group)
+        engines["ours_before"] = OursFrom(w, pkg, root / "ours", root / "scratch-before", args.host_cache_gb)
     ref = be.snapshot_state(chunks, optimizer)
     ref_params = _full_params(chunks)
     if rank == 0:  # the reshard phase compares its parameters with these
         torch.save(ref_params, root / "ref_params.pt")
-    clock = PhaseClock(engines["ours"]._ckpt)
+    clocks = {n: PhaseClock(engines[n]._ckpt) for n in ("ours", "ours_before") if n in engines}
     own_file = _own_rank_file(root / "ours", args.warmup, rank)
-    order = ["plain_read", *args.engines]
+    order = ["plain_read", *engines]
     rows: dict[str, list[dict]] = {k: [] for k in order}
+    for name in order[1:]:  # one unmeasured restore each: compilation, first-use imports, allocations
+        engines[name].restore()
+        _barrier()
     for k in range(args.repeats):
         for name in order if k % 2 == 0 else order[::-1]:
             be.scramble_state(chunks, optimizer)
@@ -247,13 +298,14 @@ def phase_same(args: argparse.Namespace) -> dict:
                 rows[name].append({"s": secs, "bytes": nbytes})
                 _barrier()
                 continue
-            clock.reset()
+            for clock in clocks.values():
+                clock.reset()
             t0 = time.perf_counter()
             iteration = engines[name].restore()
             secs = time.perf_counter() - t0
             row: dict[str, Any] = {"s": secs, "iteration": iteration}
-            if name == "ours":
-                row["phases"] = clock.phases(secs)
+            if name in clocks:
+                row["phases"] = clocks[name].phases(secs)
             _barrier()
             row["mismatch"] = be.compare_state(chunks, optimizer, ref)[:5]
             rows[name].append(row)
@@ -293,7 +345,7 @@ def _own_rank_file(ckpt_root: Path, iteration: int, rank: int) -> Path:
 # phase 2: another data-parallel size
 # --------------------------------------------------------------------------- #
 def phase_reshard(args: argparse.Namespace) -> dict:
-    from datastates_megatron import LazyCheckpointer, LazyCkptConfig
+    import datastates_megatron
 
     rank = torch.distributed.get_rank()
     world = torch.distributed.get_world_size()
@@ -305,19 +357,18 @@ def phase_reshard(args: argparse.Namespace) -> dict:
     if rank == 0:
         shutil.rmtree(scratch, ignore_errors=True)
     _barrier()
-    ours = LazyCheckpointer(
-        chunks,
-        optimizer,
-        LazyCkptConfig(save_dir=str(scratch), load_dir=str(root / "ours"), host_cache_gb=args.host_cache_gb),
-        opt_param_scheduler=scheduler,
-    )
-    clock = PhaseClock(ours)
+    w = be.Workload(chunks, optimizer, scheduler, root / "ours", io_group)
+    ours = OursFrom(w, datastates_megatron, root / "ours", scratch, args.host_cache_gb)
+    clock = PhaseClock(ours._ckpt)
     mcore = be.ENGINES["mcore_sync"](
         be.Workload(chunks, optimizer, scheduler, root / "mcore_sync", io_group), be.BenchOptions()
     )
     mcore.last_iteration = args.warmup
     order = ["ours", "mcore_sync"]
     rows: dict[str, list[dict]] = {k: [] for k in order}
+    ours.restore()  # one unmeasured restore each: compilation, first-use imports, allocations
+    mcore.restore()
+    _barrier()
     for k in range(args.repeats):
         for name in order if k % 2 == 0 else order[::-1]:
             be.scramble_state(chunks, optimizer)
@@ -326,7 +377,7 @@ def phase_reshard(args: argparse.Namespace) -> dict:
             clock.reset()
             t0 = time.perf_counter()
             if name == "ours":
-                iteration = ours.load()[0]
+                iteration = ours.restore()
             else:
                 iteration = mcore.restore()
             secs = time.perf_counter() - t0
@@ -379,7 +430,7 @@ def rank_main(args: argparse.Namespace) -> int:
     return 0
 
 
-def _launch(args: argparse.Namespace, phase: str, nproc: int, out: Path) -> dict:
+def _launch(args: argparse.Namespace, phase: str, nproc: int, out: Path, tree: str | None = None, engines=None) -> dict:
     cmd = [
         sys.executable,
         "-m",
@@ -398,7 +449,7 @@ def _launch(args: argparse.Namespace, phase: str, nproc: int, out: Path) -> dict
         "--warmup",
         str(args.warmup),
         "--engines",
-        ",".join(args.engines),
+        ",".join(engines or args.engines),
         "--dir",
         args.dir,
         "--host-cache-gb",
@@ -407,8 +458,10 @@ def _launch(args: argparse.Namespace, phase: str, nproc: int, out: Path) -> dict
         *(f"--{k.replace('_', '-')}={getattr(args, k)}" for k in ("micro_batch", "seed", "lr")),
         *(["--bf16"] if args.bf16 else []),
         *(["--keep"] if args.keep else []),
+        *(["--before", args.before] if args.before else []),
     ]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+    tree = tree or str(_HERE.parent)
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([tree, str(_HERE)]))
     log.info("%s", " ".join(cmd))
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, env=env, timeout=args.timeout_s)
@@ -416,6 +469,10 @@ def _launch(args: argparse.Namespace, phase: str, nproc: int, out: Path) -> dict
         raise SystemExit(f"{phase} at {nproc} ranks failed (exit {proc.returncode})")
     doc = json.loads(out.read_text())
     doc["launch_s"] = time.perf_counter() - t0
+    doc["tree"] = tree
+    doc["commit"] = subprocess.run(
+        ["git", "-C", tree, "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+    ).stdout.strip()
     return doc
 
 
@@ -433,6 +490,15 @@ def summarise(doc: dict) -> dict:
                 r["ok"] = all(x["ok"] for x in runs)
             if "phases" in runs[0]:
                 r["phases"] = {p: _med([x["phases"][p] for x in runs]) for p in runs[0]["phases"]}
+                plain = phase["engines"].get("plain_read")
+                if plain:  # read speed against the plain read of the same round, round by round
+                    r["read_x_plain_runs"] = [
+                        x["phases"]["bytes_read"] / x["phases"]["read"] / GB / p["GBps"]
+                        if x["phases"]["read"]
+                        else None
+                        for x, p in zip(runs, plain)
+                    ]
+                    r["read_x_plain"] = _med(r["read_x_plain_runs"])
             rows[name] = r
         out[label] = rows
     return out
@@ -474,9 +540,29 @@ def render(doc: dict, summary: dict) -> str:
         gbps = ph["bytes_read"] / ph["read"] / GB
         lines.append(
             f"  read {ph['bytes_read'] / MB:.0f} MB (both ranks) in {ph['read']:.3f} s: {gbps:.2f} GB/s, "
-            f"{gbps / plain['GBps']:.0%} of the plain read; verified {ph['bytes_verified'] / MB:.0f} MB/rank, "
+            f"{gbps / plain['GBps']:.0%} of the median plain read ({same['ours']['read_x_plain']:.0%}: the median "
+            f"of each round's ratio); verified {ph['bytes_verified'] / MB:.0f} MB/rank, "
             f"copied {ph['bytes_copied'] / MB:.0f} MB/rank"
         )
+    if "ours_before" in same:
+        lines.append("")
+        lines.append(
+            f"before/after, ours same layout, same rounds (before: the package of {cfg['before']}; "
+            f"after: this tree at {doc['phases']['same']['commit']}):"
+        )
+        lines.append(
+            f"{'':8} {'load s':>7} {'read s':>7} {'read GB/s':>9} {'x plain':>7} "
+            + " ".join(f"{p:>10}" for p in PHASES if p != "read")
+        )
+        for label in ("ours_before", "ours"):
+            r = same[label]
+            ph = r["phases"]
+            gbps = ph["bytes_read"] / ph["read"] / GB if ph["read"] and ph["bytes_read"] else None
+            lines.append(
+                f"{'before' if label == 'ours_before' else 'after':8} {r['s']:7.3f} {ph['read']:7.3f} "
+                f"{gbps or 0:9.2f} {r.get('read_x_plain') or 0:7.2f} "
+                + " ".join(f"{ph[p]:10.3f}" for p in PHASES if p != "read")
+            )
     for label, rows in summary.items():
         if label == "same":
             continue
