@@ -36,7 +36,7 @@ from ..format.file_format import RankFile, TensorEntry
 from ..format.hashing import xxh64
 from .load_plan import ElementRange, LoadPlan, LoadPlanner, ReadItem
 from ..format.manifest import Manifest, iter_dir, read_manifest
-from ..fs.page_cache import warm_file
+from ..fs.page_cache import mostly_resident, warm_file
 from ..fs.safe_io import describe
 from .verified_read import ChunkSpan, copy_into, read_and_verify
 
@@ -330,10 +330,12 @@ class CheckpointReader:
         return out
 
     def _read(self, plan: LoadPlan, pool: cf.Executor, stats: RestoreStats) -> None:
-        """Read the files the plan mostly reads (:meth:`_mostly_read`): with verification, every chunk
-        the plan touches there is read and hashed in one pass (:func:`.verified_read.read_and_verify`);
-        without, the file is read into the page cache.  Fills ``stats.read_bytes``, ``read_ahead_s``
-        and ``verified_bytes``; raises :class:`CorruptCheckpointError` naming every bad chunk."""
+        """Read the files the plan mostly reads (:meth:`_mostly_read`) and are not in the page cache
+        already: with verification, every chunk the plan touches there is read and hashed in one pass
+        (:func:`.verified_read.read_and_verify`); without, the file is read into the page cache.  A
+        resident file (a tmpfs tier) is hashed through its mapping by :meth:`verify` instead: no copy.
+        Fills ``stats.read_bytes``, ``read_ahead_s`` and ``verified_bytes``; raises
+        :class:`CorruptCheckpointError` naming every bad chunk."""
         t0 = time.perf_counter()
         by_rank: dict[int, set[tuple[int, str, int]]] = {}
         if self.verify_chunks:
@@ -345,6 +347,8 @@ class CheckpointReader:
                 if not self.verify_chunks:
                     if warm_file(rf.path, rf.fileno(), pool, self.threads):
                         stats.read_bytes += rf.header.file_bytes
+                    continue
+                if mostly_resident(rf.fileno(), rf.path):
                     continue
                 with self._lock:
                     keys = sorted(k for k in by_rank.get(rank, ()) if k not in self._verified)
