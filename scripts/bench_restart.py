@@ -196,6 +196,7 @@ class PhaseClock:
             "all_gather": s.get("all_gather", 0.0),
         }
         out["other"] = max(0.0, total_s - sum(out.values()))
+        out["without_all_gather"] = total_s - out["all_gather"]  # the restore proper, per run
         # an older reader (--before) reads whole files ahead and does not count them
         out["bytes_read"] = getattr(st, "read_bytes", st.bytes if st.read_ahead_s else 0)
         out["bytes_copied"] = st.bytes
@@ -551,7 +552,7 @@ def render(doc: dict, summary: dict) -> str:
             f"after: this tree at {doc['phases']['same']['commit']}):"
         )
         lines.append(
-            f"{'':8} {'load s':>7} {'read s':>7} {'read GB/s':>9} {'x plain':>7} "
+            f"{'':8} {'load s':>7} {'w/o a-g':>7} {'read s':>7} {'read GB/s':>9} {'x plain':>7} "
             + " ".join(f"{p:>10}" for p in PHASES if p != "read")
         )
         for label in ("ours_before", "ours"):
@@ -559,7 +560,8 @@ def render(doc: dict, summary: dict) -> str:
             ph = r["phases"]
             gbps = ph["bytes_read"] / ph["read"] / GB if ph["read"] and ph["bytes_read"] else None
             lines.append(
-                f"{'before' if label == 'ours_before' else 'after':8} {r['s']:7.3f} {ph['read']:7.3f} "
+                f"{'before' if label == 'ours_before' else 'after':8} {r['s']:7.3f} "
+                f"{ph['without_all_gather']:7.3f} {ph['read']:7.3f} "
                 f"{gbps or 0:9.2f} {r.get('read_x_plain') or 0:7.2f} "
                 + " ".join(f"{ph[p]:10.3f}" for p in PHASES if p != "read")
             )
