@@ -2,10 +2,13 @@
 
 A load runs in two phases around one cross-rank agreement.  First, on this rank: make the plan,
 validate it whole (every source range inside its tensor and the file's data section, every
-destination of the right size and dtype), read the files it mostly uses into the page cache, and
-verify every checksum chunk the plan touches, once.  Then ``agree(error)`` -- joined exactly once on
-every path, success or error -- so that no rank copies while another failed.  Only then are bytes
-copied into the live tensors.  A bad checkpoint therefore leaves every rank's tensors untouched.
+destination of the right size and dtype), and verify every checksum chunk the plan touches, once
+-- a cold file the plan mostly uses is read from storage in one pass that hashes each block as it
+arrives (:mod:`.verified_read`), the rest through the mapping.  Then ``agree(error)`` -- joined
+exactly once on every path, success or error -- so that no rank copies while another failed.  Only
+then are bytes copied into the live tensors (``preadv`` from the page cache into contiguous CPU
+destinations, the mapping for others).  A bad checkpoint therefore leaves every rank's tensors
+untouched.
 
 Rank files are opened on demand, each checked against the manifest (size, header and index
 checksums, save identity), and mapped read-only; a symlink is never followed.  At most
@@ -383,7 +386,7 @@ class CheckpointReader:
         return _copy_one(self._view(r), item.dest, self.rank)
 
     def load(self, planner: LoadPlanner, agree=None) -> tuple[LoadPlan, RestoreStats]:
-        """Plan with ``planner``, validate, warm and verify; join ``agree`` once; then copy.
+        """Plan with ``planner``, validate, read and verify; join ``agree`` once; then copy.
 
         ``agree(error)`` is the cross-rank agreement (a collective): every rank passes its error, or
         None when its part validated, and it raises on every rank when any rank failed.  Without it
