@@ -25,8 +25,8 @@ Our phases (seconds, max over ranks, median over rounds): ``decide`` -- rank 0 r
 checkpoint and its layout, each rank gets its record (``view``); ``prepare`` -- Adam state and the
 registered shards (``_ensure_optimizer_state``, ``_refresh``); ``open+plan`` -- the manager's tier
 choice, opening the rank file, the plan and its validation; ``read`` -- reading the files into memory
-(bytes and GB/s beside the plain read's); ``verify`` -- XXH64 of every chunk not already checked
-while reading; ``agree`` -- the one cross-rank agreement; ``copy`` -- into the live tensors;
+(bytes and GB/s beside the plain read's); ``verify`` -- XXH64 of every chunk the plan touches, once;
+``agree`` -- the one cross-rank agreement; ``copy`` -- into the live tensors;
 ``all-gather`` -- the param buffers across data-parallel ranks; ``other`` -- the rest of ``load()``
 (non-tensor state, RNG, scheduler).
 

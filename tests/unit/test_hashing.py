@@ -33,22 +33,3 @@ def test_xxh64_detects_single_bit_flip():
     before = hashing.xxh64(data)
     data[1234] ^= 1
     assert hashing.xxh64(data) != before
-
-
-@pytest.mark.parametrize("n", [0, 1, 31, 32, 33, 64, 95, 96, 100, 4097, 1 << 16])
-@pytest.mark.parametrize("piece", [32, 64, 4096])
-def test_xxh64_stream_in_pieces_equals_one_pass(n, piece):
-    """A chunk hashed as it arrives, block by block (the restore's read-and-verify), gives the
-    chunk's XXH64: pieces of a multiple of 32 bytes, then the rest."""
-    data = np.random.default_rng(n).integers(0, 256, n, dtype=np.uint8)
-    stream = hashing.Xxh64Stream(7)
-    for start in range(0, n, piece):
-        stream.update(data[start : start + piece])
-    assert stream.digest() == hashing.xxh64(data, 7)
-
-
-def test_xxh64_stream_refuses_a_piece_after_a_ragged_one():
-    stream = hashing.Xxh64Stream()
-    stream.update(np.zeros(33, np.uint8))
-    with pytest.raises(ValueError, match="multiple of 32"):
-        stream.update(np.zeros(32, np.uint8))

@@ -384,23 +384,12 @@ class RankFile:
         cb = self.header.chunk_bytes
         if raw is None:
             raw = self.raw(entry)[c * cb : (c + 1) * cb]
-        return self.check_chunk(entry, c, int(xxh64_kernel(raw, np.uint64(0))), len(raw))
-
-    def chunk_span(self, entry: TensorEntry, c: int) -> tuple[int, int]:
-        """``(file offset, bytes)`` of checksum chunk ``c`` of ``entry``."""
-        cb = self.header.chunk_bytes
-        return entry.offset + c * cb, max(0, min(cb, entry.nbytes - c * cb))
-
-    def check_chunk(self, entry: TensorEntry, c: int, digest: int, nbytes: int) -> int:
-        """Raise :class:`CorruptCheckpointError` (file, tensor, chunk, bytes) unless ``digest`` -- the
-        XXH64 of chunk ``c``'s ``nbytes`` bytes, hashed by the caller -- is the one the index holds.
-        Returns ``nbytes``."""
-        if not 0 <= c < len(entry.checksums) or digest != int(entry.checksums[c]):
+        if not 0 <= c < len(entry.checksums) or int(xxh64_kernel(raw, np.uint64(0))) != int(entry.checksums[c]):
             raise CorruptCheckpointError(
                 f"{self.path}: checksum mismatch in tensor {entry.name!r} (chunk {c}, bytes "
-                f"{entry.offset + c * self.header.chunk_bytes}..+{nbytes})"
+                f"{entry.offset + c * cb}..+{len(raw)})"
             )
-        return nbytes
+        return len(raw)
 
     def verify_entry(self, entry: TensorEntry) -> None:
         for c in range(len(entry.checksums)):

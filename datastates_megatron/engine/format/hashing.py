@@ -10,7 +10,7 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-__all__ = ["xxh64", "xxh64_copy", "xxh64_kernel", "Xxh64Stream", "warmup"]
+__all__ = ["xxh64", "xxh64_copy", "xxh64_kernel", "warmup"]
 
 _P1 = np.uint64(0x9E3779B185EBCA87)
 _P2 = np.uint64(0xC2B2AE3D27D4EB4F)
@@ -55,15 +55,9 @@ def _converge(v1, v2, v3, v4):
 @numba.njit(inline="always")
 def _finish(buf, words, h, i):
     """XXH64 of ``buf`` after its first ``i`` words went through the stripe loop (accumulated in ``h``)."""
-    return _finish_total(buf, words, h, i, buf.shape[0])
-
-
-@numba.njit(inline="always")
-def _finish_total(buf, words, h, i, total):
-    """:func:`_finish` of the last ``buf`` of a stream of ``total`` bytes."""
     n = buf.shape[0]
     n_words = words.shape[0]
-    h = h + np.uint64(total)
+    h = h + np.uint64(n)
     while i < n_words:
         h = h ^ _round(_U0, words[i])
         h = _rotl(h, 27) * _P1 + _P4
@@ -138,28 +132,6 @@ def _xxh64_copy_impl(src, dst, seed):
     return _finish(src, words, _converge(v1, v2, v3, v4), stripes * 4)
 
 
-@numba.njit(nogil=True, cache=True)
-def _stream_stripes(buf, v1, v2, v3, v4):
-    """The four lanes after the whole 32-byte stripes of ``buf`` (a multiple of 32 bytes)."""
-    words = buf[: (buf.shape[0] // 32) * 32].view(np.uint64)
-    for s in range(words.shape[0] // 4):
-        j = s * 4
-        v1 = _round(v1, words[j])
-        v2 = _round(v2, words[j + 1])
-        v3 = _round(v3, words[j + 2])
-        v4 = _round(v4, words[j + 3])
-    return v1, v2, v3, v4
-
-
-@numba.njit(nogil=True, cache=True)
-def _stream_digest(tail, v1, v2, v3, v4, seed, total):
-    """XXH64 of a stream of ``total`` bytes whose stripes went into the lanes, ``tail`` its last
-    ``total % 32`` bytes."""
-    words = tail[: (tail.shape[0] // 8) * 8].view(np.uint64)
-    h = seed + _P5 if total < 32 else _converge(v1, v2, v3, v4)
-    return _finish_total(tail, words, h, 0, total)
-
-
 def _as_bytes(buf) -> np.ndarray:
     arr = buf if isinstance(buf, np.ndarray) else np.frombuffer(buf, dtype=np.uint8)
     return arr.reshape(-1).view(np.uint8) if arr.dtype != np.uint8 else arr
@@ -181,46 +153,7 @@ def xxh64_copy(src, dst: np.ndarray, seed: int = 0) -> int:
     return int(_xxh64_copy_impl(src, dst, np.uint64(seed)))
 
 
-class Xxh64Stream:
-    """XXH64 of bytes that arrive in pieces (a chunk read block by block): :meth:`update` with each
-    piece, a multiple of 32 bytes except the last, then :meth:`digest`.  Equals :func:`xxh64` of the
-    pieces joined.  Not thread-safe; one stream per chunk."""
-
-    __slots__ = ("_lanes", "_seed", "_total", "_tail")
-
-    def __init__(self, seed: int = 0) -> None:
-        self._seed = np.uint64(seed)
-        self._lanes = _lanes_of(self._seed)
-        self._total = 0
-        self._tail: np.ndarray | None = None
-
-    def update(self, buf) -> None:
-        """Hash the next piece (its stripes at once; a ragged end is kept for :meth:`digest`)."""
-        if self._tail is not None:
-            raise ValueError("Xxh64Stream: only the last piece may be other than a multiple of 32 bytes")
-        arr = _as_bytes(buf)
-        whole = arr.shape[0] // 32 * 32
-        if whole:
-            # numba hands uint64 back as Python ints: typed again as uint64, not int64
-            self._lanes = tuple(np.uint64(v) for v in _stream_stripes(arr[:whole], *self._lanes))
-        if whole != arr.shape[0]:
-            self._tail = arr[whole:].copy()
-        self._total += arr.shape[0]
-
-    def digest(self) -> int:
-        tail = self._tail if self._tail is not None else np.zeros(0, np.uint8)
-        return int(_stream_digest(tail, *self._lanes, self._seed, np.uint64(self._total)))
-
-
-def _lanes_of(seed: np.uint64) -> tuple:
-    with np.errstate(over="ignore"):  # XXH64 arithmetic is modulo 2**64
-        return (seed + _P1 + _P2, seed + _P2, seed, seed - _P1)
-
-
 def warmup() -> None:
     """Compile (or load from cache) the kernels with the argument types the engine uses."""
     xxh64(np.zeros(40, np.uint8))
     xxh64_copy(np.zeros(40, np.uint8), np.zeros(40, np.uint8))
-    stream = Xxh64Stream()
-    stream.update(np.zeros(40, np.uint8))
-    stream.digest()

@@ -21,7 +21,7 @@ import threading
 
 import numpy as np
 
-__all__ = ["memory_backed", "mostly_resident", "resident_fraction", "resident_fraction_of", "read_range", "warm_file"]
+__all__ = ["memory_backed", "resident_fraction", "resident_fraction_of", "read_range", "warm_file"]
 
 log = logging.getLogger(__name__)
 try:
@@ -85,13 +85,6 @@ def resident_fraction_of(fd: int, path: str) -> float | None:
     if rc != 0:
         return None
     return float((np.frombuffer(vec, np.uint8) & 1).sum()) / pages
-
-
-def mostly_resident(fd: int, path: str) -> bool:
-    """Whether the open file ``fd`` (named ``path``) is in the page cache already (a tmpfs tier, a
-    checkpoint just written or read): reading it again would only cost a copy.  False when unknown."""
-    frac = resident_fraction_of(fd, path)
-    return frac is not None and frac >= _RESIDENT_ENOUGH
 
 
 def read_range(fd: int, start: int, nbytes: int) -> int:

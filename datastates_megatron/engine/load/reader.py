@@ -2,13 +2,10 @@
 
 A load runs in two phases around one cross-rank agreement.  First, on this rank: make the plan,
 validate it whole (every source range inside its tensor and the file's data section, every
-destination of the right size and dtype), and verify every checksum chunk the plan touches, once
--- a cold file the plan mostly uses is read from storage in one pass that hashes each block as it
-arrives (:mod:`.verified_read`), the rest through the mapping.  Then ``agree(error)`` -- joined
-exactly once on every path, success or error -- so that no rank copies while another failed.  Only
-then are bytes copied into the live tensors (``preadv`` from the page cache into contiguous CPU
-destinations, the mapping for others).  A bad checkpoint therefore leaves every rank's tensors
-untouched.
+destination of the right size and dtype), read the files it mostly uses into the page cache, and
+verify every checksum chunk the plan touches, once.  Then ``agree(error)`` -- joined exactly once on
+every path, success or error -- so that no rank copies while another failed.  Only then are bytes
+copied into the live tensors.  A bad checkpoint therefore leaves every rank's tensors untouched.
 
 Rank files are opened on demand, each checked against the manifest (size, header and index
 checksums, save identity), and mapped read-only; a symlink is never followed.  At most
@@ -39,9 +36,8 @@ from ..format.file_format import RankFile, TensorEntry
 from ..format.hashing import xxh64
 from .load_plan import ElementRange, LoadPlan, LoadPlanner, ReadItem
 from ..format.manifest import Manifest, iter_dir, read_manifest
-from ..fs.page_cache import mostly_resident, warm_file
+from ..fs.page_cache import warm_file
 from ..fs.safe_io import describe
-from .verified_read import ChunkSpan, copy_into, read_and_verify
 
 __all__ = ["RestoreStats", "CheckpointReader", "open_checkpoint", "open_rank", "MAX_OPEN_FILES"]
 
@@ -54,10 +50,10 @@ class RestoreStats:
 
     bytes: int = 0
     verified_bytes: int = 0
+    verify_s: float = 0.0
     copy_s: float = 0.0
-    verify_s: float = 0.0  # hashing chunks not hashed while read (files the plan reads a little of)
-    read_ahead_s: float = 0.0  # reading the files the plan mostly reads (and hashing them, when verifying)
-    read_bytes: int = 0  # bytes read in that pass
+    read_ahead_s: float = 0.0  # 0 when the files were resident already
+    read_bytes: int = 0  # bytes the read-ahead read from storage (0: resident already)
     plan_s: float = 0.0  # making and validating the plan (opens the files it names)
     agree_s: float = 0.0  # the cross-rank agreement (waits for the slowest rank)
     files_opened: int = 0  # rank files the reader opened (a reshard with a global index: only those it reads)
@@ -318,75 +314,23 @@ class CheckpointReader:
             if dst.numel() != r.count:
                 raise LayoutMismatchError(f"{what}: {r.count} elements go to {to} of {dst.numel()}")
 
-    def _mostly_read(self, plan: LoadPlan) -> list[int]:
-        """The ranks whose file the plan reads at least half of: read whole, in one sequential pass
-        (one pass beats page faults); a file the plan reads a little of is left to the faults."""
+    def _warm(self, plan: LoadPlan, pool: cf.Executor) -> int:
+        """Read into the page cache each file the plan reads at least half of (one sequential pass
+        beats page faults); a file the plan reads a little of is left to the faults.  Returns the
+        bytes read."""
         wanted: dict[int, int] = {}
         for item in plan.items:
             e = self.entry(item.source.rank, item.source.tensor)
             wanted[item.source.rank] = wanted.get(item.source.rank, 0) + item.source.count * e.dtype.itemsize
-        out = []
+        warmed = 0
         for rank, nbytes in sorted(wanted.items()):
             with self._mapped(rank) as rf:
-                if 2 * nbytes >= rf.header.data_bytes:
-                    out.append(rank)
-        return out
-
-    def _read(self, plan: LoadPlan, pool: cf.Executor, stats: RestoreStats) -> None:
-        """Read the files the plan mostly reads (:meth:`_mostly_read`) and are not in the page cache
-        already: with verification, every chunk the plan touches there is read and hashed in one pass
-        (:func:`.verified_read.read_and_verify`); without, the file is read into the page cache.  A
-        resident file (a tmpfs tier) is hashed through its mapping by :meth:`verify` instead: no copy.
-        Fills ``stats.read_bytes``, ``read_ahead_s`` and ``verified_bytes``; raises
-        :class:`CorruptCheckpointError` naming every bad chunk."""
-        t0 = time.perf_counter()
-        by_rank: dict[int, set[tuple[int, str, int]]] = {}
-        if self.verify_chunks:
-            for item in plan.items:
-                by_rank.setdefault(item.source.rank, set()).update(self.chunks_of(item.source))
-        bad: list[str] = []
-        for rank in self._mostly_read(plan):
-            with self._mapped(rank) as rf:
-                if not self.verify_chunks:
-                    if warm_file(rf.path, rf.fileno(), pool, self.threads):
-                        stats.read_bytes += rf.header.file_bytes
-                    continue
-                if mostly_resident(rf.fileno(), rf.path):
-                    continue
-                with self._lock:
-                    keys = sorted(k for k in by_rank.get(rank, ()) if k not in self._verified)
-                spans = [ChunkSpan(k, *rf.chunk_span(rf.entries[k[1]], k[2])) for k in keys]
-                digests = read_and_verify(rf.fileno(), rf.path, spans, pool, self.threads)
-                for span, digest in zip(spans, digests):
-                    try:
-                        rf.check_chunk(rf.entries[span.key[1]], span.key[2], digest, span.nbytes)
-                    except CorruptCheckpointError as e:
-                        bad.append(f"rank {rank}: {e}")
-                        continue
-                    with self._lock:
-                        self._verified.add(span.key)
-                    stats.verified_bytes += span.nbytes
-                stats.read_bytes += sum(span.nbytes for span in spans)
-        if stats.read_bytes:
-            stats.read_ahead_s = time.perf_counter() - t0
-        if bad:
-            raise CorruptCheckpointError(
-                f"rank {self.rank}: {len(bad)} corrupt chunk(s) in {self.ckpt}: " + "; ".join(bad[:5])
-            )
-
-    def _copy_item(self, item: ReadItem) -> int:
-        """Copy one verified item into its destination: ``preadv`` straight into a contiguous CPU
-        tensor (:func:`.verified_read.copy_into`), else through the mapping.  Returns the bytes."""
-        crash_point("restore", self.rank)
-        r = item.source
-        with self._mapped(r.rank):
-            rf, e, lo, hi = self._bytes_of(r)
-            if copy_into(rf.fileno(), e.offset + lo, item.dest, rf.path):
-                return hi - lo
-        return _copy_one(self._view(r), item.dest, self.rank)
+                if 2 * nbytes >= rf.header.data_bytes and warm_file(rf.path, rf.fileno(), pool, self.threads):
+                    warmed += rf.header.file_bytes
+        return warmed
 
     def load(self, planner: LoadPlanner, agree=None) -> tuple[LoadPlan, RestoreStats]:
-        """Plan with ``planner``, validate, read and verify; join ``agree`` once; then copy.
+        """Plan with ``planner``, validate, warm and verify; join ``agree`` once; then copy.
 
         ``agree(error)`` is the cross-rank agreement (a collective): every rank passes its error, or
         None when its part validated, and it raises on every rank when any rank failed.  Without it
@@ -402,9 +346,12 @@ class CheckpointReader:
                 plan = planner.plan(self)
                 self.validate(plan)
                 stats.plan_s = time.perf_counter() - t0
-                self._read(plan, pool, stats)
                 t0 = time.perf_counter()
-                stats.verified_bytes += self.verify([it.source for it in plan.items], pool)
+                stats.read_bytes = self._warm(plan, pool)
+                if stats.read_bytes:
+                    stats.read_ahead_s = time.perf_counter() - t0
+                t0 = time.perf_counter()
+                stats.verified_bytes = self.verify([it.source for it in plan.items], pool)
                 stats.verify_s = time.perf_counter() - t0
             except Exception as e:  # noqa: BLE001 - every rank must hear it (an OSError too), not only this one
                 error = e
@@ -417,8 +364,12 @@ class CheckpointReader:
             by_rank: dict[int, list[ReadItem]] = {}
             for it in plan.items:
                 by_rank.setdefault(it.source.rank, []).append(it)
-            for items in (by_rank[r] for r in sorted(by_rank)):  # file by file: bounded open files
-                stats.bytes += sum(pool.map(self._copy_item, items))
+            for items in (by_rank[r] for r in sorted(by_rank)):  # file by file: its views, then its copies
+                sources = [self._view(it.source) for it in items]
+                stats.bytes += sum(
+                    pool.map(lambda pair: _copy_one(pair[0], pair[1].dest, self.rank), zip(sources, items))
+                )
+                del sources
             stats.copy_s = time.perf_counter() - t0
         stats.files_opened = len(self.opened)
         return plan, stats
