@@ -274,9 +274,15 @@ def phase_same(args: argparse.Namespace) -> dict:
         eng.drain()
         engines[name] = eng
         _barrier()
+    # a restart restores with a checkpointer that did not write the checkpoint: so does ours here, as
+    # the --before package does (the one that saved keeps its cache and threads)
+    engines.pop("ours").close()
+    import datastates_megatron
+
+    w = be.Workload(chunks, optimizer, scheduler, root / "ours", io_group)
+    engines["ours"] = OursFrom(w, datastates_megatron, root / "ours", root / "scratch-ours", args.host_cache_gb)
     if args.before:
         pkg = import_before(args.before, root)
-        w = be.Workload(chunks, optimizer, scheduler, root / "ours", io_group)
         engines["ours_before"] = OursFrom(w, pkg, root / "ours", root / "scratch-before", args.host_cache_gb)
     ref = be.snapshot_state(chunks, optimizer)
     ref_params = _full_params(chunks)
