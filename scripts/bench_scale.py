@@ -128,8 +128,13 @@ def measure(fn, *args, **kw) -> Measured:
 
 
 # ---------------------------------------------------------------------------------------------- the checkpoint
-def _meta(rank: int, world: int) -> dict:
-    """The identity metadata of a DP shard: rank ``rank`` holds elements [rank*K, (rank+1)*K)."""
+def _meta(rank: int, world: int, layout: dict | None = None) -> dict:
+    """The identity metadata of a DP shard: rank ``rank`` holds elements [rank*K, (rank+1)*K).
+    With a ``layout`` (``{"tp", "pp", "dp"}``, world = their product, Megatron's rank order: TP
+    fastest, PP slowest), each (TP, PP) position has a parameter of its own, ``w.p{pp}.t{tp}``, of
+    ``dp * K`` elements, of which DP rank ``d`` holds [d*K, (d+1)*K)."""
+    if layout is not None:
+        return _layout_meta(rank, layout)
     shard = {
         "kind": "param_shard",
         "identity": 2,
@@ -154,7 +159,40 @@ def _meta(rank: int, world: int) -> dict:
     return {"model0.buf0.bucket0.param_shard": shard, "opt0.g0.p0.exp_avg": state}
 
 
-def build(root: str, world: int) -> list:
+def _position(rank: int, layout: dict) -> tuple[int, int, int]:
+    """``(tp, pp, dp)`` rank of ``rank`` in ``layout`` (TP fastest, then DP, PP slowest)."""
+    t, rest = rank % layout["tp"], rank // layout["tp"]
+    return t, rest // layout["dp"], rest % layout["dp"]
+
+
+def _layout_meta(rank: int, layout: dict) -> dict:
+    t, p, d = _position(rank, layout)
+    dp, name = layout["dp"], f"w.p{p}.t{t}"
+    shard = {
+        "kind": "param_shard",
+        "identity": 1,
+        "chunk": 0,
+        "buffer": "buf0",
+        "bucket": 0,
+        "dp_rank": d,
+        "dp_size": dp,
+        "params": [[name, [dp * K], "float32", d * K, (d + 1) * K, 0]],
+    }
+    state = {
+        "kind": "optimizer_state",
+        "identity": 1,
+        "chunk": 0,
+        "key": "exp_avg",
+        "param": name,
+        "shape": [dp * K],
+        "dtype": "float32",
+        "start": d * K,
+        "end": (d + 1) * K,
+    }
+    return {"model0.buf0.bucket0.param_shard": shard, "opt0.g0.p0.exp_avg": state}
+
+
+def build(root: str, world: int, layout: dict | None = None) -> list:
     """Write the N rank files of iteration ``ITERATION`` under ``root``; their receipts, by rank."""
     d = iter_dir(root, ITERATION)
     os.makedirs(d, exist_ok=True)
@@ -163,7 +201,7 @@ def build(root: str, world: int) -> list:
     with SnapshotEngine(opts) as eng:
         for rank in range(world):
             eng.clear()
-            for name, meta in _meta(rank, world).items():
+            for name, meta in _meta(rank, world, layout).items():
                 eng.register(name, torch.full((K,), float(rank)), meta=meta)
             name = rank_file_name(rank, TOKEN, 1)
             h = eng.save(ITERATION, os.path.join(d, name), {"rank": rank}, tag=name)
@@ -173,12 +211,12 @@ def build(root: str, world: int) -> list:
 
 
 # ---------------------------------------------------------------------------------------------- commit
-def _summary(rank: int, world: int) -> tuple[bytes, int]:
+def _summary(rank: int, world: int, layout: dict | None = None) -> tuple[bytes, int]:
     """Rank ``rank``'s global-index summary, as its manager makes it from its registrations."""
     from datastates_megatron.engine.format.global_index import encode_summary
     from datastates_megatron.megatron.checkpointing.reshard import index_summary
 
-    metas = _meta(rank, world)
+    metas = _meta(rank, world, layout)
     return encode_summary(index_summary({n: torch.empty(K) for n in metas}, metas))
 
 
@@ -205,12 +243,12 @@ def _status_rows(receipts, summaries) -> list[dict]:
     return rows
 
 
-def _tier(root: str, rank: int, world: int, channel, summary):
+def _tier(root: str, rank: int, world: int, channel, summary, layout: dict | None = None):
     from datastates_megatron.engine.tiers.tier import Tier
 
     tier = Tier("persistent", root, rank=rank, token=TOKEN, writes=list(range(world)) if rank == 0 else [])
     tier.summary = summary
-    tier.open(channel, world, {"dp": world}, 60.0)
+    tier.open(channel, world, dict(layout or {"dp": world}), 60.0)
     return tier
 
 
@@ -222,7 +260,7 @@ def _ticket(receipt):
     return Ticket(ITERATION, 1, done, {}, time.perf_counter(), token=TOKEN)
 
 
-def commit(root: str, world: int, receipts, repeats: int) -> dict:
+def commit(root: str, world: int, receipts, repeats: int, layout: dict | None = None) -> dict:
     """Rank 0's commits of the N files (measured) beside rank 1's (their bytes), each on its own
     committer and store channel over one in-process c10d store; ranks 2..N-1 send their statuses
     through their own channels first (the same call their commit threads make).  The first commit
@@ -235,13 +273,13 @@ def commit(root: str, world: int, receipts, repeats: int) -> dict:
 
     store = dist.HashStore()
     prefix = f"dsm/{TOKEN}/persistent"
-    summaries = [_summary(r, world) for r in range(world)]
+    summaries = [_summary(r, world, layout) for r in range(world)]
     rows = _status_rows(receipts, summaries)
     others = [StoreChannel(store, r, world, prefix, 60.0) for r in range(2, world)]
     for ch in others:
         ch.publish("summary", summaries[ch.rank][0])
     chans = {r: StoreChannel(store, r, world, prefix, 60.0) for r in (0, 1)}
-    tiers = {r: _tier(root, r, world, chans[r], summaries[r]) for r in (0, 1)}
+    tiers = {r: _tier(root, r, world, chans[r], summaries[r], layout) for r in (0, 1)}
     runs = []
     try:
         for _ in range(1 + repeats):
@@ -365,6 +403,116 @@ def reshard(root: str, world: int, new_rank: int) -> tuple[int, int]:
     return len(pairs), stats.files_opened
 
 
+# ---------------------------------------------------------------------------------------------- --reshard FROM TO
+def parse_layout(text: str) -> dict:
+    """``tp4pp8dp512`` -> ``{"tp": 4, "pp": 8, "dp": 512}`` (a part left out is 1)."""
+    import re
+
+    m = re.fullmatch(r"(?:tp(\d+))?(?:pp(\d+))?(?:dp(\d+))?", text.strip().lower())
+    if not m or not any(m.groups()):
+        raise ValueError(f"layout {text!r}: expected e.g. tp4pp8dp512")
+    return {k: int(v or 1) for k, v in zip(("tp", "pp", "dp"), m.groups())}
+
+
+def _name(layout: dict) -> str:
+    return f"tp{layout['tp']}pp{layout['pp']}dp{layout['dp']}"
+
+
+def reshard_layout(root: str, old: dict, new: dict, new_rank: int) -> dict:
+    """Rank ``new_rank`` of layout ``new`` restores its DP shard of its (TP, PP) position's parameter
+    and Adam state from the checkpoint written at ``old`` (the same TP and PP), as a resharding rank
+    does: the manifest (:func:`~datastates_megatron.engine.load.reader.open_checkpoint`), the global
+    index, the rank files its ranges name (checked against their own metadata), then its ranges
+    through the verifying reader.  Returns what it read and opened, and the plan's seconds."""
+    from datastates_megatron.engine.load.load_plan import LoadPlan, ReadItem
+    from datastates_megatron.engine.load.reader import CheckpointReader, open_checkpoint
+    from datastates_megatron.megatron.checkpointing.reshard import CheckpointIndex, plan_by_global_index
+
+    t, p, d = _position(new_rank, new)
+    total = old["dp"] * K
+    start, end = d * total // new["dp"], (d + 1) * total // new["dp"]
+    key = f"w.p{p}.t{t}"
+    dst = {what: torch.empty(end - start) for what in ("param", "exp_avg")}
+
+    def plan(index):
+        return [(r, dst[what][at : at + r.count]) for what in dst for r, at in index.ranges((0, key, what), start, end)]
+
+    r0 = _rchar()
+    t0 = time.perf_counter()
+    ckpt, manifest = open_checkpoint(root, ITERATION)
+    manifest_bytes = _rchar() - r0
+    with CheckpointReader(ckpt, manifest, rank=new_rank, verify=True, threads=1) as reader:
+        planned = plan_by_global_index(reader, plan, new_rank)
+        pairs = planned[0] if planned is not None else plan(CheckpointIndex.from_reader(reader))
+        reader.objects(min(new_rank, manifest.world_size - 1))
+        plan_s = time.perf_counter() - t0
+        meta_read = _rchar() - r0  # manifest, index and the opened files' headers (read calls)
+        mapped = sum(  # their index and objects sections come through the mapping: not in rchar
+            reader.rank_file(r).header.index_bytes + reader.rank_file(r).header.objects_bytes for r in reader.opened
+        )
+        stats = reader.execute(LoadPlan("reshard", tuple(ReadItem(r, dst_) for r, dst_ in pairs)))
+    old_rank = [t + old["tp"] * (e // K + old["dp"] * p) for e in range(start, end)]
+    if not torch.equal(dst["param"], torch.tensor(old_rank, dtype=torch.float32)):
+        raise RuntimeError("resharded values differ from what was saved")
+    return {
+        "manifest_bytes": manifest_bytes,
+        "metadata_bytes": meta_read + mapped,
+        "files_opened": stats.files_opened,
+        "plan_s": plan_s,
+        "index_used": planned is not None,
+    }
+
+
+def run_reshard(old: dict, new: dict, base: str) -> dict:
+    """Build a checkpoint at layout ``old`` (files, manifest, global index: one commit), then one
+    rank of ``new`` reshards from it; figures of that rank."""
+    if (old["tp"], old["pp"]) != (new["tp"], new["pp"]):
+        raise SystemExit(f"--reshard {_name(old)} {_name(new)}: this harness's model changes DP only (same TP and PP)")
+    world = old["tp"] * old["pp"] * old["dp"]
+    root = tempfile.mkdtemp(prefix=f"bench-scale-reshard-{world}-", dir=base)
+    try:
+        t0 = time.perf_counter()
+        receipts = build(root, world, old)
+        commit(root, world, receipts, 1, old)  # the first commit writes the index; one more, as at a restart
+        build_s = time.perf_counter() - t0
+        new_world = new["tp"] * new["pp"] * new["dp"]
+        new_rank = new_world // 2 + 1 if new_world > 2 else 0  # in the middle: neither end is special
+        m = measure(reshard_layout, root, old, new, new_rank)
+        ckpt = iter_dir(root, ITERATION)
+        doc = {
+            "from": _name(old),
+            "to": _name(new),
+            "ranks_from": world,
+            "ranks_to": new_world,
+            "rank": new_rank,
+            "build_s": build_s,
+            "manifest_file_bytes": os.path.getsize(os.path.join(ckpt, "manifest.json")),
+            "index_file_bytes": sum(
+                os.path.getsize(os.path.join(ckpt, f)) for f in os.listdir(ckpt) if f.startswith("global_index")
+            ),
+            "seconds": m.seconds,
+            "max_open_files": m.max_open_files,
+            "peak_mb": m.peak_mb,
+            "error": m.error,
+            **(m.value or {}),
+        }
+        return doc
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def _reshard_table(doc: dict) -> str:
+    if doc["error"]:
+        return f"reshard {doc['from']} -> {doc['to']}: FAILED: {doc['error']}"
+    return (
+        f"reshard {doc['from']} ({doc['ranks_from']:,} ranks) -> {doc['to']} ({doc['ranks_to']:,}), rank "
+        f"{doc['rank']}: metadata read {doc['metadata_bytes']:,} bytes (manifest {doc['manifest_bytes']:,} of "
+        f"{doc['manifest_file_bytes']:,}; global index file {doc['index_file_bytes']:,}); files open at once "
+        f"{doc['max_open_files']} (rank files opened {doc['files_opened']}); plan {doc['plan_s']:.3f} s, whole "
+        f"load {doc['seconds']:.3f} s; global index used: {doc['index_used']}; peak {doc['peak_mb']:.0f} MB"
+    )
+
+
 # ---------------------------------------------------------------------------------------------- one N
 def run(world: int, base: str, repeats: int = 3) -> dict:
     from datastates_megatron import cli
@@ -452,6 +600,13 @@ def main(argv=None) -> int:
     p.add_argument("--repeats", type=int, default=3, help="commits per N; the median is reported")
     p.add_argument("--nofile", type=int, help="run under this limit of open files (RLIMIT_NOFILE)")
     p.add_argument("--json", action="store_true", help="one JSON object per N, one per line")
+    p.add_argument(
+        "--reshard",
+        nargs=2,
+        metavar=("FROM", "TO"),
+        help="instead: a checkpoint at layout FROM (e.g. tp4pp8dp512), one rank of layout TO (e.g. "
+        "tp4pp8dp504) resharding from it: metadata bytes it reads, files open at once, its plan's seconds",
+    )
     a = p.parse_args(argv)
     if a.nofile:
         import resource
@@ -461,6 +616,14 @@ def main(argv=None) -> int:
 
     if not a.json:
         print(f"datastates_megatron from {os.path.dirname(datastates_megatron.__file__)}; building in {a.dir}")
+    if a.reshard:
+        try:
+            old, new = (parse_layout(x) for x in a.reshard)
+        except ValueError as e:
+            p.error(str(e))
+        doc = run_reshard(old, new, a.dir)
+        print(json.dumps(doc, sort_keys=True) if a.json else _reshard_table(doc), flush=True)
+        return 1 if doc["error"] else 0
     for n in (int(x) for x in a.ranks.split(",")):
         doc = run(n, a.dir, a.repeats)
         print(json.dumps(doc, sort_keys=True) if a.json else _table(doc), flush=True)

@@ -42,3 +42,27 @@ def test_bench_scale_at_1k_ranks_within_the_bounds(tmp_path):
     assert 0 < doc["verify_max_open_files"] <= 64
     assert doc["peak_mb"] <= 1024
     assert os.listdir(tmp_path) == []  # the harness removes what it built
+
+
+def test_bench_scale_reshard_of_a_dp_change_under_tp_and_pp_reports_what_one_rank_reads(tmp_path):
+    """``--reshard tp2pp2dp64 tp2pp2dp60``: one new rank reads the manifest, the index and the few old
+    rank files its range names (its values are checked by the harness), and the figures of the issue
+    (metadata bytes, files open at once, the plan's seconds) are printed."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p))
+    cmd = [sys.executable, str(SCRIPT), "--reshard", "tp2pp2dp64", "tp2pp2dp60", "--dir", str(tmp_path), "--json"]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-4000:]
+    doc = json.loads(done.stdout.strip().splitlines()[-1])
+    assert doc["error"] is None and doc["ranks_from"] == 256 and doc["ranks_to"] == 240
+    assert doc["index_used"] is True and 1 <= doc["files_opened"] <= 4  # its 2 shards' files, its objects'
+    # the whole manifest is read today (the issue's target is a part of it), and the old files' metadata
+    assert doc["manifest_bytes"] >= doc["manifest_file_bytes"] and doc["metadata_bytes"] > doc["manifest_bytes"]
+    assert doc["plan_s"] > 0 and 0 <= doc["max_open_files"] <= 64
+    assert os.listdir(tmp_path) == []
+
+
+def test_bench_scale_reshard_refuses_a_tp_change(tmp_path):
+    cmd = [sys.executable, str(SCRIPT), "--reshard", "tp2dp4", "tp1dp8", "--dir", str(tmp_path)]
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0 and "changes DP only" in done.stderr

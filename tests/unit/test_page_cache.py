@@ -76,8 +76,10 @@ def test_restore_of_a_cold_file_reads_ahead_and_restores_the_saved_values(tmp_pa
     targets = {name: torch.zeros_like(t) for name, t in state.items()}
     stats = _restore(root, targets)
     assert stats.read_ahead_s > 0 and stats.bytes == sum(t.numel() * 4 for t in state.values())
+    assert stats.read_bytes == os.path.getsize(path)  # the whole file, once, counted for the profile
     assert all(torch.equal(targets[n], state[n]) for n in state)
-    assert _restore(root, targets).read_ahead_s == 0.0  # now resident: no second read
+    again = _restore(root, targets)
+    assert again.read_ahead_s == 0.0 and again.read_bytes == 0  # now resident: no second read
 
 
 def test_read_range_stops_at_the_end_of_the_file(tmp_path):

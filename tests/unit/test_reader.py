@@ -189,3 +189,40 @@ def test_open_rank_says_what_kind_of_file_it_refuses(ckpt, tmp_path):
     # across ranks only the message travels: the class arrives, its kind says "file"
     again = make_error(error_class_named("RankFileError"), "x: rank 0 file is missing")
     assert isinstance(again, RankFileError) and isinstance(again, CorruptCheckpointError) and again.kind == "file"
+
+
+def _whole(manifest):
+    """A plan that reads every tensor whole (the file is read ahead, then verified, then copied)."""
+    return SameLayoutPlanner(
+        {"w": torch.zeros(10_000), "b": torch.zeros(7, dtype=torch.bfloat16)}, 1, dict(manifest.layout)
+    )
+
+
+def test_a_corrupt_chunk_of_a_file_read_whole_is_refused_before_any_copy(ckpt):
+    d, m = ckpt
+    with CheckpointReader(d, m) as reader:
+        offset = reader.entry(0, "w").offset + 7 * 4096 + 1
+    flip(f"{d}/{m.ranks[0].file}", offset, 1)
+    planner, agree = _whole(m), _Agreement()
+    with CheckpointReader(d, m, threads=2) as reader:
+        with pytest.raises(CorruptCheckpointError, match=r"checksum mismatch in tensor 'w' \(chunk 7,"):
+            reader.load(planner, agree)
+    assert len(agree.calls) == 1 and not planner.targets["w"].any() and not planner.targets["b"].any()
+
+
+def test_a_load_reports_its_plan_and_agreement_phases(ckpt):
+    d, m = ckpt
+    planner, agree = _whole(m), _Agreement()
+    with CheckpointReader(d, m) as reader:
+        _, stats = reader.load(planner, agree)
+    assert torch.equal(planner.targets["w"], W) and torch.equal(planner.targets["b"], B)
+    assert stats.plan_s > 0 and stats.agree_s >= 0 and agree.calls == [None]
+    assert stats.verified_bytes == stats.bytes == 40_000 + 14
+
+
+def test_a_strided_destination_is_copied(ckpt):
+    d, m = ckpt
+    strided = torch.zeros(10_000, 2)[:, 0]
+    with CheckpointReader(d, m) as reader:
+        reader.execute(_plan(("w", 0, 10_000, strided, "strided")))
+    assert torch.equal(strided, W)

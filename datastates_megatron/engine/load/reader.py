@@ -54,6 +54,9 @@ class RestoreStats:
     verify_s: float = 0.0
     copy_s: float = 0.0
     read_ahead_s: float = 0.0  # 0 when the files were resident already
+    read_bytes: int = 0  # bytes the read-ahead read from storage (0: resident already)
+    plan_s: float = 0.0  # making and validating the plan (opens the files it names)
+    agree_s: float = 0.0  # the cross-rank agreement (waits for the slowest rank)
     files_opened: int = 0  # rank files the reader opened (a reshard with a global index: only those it reads)
 
 
@@ -326,18 +329,19 @@ class CheckpointReader:
             if dst.numel() != r.count:
                 raise LayoutMismatchError(f"{what}: {r.count} elements go to {to} of {dst.numel()}")
 
-    def _warm(self, plan: LoadPlan, pool: cf.Executor) -> bool:
+    def _warm(self, plan: LoadPlan, pool: cf.Executor) -> int:
         """Read into the page cache each file the plan reads at least half of (one sequential pass
-        beats page faults); a file the plan reads a little of is left to the faults."""
+        beats page faults); a file the plan reads a little of is left to the faults.  Returns the
+        bytes read."""
         wanted: dict[int, int] = {}
         for item in plan.items:
             e = self.entry(item.source.rank, item.source.tensor)
             wanted[item.source.rank] = wanted.get(item.source.rank, 0) + item.source.count * e.dtype.itemsize
-        warmed = False
+        warmed = 0
         for rank, nbytes in sorted(wanted.items()):
             with self._mapped(rank) as rf:
-                if 2 * nbytes >= rf.header.data_bytes:
-                    warmed = warm_file(rf.path, rf.fileno(), pool, self.threads) or warmed
+                if 2 * nbytes >= rf.header.data_bytes and warm_file(rf.path, rf.fileno(), pool, self.threads):
+                    warmed += rf.header.file_bytes
         return warmed
 
     def load(self, planner: LoadPlanner, agree=None) -> tuple[LoadPlan, RestoreStats]:
@@ -353,17 +357,22 @@ class CheckpointReader:
             error: BaseException | None = None
             plan = None
             try:
+                t0 = time.perf_counter()
                 plan = planner.plan(self)
                 self.validate(plan)
+                stats.plan_s = time.perf_counter() - t0
                 t0 = time.perf_counter()
-                if self._warm(plan, pool):
+                stats.read_bytes = self._warm(plan, pool)
+                if stats.read_bytes:
                     stats.read_ahead_s = time.perf_counter() - t0
                 t0 = time.perf_counter()
                 stats.verified_bytes = self.verify([it.source for it in plan.items], pool)
                 stats.verify_s = time.perf_counter() - t0
             except Exception as e:  # noqa: BLE001 - every rank must hear it (an OSError too), not only this one
                 error = e
+            t0 = time.perf_counter()
             agree(error)
+            stats.agree_s = time.perf_counter() - t0
             if error is not None:  # an agreement that does not raise on the failed rank: still never copy
                 raise error
             t0 = time.perf_counter()
