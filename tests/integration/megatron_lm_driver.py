@@ -289,8 +289,9 @@ def route_or_glue(mode, tmp, out):
                 )
                 self.pending = []
                 self.on_commit = []  # the glue hangs Megatron's commit logging here
+                self.skipped = (0, 0)  # LazyCheckpointer.skipped: nothing is skipped here
 
-            def save(self, iteration, extra_state=None):
+            def save(self, iteration, extra_state=None, *, final=False):
                 encode_objects({"extra_state": extra_state})
                 store[iteration] = extra_state
                 self.pending.append(iteration)

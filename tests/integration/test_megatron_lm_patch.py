@@ -62,9 +62,12 @@ class RecordingCheckpointer:
         self.on_commit: list = []  # LazyCheckpointer's telemetry callbacks (the glue adds one)
         RecordingCheckpointer.instances.append(self)
 
-    def save(self, iteration, extra_state=None):
+    skipped = (0, 0)  # LazyCheckpointer.skipped: (saves skipped, checkpoints abandoned); nothing is skipped here
+
+    def save(self, iteration, extra_state=None, *, final=False):
         encode_objects({"extra_state": extra_state})  # what LazyCheckpointer.save stores: no pickle
         self.calls.append(("save", iteration))
+        self.finals = [*getattr(self, "finals", []), iteration] if final else getattr(self, "finals", [])
         self.pending.append(iteration)
         RecordingCheckpointer.store[iteration] = extra_state
 
@@ -416,6 +419,7 @@ def test_parse_args_takes_the_lazy_ckpt_flags(driven):
         replication_jump=None,
         promote_slots=2,
         promote_mbps=0.0,
+        when_behind="skip",
     )
     errors = out["errors"]
     assert "--lazy-ckpt requires --save" in errors["no_save"]
