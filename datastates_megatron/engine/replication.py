@@ -36,11 +36,11 @@ from .collective import Collective
 from .errors import CheckpointError, CorruptCheckpointError, OptionsError
 from .faults import crash_point
 from .file_format import FileReceipt, RankFile
-from .manifest import Manifest, iter_dir, parse_rank_file_name, read_manifest, rank_file_name, save_id, write_manifest
+from .manifest import Manifest, iter_dir, parse_rank_file_name, read_manifest, rank_file_name, write_manifest
 from .names import PROMOTING_SUFFIX
 from .retention import delete_checkpoint, remove_ours, select_deletions, unlink_ours
 from .safe_io import create_temp, make_dir, real_dir
-from .tier import Tier, list_iterations, survey
+from .tier import Tier, committed_saves, list_iterations, survey
 from .writer import fsync_dir
 
 __all__ = ["Replication", "clique_of", "replication_plan", "REPLICAS_DIR", "ReplicaStats"]
@@ -282,7 +282,7 @@ class Replication:
         ``local``: this rank's node-local checkpoints (they need no replica)."""
         mine = []
         for src, store in self._stores.items():
-            for it, (token, seq, ms) in _saves(store).items():
+            for it, (token, seq, ms) in committed_saves(store.root, store.run_id, src).items():
                 mine.append({"src": src, "iteration": it, "token": token, "seq": seq, "ms": ms})
         rows = self._coll.gather_many(mine[-64:], fields=("src", "iteration", "token", "seq", "ms"), capacity=64)
         table: dict = {}
@@ -396,18 +396,6 @@ def _store_rank(name: str) -> int | None:
     """The source rank of a replica directory name ``r<rank, 5+ digits>``, else None (not ours)."""
     digits = name[1:]
     return int(digits) if name.startswith("r") and len(digits) >= 5 and digits.isascii() and digits.isdigit() else None
-
-
-def _saves(store: Tier) -> dict[int, tuple[int, int, int]]:
-    """``{iteration: (token as an int, seq, commit time in ms)}`` of the committed replicas in ``store``."""
-    out = {}
-    for it, m in sorted(survey(store.root).committed.items()):
-        if m.run_id != store.run_id or len(m.ranks) != 1:
-            continue
-        save = save_id(m.ranks[0].file)
-        if save is not None:
-            out[it] = (*save, int(m.created * 1000))
-    return out
 
 
 class _ReplicaReceiver:

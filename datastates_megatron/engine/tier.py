@@ -41,6 +41,7 @@ from .manifest import (
     parse_rank_file_name,
     rank_file_name,
     read_manifest,
+    save_id,
 )
 from .global_index import INDEX_NAME
 from .names import is_ours_in_iteration
@@ -65,6 +66,7 @@ __all__ = [
     "committed_iterations",
     "latest_committed",
     "latest_to_resume",
+    "committed_saves",
     "report_other_runs",
 ]
 
@@ -260,17 +262,34 @@ def latest_committed(root: str) -> int:
     return survey(root).latest()
 
 
-def latest_to_resume(root: str, *, warn: bool = False) -> int:
+def latest_to_resume(root: str, *, warn: bool = False, found: Survey | None = None) -> int:
     """The latest committed iteration under ``root`` -- refusing (``ForeignCheckpointError``) when a
     checkpoint we did not write there is newer: resuming would silently skip it.  ``warn``: log the
-    older ones (left alone)."""
+    older ones (left alone).  ``found``: the survey of ``root`` already made."""
     try:
-        latest = latest_committed(root)
+        latest = (found or survey(root)).latest()
     except NoCheckpointError:
         refuse_newer_foreign(root, None, option="--load", warn=False)
         raise
     refuse_newer_foreign(root, latest, option="--load", warn=warn)
     return latest
+
+
+def committed_saves(root: str, run_id: str, rank: int) -> dict[int, tuple[int, int, int]]:
+    """``{iteration: (run token as an int, save sequence, commit time in ms)}`` of the checkpoints
+    committed under ``root`` by run ``run_id`` that list ``rank``'s file: what a restart can restore
+    from this directory (a node-local tier, or a replica store).  The commit time orders commits
+    across runs and rollbacks.  A checkpoint of another run (copied in) is named and skipped."""
+    out = {}
+    for it, m in sorted(survey(root).committed.items()):
+        if m.run_id != run_id:
+            log.warning("rank %d: %s belongs to run %r, not this run; not loaded", rank, iter_dir(root, it), m.run_id)
+            continue
+        rec = m.record(rank)
+        save = save_id(rec.file) if rec is not None else None
+        if save is not None:
+            out[it] = (*save, int(m.created * 1000))
+    return out
 
 
 def report_other_runs(local_base: str, run_id: str) -> list[str]:
