@@ -177,10 +177,6 @@ def validate_lazy_ckpt_args(args: argparse.Namespace, argv: Sequence[str] | None
         ]
         if same:
             problems.append(f"--lazy-ckpt-convert-to must be another directory than {' and '.join(same)}")
-    if _value(args, _BY_FIELD["local_dir"]) is None:
-        for opt in _FLAGGED:
-            if opt.local_tier and _value(args, opt) != opt.default:
-                problems.append(f"{opt.flag} only applies to a local tier: it requires --lazy-ckpt-local-dir")
     cause = None
     if not mapping:  # the config would repeat the mapping's problems
         try:
