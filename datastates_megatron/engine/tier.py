@@ -168,15 +168,15 @@ def list_iterations(root: str) -> list[int]:
     return sorted(it for n in names if (it := iteration_of(n)) is not None and os.path.isdir(os.path.join(root, n)))
 
 
-def survey(root: str, known: dict | None = None) -> Survey:
+def survey(root: str) -> Survey:
     """The one answer to "what is committed, ours, not ours" in the tier directory ``root``.
     Incremental: a manifest whose file is unchanged since it was last read here (same inode,
     size, mtime and ctime; :class:`_ManifestCache`) is not read again -- retention surveys the
-    directory at every commit."""
+    directory at every commit -- nor one this process wrote itself (:meth:`Tier.manifest_written`)."""
     iterations = list_iterations(root)
     committed, damaged = {}, {}
     for it in iterations:
-        got = _MANIFESTS.read(iter_dir(root, it), known)
+        got = _MANIFESTS.read(iter_dir(root, it))
         if isinstance(got, Manifest):
             committed[it] = got
         elif got is not None:
@@ -208,20 +208,13 @@ class _ManifestCache:
         self._lock = threading.Lock()
         self._entries: dict[str, tuple[tuple, object]] = {}
 
-    def read(self, ckpt_dir: str, known: dict | None = None) -> Manifest | CheckpointError | None:
+    def read(self, ckpt_dir: str) -> Manifest | CheckpointError | None:
         """The manifest of ``ckpt_dir``; its error (detached) when damaged or unreadable; ``None``
-        when there is none (not committed).  ``known``: ``{manifest path: (lstat key, Manifest)}``
-        the caller wrote itself (:meth:`Tier.manifest_written`), used while the key matches."""
+        when there is none (not committed)."""
         path = os.path.join(ckpt_dir, MANIFEST_NAME)
         key = None
         if real_dir(ckpt_dir):  # never through a linked directory: read_manifest refuses that itself
-            try:
-                st = os.lstat(path)
-                key = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_mode)
-            except OSError:
-                key = None
-        if key is not None and known and path in known and known[path][0] == key:
-            return known[path][1]
+            key = _key(path)
         if key is not None:
             with self._lock:
                 hit = self._entries.get(path)
@@ -234,12 +227,24 @@ class _ManifestCache:
         except CheckpointError as e:  # damaged, or not ours to read (permission)
             got = _detached(e)
         if key is not None and time.time_ns() - max(key[3], key[4]) > self._RACY_NS:
-            with self._lock:
-                self._entries.pop(path, None)
-                self._entries[path] = (key, got)
-                while len(self._entries) > self._MAX:
-                    self._entries.pop(next(iter(self._entries)))
+            self._put(path, key, got)
         return got
+
+    def remember(self, ckpt_dir: str, manifest: Manifest) -> None:
+        """``manifest`` is what this process just wrote in ``ckpt_dir`` (a commit's writer): no
+        survey need read it back (14 MB at 64k ranks), racy window or not -- it replaced the old one
+        by a rename, so any later change of ours is a new inode (a new key)."""
+        path = os.path.join(ckpt_dir, MANIFEST_NAME)
+        key = _key(path)
+        if key is not None:
+            self._put(path, key, manifest)
+
+    def _put(self, path: str, key: tuple, got) -> None:
+        with self._lock:
+            self._entries.pop(path, None)
+            self._entries[path] = (key, got)
+            while len(self._entries) > self._MAX:
+                self._entries.pop(next(iter(self._entries)))
 
     def keep_only(self, root: str, ckpt_dirs: list[str]) -> None:
         """Forget the manifests under ``root`` outside ``ckpt_dirs`` (deleted by retention, say): the
@@ -251,7 +256,16 @@ class _ManifestCache:
                 del self._entries[path]
 
 
-_MANIFESTS = _ManifestCache()
+def _key(path: str) -> tuple | None:
+    """The cache key of the file at ``path`` (its ``lstat``), ``None`` when there is none."""
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return None
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_mode)
+
+
+_MANIFESTS = _ManifestCache()  # the process's one manifest cache
 
 
 def committed_iterations(root: str) -> list[int]:
@@ -358,8 +372,7 @@ class Tier:
         # manager; its commits send it (once per change) for the checkpoint's global index
         self.summary: tuple[bytes, int] | None = None
         self._deleter: Deleter | None = None  # the writer's retention thread (:meth:`_deletions`)
-        self._deleter_lock = threading.Lock()  # also guards _written
-        self._written: dict[str, tuple[tuple, Manifest]] = {}  # the manifests this writer wrote last
+        self._deleter_lock = threading.Lock()
         self._next_seq = 0
 
     @property
@@ -466,20 +479,9 @@ class Tier:
             callback(ticket)
 
     def manifest_written(self, manifest: Manifest) -> None:
-        """The commit thread wrote ``manifest`` (the writer): this tier's retention need not read it
-        back (14 MB at 64k ranks), racy window or not -- it replaced the old one by a rename, so any
-        later change of ours is a new inode.  Only this tier's own surveys use it; the newest few."""
-        path = os.path.join(iter_dir(self.root, manifest.iteration), MANIFEST_NAME)
-        try:
-            st = os.lstat(path)
-        except OSError:
-            return
-        key = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_mode)
-        with self._deleter_lock:
-            self._written.pop(path, None)
-            self._written[path] = (key, manifest)
-            while len(self._written) > 4:
-                self._written.pop(next(iter(self._written)))
+        """The commit thread wrote ``manifest`` (the writer): no survey reads it back (the process's
+        one manifest cache, :meth:`_ManifestCache.remember`)."""
+        _MANIFESTS.remember(iter_dir(self.root, manifest.iteration), manifest)
 
     def _deletions(self) -> Deleter:
         """The writer's deleter, started on first use (a tier that never commits starts no thread)."""
@@ -514,9 +516,7 @@ class Tier:
         for _, keep in self._followers:  # still being copied elsewhere (the next tier, partners)
             if keep is not None:
                 protected |= keep()
-        with self._deleter_lock:
-            known = dict(self._written)
-        found = survey(self.root, known)  # what this writer wrote itself is not read back
+        found = survey(self.root)  # what this writer wrote itself is not read back
         for it in select_deletions(found.order, self.keep_last, self.keep_every, protected):
             crash_point("retention", self.rank)
             try:
