@@ -11,6 +11,11 @@ record, all N in one store call (:meth:`.store_channel.StoreChannel.scatter`).  
 rank.  An error on rank 0 (no checkpoint, a damaged manifest, another layout) reaches every rank
 as the same exception class and message.
 
+The same round is also the restore decision (:meth:`.manager.CheckpointManager.choose`): every
+rank's small fixed record (its restore candidates) is gathered to rank 0 first, which decides from
+them and from its one survey of the tier which checkpoint to read, and every rank receives the
+decision with its record -- one gather, one broadcast, one scatter.
+
 Collective over its channel (every rank calls it once per resolve).  Thread-safety: the caller's
 thread; the channel is this step's own.
 """
