@@ -27,8 +27,8 @@ from ._version import __version__
 from .engine.errors import CheckpointError, CorruptCheckpointError, FormatVersionError, NoCheckpointError
 
 if TYPE_CHECKING:
-    from .engine.file_format import RankFile
-    from .engine.manifest import Manifest
+    from .engine.format.file_format import RankFile
+    from .engine.format.manifest import Manifest
 
 # ``--help`` and argument errors import nothing heavy (no torch, numpy or numba): the engine modules that
 # read checkpoints are imported by the subcommand functions that use them.
@@ -140,8 +140,8 @@ def _objects_summary(objects) -> dict[str, str]:
 
 
 def _load_manifest(ckpt: str) -> Manifest:
-    from .engine.manifest import MANIFEST_NAME, read_manifest
-    from .engine.tier import list_iterations
+    from .engine.format.manifest import MANIFEST_NAME, read_manifest
+    from .engine.tiers.tier import list_iterations
 
     try:
         is_dir = stat.S_ISDIR(os.stat(ckpt).st_mode)
@@ -150,7 +150,7 @@ def _load_manifest(ckpt: str) -> Manifest:
     except PermissionError as e:
         raise NoCheckpointError(f"{ckpt}: permission denied ({e.strerror}): cannot look into it") from None
     except OSError as e:  # ENAMETOOLONG, ELOOP: not "no such checkpoint"
-        from .engine.safe_io import os_error_text
+        from .engine.fs.safe_io import os_error_text
 
         raise NoCheckpointError(f"{ckpt}: cannot look into it: {os_error_text(e)}") from None
     if not is_dir:
@@ -175,8 +175,8 @@ def _load_manifest(ckpt: str) -> Manifest:
 def _retention_hint(ckpt: str) -> str:
     """When ``ckpt`` is an ``iter_*`` older than the newest checkpoint committed beside it, it was most
     likely removed by the trainer's retention after it was listed (a reader racing a saving run)."""
-    from .engine.manifest import iteration_of
-    from .engine.tier import latest_committed
+    from .engine.format.manifest import iteration_of
+    from .engine.tiers.tier import latest_committed
 
     iteration = iteration_of(ckpt)
     try:
@@ -209,16 +209,16 @@ def _select_ranks(ckpt: str, m: Manifest, rank: int | None) -> list:
 # ---------------------------------------------------------------------------------------------- ls
 def list_checkpoints(save_dir: str) -> dict:
     """Every ``iter_*`` directory of ``save_dir`` with its state; the ``ls --json`` document."""
-    from .engine.foreign import find_foreign
-    from .engine.manifest import TRACKER_NAME, iter_dir, parse_tracker, read_manifest, read_tracker_text
-    from .engine.tier import latest_committed, list_iterations
+    from .engine.tiers.foreign import find_foreign
+    from .engine.format.manifest import TRACKER_NAME, iter_dir, parse_tracker, read_manifest, read_tracker_text
+    from .engine.tiers.tier import latest_committed, list_iterations
 
     try:
         is_dir = stat.S_ISDIR(os.stat(save_dir).st_mode)
     except FileNotFoundError:
         raise NoCheckpointError(f"{save_dir}: no such directory") from None
     except OSError as e:  # ENAMETOOLONG, EACCES, ELOOP: the directory may well exist
-        from .engine.safe_io import os_error_text
+        from .engine.fs.safe_io import os_error_text
 
         raise NoCheckpointError(f"{save_dir}: cannot look into it: {os_error_text(e)}") from None
     if not is_dir:
@@ -380,7 +380,7 @@ _SUMMARY_KEYS = ("tensor_count", "tensor_bytes", "chunk_bytes", "dtypes", "objec
 
 def inspect_checkpoint(ckpt: str, rank: int | None = None, list_tensors: bool = False) -> dict:
     """Manifest and per-rank contents of one checkpoint directory; the ``inspect --json`` document."""
-    from .engine.reader import open_rank
+    from .engine.load.reader import open_rank
 
     ckpt = os.path.abspath(ckpt)
     m = _load_manifest(ckpt)
@@ -558,7 +558,7 @@ def verify_checkpoint(
     ``progress``: False, True (a bar) or seconds between progress lines (a log)."""
     import numpy as np
 
-    from .engine.hashing import xxh64
+    from .engine.format.hashing import xxh64
 
     ckpt = os.path.abspath(ckpt)
     m = _load_manifest(ckpt)
@@ -613,8 +613,8 @@ def verify_checkpoint(
 
 def _open_checked(ckpt: str, m: Manifest, records: list, fail) -> list[tuple]:
     """Open and check (against the manifest) the files of ``records``; ``fail`` for each unusable one."""
-    from .engine.reader import open_rank
-    from .engine.safe_io import describe
+    from .engine.load.reader import open_rank
+    from .engine.fs.safe_io import describe
 
     opened: list[tuple] = []
     for rec in records:

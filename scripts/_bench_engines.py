@@ -682,7 +682,7 @@ class LazyLocalEngine(LazyEngine):
     def last_dir(self) -> Path | None:
         if self.last_iteration is None:
             return None
-        from datastates_megatron.engine.run_id import local_tier_dir
+        from datastates_megatron.engine.tiers.run_id import local_tier_dir
 
         nodes = sorted(p for p in self._local.iterdir() if p.is_dir()) if self._local.is_dir() else []
         run_dir = local_tier_dir(str(nodes[0]), str(self.w.root)) if nodes else None
@@ -722,7 +722,7 @@ class LazyReplicatedEngine(LazyLocalEngine):
         return {**super()._tier_options(w, opts), "replicas": 1}
 
     def drain(self) -> None:
-        from datastates_megatron.engine.tier import committed_iterations
+        from datastates_megatron.engine.tiers.tier import committed_iterations
 
         self._ckpt.wait(persist=True)  # the interval's promotions, not yet the end-of-run one
         persisted = committed_iterations(str(self.w.root)) if self.w.rank == 0 else []

@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 from datastates_megatron.engine import EngineOptions, SnapshotEngine
-from datastates_megatron.engine import hashing
+from datastates_megatron.engine.format import hashing
 
 MB = 1 << 20
 

@@ -34,8 +34,8 @@ from bench_engine import MB, gbps, machine_info, make_out_dir, make_tensors, ren
 
 from datastates_megatron.engine import EngineOptions  # noqa: E402
 from datastates_megatron.engine.manager import CheckpointManager  # noqa: E402
-from datastates_megatron.engine.manifest import MANIFEST_NAME, iter_dir, read_manifest  # noqa: E402
-from datastates_megatron.engine.page_cache import resident_fraction  # noqa: E402
+from datastates_megatron.engine.format.manifest import MANIFEST_NAME, iter_dir, read_manifest  # noqa: E402
+from datastates_megatron.engine.fs.page_cache import resident_fraction  # noqa: E402
 
 ITERATION = 100
 READ_CHUNK = 16 * MB

@@ -8,8 +8,8 @@ at N ranks, in one process, on an N-rank checkpoint of tiny real rank files.
 For each N it writes N tiny rank files (two fp32 tensors each, with the global-identity metadata a
 Megatron DP shard carries) with the snapshot engine, then runs, each on the real code path:
 
-* ``commit``: rank 0's commit of the N files (:class:`~datastates_megatron.engine.commit.Committer`),
-  beside rank 1's, each over its own :class:`~datastates_megatron.engine.store_channel.StoreChannel`
+* ``commit``: rank 0's commit of the N files (:class:`~datastates_megatron.engine.tiers.commit.Committer`),
+  beside rank 1's, each over its own :class:`~datastates_megatron.engine.dist.store_channel.StoreChannel`
   on one in-process c10d store (``HashStore``, standing for the job's ``TCPStore``); the channels
   count the bytes each rank sends and receives.  Ranks 2..N-1 send their statuses (made from their
   files' receipts) through their own channels.  Also the calls that N ranks starting a save make
@@ -46,7 +46,7 @@ import time
 import torch
 
 from datastates_megatron.engine import EngineOptions, SnapshotEngine
-from datastates_megatron.engine.manifest import iter_dir, rank_file_name
+from datastates_megatron.engine.format.manifest import iter_dir, rank_file_name
 
 ITERATION = 100
 TOKEN = "0123456789abcdef"
@@ -175,7 +175,7 @@ def build(root: str, world: int) -> list:
 # ---------------------------------------------------------------------------------------------- commit
 def _summary(rank: int, world: int) -> tuple[bytes, int]:
     """Rank ``rank``'s global-index summary, as its manager makes it from its registrations."""
-    from datastates_megatron.engine.global_index import encode_summary
+    from datastates_megatron.engine.format.global_index import encode_summary
     from datastates_megatron.megatron.checkpointing.reshard import index_summary
 
     metas = _meta(rank, world)
@@ -184,7 +184,7 @@ def _summary(rank: int, world: int) -> tuple[bytes, int]:
 
 def _status_rows(receipts, summaries) -> list[dict]:
     """Every rank's status of the save, as its commit thread sends it (from its file's receipt)."""
-    from datastates_megatron.engine.commit import _STATUS, _to_i64
+    from datastates_megatron.engine.tiers.commit import _STATUS, _to_i64
 
     rows = []
     for r, (_, h) in zip(receipts, summaries):
@@ -206,7 +206,7 @@ def _status_rows(receipts, summaries) -> list[dict]:
 
 
 def _tier(root: str, rank: int, world: int, channel, summary):
-    from datastates_megatron.engine.tier import Tier
+    from datastates_megatron.engine.tiers.tier import Tier
 
     tier = Tier("persistent", root, rank=rank, token=TOKEN, writes=list(range(world)) if rank == 0 else [])
     tier.summary = summary
@@ -215,7 +215,7 @@ def _tier(root: str, rank: int, world: int, channel, summary):
 
 
 def _ticket(receipt):
-    from datastates_megatron.engine.commit import Ticket
+    from datastates_megatron.engine.tiers.commit import Ticket
 
     done: cf.Future = cf.Future()
     done.set_result(receipt)
@@ -230,8 +230,8 @@ def commit(root: str, world: int, receipts, repeats: int) -> dict:
     of the same save (a rank's summary is not sent again), timed alike."""
     import torch.distributed as dist
 
-    from datastates_megatron.engine.commit import _STATUS
-    from datastates_megatron.engine.store_channel import StoreChannel
+    from datastates_megatron.engine.tiers.commit import _STATUS
+    from datastates_megatron.engine.dist.store_channel import StoreChannel
 
     store = dist.HashStore()
     prefix = f"dsm/{TOKEN}/persistent"
@@ -290,7 +290,7 @@ def commit(root: str, world: int, receipts, repeats: int) -> dict:
 def mkdirs(root: str, world: int) -> tuple[int, int]:
     """``(mkdir, lstat)`` calls made when N ranks start a save into a new iteration directory: the
     writer's preparation, then every other rank's (on its flush thread)."""
-    from datastates_megatron.engine.iteration_dir import prepare_iteration_dir
+    from datastates_megatron.engine.fs.iteration_dir import prepare_iteration_dir
 
     d = iter_dir(root, ITERATION + 1)
     calls = {"mkdir": 0, "lstat": 0}
@@ -318,14 +318,14 @@ def mkdirs(root: str, world: int) -> tuple[int, int]:
 
 # ---------------------------------------------------------------------------------------------- restart
 def restart(root: str, world: int, rank: int, store) -> tuple[int, int]:
-    """One rank's restart: the resolve step (:func:`~datastates_megatron.engine.source.resolve`:
+    """One rank's restart: the resolve step (:func:`~datastates_megatron.engine.load.resolve.resolve`:
     on rank 0 the survey, manifest, layout check and one scatter; on another rank the receipt of
     its record), then its same-layout plan, opening and checking its own file.  Returns the plan's
     items and the bytes received through the store."""
-    from datastates_megatron.engine.load_plan import SameLayoutPlanner
-    from datastates_megatron.engine.reader import CheckpointReader
-    from datastates_megatron.engine.source import resolve
-    from datastates_megatron.engine.store_channel import StoreChannel
+    from datastates_megatron.engine.load.load_plan import SameLayoutPlanner
+    from datastates_megatron.engine.load.reader import CheckpointReader
+    from datastates_megatron.engine.load.resolve import resolve
+    from datastates_megatron.engine.dist.store_channel import StoreChannel
 
     chan = StoreChannel(store, rank, world, f"dsm/{TOKEN}/resolve", 60.0)
     got = resolve(root, None, chan, {"dp": world})
@@ -342,8 +342,8 @@ def reshard(root: str, world: int, new_rank: int) -> tuple[int, int]:
     :class:`~datastates_megatron.megatron.checkpointing.reshard.ReshardPlanner` does; non-tensor state from old
     rank ``new_rank``) and loaded through the verifying reader.  Returns the read items and the
     rank files opened."""
-    from datastates_megatron.engine.load_plan import LoadPlan, ReadItem
-    from datastates_megatron.engine.reader import CheckpointReader, open_checkpoint
+    from datastates_megatron.engine.load.load_plan import LoadPlan, ReadItem
+    from datastates_megatron.engine.load.reader import CheckpointReader, open_checkpoint
     from datastates_megatron.megatron.checkpointing.reshard import CheckpointIndex, plan_by_global_index
 
     start, end = 2 * K * new_rank, 2 * K * (new_rank + 1)

@@ -10,7 +10,7 @@ def shm_dir():
     """A fresh directory on tmpfs (/dev/shm, or the memory-backed directory ``DSM_TEST_MEMFS``
     names, e.g. a ramfs mount), removed afterwards; skips where there is none.  Rank files there
     are memory-backed: written through kept mappings (``mapped_writes``)."""
-    from datastates_megatron.engine.page_cache import memory_backed
+    from datastates_megatron.engine.fs.page_cache import memory_backed
 
     base = os.environ.get("DSM_TEST_MEMFS", "/dev/shm")
     if not os.path.isdir(base):

@@ -26,8 +26,8 @@ from .errors import (
 from .options import EngineOptions, ManagerOptions
 
 if TYPE_CHECKING:
-    from .file_format import FileReceipt, RankFile, load_file
-    from .snapshot import SaveHandle, SnapshotEngine
+    from .format.file_format import FileReceipt, RankFile, load_file
+    from .save.snapshot import SaveHandle, SnapshotEngine
 
 __all__ = [
     "SnapshotEngine",
@@ -54,11 +54,11 @@ __all__ = [
 ]
 
 _LAZY = {
-    "RankFile": "file_format",
-    "load_file": "file_format",
-    "FileReceipt": "file_format",
-    "SaveHandle": "snapshot",
-    "SnapshotEngine": "snapshot",
+    "RankFile": "format.file_format",
+    "load_file": "format.file_format",
+    "FileReceipt": "format.file_format",
+    "SaveHandle": "save.snapshot",
+    "SnapshotEngine": "save.snapshot",
 }
 
 

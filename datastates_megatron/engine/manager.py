@@ -22,8 +22,8 @@ import time
 
 import torch
 
-from .collective import Collective
-from .commit import CommitRecord, Ticket
+from .dist.collective import Collective
+from .tiers.commit import CommitRecord, Ticket
 from .errors import (
     CheckpointError,
     FlushError,
@@ -33,21 +33,21 @@ from .errors import (
     error_class_named,
     make_error,
 )
-from .faults import hold_point
-from .global_index import encode_summary
-from .manifest import Manifest, RankRecord, iter_dir, rank_file_name, read_manifest
+from .runtime.faults import hold_point
+from .format.global_index import encode_summary
+from .format.manifest import Manifest, RankRecord, iter_dir, rank_file_name, read_manifest
 from .options import EngineOptions, ManagerOptions
-from .load_plan import LoadPlanner, SameLayoutPlanner
-from .reader import CheckpointReader, RestoreStats, open_checkpoint
-from .iteration_dir import prepare_iteration_dir
-from .replication import REPLICAS_DIR, Replication, clique_of, replication_plan
-from .run_id import RUN_SUBDIR_PREFIX, ensure_run_id, run_subdir
-from .safe_io import check_path_fits, make_dir, make_root
-from .snapshot import SnapshotEngine
-from .source import Resolved, resolve
-from .store_channel import StoreChannel, default_store
-from .threads import ClosingContext, close_at_exit, forget
-from .tier import (
+from .load.load_plan import LoadPlanner, SameLayoutPlanner
+from .load.reader import CheckpointReader, RestoreStats, open_checkpoint
+from .fs.iteration_dir import prepare_iteration_dir
+from .tiers.replication import REPLICAS_DIR, Replication, clique_of, replication_plan
+from .tiers.run_id import RUN_SUBDIR_PREFIX, ensure_run_id, run_subdir
+from .fs.safe_io import check_path_fits, make_dir, make_root
+from .save.snapshot import SnapshotEngine
+from .load.resolve import Resolved, resolve
+from .dist.store_channel import StoreChannel, default_store
+from .runtime.threads import ClosingContext, close_at_exit, forget
+from .tiers.tier import (
     Survey,
     Tier,
     committed_iterations,
@@ -251,7 +251,7 @@ class CheckpointManager(ClosingContext):
                     )
                     tier.open(channel, self.world_size, self.layout, opts.timeout_s)
             if self.local:
-                from .promotion import Promotion
+                from .tiers.promotion import Promotion
 
                 self.promotion = Promotion(
                     self.local,
@@ -532,7 +532,7 @@ class CheckpointManager(ClosingContext):
         """Collective: the one restore decision -- which tier and iteration (default: the newest
         every rank can restore), where each rank's state comes from, and the checkpoint's manifest
         as this rank needs it -- made on rank 0 in one round of the resolve step
-        (:func:`.source.resolve`): every rank sends its newest local saves (O(1) bytes), rank 0
+        (:func:`.load.resolve.resolve`): every rank sends its newest local saves (O(1) bytes), rank 0
         surveys ``root`` (default: the load directory), decides, reads that manifest once and runs
         ``check(manifest, ckpt) -> bool`` on it (``True``: another layout the caller's planner
         reshards; raise: none it can load), and every rank receives the answer and its own record.
@@ -717,7 +717,7 @@ class CheckpointManager(ClosingContext):
         return LoadResult(iteration, plan.objects, manifest.metadata, stats, root, plan.kind)
 
     def _resolve(self, root: str, iteration: int | None) -> Resolved:
-        """:func:`.source.resolve` of ``root`` for this world (collective): rank 0 reads, each rank
+        """:func:`.load.resolve.resolve` of ``root`` for this world (collective): rank 0 reads, each rank
         gets its record; the layout is checked by the planner, not here."""
         return resolve(
             root, iteration, self._resolve_chan, self.layout, check=_no_check, latest=lambda f: self._latest_in(root, f)

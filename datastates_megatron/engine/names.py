@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import re
 
-from .global_index import INDEX_NAME
-from .manifest import MANIFEST_NAME, TRACKER_NAME, parse_rank_file_name
+from .format.global_index import INDEX_NAME
+from .format.manifest import MANIFEST_NAME, TRACKER_NAME, parse_rank_file_name
 
 __all__ = [
     "LOCK_NAME",

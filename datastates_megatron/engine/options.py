@@ -71,7 +71,7 @@ class EngineOptions:
     mapped_writes: write memory-backed (tmpfs/ramfs) rank files through shared mappings kept from one
                    save to the next (a recycled file is overwritten through the same mapping),
                    hashing and copying each region in one pass instead of hashing, then
-                   ``pwrite``; see :mod:`~datastates_megatron.engine.mapped_files`.  Off: ``pwrite``.
+                   ``pwrite``; see :mod:`~datastates_megatron.engine.fs.mapped_files`.  Off: ``pwrite``.
     timeout_s:     longest wait for cache space or an in-flight slot before raising.
     pin_memory:    pin the cache (default: when CUDA is available).
     rank:          used in thread names, log lines and error messages only.

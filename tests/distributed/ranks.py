@@ -43,7 +43,7 @@ PRELOAD = [
     "datastates_megatron",
     "datastates_megatron.engine",
     "datastates_megatron.engine.manager",
-    "datastates_megatron.engine.reader",
+    "datastates_megatron.engine.load.reader",
     "megatron.core",
     "megatron.core.dist_checkpointing",
     "datastates_megatron.demo.gpt",

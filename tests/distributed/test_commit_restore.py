@@ -5,9 +5,9 @@ import os
 
 import pytest
 
-from datastates_megatron.engine.manifest import _body_xxh64  # noqa: PLC2701 - to reseal a hand edit
-from datastates_megatron.engine.manifest import iter_dir, read_manifest, read_tracker
-from datastates_megatron.engine.tier import committed_iterations
+from datastates_megatron.engine.format.manifest import _body_xxh64  # noqa: PLC2701 - to reseal a hand edit
+from datastates_megatron.engine.format.manifest import iter_dir, read_manifest, read_tracker
+from datastates_megatron.engine.tiers.tier import committed_iterations
 
 from .ranks import describe, run_ranks
 

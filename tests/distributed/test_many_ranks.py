@@ -19,7 +19,7 @@ def _rank(args: list[str]) -> dict:
     import torch.distributed as dist
 
     from datastates_megatron.engine import EngineOptions
-    from datastates_megatron.engine.load_plan import ElementRange, LoadPlan, LoadPlanner, ReadItem
+    from datastates_megatron.engine.load.load_plan import ElementRange, LoadPlan, LoadPlanner, ReadItem
     from datastates_megatron.engine.manager import CheckpointManager
     from datastates_megatron.megatron.checkpointing.reshard import index_summary, plan_by_global_index
 

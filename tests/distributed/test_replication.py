@@ -7,8 +7,8 @@ import glob
 import os
 import shutil
 
-from datastates_megatron.engine.run_id import local_tier_dir
-from datastates_megatron.engine.tier import committed_iterations
+from datastates_megatron.engine.tiers.run_id import local_tier_dir
+from datastates_megatron.engine.tiers.tier import committed_iterations
 
 from .ranks import describe, run_ranks
 

@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from datastates_megatron.engine.dirlock import SaveDirLock
+from datastates_megatron.engine.fs.dirlock import SaveDirLock
 
 from .ranks import describe, run_ranks
 

@@ -3,9 +3,9 @@
 import os
 import shutil
 
-from datastates_megatron.engine.manifest import iter_dir, read_manifest
-from datastates_megatron.engine.run_id import local_tier_dir
-from datastates_megatron.engine.tier import committed_iterations
+from datastates_megatron.engine.format.manifest import iter_dir, read_manifest
+from datastates_megatron.engine.tiers.run_id import local_tier_dir
+from datastates_megatron.engine.tiers.tier import committed_iterations
 
 from .ranks import describe, run_ranks
 

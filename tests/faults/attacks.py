@@ -24,9 +24,15 @@ import torch
 
 from datastates_megatron.cli import main as cli
 from datastates_megatron.engine import CheckpointError, EngineOptions
-from datastates_megatron.engine.hashing import xxh64
+from datastates_megatron.engine.format.hashing import xxh64
 from datastates_megatron.engine.manager import CheckpointManager
-from datastates_megatron.engine.manifest import MANIFEST_NAME, TRACKER_NAME, iter_dir, rank_file_name, read_manifest
+from datastates_megatron.engine.format.manifest import (
+    MANIFEST_NAME,
+    TRACKER_NAME,
+    iter_dir,
+    rank_file_name,
+    read_manifest,
+)
 from datastates_megatron.engine.names import RECYCLE_DIR
 from tests.faults.damage import edit_manifest, rebuild_rank_file, reseal_index_record
 from tests.workers.fault_worker import fill, make_state
@@ -301,7 +307,7 @@ def _big_objects(root, outside):
     path = _rank_file(root, 2)
     with open(path, "rb") as f:
         raw = f.read()
-    from datastates_megatron.engine.file_format import HEADER_BYTES, Header
+    from datastates_megatron.engine.format.file_format import HEADER_BYTES, Header
 
     h = Header.unpack(raw[:HEADER_BYTES], path)
     objects = raw[h.objects_offset : h.objects_offset + h.objects_bytes]

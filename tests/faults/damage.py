@@ -8,9 +8,9 @@ import os
 
 import numpy as np
 
-from datastates_megatron.engine.file_format import HEADER_BYTES, INDEX_WORDS, RankFile
-from datastates_megatron.engine.hashing import xxh64
-from datastates_megatron.engine.manifest import MANIFEST_NAME, Manifest, RankRecord, iter_dir
+from datastates_megatron.engine.format.file_format import HEADER_BYTES, INDEX_WORDS, RankFile
+from datastates_megatron.engine.format.hashing import xxh64
+from datastates_megatron.engine.format.manifest import MANIFEST_NAME, Manifest, RankRecord, iter_dir
 
 
 def flip(path: str, offset: int, bit: int = 0) -> None:
@@ -88,7 +88,7 @@ def rebuild_rank_file(
     the objects section, or a header declaring ``file_bytes`` with the file extended (sparse) to
     that size -- every checksum (index, objects, header, manifest record) resealed, so only the
     reader's own bounds can refuse it."""
-    from datastates_megatron.engine.file_format import build_index
+    from datastates_megatron.engine.format.file_format import build_index
 
     with RankFile(path) as rf:
         h = rf.header

@@ -13,10 +13,10 @@ returned it), or could not load at all.  Faults:
 
 * ``copy``: an external SIGKILL N ms into a save whose device->host copies are slowed;
 * ``flush:k``, ``before_finish:k``, ``before_manifest:k``, ``before_tracker:k``, ``retention:k``,
-  ``retention_files:k``: the crash points of engine/faults.py (``DSM_CRASH_AT``), on one rank
+  ``retention_files:k``: the crash points of engine/runtime/faults.py (``DSM_CRASH_AT``), on one rank
   (``DSM_CRASH_RANK``) or all; ``after_commit``: a launcher kills every rank once the tracker moves;
 * ``restore``: an external SIGKILL N ms into the load of a 2 x 32 MB checkpoint, and
-  ``DSM_CRASH_AT=restore:n`` (reported as *not placed* while engine/faults.py has no such call).
+  ``DSM_CRASH_AT=restore:n`` (reported as *not placed* while engine/runtime/faults.py has no such call).
 
 Demo level (real ``python -m datastates_megatron.demo.train`` processes): a crash point, a restart,
 and a comparison with an uninterrupted run: every loss after the resume and the final digest of every
@@ -55,12 +55,13 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import torch  # noqa: E402
 
-from datastates_megatron.engine import CheckpointError, data_layout, file_format, hashing  # noqa: E402
-from datastates_megatron.engine.file_format import RankFile  # noqa: E402
-from datastates_megatron.engine.manifest import MANIFEST_NAME, iter_dir, read_manifest, read_tracker  # noqa: E402
-from datastates_megatron.engine.tier import committed_iterations, latest_committed  # noqa: E402
-from datastates_megatron.engine.load_plan import SameLayoutPlanner  # noqa: E402
-from datastates_megatron.engine.reader import CheckpointReader, open_checkpoint  # noqa: E402
+from datastates_megatron.engine import CheckpointError  # noqa: E402
+from datastates_megatron.engine.format import data_layout, file_format, hashing  # noqa: E402
+from datastates_megatron.engine.format.file_format import RankFile  # noqa: E402
+from datastates_megatron.engine.format.manifest import MANIFEST_NAME, iter_dir, read_manifest, read_tracker  # noqa: E402
+from datastates_megatron.engine.tiers.tier import committed_iterations, latest_committed  # noqa: E402
+from datastates_megatron.engine.load.load_plan import SameLayoutPlanner  # noqa: E402
+from datastates_megatron.engine.load.reader import CheckpointReader, open_checkpoint  # noqa: E402
 from tests.distributed.ranks import run_ranks  # noqa: E402
 from tests.workers import fault_worker as fw  # noqa: E402
 

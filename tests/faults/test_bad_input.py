@@ -23,10 +23,10 @@ from datastates_megatron.engine import (
     FormatVersionError,
     LayoutMismatchError,
 )
-from datastates_megatron.engine.file_format import HEADER_BYTES, Header, RankFile
-from datastates_megatron.engine.hashing import xxh64
+from datastates_megatron.engine.format.file_format import HEADER_BYTES, Header, RankFile
+from datastates_megatron.engine.format.hashing import xxh64
 from datastates_megatron.engine.manager import CheckpointManager
-from datastates_megatron.engine.manifest import MANIFEST_NAME, iter_dir, read_manifest
+from datastates_megatron.engine.format.manifest import MANIFEST_NAME, iter_dir, read_manifest
 
 from .damage import edit_manifest, flip, reseal_index_record
 from tests.workers.fault_worker import fill, is_state_of, make_state

@@ -12,8 +12,8 @@ import pytest
 from datastates_megatron.cli import main
 from datastates_megatron.engine import EngineOptions
 from datastates_megatron.engine.manager import CheckpointManager
-from datastates_megatron.engine.manifest import MANIFEST_NAME, TRACKER_NAME, iter_dir
-from datastates_megatron.engine.tier import latest_committed
+from datastates_megatron.engine.format.manifest import MANIFEST_NAME, TRACKER_NAME, iter_dir
+from datastates_megatron.engine.tiers.tier import latest_committed
 
 from tests.workers.fault_worker import fill, make_state
 

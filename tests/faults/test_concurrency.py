@@ -12,10 +12,11 @@ import time
 import pytest
 import torch
 
-from datastates_megatron.engine import CheckpointError, EngineOptions, FlushError, load_file, writer
+from datastates_megatron.engine import CheckpointError, EngineOptions, FlushError, load_file
+from datastates_megatron.engine.format import writer
 from datastates_megatron.engine.manager import CheckpointManager
-from datastates_megatron.engine.manifest import iter_dir, read_manifest, read_tracker
-from datastates_megatron.engine.tier import committed_iterations
+from datastates_megatron.engine.format.manifest import iter_dir, read_manifest, read_tracker
+from datastates_megatron.engine.tiers.tier import committed_iterations
 
 MiB = 1 << 20
 HERE = os.path.dirname(os.path.abspath(__file__))

@@ -12,8 +12,8 @@ import os
 
 import pytest
 
-from datastates_megatron.engine.manifest import MANIFEST_NAME, read_tracker
-from datastates_megatron.engine.tier import committed_iterations, latest_committed
+from datastates_megatron.engine.format.manifest import MANIFEST_NAME, read_tracker
+from datastates_megatron.engine.tiers.tier import committed_iterations, latest_committed
 
 from ..distributed.ranks import describe, run_ranks
 from tests.workers.fault_worker import acknowledged, read_progress
@@ -132,7 +132,7 @@ def test_external_sigkill_of_all_ranks_right_after_a_commit(tmp_path):
 
 
 def test_restore_crash_point_is_placed(tmp_path):
-    """``DSM_CRASH_AT=restore`` is documented in engine/faults.py: it must kill a load half-way."""
+    """``DSM_CRASH_AT=restore`` is documented in engine/runtime/faults.py: it must kill a load half-way."""
     root = str(tmp_path / "ckpt")
     ok = run_ranks(WORKER, 2, ["save", "--root", root, "--iters", "1"])
     assert all(r["returncode"] == 0 for r in ok), describe(ok)

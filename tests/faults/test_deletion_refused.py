@@ -12,10 +12,11 @@ import os
 import pytest
 import torch
 
-from datastates_megatron.engine import EngineOptions, retention
+from datastates_megatron.engine import EngineOptions
+from datastates_megatron.engine.tiers import retention
 from datastates_megatron.engine.manager import CheckpointManager
-from datastates_megatron.engine.threads import forget
-from datastates_megatron.engine.tier import committed_iterations
+from datastates_megatron.engine.runtime.threads import forget
+from datastates_megatron.engine.tiers.tier import committed_iterations
 
 
 @pytest.fixture

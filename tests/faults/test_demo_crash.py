@@ -14,7 +14,7 @@ import pytest
 
 pytest.importorskip("megatron.core")
 
-from datastates_megatron.engine.tier import committed_iterations, latest_committed  # noqa: E402
+from datastates_megatron.engine.tiers.tier import committed_iterations, latest_committed  # noqa: E402
 
 from ..distributed.ranks import describe, run_ranks  # noqa: E402
 

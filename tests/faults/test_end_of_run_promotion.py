@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from datastates_megatron.engine.tier import committed_iterations
+from datastates_megatron.engine.tiers.tier import committed_iterations
 from tests.managers import two_tier_manager
 
 
@@ -47,7 +47,7 @@ def test_a_newest_already_promoted_by_its_interval_is_not_promoted_twice(tmp_pat
 def test_a_restart_re_promotion_is_not_this_runs_newest(tmp_path, monkeypatch):
     w = torch.zeros(1000)
     with monkeypatch.context() as m:  # run A is killed before its end-of-run promotion
-        m.setattr("datastates_megatron.engine.promotion.Promotion.promote_newest", lambda self: False)
+        m.setattr("datastates_megatron.engine.tiers.promotion.Promotion.promote_newest", lambda self: False)
         with _manager(tmp_path, w, interval=10) as mgr:
             _save(mgr, w, (1, 2))
     assert committed_iterations(str(tmp_path / "persistent")) == []

@@ -11,8 +11,8 @@ import os
 import pytest
 
 from datastates_megatron.engine import load_file
-from datastates_megatron.engine.manifest import iter_dir, read_manifest, read_tracker
-from datastates_megatron.engine.tier import committed_iterations
+from datastates_megatron.engine.format.manifest import iter_dir, read_manifest, read_tracker
+from datastates_megatron.engine.tiers.tier import committed_iterations
 
 from ..distributed.ranks import describe, run_ranks
 from tests.workers.fault_worker import is_state_of, make_state
@@ -111,10 +111,11 @@ def test_tracker_that_cannot_be_written_after_the_manifest_is_reported_consisten
     whose manifest is durable is committed, and commit sequence numbers stay unique."""
     import torch
 
-    from datastates_megatron.engine import EngineOptions, commit
+    from datastates_megatron.engine import EngineOptions
+    from datastates_megatron.engine.tiers import commit
     from datastates_megatron.engine.manager import CheckpointManager
-    from datastates_megatron.engine.manifest import read_manifest
-    from datastates_megatron.engine.tier import latest_committed
+    from datastates_megatron.engine.format.manifest import read_manifest
+    from datastates_megatron.engine.tiers.tier import latest_committed
 
     real = commit.write_tracker
 
@@ -149,9 +150,9 @@ def test_a_full_tmpfs_refuses_the_mapping_with_enospc_and_the_write_fails_cleanl
 
     import numpy as np
 
-    from datastates_megatron.engine.file_format import HEADER_BYTES
-    from datastates_megatron.engine.mapped_files import MappedFiles
-    from datastates_megatron.engine.writer import RankFileWriter
+    from datastates_megatron.engine.format.file_format import HEADER_BYTES
+    from datastates_megatron.engine.fs.mapped_files import MappedFiles
+    from datastates_megatron.engine.format.writer import RankFileWriter
 
     mb = 1 << 20
     pool = MappedFiles()

@@ -18,8 +18,15 @@ import pytest
 from datastates_megatron.cli import EXIT_DAMAGED, EXIT_OK, list_checkpoints, main
 from datastates_megatron.engine import CorruptCheckpointError, EngineOptions
 from datastates_megatron.engine.manager import CheckpointManager
-from datastates_megatron.engine import manifest as manifest_mod, tier as tier_mod
-from datastates_megatron.engine.manifest import MANIFEST_NAME, TRACKER_NAME, iter_dir, read_manifest, read_tracker
+from datastates_megatron.engine.format import manifest as manifest_mod
+from datastates_megatron.engine.tiers import tier as tier_mod
+from datastates_megatron.engine.format.manifest import (
+    MANIFEST_NAME,
+    TRACKER_NAME,
+    iter_dir,
+    read_manifest,
+    read_tracker,
+)
 
 from .damage import edit_manifest
 from tests.workers.fault_worker import fill, make_state
@@ -111,7 +118,7 @@ def test_a_manifest_that_is_a_symlink_to_dev_zero_is_refused(root, capsys):
 
 
 def test_a_manifest_larger_than_the_cap_is_refused_without_reading_it(root, monkeypatch):
-    from datastates_megatron.engine import safe_io
+    from datastates_megatron.engine.fs import safe_io
 
     monkeypatch.setattr(safe_io, "MANIFEST_MAX_BYTES", 100)
     with pytest.raises(CorruptCheckpointError, match="larger than"):

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from datastates_megatron.engine import EngineOptions
-from datastates_megatron.engine.dirlock import SaveDirLock
+from datastates_megatron.engine.fs.dirlock import SaveDirLock
 from datastates_megatron.engine.errors import (
     CheckpointError,
     CorruptCheckpointError,
@@ -21,7 +21,7 @@ from datastates_megatron.engine.errors import (
     SaveDirBusyError,
 )
 from datastates_megatron.engine.manager import CheckpointManager
-from datastates_megatron.engine.tier import committed_iterations
+from datastates_megatron.engine.tiers.tier import committed_iterations
 
 
 def _manager(save, local, w, **kw):

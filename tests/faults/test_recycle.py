@@ -9,10 +9,11 @@ import threading
 
 import pytest
 
-from datastates_megatron.engine import EngineOptions, tier as tier_mod
+from datastates_megatron.engine import EngineOptions
+from datastates_megatron.engine.tiers import tier as tier_mod
 from datastates_megatron.engine.manager import CheckpointManager
-from datastates_megatron.engine.manifest import iter_dir, read_manifest
-from datastates_megatron.engine.retention import RECYCLE_DIR, take_recycled
+from datastates_megatron.engine.format.manifest import iter_dir, read_manifest
+from datastates_megatron.engine.tiers.retention import RECYCLE_DIR, take_recycled
 
 from tests.workers.fault_worker import fill, is_state_of, make_state
 
@@ -149,7 +150,7 @@ def test_local_retention_keeps_a_checkpoint_until_its_persistent_commit_is_done(
     the persistent commit thread; world size 1."""
     import threading
 
-    from datastates_megatron.engine.tier import committed_iterations
+    from datastates_megatron.engine.tiers.tier import committed_iterations
 
     local, persistent = tmp_path / "local", tmp_path / "persistent"
     ts = make_state(0, 50_000)

@@ -8,7 +8,7 @@ import torch
 
 from datastates_megatron.engine import EngineOptions
 from datastates_megatron.engine.manager import CheckpointManager
-from datastates_megatron.engine.promotion import Promotion
+from datastates_megatron.engine.tiers.promotion import Promotion
 
 
 def _manager(tmp_path, w):

@@ -13,9 +13,10 @@ import time
 import pytest
 import torch
 
-from datastates_megatron.engine import CacheTimeoutError, EngineOptions, writer
+from datastates_megatron.engine import CacheTimeoutError, EngineOptions
+from datastates_megatron.engine.format import writer
 from datastates_megatron.engine.manager import CheckpointManager
-from datastates_megatron.engine.tier import committed_iterations
+from datastates_megatron.engine.tiers.tier import committed_iterations
 
 MiB = 1 << 20
 

@@ -247,7 +247,7 @@ def mapped(tmp, out):  # Megatron-LM's local-checkpoint flags: parse_args, then 
 
 def validate(tmp, out, argv_json):  # the namespace a real run saves: parse_args + validate_args, lib.sh's flags
     from megatron.training.arguments import parse_args, validate_args
-    from datastates_megatron.engine.objects import decode_objects, encode_objects
+    from datastates_megatron.engine.format.tagged_json import decode_objects, encode_objects
     from datastates_megatron.megatron.megatron_lm import checkpointing as megatron_lm
 
     sys.argv = ["pretrain", *json.loads(argv_json)]
@@ -277,7 +277,7 @@ def route_or_glue(mode, tmp, out):
         calls = record_routing(args, *entries, out)
     else:  # the real glue behind the patch, with a recording checkpointer and Megatron's globals
         from megatron.core.num_microbatches_calculator import get_num_microbatches, init_num_microbatches_calculator
-        from datastates_megatron.engine.objects import encode_objects
+        from datastates_megatron.engine.format.tagged_json import encode_objects
         from datastates_megatron.engine.errors import NoCheckpointError
 
         store = {}

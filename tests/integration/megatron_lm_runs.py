@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from datastates_megatron.engine.tier import committed_iterations, latest_committed
+from datastates_megatron.engine.tiers.tier import committed_iterations, latest_committed
 from datastates_megatron.megatron.cpu import training_record
 from tests.distributed.ranks import free_port, run_command
 

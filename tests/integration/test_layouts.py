@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 
-from datastates_megatron.engine.manifest import read_tracker
+from datastates_megatron.engine.format.manifest import read_tracker
 from tests.integration.megatron_lm_runs import LAZY, MEGATRON_LM_DIR, assert_same_training, latest, launch
 
 pytestmark = pytest.mark.skipif(

@@ -7,8 +7,8 @@ import pytest
 
 pytest.importorskip("megatron.core")
 
-from datastates_megatron.engine.manifest import read_tracker  # noqa: E402
-from datastates_megatron.engine.tier import committed_iterations  # noqa: E402
+from datastates_megatron.engine.format.manifest import read_tracker  # noqa: E402
+from datastates_megatron.engine.tiers.tier import committed_iterations  # noqa: E402
 from tests.distributed.ranks import describe, run_ranks  # noqa: E402
 
 WORKER = "tests.workers.lazy_worker"

@@ -31,7 +31,7 @@ import pytest
 import torch
 
 from datastates_megatron.engine.errors import FormatVersionError, LayoutMismatchError, NoCheckpointError
-from datastates_megatron.engine.objects import encode_objects
+from datastates_megatron.engine.format.tagged_json import encode_objects
 from datastates_megatron.megatron.megatron_lm import checkpointing as megatron_lm
 from datastates_megatron.megatron.megatron_lm.args import LazyCkptArgsError, add_lazy_ckpt_args
 from tests.integration.megatron_lm_driver import APPLY, apply_patches, copy_megatron, drive, result

@@ -11,8 +11,8 @@ import glob
 import json
 import shutil
 
-from datastates_megatron.engine.run_id import local_tier_dir
-from datastates_megatron.engine.tier import committed_iterations
+from datastates_megatron.engine.tiers.run_id import local_tier_dir
+from datastates_megatron.engine.tiers.tier import committed_iterations
 from tests.distributed.ranks import describe, run_ranks
 
 NODES, ITERS, KILL_AT, PERSIST = 4, 20, 17, 10

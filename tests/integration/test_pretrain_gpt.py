@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from datastates_megatron.engine.run_id import local_tier_dir
-from datastates_megatron.engine.tier import committed_iterations
+from datastates_megatron.engine.tiers.run_id import local_tier_dir
+from datastates_megatron.engine.tiers.tier import committed_iterations
 from datastates_megatron.megatron.megatron_lm import versions
 from tests.integration.megatron_lm_runs import (
     LAZY,

@@ -13,7 +13,7 @@ import shutil
 
 import pytest
 
-from datastates_megatron.engine.tier import committed_iterations
+from datastates_megatron.engine.tiers.tier import committed_iterations
 from tests.integration.megatron_lm_runs import CUDA, LAZY, MEGATRON_LM_DIR, assert_same_training, launch
 
 pytestmark = [

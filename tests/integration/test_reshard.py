@@ -17,10 +17,10 @@ import torch
 
 from datastates_megatron.engine import CorruptCheckpointError, EngineOptions
 from datastates_megatron.engine.manager import CheckpointManager
-from datastates_megatron.engine.global_index import INDEX_NAME
-from datastates_megatron.engine.manifest import iter_dir, read_manifest
-from datastates_megatron.engine.load_plan import ElementRange, LoadPlan, ReadItem
-from datastates_megatron.engine.reader import CheckpointReader
+from datastates_megatron.engine.format.global_index import INDEX_NAME
+from datastates_megatron.engine.format.manifest import iter_dir, read_manifest
+from datastates_megatron.engine.load.load_plan import ElementRange, LoadPlan, ReadItem
+from datastates_megatron.engine.load.reader import CheckpointReader
 from tests.distributed.ranks import describe, run_ranks
 
 needs_megatron = pytest.mark.skipif(importlib.util.find_spec("megatron") is None, reason="needs megatron-core")

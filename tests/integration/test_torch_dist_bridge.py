@@ -23,8 +23,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from datastates_megatron.engine.foreign import foreign_format
-from datastates_megatron.engine.manifest import read_tracker_text
+from datastates_megatron.engine.tiers.foreign import foreign_format
+from datastates_megatron.engine.format.manifest import read_tracker_text
 from tests.integration.megatron_lm_runs import (
     CPU_ONLY,
     LAZY,

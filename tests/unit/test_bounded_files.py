@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import torch
 
-from datastates_megatron.engine import reader as reader_mod
-from datastates_megatron.engine.load_plan import ElementRange, LoadPlan, ReadItem
-from datastates_megatron.engine.manifest import iter_dir, read_manifest
-from datastates_megatron.engine.reader import CheckpointReader
+from datastates_megatron.engine.load import reader as reader_mod
+from datastates_megatron.engine.load.load_plan import ElementRange, LoadPlan, ReadItem
+from datastates_megatron.engine.format.manifest import iter_dir, read_manifest
+from datastates_megatron.engine.load.reader import CheckpointReader
 
 from .rank_files import write_checkpoint
 

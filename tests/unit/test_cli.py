@@ -13,7 +13,7 @@ import torch
 
 from datastates_megatron.cli import EXIT_DAMAGED, EXIT_OK, EXIT_USAGE, main
 from datastates_megatron.engine import EngineOptions, RankFile
-from datastates_megatron.engine.file_format import HEADER_BYTES
+from datastates_megatron.engine.format.file_format import HEADER_BYTES
 from datastates_megatron.engine.manager import CheckpointManager
 
 
@@ -283,7 +283,7 @@ def test_a_checkpoint_directory_we_may_not_read_is_not_called_missing(save_dir, 
 
 
 def test_an_unforeseen_error_is_one_line_not_a_traceback(save_dir, capsys, monkeypatch):
-    from datastates_megatron.engine import manifest
+    from datastates_megatron.engine.format import manifest
 
     def boom(_):
         raise RecursionError("maximum recursion depth exceeded")
@@ -392,6 +392,6 @@ def test_help_and_usage_errors_import_no_torch():
 
 def test_help_names_the_engine_tracker_file():
     from datastates_megatron import cli
-    from datastates_megatron.engine.manifest import TRACKER_NAME
+    from datastates_megatron.engine.format.manifest import TRACKER_NAME
 
     assert cli._TRACKER_NAME == TRACKER_NAME

@@ -3,7 +3,7 @@
 import pytest
 import torch.distributed as dist
 
-from datastates_megatron.engine.collective import Collective, RankFailure
+from datastates_megatron.engine.dist.collective import Collective, RankFailure
 from datastates_megatron.engine.errors import CheckpointError, CommitError, ForeignCheckpointError, OptionsError
 
 

@@ -11,12 +11,12 @@ import time
 import pytest
 import torch.distributed as dist
 
-from datastates_megatron.engine.commit import Ticket
+from datastates_megatron.engine.tiers.commit import Ticket
 from datastates_megatron.engine.errors import CheckpointError, CommitError
-from datastates_megatron.engine.file_format import FileReceipt
-from datastates_megatron.engine.manifest import read_manifest, iter_dir
-from datastates_megatron.engine.store_channel import StoreChannel
-from datastates_megatron.engine.tier import Tier
+from datastates_megatron.engine.format.file_format import FileReceipt
+from datastates_megatron.engine.format.manifest import read_manifest, iter_dir
+from datastates_megatron.engine.dist.store_channel import StoreChannel
+from datastates_megatron.engine.tiers.tier import Tier
 
 WORLD = 4
 TOKEN = "00000000000000cc"

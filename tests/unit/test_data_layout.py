@@ -2,7 +2,7 @@
 
 import numpy as np
 
-from datastates_megatron.engine import data_layout
+from datastates_megatron.engine.format import data_layout
 
 
 def test_plan_layout_is_aligned_disjoint_and_covers_every_byte():

@@ -1,4 +1,4 @@
-"""Retention off the commit path (``engine/deleter.py``): the next commit does not wait for a deletion,
+"""Retention off the commit path (``engine/tiers/deleter.py``): the next commit does not wait for a deletion,
 ``wait()`` does, a tier that never commits starts no thread, one never closed does not hang the exit,
 and the writer's own new manifest is not read back by retention."""
 
@@ -13,10 +13,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from datastates_megatron.engine import EngineOptions, tier
+from datastates_megatron.engine import EngineOptions
+from datastates_megatron.engine.tiers import tier
 from datastates_megatron.engine.errors import CacheTimeoutError
 from datastates_megatron.engine.manager import CheckpointManager
-from datastates_megatron.engine.manifest import iter_dir
+from datastates_megatron.engine.format.manifest import iter_dir
 
 REPO = Path(__file__).resolve().parents[2]
 OPTS = EngineOptions(cache_bytes=1 << 20, timeout_s=30)
@@ -69,7 +70,7 @@ def test_a_manager_never_closed_does_not_hang_the_exit(tmp_path):
         "import torch\n"
         "from datastates_megatron.engine import EngineOptions\n"
         "from datastates_megatron.engine.manager import CheckpointManager\n"
-        "import datastates_megatron.engine.threads as th\n"
+        "import datastates_megatron.engine.runtime.threads as th\n"
         "th.close_at_exit = lambda obj: None\n"  # no atexit close either: the deleter is left running
         "import datastates_megatron.engine.manager as m\n"
         "m.close_at_exit = lambda obj: None\n"

@@ -9,7 +9,7 @@ import os
 import numpy as np
 import pytest
 
-from datastates_megatron.engine.writer import ALIGN, RankFileWriter
+from datastates_megatron.engine.format.writer import ALIGN, RankFileWriter
 
 
 def _aligned(nbytes: int, seed: int) -> np.ndarray:

@@ -13,7 +13,7 @@ from datastates_megatron.engine import (
     SnapshotEngine,
     load_file,
 )
-from datastates_megatron.engine.file_format import HEADER_BYTES
+from datastates_megatron.engine.format.file_format import HEADER_BYTES
 
 
 def _state(seed=0):
@@ -107,7 +107,7 @@ def test_unwritable_directory_surfaces_once_on_next_call(tmp_path):
 
 
 def test_write_error_mid_flush_removes_partial_file_and_keeps_engine_usable(tmp_path, monkeypatch):
-    from datastates_megatron.engine import writer
+    from datastates_megatron.engine.format import writer
 
     real = writer.RankFileWriter.write
     calls = {"n": 0}
@@ -173,7 +173,7 @@ def test_truncated_file_and_bad_magic_and_unknown_version(tmp_path):
     ):
         load_file(path)
     bad_index = bytearray(data)
-    from datastates_megatron.engine.file_format import Header
+    from datastates_megatron.engine.format.file_format import Header
 
     h = Header.unpack(data[:HEADER_BYTES], path)
     bad_index[h.index_offset + 3] ^= 1
@@ -211,7 +211,7 @@ def test_save_call_is_fast_for_100_tensors(tmp_path):
 
 
 def test_save_id_reads_token_and_sequence_only_from_names_this_version_writes():
-    from datastates_megatron.engine.manifest import rank_file_name, save_id
+    from datastates_megatron.engine.format.manifest import rank_file_name, save_id
 
     assert save_id(rank_file_name(3, "00000000000000ff", 7)) == (255, 7)
     assert save_id(rank_file_name(0, "7fffffffffffffff", 0)) == ((1 << 63) - 1, 0)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from datastates_megatron.engine import CorruptCheckpointError
-from datastates_megatron.engine.file_format import _parse_index, build_index
+from datastates_megatron.engine.format.file_format import _parse_index, build_index
 
 DATA = (4096, 8194, 16)  # data section [4096, 8194), 16-byte checksum chunks
 

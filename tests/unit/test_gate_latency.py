@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from datastates_megatron.engine import EngineOptions, FlushError, SnapshotEngine, load_file
-from datastates_megatron.engine import snapshot as snapshot_mod
+from datastates_megatron.engine.save import snapshot as snapshot_mod
 
 DELAY_S = 1.0  # injected into opening each rank file
 GATE_LIMIT_S = 0.4  # far below DELAY_S; leaves room for the cache copy itself on a loaded machine

@@ -1,4 +1,4 @@
-"""The checkpoint's global index (``engine/global_index.py``): a reshard planned from it opens only the
+"""The checkpoint's global index (``engine/format/global_index.py``): a reshard planned from it opens only the
 old rank files overlapping its new shard (and the one whose non-tensor state it takes); a checkpoint
 without one, or with a stale or damaged one, is resharded from every file's metadata as before."""
 
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from datastates_megatron.engine import EngineOptions, SnapshotEngine
-from datastates_megatron.engine.global_index import (
+from datastates_megatron.engine.format.global_index import (
     INDEX_NAME,
     Summaries,
     encode_summary,
@@ -19,10 +19,10 @@ from datastates_megatron.engine.global_index import (
     summary_sum,
     write_index,
 )
-from datastates_megatron.engine.load_plan import LoadPlan, ReadItem
-from datastates_megatron.engine.manifest import Manifest, RankRecord, iter_dir, rank_file_name, write_manifest
+from datastates_megatron.engine.load.load_plan import LoadPlan, ReadItem
+from datastates_megatron.engine.format.manifest import Manifest, RankRecord, iter_dir, rank_file_name, write_manifest
 from datastates_megatron.engine.names import is_ours_in_iteration
-from datastates_megatron.engine.reader import CheckpointReader, open_checkpoint
+from datastates_megatron.engine.load.reader import CheckpointReader, open_checkpoint
 from datastates_megatron.engine.errors import CorruptCheckpointError
 from datastates_megatron.megatron.checkpointing.reshard import CheckpointIndex, index_summary, plan_by_global_index
 

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from datastates_megatron.engine import hashing
+from datastates_megatron.engine.format import hashing
 
 
 @pytest.mark.parametrize("n", [0, 1, 3, 4, 7, 8, 31, 32, 33, 63, 64, 100, 4097, 1 << 16])

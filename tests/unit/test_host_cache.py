@@ -3,7 +3,7 @@ import threading
 import pytest
 
 from datastates_megatron.engine.errors import CacheTimeoutError
-from datastates_megatron.engine.host_cache import HostCache
+from datastates_megatron.engine.save.host_cache import HostCache
 
 
 def test_fifo_wraparound_never_exceeds_capacity():

@@ -320,7 +320,7 @@ def test_commit_telemetry_goes_to_megatron_writers(monkeypatch):
     import sys
     import types
 
-    from datastates_megatron.engine.commit import CommitRecord
+    from datastates_megatron.engine.tiers.commit import CommitRecord
     from datastates_megatron.megatron.megatron_lm import checkpointing as megatron_lm
 
     got = {"tb": [], "wb": []}

@@ -9,7 +9,7 @@ import json
 import pytest
 
 from datastates_megatron import __version__
-from datastates_megatron.engine.manifest import Manifest, RankRecord, _body_xxh64
+from datastates_megatron.engine.format.manifest import Manifest, RankRecord, _body_xxh64
 
 
 @pytest.mark.parametrize("n", [0, 1, 5])

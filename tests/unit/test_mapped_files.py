@@ -1,4 +1,4 @@
-"""Kept mappings of memory-backed rank files (``engine/mapped_files.py``) and the engine's writes
+"""Kept mappings of memory-backed rank files (``engine/fs/mapped_files.py``) and the engine's writes
 through them (``EngineOptions.mapped_writes``)."""
 
 import errno
@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from datastates_megatron.engine import EngineOptions, SnapshotEngine, load_file
-from datastates_megatron.engine.file_format import HEADER_BYTES
-from datastates_megatron.engine.mapped_files import MappedFiles
-from datastates_megatron.engine.writer import RankFileWriter
+from datastates_megatron.engine.format.file_format import HEADER_BYTES
+from datastates_megatron.engine.fs.mapped_files import MappedFiles
+from datastates_megatron.engine.format.writer import RankFileWriter
 
 MB = 1 << 20
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from datastates_megatron.engine.errors import LayoutMismatchError
-from datastates_megatron.engine.objects import decode_objects, encode_objects
+from datastates_megatron.engine.format.tagged_json import decode_objects, encode_objects
 from datastates_megatron.megatron.checkpointing import model_state
 
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from datastates_megatron.engine.errors import CorruptCheckpointError, EncodingError
-from datastates_megatron.engine.objects import decode_objects, encode_objects
+from datastates_megatron.engine.format.tagged_json import decode_objects, encode_objects
 
 
 def test_round_trip_of_training_state():

@@ -1,4 +1,4 @@
-"""Reading a cold rank file into the page cache before restore (engine/page_cache.py)."""
+"""Reading a cold rank file into the page cache before restore (engine/fs/page_cache.py)."""
 
 from __future__ import annotations
 
@@ -9,10 +9,11 @@ import threading
 import pytest
 import torch
 
-from datastates_megatron.engine import EngineOptions, page_cache
+from datastates_megatron.engine import EngineOptions
+from datastates_megatron.engine.fs import page_cache
 from datastates_megatron.engine.manager import CheckpointManager
-from datastates_megatron.engine.manifest import iter_dir, read_manifest
-from datastates_megatron.engine.page_cache import read_range, resident_fraction, warm_file
+from datastates_megatron.engine.format.manifest import iter_dir, read_manifest
+from datastates_megatron.engine.fs.page_cache import read_range, resident_fraction, warm_file
 
 from .rank_files import write_rank_file
 

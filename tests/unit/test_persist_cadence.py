@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from datastates_megatron.engine.tier import committed_iterations
+from datastates_megatron.engine.tiers.tier import committed_iterations
 from tests.managers import two_tier_manager
 
 

@@ -1,4 +1,4 @@
-"""The promotion throttle (``engine/promote_throttle.py``): at most ``slots`` ranks of a node copy to the
+"""The promotion throttle (``engine/tiers/promote_throttle.py``): at most ``slots`` ranks of a node copy to the
 persistent tier at once, a dead holder frees its slot, and a bandwidth cap spaces a copy's blocks."""
 
 from __future__ import annotations
@@ -11,10 +11,10 @@ import time
 
 import pytest
 
-from datastates_megatron.engine import promotion
-from datastates_megatron.engine.manifest import iter_dir, rank_file_name
-from datastates_megatron.engine.promote_throttle import Pace, PromoteSlots
-from datastates_megatron.engine.tier import Tier
+from datastates_megatron.engine.tiers import promotion
+from datastates_megatron.engine.format.manifest import iter_dir, rank_file_name
+from datastates_megatron.engine.tiers.promote_throttle import Pace, PromoteSlots
+from datastates_megatron.engine.tiers.tier import Tier
 
 from .rank_files import write_rank_file
 

@@ -9,7 +9,8 @@ import os
 import pytest
 import torch
 
-from datastates_megatron.engine import CorruptCheckpointError, FlushError, load_file, promotion
+from datastates_megatron.engine import CorruptCheckpointError, FlushError, load_file
+from datastates_megatron.engine.tiers import promotion
 
 from .rank_files import write_rank_file
 

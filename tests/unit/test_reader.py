@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from datastates_megatron.engine import CorruptCheckpointError, EngineOptions, LayoutMismatchError
-from datastates_megatron.engine.load_plan import ElementRange, LoadPlan, LoadPlanner, ReadItem, SameLayoutPlanner
+from datastates_megatron.engine.load.load_plan import ElementRange, LoadPlan, LoadPlanner, ReadItem, SameLayoutPlanner
 from datastates_megatron.engine.manager import CheckpointManager
-from datastates_megatron.engine.manifest import iter_dir, read_manifest
-from datastates_megatron.engine.reader import CheckpointReader
+from datastates_megatron.engine.format.manifest import iter_dir, read_manifest
+from datastates_megatron.engine.load.reader import CheckpointReader
 
 from ..faults.damage import flip
 

@@ -11,8 +11,8 @@ import torch
 from datastates_megatron.engine import LayoutMismatchError, NoCheckpointError
 from datastates_megatron.engine import manager as manager_module
 from datastates_megatron.engine.manager import CheckpointManager, RestoreChoice
-from datastates_megatron.engine.manifest import iter_dir
-from datastates_megatron.engine.tier import committed_iterations, committed_saves
+from datastates_megatron.engine.format.manifest import iter_dir
+from datastates_megatron.engine.tiers.tier import committed_iterations, committed_saves
 from tests.managers import two_tier_manager
 
 

@@ -1,11 +1,11 @@
-"""engine/safe_io.py on its own: what it opens, creates and refuses."""
+"""engine/fs/safe_io.py on its own: what it opens, creates and refuses."""
 
 import os
 
 import pytest
 
 from datastates_megatron.engine import CorruptCheckpointError, FlushError
-from datastates_megatron.engine import safe_io
+from datastates_megatron.engine.fs import safe_io
 
 
 def test_create_temp_replaces_a_stale_regular_temp_but_refuses_a_link(tmp_path):

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from datastates_megatron.engine import EngineOptions
-from datastates_megatron.engine.dirlock import SaveDirLock
+from datastates_megatron.engine.fs.dirlock import SaveDirLock
 from datastates_megatron.engine.errors import CheckpointError, OptionsError, SaveDirBusyError
 from datastates_megatron.engine.manager import CheckpointManager
 from datastates_megatron.engine.names import LOCK_NAME

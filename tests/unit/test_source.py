@@ -10,11 +10,11 @@ import torch
 import torch.distributed as dist
 
 from datastates_megatron.engine import LayoutMismatchError, NoCheckpointError
-from datastates_megatron.engine.load_plan import SameLayoutPlanner
-from datastates_megatron.engine.manifest import iter_dir, rank_file_name
-from datastates_megatron.engine.reader import CheckpointReader
-from datastates_megatron.engine.source import resolve
-from datastates_megatron.engine.store_channel import StoreChannel
+from datastates_megatron.engine.load.load_plan import SameLayoutPlanner
+from datastates_megatron.engine.format.manifest import iter_dir, rank_file_name
+from datastates_megatron.engine.load.reader import CheckpointReader
+from datastates_megatron.engine.load.resolve import resolve
+from datastates_megatron.engine.dist.store_channel import StoreChannel
 
 from .rank_files import write_checkpoint
 

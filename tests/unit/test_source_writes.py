@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from datastates_megatron.engine import CacheTimeoutError, EngineOptions, FlushError, SnapshotEngine, load_file
-from datastates_megatron.engine import writer as writer_mod
-from datastates_megatron.engine.writer import RankFileWriter
+from datastates_megatron.engine.format import writer as writer_mod
+from datastates_megatron.engine.format.writer import RankFileWriter
 
 
 def _state(seed=0):

@@ -9,7 +9,7 @@ import pytest
 import torch.distributed as dist
 
 from datastates_megatron.engine.errors import CheckpointError, CommitError
-from datastates_megatron.engine.store_channel import StoreChannel
+from datastates_megatron.engine.dist.store_channel import StoreChannel
 
 FIELDS = ("a", "b")
 

@@ -10,7 +10,7 @@ import pytest
 import datastates_megatron.engine as engine
 
 ENGINE = pathlib.Path(engine.__file__).parent
-USERS = ("manager.py", "promotion.py", "replication.py")
+USERS = ("manager.py", "tiers/promotion.py", "tiers/replication.py")
 # what a tier's user once reached for: its committer, and the links it set on the tier
 FORBIDDEN = {"committer", "after_commit", "take_recycled", "guard"}
 LINKS = {"promotion", "replication"}
@@ -18,7 +18,7 @@ LINKS = {"promotion", "replication"}
 
 def _tier_privates() -> set[str]:
     """Every ``_name`` the Tier class defines: its private attributes and methods."""
-    tree = ast.parse((ENGINE / "tier.py").read_text())
+    tree = ast.parse((ENGINE / "tiers" / "tier.py").read_text())
     cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Tier")
     names = {n.name for n in cls.body if isinstance(n, ast.FunctionDef) and n.name.startswith("_")}
     for node in ast.walk(cls):

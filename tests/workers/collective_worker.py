@@ -7,8 +7,8 @@ import json
 
 import torch.distributed as dist
 
-from datastates_megatron.engine import collective
-from datastates_megatron.engine.collective import Collective
+from datastates_megatron.engine.dist import collective
+from datastates_megatron.engine.dist.collective import Collective
 from datastates_megatron.engine.errors import CheckpointError, ForeignCheckpointError
 from datastates_megatron.megatron.megatron_lm.args import LazyCkptArgsError
 

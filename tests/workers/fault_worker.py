@@ -93,7 +93,7 @@ def arm_kill(after_ms: float) -> threading.Timer:
 
 
 def slow_copies(ms: float) -> None:
-    from datastates_megatron.engine import device_copy
+    from datastates_megatron.engine.save import device_copy
 
     real = device_copy.DeviceCopier.copy
 
@@ -105,7 +105,7 @@ def slow_copies(ms: float) -> None:
 
 
 def slow_restore(ms: float) -> None:
-    from datastates_megatron.engine import reader
+    from datastates_megatron.engine.load import reader
 
     real = reader._copy_one
 
@@ -117,7 +117,7 @@ def slow_restore(ms: float) -> None:
 
 
 def slow_writes(ms: float) -> None:
-    from datastates_megatron.engine import writer
+    from datastates_megatron.engine.format import writer
 
     real = writer.RankFileWriter.write
 
@@ -256,8 +256,8 @@ def run(argv) -> dict:
 
 def fulldisk(a, mgr: CheckpointManager, ts, rank: int) -> dict:
     """Iteration 1 commits; the disk is filled; iteration 2 fails; space is freed; iteration 3 commits."""
-    from datastates_megatron.engine.manifest import iter_dir, read_manifest, read_tracker
-    from datastates_megatron.engine.tier import latest_committed
+    from datastates_megatron.engine.format.manifest import iter_dir, read_manifest, read_tracker
+    from datastates_megatron.engine.tiers.tier import latest_committed
 
     out: dict = {"errors": {}, "committed": []}
 

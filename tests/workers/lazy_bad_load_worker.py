@@ -20,8 +20,8 @@ import sys
 import torch.distributed as dist
 
 
-from datastates_megatron.engine.file_format import RankFile  # noqa: E402
-from datastates_megatron.engine.manifest import MANIFEST_NAME, iter_dir, read_manifest  # noqa: E402
+from datastates_megatron.engine.format.file_format import RankFile  # noqa: E402
+from datastates_megatron.engine.format.manifest import MANIFEST_NAME, iter_dir, read_manifest  # noqa: E402
 from tests.faults.damage import edit_manifest, flip  # noqa: E402
 
 
@@ -92,7 +92,7 @@ UNREADABLE = "eacces_rank1"
 def unreadable_rank_files():
     """From now on opening a rank file fails with EACCES in this process (what ``chmod 000`` does to
     a user other than root); returns the undo."""
-    from datastates_megatron.engine import file_format
+    from datastates_megatron.engine.format import file_format
 
     real = file_format.open_regular
 

@@ -10,7 +10,7 @@ import torch
 
 def _count_manifest_reads() -> list:
     """Every read_manifest call from now on, in whichever package module imported it."""
-    from datastates_megatron.engine import manifest
+    from datastates_megatron.engine.format import manifest
 
     original, calls = manifest.read_manifest, []
 
@@ -71,10 +71,12 @@ def main():
     from datastates_megatron import LazyCheckpointer, LazyCkptConfig
     from datastates_megatron.demo import gpt
     from datastates_megatron.megatron.cpu.training_record import state_digest
-    from datastates_megatron.engine import CorruptCheckpointError, device_copy, load_file, writer
-    from datastates_megatron.engine.device_copy import as_bytes
-    from datastates_megatron.engine.hashing import xxh64
-    from datastates_megatron.engine.manifest import iter_dir, read_manifest
+    from datastates_megatron.engine import CorruptCheckpointError, load_file
+    from datastates_megatron.engine.save import device_copy
+    from datastates_megatron.engine.format import writer
+    from datastates_megatron.engine.save.device_copy import as_bytes
+    from datastates_megatron.engine.format.hashing import xxh64
+    from datastates_megatron.engine.format.manifest import iter_dir, read_manifest
     import os
 
     gpt.init_distributed(seed=7)

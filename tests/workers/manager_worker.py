@@ -76,7 +76,7 @@ def main():
         a.start = r.iteration + 1
     if a.mode in ("save", "resume"):
         if rank == a.fail_rank:
-            from datastates_megatron.engine import writer
+            from datastates_megatron.engine.format import writer
 
             real = writer.RankFileWriter.write
 

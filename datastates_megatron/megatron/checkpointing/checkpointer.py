@@ -17,11 +17,11 @@ import time
 
 import torch
 
-from ...engine.commit import CommitRecord
+from ...engine.tiers.commit import CommitRecord
 from ...engine.errors import CheckpointError, EngineClosedError
 from ...engine.manager import CheckpointManager
-from ...engine.load_plan import LoadPlan, LoadPlanner, SameLayoutPlanner
-from ...engine.reader import CheckpointReader
+from ...engine.load.load_plan import LoadPlan, LoadPlanner, SameLayoutPlanner
+from ...engine.load.reader import CheckpointReader
 from . import model_state, reshard, training_state
 from .config import LazyCkptConfig
 from .shards import (

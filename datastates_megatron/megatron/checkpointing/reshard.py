@@ -32,10 +32,10 @@ import time
 import torch
 
 from ...engine.errors import CheckpointError, LayoutMismatchError
-from ...engine.global_index import GlobalIndex, read_index
-from ...engine.load_plan import ElementRange, LoadPlan, LoadPlanner, ReadItem
-from ...engine.manifest import Manifest
-from ...engine.reader import CheckpointReader
+from ...engine.format.global_index import GlobalIndex, read_index
+from ...engine.load.load_plan import ElementRange, LoadPlan, LoadPlanner, ReadItem
+from ...engine.format.manifest import Manifest
+from ...engine.load.reader import CheckpointReader
 from .shards import (
     IDENTITY_VERSION,
     bucket_param_ranges,

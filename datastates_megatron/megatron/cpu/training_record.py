@@ -129,8 +129,8 @@ def state_digest(model, optimizer) -> dict:
     optimizer state to the bit."""
     import torch  # here: the runner imports this module in every process, recording or not
 
-    from ...engine.device_copy import as_bytes
-    from ...engine.hashing import xxh64
+    from ...engine.save.device_copy import as_bytes
+    from ...engine.format.hashing import xxh64
     from ..checkpointing.model_state import capture
     from ..checkpointing.shards import collect_shards
 

@@ -91,7 +91,7 @@ def start(nproc: int, command: list[str]) -> int:
 
 
 def _rank(argv: list[str]) -> None:
-    from ...engine.faults import hold_point
+    from ...engine.runtime.faults import hold_point
     from ..cpu import launch as cpu_launch
     from .worker_process import watch_children
 

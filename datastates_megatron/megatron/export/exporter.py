@@ -42,11 +42,11 @@ import torch
 from ..._deps import require
 
 from ...engine.errors import CheckpointError, FlushError, LayoutMismatchError, NoCheckpointError
-from ...engine.manifest import MANIFEST_NAME, iter_dir, iteration_of, read_manifest, write_tracker
-from ...engine.tier import latest_committed
-from ...engine.load_plan import LoadPlan, ReadItem
-from ...engine.reader import CheckpointReader
-from ...engine.safe_io import create_temp
+from ...engine.format.manifest import MANIFEST_NAME, iter_dir, iteration_of, read_manifest, write_tracker
+from ...engine.tiers.tier import latest_committed
+from ...engine.load.load_plan import LoadPlan, ReadItem
+from ...engine.load.reader import CheckpointReader
+from ...engine.fs.safe_io import create_temp
 from . import export_ranks
 from .export_args import DEFAULT_SCRIPT, FORMATS, locate_script
 from .worker_process import run_worker, sigterm_raises

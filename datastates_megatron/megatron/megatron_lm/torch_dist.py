@@ -31,10 +31,10 @@ from typing import Any
 
 import torch
 
-from ...engine.collective import Collective
+from ...engine.dist.collective import Collective
 from ...engine.errors import CheckpointError, ForeignCheckpointError
-from ...engine.foreign import ForeignCheckpoint, find_foreign, tracker_text
-from ...engine.tier import committed_iterations
+from ...engine.tiers.foreign import ForeignCheckpoint, find_foreign, tracker_text
+from ...engine.tiers.tier import committed_iterations
 from ..checkpointing.shards import distributed_optimizers
 
 __all__ = [

@@ -1,0 +1,1 @@
+"""Cross-rank agreement: start-up and load collectives, and the commit's c10d store channel."""

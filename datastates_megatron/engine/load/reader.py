@@ -1,0 +1,395 @@
+"""The one verifying reader: executes any load plan (:mod:`.load_plan`) over one committed checkpoint.
+
+A load runs in two phases around one cross-rank agreement.  First, on this rank: make the plan,
+validate it whole (every source range inside its tensor and the file's data section, every
+destination of the right size and dtype), read the files it mostly uses into the page cache, and
+verify every checksum chunk the plan touches, once.  Then ``agree(error)`` -- joined exactly once on
+every path, success or error -- so that no rank copies while another failed.  Only then are bytes
+copied into the live tensors.  A bad checkpoint therefore leaves every rank's tensors untouched.
+
+Rank files are opened on demand, each checked against the manifest (size, header and index
+checksums, save identity), and mapped read-only; a symlink is never followed.  At most
+``max_open`` are open at once (least recently used closed first, never one in use), so that a
+load reading many files -- a reshard across thousands of old ranks -- holds a bounded number of
+descriptors; work on the mapping is done in rank order so that each file is opened about once.
+
+Thread-safety: one thread drives a load; the reader's own pool verifies and copies.  ``rank_file``,
+``read`` and the other accessors may be called from several threads; ``close`` must not race them.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures as cf
+import contextlib
+import dataclasses
+import os
+import stat
+import threading
+import time
+
+import torch
+
+from ..errors import CheckpointError, CorruptCheckpointError, LayoutMismatchError, NoCheckpointError
+from ..runtime.faults import crash_point
+from ..format.file_format import RankFile, TensorEntry
+from ..format.hashing import xxh64
+from .load_plan import ElementRange, LoadPlan, LoadPlanner, ReadItem
+from ..format.manifest import Manifest, iter_dir, read_manifest
+from ..fs.page_cache import warm_file
+from ..fs.safe_io import describe
+
+__all__ = ["RestoreStats", "CheckpointReader", "open_checkpoint", "open_rank", "MAX_OPEN_FILES"]
+
+MAX_OPEN_FILES = 32  # rank files a reader keeps open at once (64 descriptors)
+
+
+@dataclasses.dataclass
+class RestoreStats:
+    """What a load did: bytes copied, bytes hashed (whole chunks), and seconds per phase."""
+
+    bytes: int = 0
+    verified_bytes: int = 0
+    verify_s: float = 0.0
+    copy_s: float = 0.0
+    read_ahead_s: float = 0.0  # 0 when the files were resident already
+    files_opened: int = 0  # rank files the reader opened (a reshard with a global index: only those it reads)
+
+
+def open_checkpoint(root: str, iteration: int) -> tuple[str, Manifest]:
+    """``(directory, manifest)`` of committed checkpoint ``iteration`` under ``root``; an ``iter_*``
+    symlink is refused by :func:`.manifest.read_manifest`, never followed."""
+    ckpt = iter_dir(root, iteration)
+    if not os.path.lexists(ckpt):
+        raise NoCheckpointError(f"{ckpt}: no such checkpoint directory")
+    return ckpt, read_manifest(ckpt)
+
+
+def open_rank(ckpt: str, manifest: Manifest, rank: int) -> RankFile:
+    """Open ``rank``'s file and check it is the one the manifest committed (size and header checksum)."""
+    rec = manifest.record(rank)
+    if rec is None:
+        raise CorruptCheckpointError(f"{ckpt}: the {manifest.tier} manifest has no file for rank {rank}")
+    path = os.path.join(ckpt, rec.file)
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError as e:
+        raise CorruptCheckpointError(f"{ckpt}: rank {rank} file {rec.file} is missing") from e
+    except OSError as e:
+        raise CorruptCheckpointError(f"{path}: rank {rank} file cannot be read: {e}") from e
+    if not stat.S_ISREG(st.st_mode):  # a link may point outside the checkpoint: never followed
+        raise CorruptCheckpointError(
+            f"{ckpt}: rank {rank} file {rec.file} is missing: {path} is "
+            f"{describe(st.st_mode)}, not a regular file; refusing to follow or use it"
+        )
+    if st.st_size != rec.file_bytes:
+        raise CorruptCheckpointError(f"{path}: rank {rank} file has {st.st_size} bytes, manifest says {rec.file_bytes}")
+    try:
+        rf = RankFile(path)  # O_NOFOLLOW + fstat again (:mod:`.safe_io`): a swap since lstat is refused too
+    except FileNotFoundError as e:
+        raise CorruptCheckpointError(f"{ckpt}: rank {rank} file {rec.file} is missing") from e
+    except OSError as e:
+        raise CorruptCheckpointError(f"{path}: rank {rank} file cannot be read: {e}") from e
+    if (
+        xxh64(rf.header.pack()) != rec.header_xxh64
+        or rf.header.index_xxh64 != rec.index_xxh64
+        or rf.objects.get("tag") != rec.file
+        or rf.objects.get("version") != manifest.iteration
+    ):
+        rf.close()
+        raise CorruptCheckpointError(
+            f"{path}: rank {rank} file is not the one committed by the manifest (from another iteration or run?)"
+        )
+    return rf
+
+
+def _no_agreement(error: BaseException | None) -> None:
+    if error is not None:
+        raise error
+
+
+def _copy_one(src: torch.Tensor, dst: torch.Tensor, rank: int) -> int:
+    crash_point("restore", rank)
+    with torch.no_grad():
+        dst.copy_(src.view(dst.shape))
+    return src.numel() * src.element_size()
+
+
+class CheckpointReader:
+    """Reads checkpoint ``ckpt`` (its parsed ``manifest``) for rank ``rank``: executes load plans
+    (:meth:`load`) and hands out verified element ranges (:meth:`read`).
+
+    ``verify``: check chunk checksums before data is used (each chunk once per reader).
+    ``max_open``: rank files open at once (each holds two descriptors: the file and its mapping).
+    A context manager; ``close()`` is idempotent.  Thread-safety: see the module docstring."""
+
+    def __init__(
+        self,
+        ckpt: str,
+        manifest: Manifest,
+        *,
+        rank: int = 0,
+        verify: bool = True,
+        threads: int = 4,
+        max_open: int = MAX_OPEN_FILES,
+        partial: bool = False,
+    ) -> None:
+        """``partial``: ``manifest`` holds this rank's record only (:func:`.source.resolve`); a plan
+        that reads another rank's file makes the reader read the whole manifest then, once."""
+        self.ckpt = ckpt
+        self.manifest = manifest
+        self._partial = partial
+        self.rank = rank
+        self.verify_chunks = verify
+        self.threads = max(1, int(threads))
+        self.max_open = max(1, int(max_open), self.threads)
+        self._lock = threading.Lock()
+        self._files: collections.OrderedDict[int, RankFile] = collections.OrderedDict()  # least recently used first
+        self._pins: collections.Counter[int] = collections.Counter()  # files whose mapping is in use
+        self._verified: set[tuple[int, str, int]] = set()
+        self._closed = False
+        self.opened: set[int] = set()  # the ranks whose files this reader opened (for tests, benchmarks)
+
+    # ------------------------------------------------------------------ files
+    def rank_file(self, rank: int) -> RankFile:
+        """The (validated) file of ``rank``, opened on first use.  Its header, entries and objects
+        stay usable after the reader closes it; its mapping only under :meth:`_mapped`."""
+        if not 0 <= rank < self.manifest.world_size:
+            raise LayoutMismatchError(
+                f"{self.ckpt}: no rank {rank} in a checkpoint of world size {self.manifest.world_size}"
+            )
+        with self._lock:
+            if self._closed:
+                raise CheckpointError(f"{self.ckpt}: reader is closed")
+            rf = self._files.get(rank)
+            if rf is not None:
+                self._files.move_to_end(rank)
+                return rf
+            if self._partial and self.manifest.record(rank) is None:
+                self._read_whole_manifest()
+            self._evict(self.max_open - 1)
+            rf = self._files[rank] = open_rank(self.ckpt, self.manifest, rank)
+            self.opened.add(rank)
+            return rf
+
+    def _read_whole_manifest(self) -> None:
+        """(lock held) The whole manifest of the checkpoint whose header this reader was given: the
+        same commit, or a :class:`CorruptCheckpointError` naming it."""
+        whole = read_manifest(self.ckpt)
+        if (whole.iteration, whole.commit_seq, whole.run_token) != (
+            self.manifest.iteration,
+            self.manifest.commit_seq,
+            self.manifest.run_token,
+        ):
+            raise CorruptCheckpointError(f"{self.ckpt}: the manifest changed while it was read")
+        self.manifest, self._partial = whole, False
+
+    def _evict(self, keep: int) -> None:
+        """Close least recently used files not in use until at most ``keep`` are open (lock held)."""
+        for old in [r for r in self._files if not self._pins[r]][: max(0, len(self._files) - keep)]:
+            self._files.pop(old).close()
+
+    @contextlib.contextmanager
+    def _mapped(self, rank: int):
+        """``rank``'s file, kept open while the caller reads its mapping (views made under it stay
+        valid after: an unmapped file's pages go with its last view)."""
+        with self._lock:
+            self._pins[rank] += 1
+        try:
+            yield self.rank_file(rank)
+        finally:
+            with self._lock:
+                self._pins[rank] -= 1
+
+    def objects(self, rank: int):
+        """The non-tensor objects rank ``rank`` saved (``objects`` section, as passed to save)."""
+        return self.rank_file(rank).objects["objects"]
+
+    def tensor_meta(self, rank: int) -> dict:
+        """``{tensor name: meta}`` as registered by rank ``rank``."""
+        meta = self.rank_file(rank).objects.get("tensor_meta")
+        return meta if isinstance(meta, dict) else {}
+
+    def entry(self, rank: int, name: str) -> TensorEntry:
+        rf = self.rank_file(rank)
+        try:
+            return rf.entries[name]
+        except KeyError as e:
+            raise CorruptCheckpointError(f"{rf.path}: rank {rank} file has no tensor {name!r}") from e
+
+    # ------------------------------------------------------------------ ranges
+    def _bytes_of(self, r: ElementRange) -> tuple[RankFile, TensorEntry, int, int]:
+        """The file, entry and byte range ``[lo, hi)`` of ``r`` within its tensor, checked to lie
+        inside the tensor and the file's data section."""
+        rf = self.rank_file(r.rank)
+        e = self.entry(r.rank, r.tensor)
+        size = e.dtype.itemsize
+        numel = e.nbytes // size if size else 0
+        if r.start < 0 or r.count < 0 or r.start + r.count > numel:
+            raise LayoutMismatchError(
+                f"{rf.path}: rank {r.rank} tensor {r.tensor!r} has {numel} elements; asked for "
+                f"[{r.start}, {r.start + r.count})"
+            )
+        lo, hi = r.start * size, (r.start + r.count) * size
+        h = rf.header
+        if not h.data_offset <= e.offset + lo <= e.offset + hi <= h.data_offset + h.data_bytes:
+            raise CorruptCheckpointError(
+                f"{rf.path}: rank {r.rank} tensor {r.tensor!r}: bytes {e.offset + lo}..{e.offset + hi} lie outside "
+                f"the data section [{h.data_offset}, {h.data_offset + h.data_bytes})"
+            )
+        return rf, e, lo, hi
+
+    def chunks_of(self, r: ElementRange) -> list[tuple[int, str, int]]:
+        """The ``(rank, tensor, chunk)`` checksum chunks covering ``r``."""
+        rf, _, lo, hi = self._bytes_of(r)
+        if hi <= lo:
+            return []
+        cb = rf.header.chunk_bytes
+        return [(r.rank, r.tensor, c) for c in range(lo // cb, (hi - 1) // cb + 1)]
+
+    def _view(self, r: ElementRange) -> torch.Tensor:
+        """1-D zero-copy view of ``r`` (copy-on-write mapping: writing it never touches the file)."""
+        with self._mapped(r.rank):
+            rf, e, lo, hi = self._bytes_of(r)
+            if hi == lo:
+                return torch.empty(0, dtype=e.dtype)
+            return torch.from_numpy(rf.raw(e)[lo:hi]).view(e.dtype)
+
+    def read(self, r: ElementRange) -> torch.Tensor:
+        """A 1-D zero-copy view of ``r``, after verifying the chunks it touches."""
+        self.verify([r])
+        return self._view(r)
+
+    # ------------------------------------------------------------------ verification
+    def _verify_chunk(self, key: tuple[int, str, int]) -> tuple[str | None, int]:
+        rank, name, c = key
+        try:
+            with self._mapped(rank) as rf:
+                n = rf.verify_chunk(rf.entries[name], c)
+        except CorruptCheckpointError as e:
+            return f"rank {rank}: {e}", 0
+        with self._lock:
+            self._verified.add(key)
+        return None, n
+
+    def verify(self, ranges, pool: cf.Executor | None = None) -> int:
+        """Verify every chunk covering ``ranges`` not yet verified by this reader, in parallel;
+        raises :class:`CorruptCheckpointError` naming every bad chunk.  Returns the bytes hashed."""
+        if not self.verify_chunks:
+            return 0
+        keys = sorted({k for r in ranges for k in self.chunks_of(r)})
+        with self._lock:
+            keys = [k for k in keys if k not in self._verified]
+        if not keys:
+            return 0
+        if pool is None:
+            with cf.ThreadPoolExecutor(self.threads, thread_name_prefix=f"dsm-read-r{self.rank}") as own:
+                results = list(own.map(self._verify_chunk, keys))
+        else:
+            results = list(pool.map(self._verify_chunk, keys))
+        bad = [msg for msg, _ in results if msg]
+        if bad:
+            raise CorruptCheckpointError(
+                f"rank {self.rank}: {len(bad)} corrupt chunk(s) in {self.ckpt}: " + "; ".join(bad[:5])
+            )
+        return sum(n for _, n in results)
+
+    # ------------------------------------------------------------------ plans
+    def validate(self, plan: LoadPlan) -> None:
+        """Raise (naming file, rank and tensor) unless every item of ``plan`` can be executed: its
+        source inside its tensor and the data section, its destination a tensor of the source's
+        dtype and element count."""
+        for item in plan.items:
+            r, dst = item.source, item.dest
+            rf, e, _, _ = self._bytes_of(r)
+            what = f"{rf.path}: rank {r.rank} tensor {r.tensor!r} elements [{r.start}, {r.start + r.count})"
+            to = f"destination {item.label!r}" if item.label else "the destination"
+            if not isinstance(dst, torch.Tensor):
+                raise LayoutMismatchError(f"{what}: {to} is a {type(dst).__name__}, not a tensor")
+            if dst.dtype != e.dtype:
+                raise LayoutMismatchError(f"{what}: holds {e.dtype}, {to} is {dst.dtype}")
+            if dst.numel() != r.count:
+                raise LayoutMismatchError(f"{what}: {r.count} elements go to {to} of {dst.numel()}")
+
+    def _warm(self, plan: LoadPlan, pool: cf.Executor) -> bool:
+        """Read into the page cache each file the plan reads at least half of (one sequential pass
+        beats page faults); a file the plan reads a little of is left to the faults."""
+        wanted: dict[int, int] = {}
+        for item in plan.items:
+            e = self.entry(item.source.rank, item.source.tensor)
+            wanted[item.source.rank] = wanted.get(item.source.rank, 0) + item.source.count * e.dtype.itemsize
+        warmed = False
+        for rank, nbytes in sorted(wanted.items()):
+            with self._mapped(rank) as rf:
+                if 2 * nbytes >= rf.header.data_bytes:
+                    warmed = warm_file(rf.path, rf.fileno(), pool, self.threads) or warmed
+        return warmed
+
+    def load(self, planner: LoadPlanner, agree=None) -> tuple[LoadPlan, RestoreStats]:
+        """Plan with ``planner``, validate, warm and verify; join ``agree`` once; then copy.
+
+        ``agree(error)`` is the cross-rank agreement (a collective): every rank passes its error, or
+        None when its part validated, and it raises on every rank when any rank failed.  Without it
+        this rank's error is raised as it is.  Nothing is written to a destination unless every
+        rank validated.  Returns the plan and the statistics."""
+        agree = agree or _no_agreement
+        stats = RestoreStats()
+        with cf.ThreadPoolExecutor(self.threads, thread_name_prefix=f"dsm-read-r{self.rank}") as pool:
+            error: BaseException | None = None
+            plan = None
+            try:
+                plan = planner.plan(self)
+                self.validate(plan)
+                t0 = time.perf_counter()
+                if self._warm(plan, pool):
+                    stats.read_ahead_s = time.perf_counter() - t0
+                t0 = time.perf_counter()
+                stats.verified_bytes = self.verify([it.source for it in plan.items], pool)
+                stats.verify_s = time.perf_counter() - t0
+            except Exception as e:  # noqa: BLE001 - every rank must hear it (an OSError too), not only this one
+                error = e
+            agree(error)
+            if error is not None:  # an agreement that does not raise on the failed rank: still never copy
+                raise error
+            t0 = time.perf_counter()
+            by_rank: dict[int, list[ReadItem]] = {}
+            for it in plan.items:
+                by_rank.setdefault(it.source.rank, []).append(it)
+            for items in (by_rank[r] for r in sorted(by_rank)):  # file by file: its views, then its copies
+                sources = [self._view(it.source) for it in items]
+                stats.bytes += sum(
+                    pool.map(lambda pair: _copy_one(pair[0], pair[1].dest, self.rank), zip(sources, items))
+                )
+                del sources
+            stats.copy_s = time.perf_counter() - t0
+        stats.files_opened = len(self.opened)
+        return plan, stats
+
+    def execute(self, plan: LoadPlan, agree=None) -> RestoreStats:
+        """:meth:`load` of a plan made already."""
+        return self.load(_Fixed(plan), agree)[1]
+
+    # ------------------------------------------------------------------ lifecycle
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            files, self._files = list(self._files.values()), collections.OrderedDict()
+        for rf in files:
+            rf.close()
+
+    def __enter__(self) -> "CheckpointReader":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class _Fixed(LoadPlanner):
+    """A plan made already, as a planner."""
+
+    def __init__(self, plan: LoadPlan) -> None:
+        self._plan = plan
+        self.kind = plan.kind
+
+    def plan(self, reader: CheckpointReader) -> LoadPlan:
+        return self._plan

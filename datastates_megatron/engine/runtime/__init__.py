@@ -1,0 +1,1 @@
+"""What every other folder uses: owned threads, exit handling, crash-injection points."""

@@ -1,0 +1,1 @@
+"""A tier and what it owns: commit, retention and its deleter, foreign refusal, the run id, promotion and replication."""

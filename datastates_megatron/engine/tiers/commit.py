@@ -1,0 +1,440 @@
+"""Asynchronous cross-rank commit: agree that every rank's file is durable, then write the manifest.
+
+One thread per rank (``dsm-commit-r{rank}``) takes tickets in save order.  For each it waits for the
+local file to be durable, then sends one status record to rank 0 (:class:`.store_channel.StoreChannel`:
+through the c10d store, on a connection of its own, never a process group, so it never interleaves
+with training collectives).  Rank 0 decides; if every rank succeeded, the tier's writer (rank 0; on
+the local tier each node's first rank, sent its node's rows by rank 0) writes ``manifest.json`` (the
+commit point), and rank 0 broadcasts the outcome; the tracker follows.  Otherwise nothing is
+written and every rank learns which ranks failed.  Rank 0 does O(N) work; every other rank sends
+and receives O(1) bytes (a node leader: O(its node's ranks)).
+Then the committer's ``after_commit`` runs: the tier hands its retention to its deleter thread
+(:mod:`.deleter`) and offers the checkpoint to its subscribers -- the promotion, replication
+(:meth:`.tier.Tier.on_commit`).
+
+Thread-safety: ``submit``/``poll``/``drain``/``close`` are called from the training thread; the
+commit thread owns the process group and the manifest writes.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import os
+import threading
+import time
+
+import numpy as np
+
+from ..errors import CacheTimeoutError, CommitError, LockLostError
+from ..runtime.faults import crash_point
+from ..format.global_index import Summaries, write_index
+from ..format.manifest import Manifest, RankRecord, iter_dir, rank_file_name, write_manifest, write_tracker
+from .retention import unlink_ours
+from ..dist.store_channel import StoreChannel
+from ..runtime.threads import QueueThread
+
+__all__ = ["Committer", "Ticket", "CommitRecord"]
+
+log = logging.getLogger(__name__)
+# one rank's status of one save, gathered by every rank (checksums as signed int64)
+_STATUS = (
+    "ok",
+    "iteration",
+    "seq",
+    "file_bytes",
+    "data_bytes",
+    "n_tensors",
+    "index_xxh64",
+    "header_xxh64",
+    "copy_us",
+    "flush_us",
+    "call_us",
+    "writes_lo",  # the ranks whose files this rank describes in a manifest: [lo, lo + n)
+    "writes_n",
+    "summary_sum",  # the checksum of this rank's global-index summary (:mod:`.global_index`); 0: none
+)
+_RECORD = ("file_bytes", "data_bytes", "n_tensors", "index_xxh64", "header_xxh64")  # a manifest's record, in order
+_SHOWN = 16  # ranks named in an outcome (and how many there are): the document stays small
+
+
+def _to_i64(u: int) -> int:
+    return u - (1 << 64) if u >= 1 << 63 else u
+
+
+@dataclasses.dataclass
+class Ticket:
+    iteration: int
+    seq: int
+    durable: object  # concurrent.futures.Future[FileReceipt]: a save's, or a promotion's copy
+    metadata: dict
+    t_save: float
+    token: str | None = None  # run token in the file names (a re-promotion carries an earlier run's)
+
+
+@dataclasses.dataclass(frozen=True)
+class CommitRecord:
+    """One committed checkpoint, with the figures telemetry reports (maxima over ranks)."""
+
+    iteration: int
+    total_bytes: int
+    bytes_per_rank: tuple[int, ...]  # per rank on rank 0; empty on the others (O(1) per rank)
+    save_call_s: float
+    copy_s: float
+    flush_s: float
+    commit_s: float
+    tier: str = "persistent"
+    max_rank_bytes: int = 0  # the most bytes one rank saved (every rank knows it; ``bytes_per_rank``: rank 0)
+
+    def __post_init__(self) -> None:
+        if not self.max_rank_bytes and self.bytes_per_rank:
+            object.__setattr__(self, "max_rank_bytes", max(self.bytes_per_rank))
+
+    @property
+    def d2h_gbps(self) -> float:
+        return self.max_rank_bytes / self.copy_s / 1e9 if self.copy_s > 0 else float("inf")
+
+    @property
+    def flush_gbps(self) -> float:
+        return self.max_rank_bytes / self.flush_s / 1e9 if self.flush_s > 0 else float("inf")
+
+
+class Committer(QueueThread):
+    """Owns the commit thread of one rank; a context manager, ``close()`` idempotent."""
+
+    def __init__(
+        self,
+        tier,
+        channel: StoreChannel,
+        world_size: int,
+        layout: dict,
+        next_commit_seq: int,
+        timeout_s: float,
+        *,
+        after_commit=None,
+        guard=None,
+    ) -> None:
+        """``tier``: the :class:`.tier.Tier` whose manifests this thread writes (it owns this
+        committer); ``channel``: this tier's own, used by the commit thread only;
+        ``after_commit(ticket)``: run on this thread after each commit; ``guard()``: the writer's
+        check that it still owns the directory (:meth:`.dirlock.SaveDirLock.check`), run before
+        each manifest is written -- it raises ``LockLostError`` and nothing is committed then."""
+        self.tier = tier
+        self.root = tier.root
+        self.rank = rank = tier.rank
+        self.world_size = world_size
+        self._chan = channel
+        self._token = tier.token
+        self._layout = layout
+        self._commit_seq = next_commit_seq
+        self._timeout = timeout_s
+        self._writes = tier.writes  # the ranks whose files this rank describes in a manifest
+        if self._writes and list(self._writes) != list(range(self._writes[0], self._writes[0] + len(self._writes))):
+            raise ValueError(f"rank {rank}: a writer describes a contiguous range of ranks, not {self._writes}")
+        self._two_phase = tier.name == "local"  # node leaders write the manifests, not rank 0 alone
+        # the persistent tier's writer also writes the checkpoint's global index (a reshard's map)
+        self._indexed = tier.name == "persistent"
+        self._published = 0  # the summary checksum this rank last sent
+        self._summaries = Summaries(world_size) if self._indexed and channel.is_root else None
+        self._lock = threading.Lock()
+        self._idle = threading.Condition(self._lock)
+        self._outstanding: dict[int, Ticket] = {}  # seq -> ticket not yet processed
+        self._records: collections.deque[CommitRecord] = collections.deque()
+        self._errors: collections.deque[BaseException] = collections.deque()
+        self.latest: int | None = None
+        self._after = after_commit
+        self.guard = guard
+        super().__init__(f"dsm-commit-r{rank}" + ("-local" if tier.name == "local" else ""))
+
+    def submit(self, ticket: Ticket) -> None:
+        with self._lock:
+            self._outstanding[ticket.seq] = ticket
+        self.put(ticket)
+
+    def poll(self) -> list[CommitRecord]:
+        """Commits completed since the last call; re-raises one stored error (once)."""
+        if self._errors:
+            raise self._errors.popleft()
+        out = []
+        while self._records:
+            out.append(self._records.popleft())
+        return out
+
+    def drain(self, timeout: float | None = None) -> None:
+        timeout = self._timeout if timeout is None else timeout
+        with self._idle:
+            if not self._idle.wait_for(lambda: not self._outstanding, timeout):
+                raise CacheTimeoutError(
+                    f"rank {self.rank}: {len(self._outstanding)} checkpoint(s) not committed after {timeout:.0f}s"
+                )
+
+    # ------------------------------------------------------------------ commit thread
+    def _handle(self, ticket: Ticket) -> None:
+        committed = False
+        try:
+            committed = self._commit(ticket)
+        except BaseException as e:  # noqa: BLE001 - stored, re-raised on the training thread
+            err = (
+                e
+                if isinstance(e, CommitError)
+                else CommitError(
+                    f"rank {self.rank}: iteration {ticket.iteration}: commit failed: {e!r}; nothing committed"
+                )
+            )
+            if err is not e:
+                err.__cause__ = e
+            log.error("%s", err)
+            self._errors.append(err)
+        try:
+            if committed:
+                self._after_commit(ticket)
+        finally:
+            with self._idle:
+                self._outstanding.pop(ticket.seq, None)
+                self._idle.notify_all()
+
+    def _after_commit(self, ticket: Ticket) -> None:
+        """Retention and promotion of a committed checkpoint (``after_commit``): outside the
+        commit's ``try``, so that nothing they raise can turn a commit into "nothing committed" (the
+        tier logs its own failures; this is the last guard)."""
+        if self._after is None:
+            return
+        try:
+            self._after(ticket)
+        except Exception as e:  # noqa: BLE001 - the checkpoint is committed whatever happens here
+            log.error(
+                "rank %d: iteration %d is committed (%s tier), but what follows its commit failed: %r",
+                self.rank,
+                ticket.iteration,
+                self.tier.name,
+                e,
+            )
+
+    def _status(self, ticket: Ticket) -> dict[str, int]:
+        """This rank's status record of ``ticket`` (zeros after its ``ok`` when its file failed)."""
+        status = dict.fromkeys(_STATUS, 0)
+        status.update(iteration=ticket.iteration, seq=ticket.seq)
+        if self._writes:
+            status.update(writes_lo=self._writes[0], writes_n=len(self._writes))
+        summary = self.tier.summary if self._indexed else None
+        if summary is not None:
+            raw, h = summary
+            if h != self._published:  # sent once per change, kept in the store
+                self._chan.publish("summary", raw)
+                self._published = h
+            status.update(summary_sum=h)
+        try:
+            r = ticket.durable.result(timeout=self._timeout)
+        except BaseException:  # noqa: BLE001 - the engine already stored and logged this rank's error
+            return status
+        status.update(
+            ok=1,
+            file_bytes=r.file_bytes,
+            data_bytes=r.data_bytes,
+            n_tensors=r.n_tensors,
+            index_xxh64=_to_i64(r.index_xxh64),
+            header_xxh64=_to_i64(r.header_xxh64),
+            copy_us=int(r.copy_s * 1e6),
+            flush_us=int(r.flush_s * 1e6),
+            call_us=int(r.save_call_s * 1e6),
+        )
+        return status
+
+    def _commit(self, ticket: Ticket) -> bool:
+        """Whether ``ticket``'s checkpoint was committed (False or an error: it was not).  Rank 0 gathers every rank's status (O(N) there, one record sent by each other rank),
+        writes the manifest -- on the local tier each node leader writes its node's, with its
+        node's rows from rank 0, and rank 0 gathers whether they could -- and broadcasts the
+        outcome (one small document)."""
+        chan = self._chan
+        mine = self._status(ticket)
+        cols = chan.gather(mine, _STATUS)  # rank 0: every rank's status, a column per field
+        verdict = self._verdict(ticket, cols) if chan.is_root else None
+        if self._two_phase:
+            got = chan.scatter(self._leader_docs(verdict, cols) if chan.is_root else None, expect=bool(self._writes))
+            ok = True
+            if self._writes and got["go"]:
+                ok = self._write_manifest(ticket, got["cols"], got["lo"])
+            oks = chan.gather({"ok": int(ok)}, ("ok",))
+            if chan.is_root and verdict["go"]:
+                bad = np.flatnonzero(oks["ok"] == 0).tolist()
+                verdict.update(go=not bad, unwritten=bad[:_SHOWN], n_unwritten=len(bad))
+        elif chan.is_root and verdict["go"]:
+            ok = self._write_manifest(ticket, cols, 0)
+            verdict.update(go=ok, unwritten=[] if ok else [0], n_unwritten=int(not ok))
+        outcome = chan.broadcast(verdict)
+        if not outcome["go"]:
+            self._refuse(ticket, outcome, own_failed=mine["ok"] != 1)
+            return False
+        self._commit_seq += 1
+        self.latest = ticket.iteration
+        if self._writes:
+            # the manifest is the commit point; the tracker is Megatron's hint and may lag it
+            crash_point("before_tracker", self.rank)
+            try:
+                write_tracker(self.root, ticket.iteration)
+            except OSError as e:
+                log.warning(
+                    "rank %d: iteration %d is committed but %s could not update the tracker: %s",
+                    self.rank,
+                    ticket.iteration,
+                    self.root,
+                    e,
+                )
+        record = CommitRecord(
+            iteration=ticket.iteration,
+            total_bytes=outcome["total_bytes"],
+            bytes_per_rank=tuple(cols["data_bytes"].tolist()) if cols is not None else (),
+            save_call_s=outcome["call_us"] / 1e6,
+            copy_s=outcome["copy_us"] / 1e6,
+            flush_s=outcome["flush_us"] / 1e6,
+            commit_s=time.perf_counter() - ticket.t_save,
+            tier=self.tier.name,
+            max_rank_bytes=outcome["max_rank_bytes"],
+        )
+        self._records.append(record)
+        return True
+
+    def _leader_docs(self, verdict: dict, cols: dict[str, np.ndarray]) -> dict[int, dict]:
+        """Rank 0, local tier: to each node leader the verdict and (when it may write) the status
+        columns of its node's ranks."""
+        docs = {}
+        for r in np.flatnonzero(cols["writes_n"]).tolist():
+            lo, n = int(cols["writes_lo"][r]), int(cols["writes_n"][r])
+            node = {f: cols[f][lo : lo + n].tolist() for f in _RECORD} if verdict["go"] else {}
+            docs[r] = {"go": verdict["go"], "lo": lo, "cols": node}
+        return docs
+
+    def _verdict(self, ticket: Ticket, cols: dict[str, np.ndarray]) -> dict:
+        """Rank 0: whether every rank saved ``ticket`` (the same iteration and sequence) and
+        succeeded; with the figures every rank's commit record reports.  O(N) in numpy, small to send."""
+        it, sq = cols["iteration"], cols["seq"]
+        stray = np.flatnonzero((it != ticket.iteration) | (sq != ticket.seq))
+        failed = np.flatnonzero(cols["ok"] != 1)
+        return {
+            "go": not stray.size and not failed.size,
+            "stray": [(i, int(it[i]), int(sq[i])) for i in stray[:_SHOWN].tolist()],
+            "n_stray": int(stray.size),
+            "failed": failed[:_SHOWN].tolist(),
+            "n_failed": int(failed.size),
+            "unwritten": [],
+            "n_unwritten": 0,
+            "total_bytes": int(cols["data_bytes"].sum()),
+            "max_rank_bytes": int(cols["data_bytes"].max()),
+            "call_us": int(cols["call_us"].max()),
+            "copy_us": int(cols["copy_us"].max()),
+            "flush_us": int(cols["flush_us"].max()),
+        }
+
+    def _write_manifest(self, ticket: Ticket, cols: dict, lo: int) -> bool:
+        """The writer: this tier's manifest of ``ticket`` (the commit point) from the status
+        columns (arrays, or lists sent by rank 0) of ranks ``lo``, ``lo + 1``, ... (every rank on
+        rank 0; a node leader's node); ``False`` (the error stored) when it could not be written."""
+        try:
+            tail = rank_file_name(0, ticket.token or self._token, ticket.seq)[len("r00000") :]
+            name = ("r%05d" + tail.replace("%", "%%")).__mod__  # rank_file_name(i, token, seq), formatted once
+            first, n = self._writes[0], len(self._writes)
+            mine = {f: np.asarray(cols[f], dtype=np.int64)[first - lo : first - lo + n] for f in _RECORD}
+            for f in ("index_xxh64", "header_xxh64"):  # sent as signed int64: the unsigned value back
+                mine[f] = mine[f].view(np.uint64)
+            manifest = Manifest(
+                iteration=ticket.iteration,
+                world_size=self.world_size,
+                run_token=self._token,
+                # map, not a generator of tuples: half the time at 64k ranks
+                ranks=tuple(
+                    map(
+                        RankRecord,
+                        range(first, first + n),
+                        map(name, range(first, first + n)),
+                        *(mine[f].tolist() for f in _RECORD),
+                    )
+                ),
+                layout=self._layout,
+                metadata=ticket.metadata,
+                commit_seq=self._commit_seq,
+                tier=self.tier.name,
+                run_id=self.tier.run_id,
+            )
+            if self.guard is not None:  # the directory is still ours (its lock file is the one we locked)
+                self.guard()
+            self._write_index(manifest, cols)
+            crash_point("before_manifest", self.rank)
+            write_manifest(self.root, manifest)
+            self.tier.manifest_written(manifest)
+        except LockLostError as e:
+            err = CommitError(f"rank {self.rank}: iteration {ticket.iteration}: not committed: {e}")
+            err.__cause__ = e
+            self._errors.append(err)
+            return False
+        except Exception as e:  # noqa: BLE001 - an OSError, or metadata that is not JSON: every rank must hear it
+            # (a writer that raised here would leave every other rank waiting for the outcome)
+            err = CommitError(
+                f"rank {self.rank}: iteration {ticket.iteration}: writing the {self.tier.name} manifest in {self.root} failed: {e}"
+            )
+            err.__cause__ = e
+            self._errors.append(err)
+            return False
+        return True
+
+    def _write_index(self, manifest: Manifest, cols: dict) -> None:
+        """Rank 0 (persistent tier): the checkpoint's global index, before its manifest, when every
+        rank sent a summary.  Optional: a failure is logged and the checkpoint has no index."""
+        if self._summaries is None:
+            return
+        try:
+            body = self._summaries.update(cols["summary_sum"], lambda ranks: self._chan.fetch("summary", ranks))
+            if body is not None:
+                write_index(self.root, manifest, body)
+        except Exception as e:  # noqa: BLE001 - a reshard then reads every rank file's metadata
+            log.warning(
+                "rank %d: iteration %d: no global index written (%r); a reshard of it reads every rank file",
+                self.rank,
+                manifest.iteration,
+                e,
+            )
+
+    def _refuse(self, ticket: Ticket, outcome: dict, own_failed: bool) -> None:
+        """Nothing was committed: the writers remove the save's files; every rank but one whose own
+        error is stored already raises, naming the ranks that failed."""
+        if self._writes:
+            self._discard(ticket)
+        if outcome["n_stray"]:
+            raise CommitError(
+                f"rank {self.rank}: ranks are out of step: rank(s) saving {_shown(outcome['stray'], outcome['n_stray'])} "
+                f"(rank, iteration, sequence), not iteration {ticket.iteration} sequence {ticket.seq}; nothing committed"
+            )
+        if outcome["n_failed"]:
+            if own_failed:
+                return  # this rank's own error is already stored by the engine
+            raise CommitError(
+                f"rank {self.rank}: iteration {ticket.iteration}: rank(s) {_shown(outcome['failed'], outcome['n_failed'])} "
+                f"failed to write their files; nothing committed, latest stays {self.latest}"
+            )
+        if self.rank in outcome["unwritten"]:
+            return  # this writer's error is stored
+        raise CommitError(
+            f"rank {self.rank}: iteration {ticket.iteration}: a {self.tier.name} manifest could not be written "
+            f"(by rank(s) {_shown(outcome['unwritten'], outcome['n_unwritten'])}); nothing committed"
+        )
+
+    def _discard(self, ticket: Ticket) -> None:
+        """Remove the files of a save that was not committed (and its directory if nothing else is there)."""
+        d = iter_dir(self.root, ticket.iteration)
+        for r in self._writes:
+            unlink_ours(os.path.join(d, rank_file_name(r, ticket.token or self._token, ticket.seq)))
+        others = [t for t in self.outstanding() if t.iteration == ticket.iteration and t.seq != ticket.seq]
+        if not others:
+            try:
+                os.rmdir(d)  # only succeeds when empty: a committed manifest keeps it
+            except OSError:
+                pass
+
+    def outstanding(self) -> list[Ticket]:
+        """The tickets submitted and not processed yet (any thread)."""
+        with self._lock:
+            return list(self._outstanding.values())
+
+
+def _shown(ranks: list, n: int) -> str:
+    return f"{ranks}" + (f" and {n - len(ranks)} more" if n > len(ranks) else "")

@@ -1,0 +1,503 @@
+"""Partner replication of the node-local tier: each rank's local file also lives on the ranks of its
+clique on other nodes, so losing a node does not lose its node-local checkpoints.
+
+Why: a dead node takes its ``/dev/shm`` with it; without a replica every rank falls back to the last
+*promoted* checkpoint and the high local checkpoint frequency buys nothing for the most common
+failure at scale.  As in nvidia-resiliency-ext's clique replication (and Megatron-LM's
+``--replication-jump J --replication-factor F``): ranks ``r, r+J, ..., r+(F-1)J`` within blocks of
+``J*F`` ranks form a clique (``J`` = ranks per node puts its members on ``F`` different nodes), and
+every member keeps a copy of every other member's file.  Traffic stays inside cliques, over one
+gloo group per clique (``F`` ranks, never the world).
+
+Layout: the replica of rank ``s`` held by this rank is ``<run's local dir>/replicas/r<s>/iter_*``, a
+tier directory of its own (one-rank manifest, the node manifest's record and metadata); a file
+fetched back for this rank after its node was replaced lands in ``replicas/r<self>``.  A replica is
+committed (its manifest written) only once the file is complete, every checksum verified and its
+header matches the sender's manifest record.
+
+Thread-safety: :meth:`Replication.replicate` runs on the local tier's commit thread (after the
+commit, so every member handles the same checkpoints in the same order and the next commit's
+retention cannot delete a file being sent); the restore steps run on the training thread at load.
+The clique group is used by one thread at a time (load happens before any save).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import logging
+import os
+import time
+
+import numpy as np
+import torch
+
+from ..dist.collective import Collective
+from ..errors import CheckpointError, CorruptCheckpointError, OptionsError
+from ..runtime.faults import crash_point
+from ..format.file_format import FileReceipt, RankFile
+from ..format.manifest import (
+    Manifest,
+    iter_dir,
+    parse_rank_file_name,
+    read_manifest,
+    rank_file_name,
+    write_manifest,
+)
+from ..names import PROMOTING_SUFFIX
+from .retention import delete_checkpoint, remove_ours, select_deletions, unlink_ours
+from ..fs.safe_io import create_temp, make_dir, real_dir
+from .tier import Tier, committed_saves, list_iterations, survey
+from ..format.writer import fsync_dir
+
+__all__ = ["Replication", "clique_of", "replication_plan", "REPLICAS_DIR", "ReplicaStats"]
+
+log = logging.getLogger(__name__)
+REPLICAS_DIR = "replicas"
+_CHUNK = 16 << 20  # one receive buffer of this size (sends go from the file's mapping): replication's memory
+_HDR = ("ok", "iteration", "seq", "token", "file_bytes", "manifest_bytes")
+
+
+def replication_plan(world_size: int, per_node: int, replicas: int | None, jump: int | None) -> tuple[int, int]:
+    """``(jump, factor)`` for ``replicas`` partners per rank (None: 1 when there is more than one
+    node and the node count is even, else 0) ``jump`` ranks apart (None: ranks per node); factor 1
+    is off.  An explicit setting that does not tile the world raises :class:`OptionsError`."""
+    nodes = max(1, world_size // max(1, per_node))
+    jump = per_node if jump is None else jump
+    if replicas is None:
+        replicas = 1 if nodes > 1 and nodes % 2 == 0 else 0
+        if nodes > 1 and nodes % 2:
+            log.warning(
+                "node-local checkpoints are not replicated: %d nodes do not pair up (set --lazy-ckpt-replicas "
+                "K so that K+1 divides the node count)",
+                nodes,
+            )
+    factor = replicas + 1
+    if factor == 1:
+        return jump, 1
+    if jump < 1 or world_size % (jump * factor):
+        raise OptionsError(
+            "replication",
+            [
+                (
+                    "replicas",
+                    f"{replicas} partner(s) {jump} ranks apart do not tile {world_size} ranks "
+                    f"(world size must be a multiple of jump*(replicas+1) = {jump * factor})",
+                )
+            ],
+        )
+    return jump, factor
+
+
+def clique_of(rank: int, jump: int, factor: int) -> list[int]:
+    """The ranks of ``rank``'s clique, ascending (O(factor): no list of every clique is built)."""
+    block = rank // (jump * factor) * (jump * factor)
+    return [block + rank % jump + k * jump for k in range(factor)]
+
+
+@dataclasses.dataclass
+class ReplicaStats:
+    """Bytes and seconds of the replication of this rank's checkpoints (sent, received)."""
+
+    checkpoints: int = 0
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    bytes_fetched: int = 0  # this rank's own files fetched back at a restore
+    seconds: float = 0.0
+    failures: int = 0
+
+
+class Replication:
+    """The replicas of one rank: what it sends its clique, what it keeps for the others, and the
+    restore steps that use them.  ``close()`` is idempotent (the group is the process group's)."""
+
+    def __init__(self, local: Tier, clique: list[int], *, keep_last: int, timeout_s: float) -> None:
+        import torch.distributed as dist
+
+        self.local = local
+        self.rank = local.rank
+        self.clique = clique
+        self.me = clique.index(self.rank)
+        # at least 2 (0: all): a node lost while the newest is replicated -- some cliques done, some
+        # not -- still finds the one before it on every partner
+        self.keep_last = max(keep_last, 2) if keep_last else 0
+        self.stats = ReplicaStats()
+        # the newest local checkpoint whose exchange completed here; every rank of the node has
+        # completed it too once the next local commit runs (that commit waits for every rank's
+        # commit thread, which replicates in line): local retention keeps it
+        self.last_replicated: int | None = None
+        self.group = dist.new_group(
+            clique, backend="gloo", timeout=datetime.timedelta(seconds=timeout_s), use_local_synchronization=True
+        )
+        self._coll = Collective(self.group)
+        self._stores = {src: self._store(src) for src in clique}  # its own too: a fetched copy
+        self._recv_buf = torch.empty(_CHUNK, dtype=torch.uint8)
+
+    def open_stores(self, node_sources: set[int] | None) -> None:
+        """Start-up: make this rank's replica directories (never through a link: each level is
+        checked) and clean our leftovers there.  ``node_sources`` (the node's writer only): every
+        rank whose replicas this node's ranks keep; the directories of any other rank (another
+        layout or replication setting) are removed, ours only."""
+        top = os.path.join(self.local.root, REPLICAS_DIR)
+        make_dir(top)
+        for name in os.listdir(top) if node_sources is not None else ():
+            src = _store_rank(name)
+            if src is not None and src not in node_sources and real_dir(os.path.join(top, name)):
+                for it in list_iterations(os.path.join(top, name)):
+                    delete_checkpoint(os.path.join(top, name), it)
+                remove_ours(os.path.join(top, name))
+        for store in self._stores.values():
+            make_dir(store.root)
+            store.clean()
+
+    @property
+    def own_root(self) -> str:
+        """Where a file fetched back for this rank lands (``replicas/r<self>``)."""
+        return self._stores[self.rank].root
+
+    def _store(self, src: int) -> Tier:
+        root = os.path.join(self.local.root, REPLICAS_DIR, f"r{src:05d}")
+        return Tier("replica", root, rank=self.rank, token=self.local.token, writes=[src], run_id=self.local.run_id)
+
+    # ------------------------------------------------------------------ after each local commit
+    def follow(self) -> None:
+        """Subscribe to the local tier's commits (:meth:`.tier.Tier.on_commit`): each is replicated
+        on its commit thread (the next commit's retention waits for it), and the local retention
+        keeps :meth:`kept`."""
+        self.local.on_commit(self._after_commit, keep=self.kept)
+
+    def kept(self) -> set[int]:
+        """What the local tier's retention must keep: until the newest checkpoint has its
+        replicas, a lost node needs the one before it."""
+        return set() if self.last_replicated is None else {self.last_replicated}
+
+    def _after_commit(self, ticket) -> None:
+        try:
+            self.replicate(ticket)
+        except Exception as e:  # noqa: BLE001 - a lost replica never uncommits the local checkpoint
+            log.error("rank %d: replicating iteration %d failed: %r", self.rank, ticket.iteration, e)
+
+    def replicate(self, ticket) -> None:
+        """Commit thread, after the local commit of ``ticket``: send this rank's file to every other
+        member and keep theirs (a collective of the clique: each member calls it for the same
+        commits, in order).  A failure is logged; the local checkpoint stays committed."""
+        t0 = time.perf_counter()
+        crash_point("replicate", self.rank)
+        token = ticket.token or self.local.token
+        name = rank_file_name(self.rank, token, ticket.seq)
+        src_path = os.path.join(iter_dir(self.local.root, ticket.iteration), name)
+        try:
+            manifest = read_manifest(iter_dir(self.local.root, ticket.iteration))
+            record = manifest.record(self.rank)
+            ok = record is not None and record.file == name
+        except (CheckpointError, OSError) as e:
+            log.error("rank %d: cannot replicate iteration %d: %s", self.rank, ticket.iteration, e)
+            manifest, ok = None, False
+        failed = False
+        for k in range(1, len(self.clique)):
+            dst, src = self.clique[(self.me + k) % len(self.clique)], self.clique[(self.me - k) % len(self.clique)]
+            sent, got = self._exchange(dst, src, src_path if ok else None, manifest, ticket.iteration, ticket.seq)
+            failed |= not got
+            self.stats.bytes_sent += sent
+        self.stats.checkpoints += 1
+        self.stats.failures += int(failed)
+        if not failed:
+            self.last_replicated = ticket.iteration
+        self.stats.seconds += time.perf_counter() - t0
+
+    def _exchange(self, dst: int, src: int, path: str | None, manifest, iteration: int, seq: int) -> tuple[int, bool]:
+        """Send ``path`` (None: nothing to send) to ``dst`` while receiving ``src``'s file of the same
+        checkpoint; returns (bytes sent, whether ``src``'s replica was committed)."""
+        out_file = None
+        if path is not None:
+            try:
+                out_file = RankFile(path)
+            except (CheckpointError, OSError) as e:  # the partner still hears from us: "nothing"
+                log.error("rank %d: cannot replicate %s: %s", self.rank, path, e)
+        try:
+            body = manifest.to_json() if out_file is not None else b""
+            token = parse_rank_file_name(os.path.basename(path))[1] if out_file is not None else ""
+            hdr = {
+                "ok": int(out_file is not None),
+                "iteration": iteration,
+                "seq": seq,
+                "token": int(token, 16) if token else 0,
+                "file_bytes": out_file.header.file_bytes if out_file is not None else 0,
+                "manifest_bytes": len(body),
+            }
+            theirs = self._swap_ints(hdr, dst, src)
+            their_body = self._swap_bytes(body, theirs["manifest_bytes"], dst, src)
+            receiver = _ReplicaReceiver(self._stores[src], src, theirs, their_body, self.rank)
+            try:
+                self._swap_file(out_file, hdr["file_bytes"], receiver, theirs["file_bytes"], dst, src)
+            except BaseException:
+                receiver.abort()  # no descriptor nor temp file left behind
+                raise
+        finally:
+            if out_file is not None:
+                out_file.close()
+        committed = receiver.commit(self.keep_last)
+        if committed:
+            self.stats.bytes_received += theirs["file_bytes"]
+        return hdr["file_bytes"], committed
+
+    # ------------------------------------------------------------------ point to point, in step
+    def _p2p(self, out: torch.Tensor | None, dst: int, into: torch.Tensor | None, src: int) -> None:
+        import torch.distributed as dist
+
+        req = dist.isend(out, dst, group=self.group) if out is not None else None
+        if into is not None:
+            dist.recv(into, src, group=self.group)
+        if req is not None:
+            req.wait()
+
+    def _swap_ints(self, mine: dict, dst: int, src: int) -> dict:
+        out = torch.tensor([mine[f] for f in _HDR], dtype=torch.int64)
+        into = torch.empty(len(_HDR), dtype=torch.int64)
+        self._p2p(out, dst, into, src)
+        return dict(zip(_HDR, into.tolist()))
+
+    def _swap_bytes(self, mine: bytes, theirs: int, dst: int, src: int) -> bytes:
+        out = torch.frombuffer(bytearray(mine), dtype=torch.uint8) if mine else None
+        into = torch.empty(theirs, dtype=torch.uint8) if theirs else None
+        self._p2p(out, dst, into, src)
+        return into.numpy().tobytes() if into is not None else b""
+
+    def _swap_file(self, out_file, out_bytes: int, receiver, in_bytes: int, dst: int, src: int) -> None:
+        """Stream both files in chunks of ``_CHUNK`` (sent from the mapping, received into one buffer:
+        bounded host memory)."""
+        done_out = done_in = 0
+        while done_out < out_bytes or done_in < in_bytes:
+            n_out, n_in = min(_CHUNK, out_bytes - done_out), min(_CHUNK, in_bytes - done_in)
+            out = into = None
+            if n_out:  # straight from the file's (copy-on-write) mapping: no copy into a buffer
+                out = torch.from_numpy(out_file.span(done_out, done_out + n_out))
+            if n_in:
+                into = self._recv_buf[:n_in]
+            self._p2p(out, dst, into, src)
+            if n_in:
+                receiver.write(into.numpy(), done_in)
+            done_out += n_out
+            done_in += n_in
+
+    # ------------------------------------------------------------------ restore
+    def holdings(self, local: dict[int, tuple[int, int]]) -> tuple[dict[int, tuple[int, int]], dict, dict[int, int]]:
+        """Collective of the clique (at restore): the checkpoints this rank can restore from a
+        replica -- its own fetched copies and those its clique members hold for it -- as
+        ``{iteration: (token, seq)}``, the clique's table ``{(src, iteration, token, seq): holder}``
+        that :meth:`fetch` reads, and each one's commit time (ms, from the source's manifest).
+        ``local``: this rank's node-local checkpoints (they need no replica)."""
+        mine = []
+        for src, store in self._stores.items():
+            for it, (token, seq, ms) in committed_saves(store.root, store.run_id, src).items():
+                mine.append({"src": src, "iteration": it, "token": token, "seq": seq, "ms": ms})
+        rows = self._coll.gather_many(mine[-64:], fields=("src", "iteration", "token", "seq", "ms"), capacity=64)
+        table: dict = {}
+        created: dict = {}
+        for holder, recs in zip(self.clique, rows):
+            for r in recs:
+                key = (r["src"], r["iteration"], r["token"], r["seq"])
+                if key not in table or holder == r["src"]:  # a copy the rank holds itself needs no transfer
+                    table[key] = holder
+                created[key] = r["ms"]
+        avail, avail_created = {}, {}
+        for (src, it, token, seq), _holder in table.items():
+            if src == self.rank and local.get(it) != (token, seq):
+                avail[it], avail_created[it] = (token, seq), created[(src, it, token, seq)]
+        return avail, table, avail_created
+
+    def fetch(
+        self, iteration: int | None, save: tuple[int, int] | None, need: bool, table: dict
+    ) -> tuple[str | None, int | None]:
+        """Collective of the clique: every member that needs checkpoint ``iteration`` (its node-local
+        copy is missing) gets its file from the member holding its replica.  Returns the directory
+        this rank then restores from (its ``replicas/r<self>``; None when it did not need one or the
+        transfer failed) and the rank that held it."""
+        rows = self._coll.gather(
+            {
+                "need": int(need),
+                "iteration": iteration or 0,
+                "token": save[0] if save else 0,
+                "seq": save[1] if save else 0,
+            }
+        )
+        mine, mine_from = None, None
+        for member, row in zip(self.clique, rows):
+            if not row["need"]:
+                continue
+            key = (member, row["iteration"], row["token"], row["seq"])
+            holder = table.get(key)
+            if member == self.rank:
+                mine_from = holder
+            if holder is None or holder == member:
+                if member == self.rank and holder == member:
+                    mine = self._stores[member].root  # fetched by an earlier restart: already here
+                continue
+            if self.rank == holder:
+                self._send_replica(member, *key[1:])
+            elif self.rank == member:
+                mine = self._receive_own(holder, row["iteration"])
+        return mine, mine_from
+
+    def _send_replica(self, member: int, iteration: int, token: int, seq: int) -> None:
+        """Send ``member`` its file of ``iteration`` from the replica held here -- verified first: a
+        damaged replica is announced as "nothing" (``ok=0``), so the member's restore fails cleanly
+        and every rank falls back together instead of waiting for bytes that never come."""
+        d = iter_dir(self._stores[member].root, iteration)
+        rf = None
+        try:
+            m = read_manifest(d)
+            rf = RankFile(os.path.join(d, m.ranks[0].file))
+            for entry in rf.entries.values():
+                rf.verify_entry(entry)
+        except (CheckpointError, OSError) as e:
+            log.error("rank %d: cannot send rank %d its replica of iteration %d: %s", self.rank, member, iteration, e)
+            if rf is not None:
+                rf.close()
+            self._send_ints(dict.fromkeys(_HDR, 0), member)
+            return
+        with rf:
+            body = m.to_json()
+            hdr = {
+                "ok": 1,
+                "iteration": iteration,
+                "seq": seq,
+                "token": token,
+                "file_bytes": rf.header.file_bytes,
+                "manifest_bytes": len(body),
+            }
+            self._send_ints(hdr, member)
+            self._p2p(torch.frombuffer(bytearray(body), dtype=torch.uint8), member, None, member)
+            self._swap_file(rf, hdr["file_bytes"], None, 0, member, member)
+        log.info(
+            "rank %d: sent rank %d its file of iteration %d from the replica held here", self.rank, member, iteration
+        )
+
+    def _send_ints(self, hdr: dict, dst: int) -> None:
+        self._p2p(torch.tensor([hdr[f] for f in _HDR], dtype=torch.int64), dst, None, dst)
+
+    def _receive_own(self, holder: int, iteration: int) -> str | None:
+        into = torch.empty(len(_HDR), dtype=torch.int64)
+        self._p2p(None, holder, into, holder)
+        theirs = dict(zip(_HDR, into.tolist()))
+        if not theirs["ok"]:
+            log.error("rank %d: rank %d could not send the replica of iteration %d", self.rank, holder, iteration)
+            return None
+        body = self._swap_bytes(b"", theirs["manifest_bytes"], holder, holder)
+        receiver = _ReplicaReceiver(self._stores[self.rank], self.rank, theirs, body, self.rank)
+        try:
+            self._swap_file(None, 0, receiver, theirs["file_bytes"], holder, holder)
+        except BaseException:
+            receiver.abort()
+            raise
+        if not receiver.commit(self.keep_last):
+            return None
+        self.stats.bytes_fetched += theirs["file_bytes"]
+        return self._stores[self.rank].root
+
+    def close(self) -> None:
+        """Nothing runs on its own thread; the clique group goes with the process group."""
+
+
+def _store_rank(name: str) -> int | None:
+    """The source rank of a replica directory name ``r<rank, 5+ digits>``, else None (not ours)."""
+    digits = name[1:]
+    return int(digits) if name.startswith("r") and len(digits) >= 5 and digits.isascii() and digits.isdigit() else None
+
+
+class _ReplicaReceiver:
+    """One incoming replica: written to a temp name, verified, then committed by its manifest."""
+
+    def __init__(self, store: Tier, src: int, hdr: dict, body: bytes, rank: int) -> None:
+        self.store, self.src, self.hdr, self.rank = store, src, hdr, rank
+        self.error: str | None = None if hdr["ok"] else f"rank {src} had no file to send"
+        self.fd = None
+        self.manifest = self.record = None
+        if self.error is None:
+            try:
+                self.manifest = Manifest.from_json(body, f"<manifest sent by rank {src}>")
+                self.record = self.manifest.record(src)
+                if self.record is None or self.record.file_bytes != hdr["file_bytes"]:
+                    raise CorruptCheckpointError(f"rank {src}'s manifest does not describe the file it sends")
+                d = iter_dir(store.root, self.manifest.iteration)
+                make_dir(d)
+                self.path = os.path.join(d, self.record.file)
+                self.tmp = self.path + PROMOTING_SUFFIX
+                self.fd = create_temp(self.tmp)
+            except (CheckpointError, OSError) as e:
+                self.error = str(e)
+
+    def write(self, data: np.ndarray, offset: int) -> None:
+        if self.fd is None:
+            return
+        try:
+            view = memoryview(data)
+            while view:
+                n = os.pwrite(self.fd, view, offset)
+                view, offset = view[n:], offset + n
+        except OSError as e:
+            self.error = f"writing {self.tmp}: {e}"
+            self._drop()
+
+    def abort(self) -> None:
+        """The transfer broke off: close and remove the temp file (ours, created ``O_EXCL``)."""
+        self._drop()
+        if getattr(self, "tmp", None):
+            unlink_ours(self.tmp)
+
+    def _drop(self) -> None:
+        """Stop writing (the rest of the transfer is still received, to stay in step)."""
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
+    def commit(self, keep_last: int) -> bool:
+        """Verify and commit the replica; then the store keeps its ``keep_last`` newest."""
+        if self.error is None:
+            try:
+                os.fsync(self.fd)
+                os.close(self.fd)
+                self.fd = None
+                self._verify()
+                os.replace(self.tmp, self.path)
+                fsync_dir(os.path.dirname(self.path))
+                # ordered in this store by arrival (= the source's commit order), not by the source
+                # node's commit count, which restarts on a replaced node
+                newest = max((m.commit_seq for m in survey(self.store.root).committed.values()), default=-1)
+                m = dataclasses.replace(self.manifest, ranks=(self.record,), tier="local", commit_seq=newest + 1)
+                write_manifest(self.store.root, m)
+            except (CheckpointError, OSError) as e:
+                self.error = str(e)
+        if self.error is not None:
+            if self.fd is not None:
+                os.close(self.fd)
+                self.fd = None
+            if getattr(self, "tmp", None):
+                unlink_ours(self.tmp)  # ours (created O_EXCL above); a planted link is left alone
+            log.error("rank %d: replica of rank %d not committed: %s", self.rank, self.src, self.error)
+            return False
+        self._retain(keep_last)
+        return True
+
+    def _verify(self) -> None:
+        with RankFile(self.tmp) as rf:
+            for entry in rf.entries.values():
+                rf.verify_entry(entry)
+            got = FileReceipt.of(rf.header, sum(e.nbytes for e in rf.entries.values()), 0, self.tmp)
+        r = self.record
+        if (got.file_bytes, got.n_tensors, got.index_xxh64, got.header_xxh64, got.data_bytes) != (
+            r.file_bytes,
+            r.n_tensors,
+            r.index_xxh64,
+            r.header_xxh64,
+            r.data_bytes,
+        ):
+            raise CorruptCheckpointError(f"{self.tmp}: received file does not match rank {self.src}'s manifest record")
+
+    def _retain(self, keep_last: int) -> None:
+        found = survey(self.store.root)
+        for it in select_deletions(found.order, keep_last, 0, {self.manifest.iteration}):
+            try:
+                delete_checkpoint(self.store.root, it)
+            except OSError as e:
+                log.warning("rank %d: could not delete replica %s: %s", self.rank, iter_dir(self.store.root, it), e)
