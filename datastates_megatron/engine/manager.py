@@ -19,7 +19,9 @@ import logging
 import os
 import secrets
 import time
+import zlib
 
+import numpy as np
 import torch
 
 from .dist.collective import Collective
@@ -532,16 +534,20 @@ class CheckpointManager(ClosingContext):
         """Collective: the one restore decision -- which tier and iteration (default: the newest
         every rank can restore), where each rank's state comes from, and the checkpoint's manifest
         as this rank needs it -- made on rank 0 in one round of the resolve step
-        (:func:`.load.resolve.resolve`): every rank sends its newest local saves (O(1) bytes), rank 0
-        surveys ``root`` (default: the load directory), decides, reads that manifest once and runs
-        ``check(manifest, ckpt) -> bool`` on it (``True``: another layout the caller's planner
-        reshards; raise: none it can load), and every rank receives the answer and its own record.
-        Any error is raised on every rank (``NoCheckpointError`` when there is nothing to restore)."""
+        (:func:`.load.resolve.resolve`): every rank sends one record (the directory it asks for, its
+        newest local saves: O(1) bytes), rank 0 surveys ``root`` (default: the load directory),
+        decides, reads that manifest once and runs ``check(manifest, ckpt) -> bool`` on it
+        (``True``: another layout the caller's planner reshards; raise: none it can load), and every
+        rank receives the answer and its own record.  No world-group collective unless it fails
+        (with replication, one gather of the clique); any error is raised on every rank
+        (``NoCheckpointError`` when there is nothing to restore)."""
         self._check_open()
         self._drain_deletions(None)  # the decision never races retention of what it names
         root = os.path.abspath(root or self.load_root)
         tiered = bool(self.local_root) and root == self.root
         found = self._restorable() if tiered else None  # the clique's collective, with replication
+        # one record to rank 0: which directory this rank asks for, and its local candidates
+        offer = {"root": zlib.crc32(root.encode("utf-8")), **(_offer(found.saves) if tiered else {})}
         try:
             view = resolve(
                 root,
@@ -549,16 +555,12 @@ class CheckpointManager(ClosingContext):
                 self._resolve_chan,
                 self.layout,
                 check=check or _no_check,
-                offer=_offer(found.saves) if tiered else None,
+                offer=offer,
                 decide=functools.partial(self._decide, iteration=iteration, tiered=tiered),
             )
         except CheckpointError as e:  # alike on every rank: agreed, so that rank 0 (the store's
             self._world.raise_agreed(e, "restore")  # host) never exits before every rank has heard it
             raise
-        elsewhere = None  # one decision for every rank: of one directory
-        if view.ckpt is not None and os.path.dirname(view.ckpt) != root:
-            elsewhere = CheckpointError(f"rank {self.rank}: asked to load {root}, rank 0 resolved {view.ckpt}")
-        self._agree_error(elsewhere)
         decision, reshard = view.decision, bool(view.checked)
         it, why = decision["iteration"], decision["why"]
         shared = view if view.ckpt is not None else None
@@ -578,15 +580,19 @@ class CheckpointManager(ClosingContext):
             )
         return RestoreChoice(source="persistent", root=root, why=why, **common)
 
-    def _decide(
-        self, cols: dict | None, found: Survey, *, iteration: int | None, tiered: bool
-    ) -> tuple[int | None, dict]:
+    def _decide(self, cols: dict, found: Survey, *, iteration: int | None, tiered: bool) -> tuple[int | None, dict]:
         """Rank 0, inside the resolve step: the tier and iteration every rank restores, from every
-        rank's candidates (``cols``: local saves; O(N * _SLOTS)) and the survey of the shared tier
-        ``found``.  The local tier wins when every rank holds the same save there (two nodes holding
+        rank's record (``cols``: the directory it asks for, its local saves; O(N * _SLOTS)) and the
+        survey of the shared tier ``found``.  The local tier wins when every rank holds the same save there (two nodes holding
         one iteration from different saves never restore together) and it is not older than the
         shared tier's newest.  Returns the shared tier's iteration to read (``None``: it does not
         hold the chosen one) and the decision."""
+        elsewhere = np.flatnonzero(cols["root"] != cols["root"][0])
+        if elsewhere.size:  # a restore is collective: one directory for every rank
+            raise CheckpointError(
+                f"rank(s) {elsewhere[:8].tolist()}{f' and {elsewhere.size - 8} more' if elsewhere.size > 8 else ''} "
+                f"asked to load another directory than rank 0 ({found.root}); give every rank the same one"
+            )
         common = _newest_common(cols, iteration)["local"] if tiered else None
         if iteration is not None:
             if common is not None:

@@ -80,9 +80,11 @@ def test_load_in_the_same_run_takes_the_newest_local_tier_checkpoint(tmp_path):
 
 def _one_decision_one_load(results, local):
     """Following ``LazyCheckpointer.load``: the manager decides once (one resolve round, rank 0's
-    ``_decide`` on rank 0 only, one survey of the local tier) and loads once, deciding nothing again."""
+    ``_decide`` on rank 0 only, one survey of the local tier, no process-group collective) and loads
+    once, deciding nothing again."""
     for r in results:
         want = {"choose": 1, "resolve": 1, "_decide": int(r["rank"] == 0), "_restorable": int(local), "load": 1}
+        want["choose_collectives"] = 0  # the decision is one round through the store: no all-gather, no all-reduce
         assert r["decisions"] == want, r
 
 

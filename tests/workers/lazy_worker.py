@@ -28,7 +28,8 @@ def _count_manifest_reads() -> list:
 
 def _count_restore_decisions() -> dict:
     """Calls into the manager's restore decision from now on: ``choose`` (the decision), the resolve
-    round it runs (one per decision), rank 0's ``_decide`` and the local survey ``_restorable``."""
+    round it runs (one per decision), rank 0's ``_decide`` and the local survey ``_restorable``;
+    and the process-group collectives ``choose`` makes."""
     from datastates_megatron.engine import manager
 
     calls = dict.fromkeys(("choose", "resolve", "_decide", "_restorable", "load"), 0)
@@ -43,6 +44,27 @@ def _count_restore_decisions() -> dict:
     for name in ("choose", "_decide", "_restorable", "load"):
         setattr(manager.CheckpointManager, name, counted(name, getattr(manager.CheckpointManager, name)))
     manager.resolve = counted("resolve", manager.resolve)
+    # process-group collectives while deciding (the decision's round goes through the store)
+    calls["choose_collectives"] = 0
+    inside = [False]
+    for name in ("all_reduce", "all_gather", "broadcast", "all_gather_into_tensor", "barrier"):
+        original = getattr(torch.distributed, name)
+
+        def collective(*args, _original=original, **kwargs):
+            calls["choose_collectives"] += inside[0]
+            return _original(*args, **kwargs)
+
+        setattr(torch.distributed, name, collective)
+    choose = manager.CheckpointManager.choose
+
+    def deciding(*args, **kwargs):
+        inside[0] = True
+        try:
+            return choose(*args, **kwargs)
+        finally:
+            inside[0] = False
+
+    manager.CheckpointManager.choose = deciding
     return calls
 
 
