@@ -14,6 +14,14 @@ if ! command -v make >/dev/null || ! command -v g++ >/dev/null; then
     echo "warning: make and g++ are needed for the Megatron-LM tests (they will fail without them)" >&2
   fi
 fi
+if ! command -v fusermount3 >/dev/null || ! ldconfig -p 2>/dev/null | grep libfuse3 >/dev/null; then
+  # the fault filesystem of the tests (tests/fusefs: mfusepy over libfuse3, mounted with fusermount3)
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    apt-get update -qq && apt-get install -y -qq fuse3 >/dev/null
+  else
+    echo "warning: fuse3 (libfuse3, fusermount3) is needed for the fault-filesystem tests (they skip without it)" >&2
+  fi
+fi
 if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi

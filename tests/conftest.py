@@ -27,3 +27,29 @@ def shm_dir():
         pytest.skip(f"{base} is not memory-backed (tmpfs/ramfs) here")
     yield d
     shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.fixture
+def fault_fs(tmp_path):
+    """The fault filesystem (:mod:`tests.fusefs`): a FUSE passthrough of ``tmp_path/fuse-source``
+    mounted on ``tmp_path/fuse``, served by its own process, unmounted afterwards.  Skips, saying
+    why, where no FUSE filesystem can be mounted -- unless ``DSM_REQUIRE_FUSE=1`` (CI), where that
+    is a failure."""
+    from tests.fusefs.control import FaultFS, MountError, why_not_available
+
+    def unavailable(why: str):
+        if os.environ.get("DSM_REQUIRE_FUSE") == "1":
+            pytest.fail(f"the fault filesystem is required here (DSM_REQUIRE_FUSE=1): {why}")
+        pytest.skip(f"no fault filesystem: {why}")
+
+    why = why_not_available()
+    if why:
+        unavailable(why)
+    try:
+        fs = FaultFS(str(tmp_path / "fuse-source"), str(tmp_path / "fuse"))
+    except MountError as e:
+        unavailable(str(e))
+    try:
+        yield fs
+    finally:
+        fs.close()

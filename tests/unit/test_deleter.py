@@ -31,10 +31,10 @@ def test_a_slow_deletion_holds_back_neither_the_next_commit_nor_training_but_wai
     started, release = threading.Event(), threading.Event()
     real = tier.delete_checkpoint
 
-    def held(root, iteration, recycle=False):
+    def held(root, iteration, recycle=False, **kw):
         started.set()
         assert release.wait(30)
-        real(root, iteration, recycle=recycle)
+        real(root, iteration, recycle=recycle, **kw)
 
     monkeypatch.setattr(tier, "delete_checkpoint", held)
     root = str(tmp_path / "ckpt")

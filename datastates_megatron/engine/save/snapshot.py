@@ -616,5 +616,7 @@ class SnapshotEngine(ClosingContext):
                 with job.lock:
                     job.error = err
                 exc = err
-            log.error("rank %d: version %d: %s", self.options.rank, job.version, exc)
+            # reported once, where it is surfaced (the next poll, save or wait: raised, or the one
+            # on_error=warn line); the message already names the rank, the version and the file
+            log.info("%s", exc)
             self._errors.append(exc)

@@ -184,7 +184,9 @@ class Committer(QueueThread):
             )
             if err is not e:
                 err.__cause__ = e
-            log.error("%s", err)
+            # reported once, where it is surfaced (the next poll or wait: raised, or the one
+            # on_error=warn line)
+            log.info("%s", err)
             self._errors.append(err)
         try:
             if committed:

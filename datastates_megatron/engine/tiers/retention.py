@@ -78,18 +78,20 @@ def unlink_ours(path: str) -> bool:
 _failed: set[str] = set()  # paths whose deletion failed and was reported (bounded below)
 
 
-def deletion_failed(path: str, err: OSError) -> None:
-    """Report a deletion the file system refused: a warning the first time for ``path``, then
-    quietly (it is retried at every commit; a warning each time would grow with every commit)."""
+def deletion_failed(path: str, err: OSError, rank: int | None = None) -> None:
+    """Report a deletion the file system refused (by ``rank``, when known): a warning the first time
+    for ``path``, then quietly (it is retried at every commit; a warning each time would grow with
+    every commit)."""
+    who = "" if rank is None else f"rank {rank}: "
     if path in _failed:
-        log.debug("%s: still cannot delete: %s", path, err)
+        log.debug("%s%s: still cannot delete: %s", who, path, err)
         return
     if len(_failed) < 100_000:
         _failed.add(path)
-    log.warning("%s: could not delete (%s); left in place and retried later (reported once)", path, err)
+    log.warning("%s%s: could not delete (%s); left in place and retried later (reported once)", who, path, err)
 
 
-def _remove_our_files(d: str) -> list[str]:
+def _remove_our_files(d: str, rank: int | None = None) -> list[str]:
     """Unlink the entries of ``d`` we wrote; returns those left (not ours, not plain files, or whose
     unlink the file system refused: logged with the path, left for the next cleanup)."""
     left = []
@@ -102,16 +104,17 @@ def _remove_our_files(d: str) -> list[str]:
         try:
             removed = is_ours_in_iteration(name) and unlink_ours(path)
         except OSError as e:
-            deletion_failed(path, e)
+            deletion_failed(path, e, rank)
             removed = False
         if not removed:
             left.append(name)
     return left
 
 
-def remove_ours(d: str) -> bool:
-    """Unlink the entries of ``d`` we wrote, then ``d`` itself if nothing else is left in it."""
-    left = _remove_our_files(d)
+def remove_ours(d: str, rank: int | None = None) -> bool:
+    """Unlink the entries of ``d`` we wrote, then ``d`` itself if nothing else is left in it
+    (``rank``: who does it, for the messages)."""
+    left = _remove_our_files(d, rank)
     if left:
         log.warning(
             "%s: keeps %d entr%s not written by us (%s); the directory stays",
@@ -143,7 +146,7 @@ def select_deletions(commit_order: list[int], keep_last: int, keep_every: int, p
     return [it for it in commit_order if it not in keep]
 
 
-def delete_checkpoint(root: str, iteration: int, recycle: bool = False) -> None:
+def delete_checkpoint(root: str, iteration: int, recycle: bool = False, rank: int | None = None) -> None:
     """Uncommit (manifest first), then remove our files -- or, with ``recycle``, move the rank files
     into the recycle pool -- then the directory if nothing else is in it."""
     d = iter_dir(root, iteration)
@@ -166,7 +169,7 @@ def delete_checkpoint(root: str, iteration: int, recycle: bool = False) -> None:
                     os.rename(src, os.path.join(pool, f"{iteration:07d}-{name}"))
         except OSError as e:  # recycling is an optimisation: fall back to deleting
             log.warning("%s: could not recycle rank files (%s); deleting them", d, e)
-    remove_ours(d)
+    remove_ours(d, rank)
 
 
 def _retired_by(pool_name: str) -> int | None:

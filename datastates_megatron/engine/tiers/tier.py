@@ -418,7 +418,7 @@ class Tier:
                     if unlink_ours(os.path.join(d, name)):
                         removed.append(os.path.join(d, name))
                 except OSError as e:  # a refused deletion never stops a start-up
-                    deletion_failed(os.path.join(d, name), e)
+                    deletion_failed(os.path.join(d, name), e, self.rank)
         removed += remove_stale_tracker_temps(self.root)
         trim_recycled(self.root, keep=0)
         if removed:
@@ -520,9 +520,9 @@ class Tier:
         for it in select_deletions(found.order, self.keep_last, self.keep_every, protected):
             crash_point("retention", self.rank)
             try:
-                delete_checkpoint(self.root, it, recycle=self._recycle)
+                delete_checkpoint(self.root, it, recycle=self._recycle, rank=self.rank)
             except OSError as e:  # the next ones may still go; this one is tried again next time
-                deletion_failed(iter_dir(self.root, it), e)
+                deletion_failed(iter_dir(self.root, it), e, self.rank)
                 continue
             log.info("rank %d: retention deleted %s (%s tier)", self.rank, iter_dir(self.root, it), self.name)
         if self._recycle:
