@@ -9,8 +9,8 @@
 # The patch is picked by the version in MEGATRON_DIR/megatron/core/package_info.py from the table of
 # tested versions (datastates_megatron/megatron/megatron_lm/versions.py). Exit status: 0 done (or nothing to do),
 # 1 the patch does not apply, 2 usage error or untested version. Set PYTHON to choose the interpreter
-# (default: the checkout's .venv made by scripts/setup.sh, else python3; importing the package
-# checks that its runtime dependencies are installed).
+# (default: the checkout's .venv made by scripts/setup.sh, else python3; any python3 >= 3.10 will do:
+# patching needs none of the package's runtime dependencies, e.g. on a login node without torch).
 set -euo pipefail
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 python=${PYTHON:-python3}

@@ -34,7 +34,8 @@ from bench_engine import MB, gbps, machine_info, make_out_dir, make_tensors, ren
 
 from datastates_megatron.engine import EngineOptions  # noqa: E402
 from datastates_megatron.engine.manager import CheckpointManager  # noqa: E402
-from datastates_megatron.engine.format.manifest import MANIFEST_NAME, iter_dir, read_manifest  # noqa: E402
+from datastates_megatron.engine.format.manifest import read_manifest  # noqa: E402
+from datastates_megatron.engine.names import MANIFEST_NAME, iter_dir  # noqa: E402
 from datastates_megatron.engine.fs.page_cache import resident_fraction  # noqa: E402
 
 ITERATION = 100

@@ -46,7 +46,7 @@ import time
 import torch
 
 from datastates_megatron.engine import EngineOptions, SnapshotEngine
-from datastates_megatron.engine.format.manifest import iter_dir, rank_file_name
+from datastates_megatron.engine.names import iter_dir, rank_file_name
 
 ITERATION = 100
 TOKEN = "0123456789abcdef"

@@ -22,6 +22,8 @@ import subprocess
 import sys
 import time
 
+from .._output import write_line
+
 __all__ = ["main"]
 
 
@@ -78,7 +80,7 @@ def _launch(
                 if text.isdigit() and int(text) >= kill_after:
                     _kill_tree(proc)  # kill -9 of torchrun and every rank
                     proc.wait()
-                    print(f"  killed every rank with SIGKILL after checkpoint {text} was committed")
+                    write_line(f"  killed every rank with SIGKILL after checkpoint {text} was committed")
                     return -9
             time.sleep(0.05)
         if proc.poll() is None:
@@ -120,12 +122,12 @@ def main(argv=None) -> int:
         "2",
     ]
 
-    print(f"[1/3] reference run: {a.iters} iterations on {a.nproc} CPU ranks, no checkpointing")
+    write_line(f"[1/3] reference run: {a.iters} iterations on {a.nproc} CPU ranks, no checkpointing")
     _launch(w, "reference", a.nproc, [*common, "--log-json", os.path.join(w, "reference")])
-    print(f"[2/3] lazy-checkpointed run (every iteration), killed with kill -9 after checkpoint {a.kill_after}")
+    write_line(f"[2/3] lazy-checkpointed run (every iteration), killed with kill -9 after checkpoint {a.kill_after}")
     if _launch(w, "killed", a.nproc, [*common, *lazy], kill_after=a.kill_after) != -9:
         raise SystemExit("the run finished before it could be killed: raise --iters or lower --kill-after")
-    print("[3/3] restart: resume from the latest committed checkpoint and train to the end")
+    write_line("[3/3] restart: resume from the latest committed checkpoint and train to the end")
     _launch(w, "resumed", a.nproc, [*common, *lazy, "--log-json", os.path.join(w, "resumed")])
 
     ref, res = _load(os.path.join(w, "reference"), a.nproc), _load(os.path.join(w, "resumed"), a.nproc)
@@ -135,12 +137,12 @@ def main(argv=None) -> int:
     same_loss = bool(res_loss) and all(res_loss[i] == ref_loss[i] for i in res_loss)
     same_state = all(r["digest"] == q["digest"] for r, q in zip(ref, res))
     n_tensors = len(res[0]["digest"])
-    print(f"\nresumed from iteration {start} (latest committed when killed: >= {a.kill_after})")
-    print(
+    write_line(f"\nresumed from iteration {start} (latest committed when killed: >= {a.kill_after})")
+    write_line(
         f"losses after resume equal the uninterrupted run to the bit: {same_loss} "
         f"({len(res_loss)} iterations, e.g. it {max(res_loss)}: {res_loss[max(res_loss)]!r} vs {ref_loss[max(res_loss)]!r})"
     )
-    print(
+    write_line(
         f"final parameters + optimizer state equal to the bit on every rank: {same_state} ({n_tensors} tensors on rank 0)"
     )
 
@@ -163,11 +165,11 @@ def main(argv=None) -> int:
         ("checkpoints committed after resume", f"{len(res[0]['commits'])}"),
     ]
     width = max(len(k) for k, _ in rows)
-    print()
+    write_line()
     for k, v in rows:
-        print(f"  {k:<{width}}  {v}")
+        write_line(f"  {k:<{width}}  {v}")
     ok = same_loss and same_state
-    print("\nDEMO " + ("PASSED" if ok else "FAILED"))
+    write_line("\nDEMO " + ("PASSED" if ok else "FAILED"))
     return 0 if ok else 1
 
 

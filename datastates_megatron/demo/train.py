@@ -21,6 +21,8 @@ import signal
 import sys
 import time
 
+from .._output import write_line
+
 __all__ = ["main", "parse_args"]
 
 log = logging.getLogger("datastates_megatron.demo")
@@ -104,10 +106,10 @@ def main(argv=None) -> int:
             records["resumed_from"] = start
             records["restored_from"] = ckpt.restored_from
             if rank == 0:
-                print(f"resumed from iteration {start}", flush=True)
+                write_line(f"resumed from iteration {start}")
         except NoCheckpointError:
             if rank == 0:
-                print("no checkpoint found: starting from scratch", flush=True)
+                write_line("no checkpoint found: starting from scratch")
 
     stop = {"signal": None}
 
@@ -143,10 +145,10 @@ def main(argv=None) -> int:
             {"iteration": it, "loss": loss, "step_s": t_step, "save_s": save_s, "iter_s": time.perf_counter() - t0}
         )
         if rank == 0 and (it % 5 == 0 or it == args.train_iters):
-            print(f"iteration {it:6d} | loss {loss:.6f} | {1e3 * (time.perf_counter() - t0):.1f} ms", flush=True)
+            write_line(f"iteration {it:6d} | loss {loss:.6f} | {1e3 * (time.perf_counter() - t0):.1f} ms")
         if stop["signal"] or it == args.exit_after_iteration:
             if rank == 0 and stop["signal"]:
-                print(f"signal {stop['signal']} received: saved iteration {it}, exiting", flush=True)
+                write_line(f"signal {stop['signal']} received: saved iteration {it}, exiting")
             break
     t_drain = time.perf_counter()
     if ckpt is not None:

@@ -16,6 +16,7 @@ __all__ = [
     "CopyError",
     "CorruptCheckpointError",
     "FormatVersionError",
+    "RankFileError",
     "NoCheckpointError",
     "LayoutMismatchError",
     "CommitError",
@@ -95,6 +96,18 @@ class FormatVersionError(CorruptCheckpointError):
             f"{path}: written by datastates-megatron {who} ({what} format {version}); this is "
             f"datastates-megatron {__version__} (reads {what} formats <= {newest}): upgrade to load it"
         )
+
+
+class RankFileError(CorruptCheckpointError):
+    """A rank file is not the one its manifest committed: ``kind`` says how -- ``missing``, ``size``
+    (another length) or ``file`` (not a regular file, unreadable, or another file) -- and ``problem``
+    says it without the path and rank, for a report that names them itself (``datastates-ckpt verify``).
+    Only the message crosses ranks: elsewhere ``kind`` is ``file`` and ``problem`` the message."""
+
+    def __init__(self, message: str, kind: str = "file", problem: str | None = None) -> None:
+        super().__init__(message)
+        self.kind = kind
+        self.problem = message if problem is None else problem
 
 
 class NoCheckpointError(CheckpointError, FileNotFoundError):

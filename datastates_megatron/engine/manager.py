@@ -37,13 +37,14 @@ from .errors import (
 )
 from .runtime.faults import hold_point
 from .format.global_index import encode_summary
-from .format.manifest import Manifest, RankRecord, iter_dir, rank_file_name, read_manifest
+from .format.manifest import Manifest, RankRecord, read_manifest
+from .names import REPLICAS_DIR, RUN_SUBDIR_PREFIX, iter_dir, rank_file_name
 from .options import EngineOptions, ManagerOptions
 from .load.load_plan import LoadPlanner, SameLayoutPlanner
 from .load.reader import CheckpointReader, RestoreStats, open_checkpoint
 from .fs.iteration_dir import prepare_iteration_dir
-from .tiers.replication import REPLICAS_DIR, Replication, clique_of, replication_plan
-from .tiers.run_id import RUN_SUBDIR_PREFIX, ensure_run_id, run_subdir
+from .tiers.replication import Replication, clique_of, replication_plan
+from .tiers.run_id import ensure_run_id, run_subdir
 from .fs.safe_io import check_path_fits, make_dir, make_root
 from .save.snapshot import SnapshotEngine
 from .load.resolve import Resolved, resolve

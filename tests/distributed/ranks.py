@@ -34,6 +34,8 @@ import time
 import traceback
 from dataclasses import dataclass
 
+from datastates_megatron._output import write_line
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # what the workers import; a module missing here is skipped by the forkserver (ImportError)
 PRELOAD = [
@@ -456,5 +458,5 @@ def _exit_status(code) -> int:
         return 0
     if isinstance(code, int):
         return code & 0xFF
-    print(code, file=sys.stderr)
+    write_line(code, sys.stderr)
     return 1

@@ -6,7 +6,8 @@ import os
 import pytest
 
 from datastates_megatron.engine.format.manifest import _body_xxh64  # noqa: PLC2701 - to reseal a hand edit
-from datastates_megatron.engine.format.manifest import iter_dir, read_manifest, read_tracker
+from datastates_megatron.engine.format.manifest import read_manifest, read_tracker
+from datastates_megatron.engine.names import iter_dir
 from datastates_megatron.engine.tiers.tier import committed_iterations
 
 from .ranks import describe, run_ranks

@@ -3,7 +3,7 @@ alone would wait in Megatron's collective load for ranks that took the lazy path
 
 import os
 
-from datastates_megatron.engine.format.manifest import iter_dir
+from datastates_megatron.engine.names import iter_dir
 from tests.unit.test_foreign_checkpoints import _native_torch_dist
 
 from .ranks import describe, run_ranks

@@ -7,6 +7,7 @@ import glob
 import os
 import shutil
 
+from datastates_megatron.engine.names import MANIFEST_NAME, RANK_FILE_SUFFIX, RECYCLE_DIR, iteration_of
 from datastates_megatron.engine.tiers.run_id import local_tier_dir
 from datastates_megatron.engine.tiers.tier import committed_iterations
 
@@ -29,6 +30,22 @@ def _local(tmp_path, node):
     return local_tier_dir(str(tmp_path / f"local{node}"), str(tmp_path / "persistent"))
 
 
+def _kept_for_others(tmp_path, node) -> list[str]:
+    """Every committed checkpoint (a manifest) and rank file anywhere under node ``node``'s local root,
+    hidden directories included, that is not the node's own: not in an ``iter_*`` directory of its
+    local tier, nor a retired file of that tier's recycle pool.  A replica is found whatever it is named."""
+    local, found = _local(tmp_path, node), []
+    own = {os.path.join(local, RECYCLE_DIR)}
+    for top, _, files in os.walk(tmp_path / f"local{node}"):
+        for name in files:
+            if name != MANIFEST_NAME and not name.endswith(RANK_FILE_SUFFIX):
+                continue
+            if top in own or (os.path.dirname(top) == local and iteration_of(top) is not None):
+                continue
+            found.append(os.path.join(top, name))
+    return sorted(found)
+
+
 def test_a_lost_node_restores_from_its_partners_replica(tmp_path):
     persistent = str(tmp_path / "persistent")
     # local checkpoint every iteration, persisted every 4th; killed after 6 (no end-of-run promotion)
@@ -41,6 +58,7 @@ def test_a_lost_node_restores_from_its_partners_replica(tmp_path):
     for node, partners in ((0, [2, 3]), (1, [0, 1])):  # rank r's partner is r+2 (mod 4): the other node
         for src in partners:
             assert committed_iterations(f"{_local(tmp_path, node)}/replicas/r{src:05d}") == [5, 6]
+        assert len(_kept_for_others(tmp_path, node)) == 2 * len(partners) * 2  # 2 iterations: manifest + file
     shutil.rmtree(tmp_path / "local1")  # node 1 is replaced: an empty node-local directory
     loaded = _ok(run_ranks(WORKER, 4, ["load", *_args(tmp_path)], env=NODES))
     assert all(r["iteration"] == 6 and r["exact"] for r in loaded), loaded
@@ -71,9 +89,11 @@ def test_a_node_lost_with_its_partner_falls_back_to_persistent(tmp_path):
 
 
 def test_replication_off_keeps_no_replica(tmp_path):
+    """No checkpoint of another rank under any name (the check finds the replicas of the test above)."""
     _ok(run_ranks(WORKER, 4, ["save", *_args(tmp_path, "--iters", "2", "--replicas", "0")], env=NODES))
     for node in (0, 1):
-        assert not (tmp_path / f"local{node}").joinpath(_local(tmp_path, node), "replicas").exists()
+        assert committed_iterations(_local(tmp_path, node)), node  # the node's own checkpoints are there
+        assert _kept_for_others(tmp_path, node) == [], node
 
 
 def _flip_a_byte(path, offset_from_end=100):

@@ -3,7 +3,8 @@
 import os
 import shutil
 
-from datastates_megatron.engine.format.manifest import iter_dir, read_manifest
+from datastates_megatron.engine.format.manifest import read_manifest
+from datastates_megatron.engine.names import iter_dir
 from datastates_megatron.engine.tiers.run_id import local_tier_dir
 from datastates_megatron.engine.tiers.tier import committed_iterations
 

@@ -26,13 +26,8 @@ from datastates_megatron.cli import main as cli
 from datastates_megatron.engine import CheckpointError, EngineOptions
 from datastates_megatron.engine.format.hashing import xxh64
 from datastates_megatron.engine.manager import CheckpointManager
-from datastates_megatron.engine.format.manifest import (
-    MANIFEST_NAME,
-    TRACKER_NAME,
-    iter_dir,
-    rank_file_name,
-    read_manifest,
-)
+from datastates_megatron.engine.format.manifest import read_manifest
+from datastates_megatron.engine.names import MANIFEST_NAME, TRACKER_NAME, iter_dir, rank_file_name
 from datastates_megatron.engine.names import RECYCLE_DIR
 from tests.faults.damage import edit_manifest, rebuild_rank_file, reseal_index_record
 from tests.workers.fault_worker import fill, make_state

@@ -10,7 +10,8 @@ import numpy as np
 
 from datastates_megatron.engine.format.file_format import HEADER_BYTES, INDEX_WORDS, RankFile
 from datastates_megatron.engine.format.hashing import xxh64
-from datastates_megatron.engine.format.manifest import MANIFEST_NAME, Manifest, RankRecord, iter_dir
+from datastates_megatron.engine.format.manifest import Manifest, RankRecord
+from datastates_megatron.engine.names import MANIFEST_NAME, iter_dir
 
 
 def flip(path: str, offset: int, bit: int = 0) -> None:

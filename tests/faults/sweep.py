@@ -58,7 +58,8 @@ import torch  # noqa: E402
 from datastates_megatron.engine import CheckpointError  # noqa: E402
 from datastates_megatron.engine.format import data_layout, file_format, hashing  # noqa: E402
 from datastates_megatron.engine.format.file_format import RankFile  # noqa: E402
-from datastates_megatron.engine.format.manifest import MANIFEST_NAME, iter_dir, read_manifest, read_tracker  # noqa: E402
+from datastates_megatron.engine.format.manifest import read_manifest, read_tracker  # noqa: E402
+from datastates_megatron.engine.names import MANIFEST_NAME, iter_dir  # noqa: E402
 from datastates_megatron.engine.tiers.tier import committed_iterations, latest_committed  # noqa: E402
 from datastates_megatron.engine.load.load_plan import SameLayoutPlanner  # noqa: E402
 from datastates_megatron.engine.load.reader import CheckpointReader, open_checkpoint  # noqa: E402

@@ -26,7 +26,8 @@ from datastates_megatron.engine import (
 from datastates_megatron.engine.format.file_format import HEADER_BYTES, Header, RankFile
 from datastates_megatron.engine.format.hashing import xxh64
 from datastates_megatron.engine.manager import CheckpointManager
-from datastates_megatron.engine.format.manifest import MANIFEST_NAME, iter_dir, read_manifest
+from datastates_megatron.engine.format.manifest import read_manifest
+from datastates_megatron.engine.names import MANIFEST_NAME, iter_dir
 
 from .damage import edit_manifest, flip, reseal_index_record
 from tests.workers.fault_worker import fill, is_state_of, make_state

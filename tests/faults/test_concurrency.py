@@ -15,7 +15,8 @@ import torch
 from datastates_megatron.engine import CheckpointError, EngineOptions, FlushError, load_file
 from datastates_megatron.engine.format import writer
 from datastates_megatron.engine.manager import CheckpointManager
-from datastates_megatron.engine.format.manifest import iter_dir, read_manifest, read_tracker
+from datastates_megatron.engine.format.manifest import read_manifest, read_tracker
+from datastates_megatron.engine.names import iter_dir
 from datastates_megatron.engine.tiers.tier import committed_iterations
 
 MiB = 1 << 20

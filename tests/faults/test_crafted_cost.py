@@ -44,7 +44,7 @@ def test_manifests_are_surveyed_incrementally_not_all_reread_at_every_commit(tmp
     import time
 
     from datastates_megatron.engine.tiers import tier
-    from datastates_megatron.engine.format.manifest import MANIFEST_NAME, iter_dir
+    from datastates_megatron.engine.names import MANIFEST_NAME, iter_dir
 
     root = str(tmp_path / "ckpt")
     attacks.commit(root, iterations=(1, 2, 3, 4))
@@ -81,7 +81,7 @@ def test_the_survey_cache_forgets_manifests_of_deleted_checkpoints(tmp_path, mon
     import time
 
     from datastates_megatron.engine.tiers import tier
-    from datastates_megatron.engine.format.manifest import MANIFEST_NAME, iter_dir
+    from datastates_megatron.engine.names import MANIFEST_NAME, iter_dir
 
     later = time.time_ns() + 60_000_000_000
 
@@ -122,7 +122,7 @@ def test_a_sparse_terabyte_rank_file_is_refused_from_its_header_not_with_cannot_
 
 def test_a_damaged_manifest_kept_by_a_survey_holds_no_traceback_nor_cause(tmp_path):
     from datastates_megatron.engine.tiers import tier
-    from datastates_megatron.engine.format.manifest import MANIFEST_NAME, iter_dir
+    from datastates_megatron.engine.names import MANIFEST_NAME, iter_dir
 
     root = str(tmp_path / "ckpt")
     attacks.commit(root, iterations=(1, 2))

@@ -12,7 +12,8 @@ import os
 
 import pytest
 
-from datastates_megatron.engine.format.manifest import MANIFEST_NAME, read_tracker
+from datastates_megatron.engine.format.manifest import read_tracker
+from datastates_megatron.engine.names import MANIFEST_NAME
 from datastates_megatron.engine.tiers.tier import committed_iterations, latest_committed
 
 from ..distributed.ranks import describe, run_ranks

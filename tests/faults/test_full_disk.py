@@ -11,7 +11,8 @@ import os
 import pytest
 
 from datastates_megatron.engine import load_file
-from datastates_megatron.engine.format.manifest import iter_dir, read_manifest, read_tracker
+from datastates_megatron.engine.format.manifest import read_manifest, read_tracker
+from datastates_megatron.engine.names import iter_dir
 from datastates_megatron.engine.tiers.tier import committed_iterations
 
 from ..distributed.ranks import describe, run_ranks

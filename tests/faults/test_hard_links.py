@@ -18,7 +18,8 @@ import torch
 from datastates_megatron.engine import CheckpointError, EngineOptions, load_file
 from datastates_megatron.engine.format.file_format import RankFile
 from datastates_megatron.engine.manager import CheckpointManager
-from datastates_megatron.engine.format.manifest import iter_dir, read_manifest
+from datastates_megatron.engine.format.manifest import read_manifest
+from datastates_megatron.engine.names import iter_dir
 from datastates_megatron.engine.names import LOCK_NAME, RECYCLE_DIR
 from datastates_megatron.engine.tiers.tier import committed_iterations
 
@@ -161,7 +162,7 @@ def test_a_reader_mapping_a_retired_file_survives_its_recycling(tmp_path):
 
 @pytest.mark.parametrize("size", [0, 8192])
 def test_a_hard_link_planted_at_the_next_rank_file_name_is_not_written_through(tmp_path, size):
-    from datastates_megatron.engine.format.manifest import rank_file_name
+    from datastates_megatron.engine.names import rank_file_name
 
     root, outside = tmp_path / "ckpt", tmp_path / "outside"
     outside.mkdir()

@@ -20,13 +20,8 @@ from datastates_megatron.engine import CorruptCheckpointError, EngineOptions
 from datastates_megatron.engine.manager import CheckpointManager
 from datastates_megatron.engine.format import manifest as manifest_mod
 from datastates_megatron.engine.tiers import tier as tier_mod
-from datastates_megatron.engine.format.manifest import (
-    MANIFEST_NAME,
-    TRACKER_NAME,
-    iter_dir,
-    read_manifest,
-    read_tracker,
-)
+from datastates_megatron.engine.format.manifest import read_manifest, read_tracker
+from datastates_megatron.engine.names import MANIFEST_NAME, TRACKER_NAME, iter_dir
 
 from .damage import edit_manifest
 from tests.workers.fault_worker import fill, make_state

@@ -13,13 +13,8 @@ import pytest
 from datastates_megatron.cli import EXIT_DAMAGED, main
 from datastates_megatron.engine import CheckpointError, CorruptCheckpointError, EngineOptions
 from datastates_megatron.engine.manager import CheckpointManager
-from datastates_megatron.engine.format.manifest import (
-    MANIFEST_NAME,
-    TRACKER_NAME,
-    iter_dir,
-    rank_file_name,
-    read_manifest,
-)
+from datastates_megatron.engine.format.manifest import read_manifest
+from datastates_megatron.engine.names import MANIFEST_NAME, TRACKER_NAME, iter_dir, rank_file_name
 from datastates_megatron.engine.names import RECYCLE_DIR
 
 from tests.workers.fault_worker import fill, make_state

@@ -14,7 +14,7 @@ from datastates_megatron.engine import CheckpointError, EngineOptions
 from datastates_megatron.engine.fs.dirlock import SaveDirLock
 from datastates_megatron.engine.errors import LockLostError
 from datastates_megatron.engine.manager import CheckpointManager
-from datastates_megatron.engine.format.manifest import iter_dir, rank_file_name
+from datastates_megatron.engine.names import iter_dir, rank_file_name
 from datastates_megatron.engine.names import LOCK_NAME, RECYCLE_DIR
 from datastates_megatron.engine.tiers import tier as tier_module
 from datastates_megatron.engine.tiers.tier import committed_iterations

@@ -14,7 +14,7 @@ import pytest
 from datastates_megatron.cli import main
 from datastates_megatron.engine import CheckpointError, EngineOptions
 from datastates_megatron.engine.manager import CheckpointManager
-from datastates_megatron.engine.format.manifest import MANIFEST_NAME, iter_dir
+from datastates_megatron.engine.names import MANIFEST_NAME, iter_dir
 from datastates_megatron.engine.tiers.tier import latest_committed
 
 from tests.faults.damage import flip

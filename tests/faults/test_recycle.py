@@ -12,8 +12,10 @@ import pytest
 from datastates_megatron.engine import EngineOptions
 from datastates_megatron.engine.tiers import tier as tier_mod
 from datastates_megatron.engine.manager import CheckpointManager
-from datastates_megatron.engine.format.manifest import iter_dir, read_manifest
-from datastates_megatron.engine.tiers.retention import RECYCLE_DIR, take_recycled
+from datastates_megatron.engine.format.manifest import read_manifest
+from datastates_megatron.engine.names import iter_dir
+from datastates_megatron.engine.tiers.retention import take_recycled
+from datastates_megatron.engine.names import RECYCLE_DIR
 
 from tests.workers.fault_worker import fill, is_state_of, make_state
 

@@ -7,7 +7,8 @@ import os
 
 from datastates_megatron.engine import EngineOptions
 from datastates_megatron.engine.manager import CheckpointManager
-from datastates_megatron.engine.format.manifest import iter_dir, rank_file_name, read_manifest
+from datastates_megatron.engine.format.manifest import read_manifest
+from datastates_megatron.engine.names import iter_dir, rank_file_name
 
 from tests.workers.fault_worker import fill, make_state
 

@@ -228,7 +228,9 @@ def test_training_lowers_loss(runs):
 
 def test_identical_runs_bit_identical(runs):
     dtype, first, second = runs
-    for ra, rb in zip(first, second):
+    assert [r["rank"] for r in first] == [r["rank"] for r in second] == list(range(WORLD)), (first, second)
+    for ra, rb in zip(first, second, strict=True):
+        assert len(ra["losses"]) == len(rb["losses"]) == STEPS, f"{dtype}: {ra['losses']} vs {rb['losses']}"
         assert ra["losses"] == rb["losses"], f"{dtype}: {ra['losses']} != {rb['losses']}"
 
 

@@ -182,7 +182,7 @@ def test_install_keeps_the_environments_torch_and_cli_help_needs_no_torch(wheel,
 
     # without numba: one line naming it and the pip command (with the wheel's own requirement)
     _run(*pip, "uninstall", "-y", "numba")
-    for argv in ([cli, "ls", tmp_path], [py, "-c", "import datastates_megatron"]):
+    for argv in ([cli, "ls", tmp_path], [py, "-c", "from datastates_megatron import LazyCheckpointer"]):
         r = subprocess.run([str(a) for a in argv], capture_output=True, text=True, timeout=60, cwd=tmp_path)
         assert r.returncode == 1 and "Traceback" not in r.stderr and r.stderr.count("\n") == 1, r.stderr
         assert "datastates-megatron needs numba, which is not installed" in r.stderr, r.stderr

@@ -17,8 +17,9 @@ import torch
 
 from datastates_megatron.engine import CorruptCheckpointError, EngineOptions
 from datastates_megatron.engine.manager import CheckpointManager
-from datastates_megatron.engine.format.global_index import INDEX_NAME
-from datastates_megatron.engine.format.manifest import iter_dir, read_manifest
+from datastates_megatron.engine.names import INDEX_NAME
+from datastates_megatron.engine.format.manifest import read_manifest
+from datastates_megatron.engine.names import iter_dir
 from datastates_megatron.engine.load.load_plan import ElementRange, LoadPlan, ReadItem
 from datastates_megatron.engine.load.reader import CheckpointReader
 from tests.distributed.ranks import describe, run_ranks

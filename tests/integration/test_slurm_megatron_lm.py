@@ -22,7 +22,8 @@ from pathlib import Path
 
 import pytest
 
-from datastates_megatron.engine.format.manifest import iter_dir, read_tracker
+from datastates_megatron.engine.format.manifest import read_tracker
+from datastates_megatron.engine.names import iter_dir
 from datastates_megatron.megatron.cpu import training_record
 from tests.integration.slurm_jobs import (
     REPO,

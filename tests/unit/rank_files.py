@@ -7,7 +7,8 @@ import torch
 import os
 
 from datastates_megatron.engine import EngineOptions, SnapshotEngine
-from datastates_megatron.engine.format.manifest import Manifest, RankRecord, iter_dir, rank_file_name, write_manifest
+from datastates_megatron.engine.format.manifest import Manifest, RankRecord, write_manifest
+from datastates_megatron.engine.names import iter_dir, rank_file_name
 
 
 def write_rank_file(path: str, *, tensors: int, numel: int, seed: int, cache_bytes: int) -> dict[str, torch.Tensor]:

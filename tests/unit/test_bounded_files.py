@@ -6,7 +6,8 @@ import torch
 
 from datastates_megatron.engine.load import reader as reader_mod
 from datastates_megatron.engine.load.load_plan import ElementRange, LoadPlan, ReadItem
-from datastates_megatron.engine.format.manifest import iter_dir, read_manifest
+from datastates_megatron.engine.format.manifest import read_manifest
+from datastates_megatron.engine.names import iter_dir
 from datastates_megatron.engine.load.reader import CheckpointReader
 
 from .rank_files import write_checkpoint

@@ -14,7 +14,8 @@ import torch.distributed as dist
 from datastates_megatron.engine.tiers.commit import Ticket
 from datastates_megatron.engine.errors import CheckpointError, CommitError
 from datastates_megatron.engine.format.file_format import FileReceipt
-from datastates_megatron.engine.format.manifest import read_manifest, iter_dir
+from datastates_megatron.engine.format.manifest import read_manifest
+from datastates_megatron.engine.names import iter_dir
 from datastates_megatron.engine.dist.store_channel import StoreChannel
 from datastates_megatron.engine.tiers.tier import Tier
 

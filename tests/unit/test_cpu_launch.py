@@ -92,8 +92,9 @@ def test_usage_errors_exit_2(tmp_path, capsys, main):
     assert e.value.code == 2 and "is not a file" in err and f"-m {main.__module__} " in err
 
 
-def _run_fake_megatron(tmp_path, package_info: str, save_signature: str, **env) -> str:
-    """Run a script through ``run`` over a stand-in Megatron-LM; returns its error line (exit 2)."""
+def _run_fake_megatron(tmp_path, package_info: str, save_signature: str, warned: str | None = None, **env) -> str:
+    """Run a script through ``run`` over a stand-in Megatron-LM; returns its error line (exit 2).
+    ``warned``: the untested version the override routes (warned about first), if any."""
     files = {
         "megatron/__init__.py": "",
         "megatron/core/__init__.py": "",
@@ -120,8 +121,7 @@ def _run_fake_megatron(tmp_path, package_info: str, save_signature: str, **env) 
     assert res.returncode == 2, res.stderr
     assert not (tmp_path / "script.py.ran").exists()
     *warnings, line = res.stderr.strip().splitlines()
-    overridden = env.get("DSM_ALLOW_UNTESTED_MEGATRON") == "1"
-    assert [w.split(" with ")[0] for w in warnings] == (["Megatron-LM 0.99.0 is not tested"] if overridden else [])
+    assert [w.split(" with ")[0] for w in warnings] == ([f"Megatron-LM {warned} is not tested"] if warned else [])
     return line
 
 
@@ -129,11 +129,13 @@ _FULL_SAVE = "iteration, model, optimizer, opt_param_scheduler, num_floating_poi
 
 
 def test_a_megatron_whose_signatures_do_not_match_exits_2_with_one_line(tmp_path):
-    """A stand-in Megatron-LM 0.99.0, routed with the override (the fault: save_checkpoint lost its
-    parameters): the hook refuses before the script runs."""
-    line = _run_fake_megatron(tmp_path, "__version__ = '0.99.0'\n", "iteration, model", DSM_ALLOW_UNTESTED_MEGATRON="1")
+    """A stand-in Megatron-LM 0.16.9 (of a tested series), routed with the override (the fault:
+    save_checkpoint lost its parameters): the hook refuses before the script runs."""
+    line = _run_fake_megatron(
+        tmp_path, "__version__ = '0.16.9'\n", "iteration, model", warned="0.16.9", DSM_ALLOW_UNTESTED_MEGATRON="1"
+    )
     assert line.startswith(
-        "error: Megatron-LM 0.99.0: megatron.training.checkpointing.save_checkpoint(iteration, model)"
+        "error: Megatron-LM 0.16.9: megatron.training.checkpointing.save_checkpoint(iteration, model)"
     )
     assert "no parameter optimizer, opt_param_scheduler," in line and "scripts/apply_patches.sh" in line
 
@@ -144,8 +146,38 @@ def test_a_megatron_whose_signatures_do_not_match_exits_2_with_one_line(tmp_path
     ids=["fields", "version-string"],
 )
 def test_an_untested_megatron_is_refused_with_one_line_naming_the_tested_ones(tmp_path, package_info):
-    line = _run_fake_megatron(tmp_path, package_info, _FULL_SAVE, DSM_ALLOW_UNTESTED_MEGATRON="0")
-    assert line.startswith("error: Megatron-LM 0.21.3 is not tested with the datastates_megatron runtime hook")
-    for row in versions.TESTED:
-        assert f"{row.version} ({row.source})" in line
-    assert "DSM_ALLOW_UNTESTED_MEGATRON=1" in line
+    """0.21 is no tested series: refused even with the override (as the patch is), which is not offered."""
+    for override in ("0", "1"):
+        line = _run_fake_megatron(tmp_path, package_info, _FULL_SAVE, DSM_ALLOW_UNTESTED_MEGATRON=override)
+        assert line.startswith("error: Megatron-LM 0.21.3 is not tested with the datastates_megatron runtime hook")
+        for row in versions.TESTED:
+            assert f"{row.version} ({row.source})" in line
+        assert "no tested version of its 0.21 series" in line and "ALLOW_UNTESTED" not in line
+
+
+def test_the_hook_routes_by_the_patchs_rule():
+    """``hook._check_version`` accepts exactly the versions ``versions.resolve`` gives a patch, with
+    and without the override (it once routed any version with the override)."""
+    from datastates_megatron.megatron.megatron_lm import hook
+
+    rows = [r.version for r in versions.TESTED]
+    series = sorted({".".join(v.split(".")[:2]) for v in rows})
+    candidates = rows + [f"{s}.99" for s in series] + ["0.12.0", "0.99.0", "1.0.0", "(unknown version)"]
+    for allow in (False, True):
+        for version in candidates:
+            try:
+                versions.resolve(version, allow=allow)
+                expected = True
+            except versions.UntestedVersionError:
+                expected = False
+            with pytest.MonkeyPatch.context() as mp:
+                mp.setattr(hook, "_version_triple", lambda v=version: v)
+                mp.setenv(versions.ALLOW_UNTESTED_ENV, "1" if allow else "0")
+                try:
+                    hook._check_version()
+                    routed = True
+                except hook.HookError as e:
+                    routed = False
+                    offered = "to route it anyway" in str(e)
+                    assert version in str(e) and offered == (".".join(version.split(".")[:2]) in series)
+            assert routed == expected, (version, allow, routed)

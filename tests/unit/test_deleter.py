@@ -17,7 +17,7 @@ from datastates_megatron.engine import EngineOptions
 from datastates_megatron.engine.tiers import tier
 from datastates_megatron.engine.errors import CacheTimeoutError
 from datastates_megatron.engine.manager import CheckpointManager
-from datastates_megatron.engine.format.manifest import iter_dir
+from datastates_megatron.engine.names import iter_dir
 
 REPO = Path(__file__).resolve().parents[2]
 OPTS = EngineOptions(cache_bytes=1 << 20, timeout_s=30)

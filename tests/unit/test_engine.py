@@ -211,7 +211,7 @@ def test_save_call_is_fast_for_100_tensors(tmp_path):
 
 
 def test_save_id_reads_token_and_sequence_only_from_names_this_version_writes():
-    from datastates_megatron.engine.format.manifest import rank_file_name, save_id
+    from datastates_megatron.engine.names import rank_file_name, save_id
 
     assert save_id(rank_file_name(3, "00000000000000ff", 7)) == (255, 7)
     assert save_id(rank_file_name(0, "7fffffffffffffff", 0)) == ((1 << 63) - 1, 0)

@@ -12,7 +12,7 @@ from datastates_megatron.engine import EngineOptions
 from datastates_megatron.engine.errors import CheckpointError, ForeignCheckpointError, NoCheckpointError
 from datastates_megatron.engine.tiers.foreign import find_foreign
 from datastates_megatron.engine.manager import CheckpointManager
-from datastates_megatron.engine.format.manifest import TRACKER_NAME, iter_dir
+from datastates_megatron.engine.names import TRACKER_NAME, iter_dir
 from datastates_megatron.engine.names import LOCK_NAME, RUN_ID_NAME
 
 

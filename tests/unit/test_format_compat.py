@@ -18,7 +18,8 @@ from datastates_megatron import __version__
 from datastates_megatron.cli import EXIT_DAMAGED, EXIT_NEWER, EXIT_OK, main
 from datastates_megatron.engine import CorruptCheckpointError, EngineOptions, FormatVersionError
 from datastates_megatron.engine.manager import CheckpointManager
-from datastates_megatron.engine.format.manifest import MANIFEST_NAME, Manifest, iter_dir, read_manifest
+from datastates_megatron.engine.format.manifest import Manifest, read_manifest
+from datastates_megatron.engine.names import MANIFEST_NAME, iter_dir
 from datastates_megatron.engine.load.reader import open_rank
 from datastates_megatron.engine.tiers.tier import latest_committed
 

@@ -12,15 +12,16 @@ import torch
 
 from datastates_megatron.engine import EngineOptions, SnapshotEngine
 from datastates_megatron.engine.format.global_index import (
-    INDEX_NAME,
     Summaries,
     encode_summary,
     read_index,
     summary_sum,
     write_index,
 )
+from datastates_megatron.engine.names import INDEX_NAME
 from datastates_megatron.engine.load.load_plan import LoadPlan, ReadItem
-from datastates_megatron.engine.format.manifest import Manifest, RankRecord, iter_dir, rank_file_name, write_manifest
+from datastates_megatron.engine.format.manifest import Manifest, RankRecord, write_manifest
+from datastates_megatron.engine.names import iter_dir, rank_file_name
 from datastates_megatron.engine.names import is_ours_in_iteration
 from datastates_megatron.engine.load.reader import CheckpointReader, open_checkpoint
 from datastates_megatron.engine.errors import CorruptCheckpointError

@@ -12,7 +12,8 @@ import torch
 from datastates_megatron.engine import EngineOptions
 from datastates_megatron.engine.fs import page_cache
 from datastates_megatron.engine.manager import CheckpointManager
-from datastates_megatron.engine.format.manifest import iter_dir, read_manifest
+from datastates_megatron.engine.format.manifest import read_manifest
+from datastates_megatron.engine.names import iter_dir
 from datastates_megatron.engine.fs.page_cache import read_range, resident_fraction, warm_file
 
 from .rank_files import write_rank_file

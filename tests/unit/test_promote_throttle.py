@@ -12,7 +12,7 @@ import time
 import pytest
 
 from datastates_megatron.engine.tiers import promotion
-from datastates_megatron.engine.format.manifest import iter_dir, rank_file_name
+from datastates_megatron.engine.names import iter_dir, rank_file_name
 from datastates_megatron.engine.tiers.promote_throttle import Pace, PromoteSlots
 from datastates_megatron.engine.tiers.tier import Tier
 

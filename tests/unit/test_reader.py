@@ -11,7 +11,8 @@ import torch
 from datastates_megatron.engine import CorruptCheckpointError, EngineOptions, LayoutMismatchError
 from datastates_megatron.engine.load.load_plan import ElementRange, LoadPlan, LoadPlanner, ReadItem, SameLayoutPlanner
 from datastates_megatron.engine.manager import CheckpointManager
-from datastates_megatron.engine.format.manifest import iter_dir, read_manifest
+from datastates_megatron.engine.format.manifest import read_manifest
+from datastates_megatron.engine.names import iter_dir
 from datastates_megatron.engine.load.reader import CheckpointReader
 
 from ..faults.damage import flip
@@ -143,3 +144,48 @@ def test_the_same_layout_planner_plans_every_registered_tensor_whole(ckpt):
     assert plan.kind == "same_layout" and plan.objects == {"iteration": 5}
     assert torch.equal(targets["w"], W) and torch.equal(targets["b"], B)
     assert stats.bytes == 40_000 + 14 and stats.verified_bytes == 40_000 + 14
+
+
+def test_open_rank_says_what_kind_of_file_it_refuses(ckpt, tmp_path):
+    """``open_rank`` is the one check of a rank file against its manifest (a load and the CLI use
+    it): each refusal names the file and rank and carries its kind and a path-free problem."""
+    import dataclasses
+    import os
+    import shutil
+
+    from datastates_megatron.engine.errors import RankFileError, error_class_named, make_error
+    from datastates_megatron.engine.load.reader import open_rank
+
+    d, m = ckpt
+    rec = m.ranks[0]
+    path = os.path.join(d, rec.file)
+    kept = str(tmp_path / "kept.dsck")
+    shutil.copyfile(path, kept)
+
+    def refused():
+        with pytest.raises(RankFileError) as e:
+            open_rank(d, m, 0)
+        assert rec.file in str(e.value) and "rank 0" in str(e.value) and d not in e.value.problem
+        return e.value.kind, e.value.problem
+
+    with open_rank(d, m, 0) as rf:
+        assert rf.header.n_tensors == rec.n_tensors
+    os.truncate(path, rec.file_bytes - 1)
+    assert refused() == ("size", f"file is truncated: {rec.file_bytes - 1} bytes, manifest says {rec.file_bytes}")
+    os.unlink(path)
+    assert refused() == ("missing", "file is missing")
+    os.symlink(kept, path)
+    assert refused() == ("file", "is a symlink (not a regular file inside the checkpoint)")
+    os.unlink(path)
+    shutil.copyfile(kept, path)  # the committed bytes again, but a manifest that committed another file
+    other = dataclasses.replace(m, ranks=(dataclasses.replace(rec, header_xxh64=rec.header_xxh64 ^ 1),))
+    with pytest.raises(RankFileError) as e:
+        open_rank(d, other, 0)
+    assert e.value.kind == "file" and e.value.problem.startswith("rank 0 file is not the one committed by the manifest")
+    with pytest.raises(CorruptCheckpointError, match="header checksum mismatch") as e:  # the format's own refusal
+        flip(path, 16)
+        open_rank(d, m, 0)
+    assert not isinstance(e.value, RankFileError)
+    # across ranks only the message travels: the class arrives, its kind says "file"
+    again = make_error(error_class_named("RankFileError"), "x: rank 0 file is missing")
+    assert isinstance(again, RankFileError) and isinstance(again, CorruptCheckpointError) and again.kind == "file"

@@ -11,7 +11,7 @@ import torch
 from datastates_megatron.engine import LayoutMismatchError, NoCheckpointError
 from datastates_megatron.engine import manager as manager_module
 from datastates_megatron.engine.manager import CheckpointManager, RestoreChoice
-from datastates_megatron.engine.format.manifest import iter_dir
+from datastates_megatron.engine.names import iter_dir
 from datastates_megatron.engine.tiers.tier import committed_iterations, committed_saves
 from tests.managers import two_tier_manager
 

@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 from datastates_megatron.engine import LayoutMismatchError, NoCheckpointError
 from datastates_megatron.engine.load.load_plan import SameLayoutPlanner
-from datastates_megatron.engine.format.manifest import iter_dir, rank_file_name
+from datastates_megatron.engine.names import iter_dir, rank_file_name
 from datastates_megatron.engine.load.reader import CheckpointReader
 from datastates_megatron.engine.load.resolve import resolve
 from datastates_megatron.engine.dist.store_channel import StoreChannel

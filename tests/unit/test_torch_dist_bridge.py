@@ -11,7 +11,7 @@ import types
 import pytest
 
 from datastates_megatron.engine.errors import ForeignCheckpointError
-from datastates_megatron.engine.format.manifest import TRACKER_NAME, iter_dir
+from datastates_megatron.engine.names import TRACKER_NAME, iter_dir
 from datastates_megatron.megatron.megatron_lm import torch_dist
 from tests.unit.test_foreign_checkpoints import _hashes, _native_legacy, _native_torch_dist, _save
 

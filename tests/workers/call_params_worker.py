@@ -7,6 +7,7 @@ import json
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
+from datastates_megatron._output import write_line
 from datastates_megatron.megatron.megatron_lm import call_params
 from datastates_megatron.megatron.megatron_lm.args import LazyCkptArgsError
 
@@ -36,7 +37,7 @@ def main():
     dist.barrier()
     ps.destroy_model_parallel()
     dist.destroy_process_group()
-    print("RESULT " + json.dumps(out), flush=True)
+    write_line("RESULT " + json.dumps(out))
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ import json
 
 import torch.distributed as dist
 
+from datastates_megatron._output import write_line
 from datastates_megatron.engine.dist import collective
 from datastates_megatron.engine.dist.collective import Collective
 from datastates_megatron.engine.errors import CheckpointError, ForeignCheckpointError
@@ -53,7 +54,7 @@ def main():
         out["sub"] = [part.rank, part.world_size, part.broadcast(2000 + rank, src=0), part.agree(rank != 1)]
     dist.barrier()
     dist.destroy_process_group()
-    print("RESULT " + json.dumps(out), flush=True)
+    write_line("RESULT " + json.dumps(out))
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ import sys
 import torch
 
 
+from datastates_megatron._output import write_line  # noqa: E402
 from datastates_megatron.engine import EngineOptions  # noqa: E402
 from datastates_megatron.engine.manager import CheckpointManager  # noqa: E402
 from tests.workers.fault_worker import slow_writes  # noqa: E402
@@ -23,7 +24,7 @@ def main() -> None:
     for i in range(8):
         mgr.register(f"w{i}", torch.full((1 << 18,), float(i)))
     mgr.save(1, {"iteration": 1})
-    print("SAVED", flush=True)
+    write_line("SAVED")
 
 
 if __name__ == "__main__":

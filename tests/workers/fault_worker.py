@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 
+from datastates_megatron._output import write_line  # noqa: E402
 from datastates_megatron.engine import EngineOptions, NoCheckpointError  # noqa: E402
 from datastates_megatron.engine.manager import CheckpointManager  # noqa: E402
 
@@ -256,7 +257,8 @@ def run(argv) -> dict:
 
 def fulldisk(a, mgr: CheckpointManager, ts, rank: int) -> dict:
     """Iteration 1 commits; the disk is filled; iteration 2 fails; space is freed; iteration 3 commits."""
-    from datastates_megatron.engine.format.manifest import iter_dir, read_manifest, read_tracker
+    from datastates_megatron.engine.format.manifest import read_manifest, read_tracker
+    from datastates_megatron.engine.names import iter_dir
     from datastates_megatron.engine.tiers.tier import latest_committed
 
     out: dict = {"errors": {}, "committed": []}
@@ -313,7 +315,7 @@ def fulldisk(a, mgr: CheckpointManager, ts, rank: int) -> dict:
 
 def main() -> int:
     result = run(sys.argv[1:])
-    print("RESULT " + json.dumps(result), flush=True)
+    write_line("RESULT " + json.dumps(result))
     dist.destroy_process_group()
     return 0
 

@@ -7,6 +7,7 @@ import json
 
 import torch.distributed as dist
 
+from datastates_megatron._output import write_line
 from datastates_megatron.engine.errors import CheckpointError
 from datastates_megatron.megatron.megatron_lm import torch_dist
 
@@ -24,7 +25,7 @@ def main():
         out = {"error": type(e).__name__, "message": str(e)}
     dist.barrier()
     dist.destroy_process_group()
-    print("RESULT " + json.dumps(out), flush=True)
+    write_line("RESULT " + json.dumps(out))
 
 
 if __name__ == "__main__":

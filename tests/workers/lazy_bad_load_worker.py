@@ -20,8 +20,10 @@ import sys
 import torch.distributed as dist
 
 
+from datastates_megatron._output import write_line  # noqa: E402
 from datastates_megatron.engine.format.file_format import RankFile  # noqa: E402
-from datastates_megatron.engine.format.manifest import MANIFEST_NAME, iter_dir, read_manifest  # noqa: E402
+from datastates_megatron.engine.format.manifest import read_manifest  # noqa: E402
+from datastates_megatron.engine.names import MANIFEST_NAME, iter_dir  # noqa: E402
 from tests.faults.damage import edit_manifest, flip  # noqa: E402
 
 
@@ -142,8 +144,8 @@ def main() -> int:
         except Exception as e:  # noqa: BLE001
             error = f"{type(e).__name__}: {e}"
         out["scenarios"][name] = {"error": error, "unchanged": state_digest(chunks, opt) == live}
-        print(f"SCENARIO {name} rank {rank}: {error}", flush=True)
-        print("RESULT " + json.dumps(out), flush=True)  # the last RESULT line is the one read
+        write_line(f"SCENARIO {name} rank {rank}: {error}")
+        write_line("RESULT " + json.dumps(out))  # the last RESULT line is the one read
         return error is not None
 
     for name in scenarios:
@@ -164,7 +166,7 @@ def main() -> int:
                 attempt(UNREADABLE, state_digest(chunks, opt))
             finally:
                 undo()
-    print("RESULT " + json.dumps(out), flush=True)
+    write_line("RESULT " + json.dumps(out))
     ckpt.close()
     gpt.destroy_distributed()
     return 0

@@ -7,6 +7,8 @@ import time
 
 import torch
 
+from datastates_megatron._output import write_line
+
 
 def _count_manifest_reads() -> list:
     """Every read_manifest call from now on, in whichever package module imported it."""
@@ -98,7 +100,8 @@ def main():
     from datastates_megatron.engine.format import writer
     from datastates_megatron.engine.save.device_copy import as_bytes
     from datastates_megatron.engine.format.hashing import xxh64
-    from datastates_megatron.engine.format.manifest import iter_dir, read_manifest
+    from datastates_megatron.engine.format.manifest import read_manifest
+    from datastates_megatron.engine.names import iter_dir
     import os
 
     gpt.init_distributed(seed=7)
@@ -141,7 +144,7 @@ def main():
             plain_step=sorted({st["step"] for st in inner.state.values() if isinstance(st.get("step"), int)}),
         )
         ckpt.close()
-        print("RESULT " + json.dumps(result), flush=True)
+        write_line("RESULT " + json.dumps(result))
         gpt.destroy_distributed()
         return
     gpt.train_step(chunks, opt, data(1))
@@ -206,7 +209,7 @@ def main():
             b.param_data.numel() * b.param_data.element_size() for c in chunks for b in c.buffers
         )
     ckpt.close()
-    print("RESULT " + json.dumps(result), flush=True)
+    write_line("RESULT " + json.dumps(result))
     gpt.destroy_distributed()
 
 

@@ -8,6 +8,7 @@ import sys
 import torch
 import torch.distributed as dist
 
+from datastates_megatron._output import write_line
 from datastates_megatron.engine import EngineOptions
 from datastates_megatron.engine.manager import CheckpointManager
 
@@ -99,7 +100,7 @@ def main():
                 errors.append(f"{type(e).__name__}: {e}")
         if a.abandon:  # every local commit (and its replicas) is done; no end-of-run promotion
             result.update(committed=committed, errors=errors)
-            print("RESULT " + json.dumps(result), flush=True)
+            write_line("RESULT " + json.dumps(result))
             os._exit(0)
         try:
             mgr.close()
@@ -119,7 +120,7 @@ def main():
             result["error"] = f"{type(e).__name__}: {e}"
             result["untouched"] = all(bool((t == 0).all()) for t in ts.values())
         mgr.close()
-    print("RESULT " + json.dumps(result), flush=True)
+    write_line("RESULT " + json.dumps(result))
     dist.destroy_process_group()
 
 

@@ -17,6 +17,7 @@ import psutil
 import torch
 
 
+from datastates_megatron._output import write_line  # noqa: E402
 from datastates_megatron.engine import EngineOptions  # noqa: E402
 from datastates_megatron.engine.manager import CheckpointManager  # noqa: E402
 
@@ -114,4 +115,4 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
-    print("RESULT " + json.dumps(main()), flush=True)
+    write_line("RESULT " + json.dumps(main()))

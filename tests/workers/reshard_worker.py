@@ -23,6 +23,8 @@ import time
 
 import torch
 
+from datastates_megatron._output import write_line
+
 GLOBAL_ROWS = 4
 MODEL = dict(num_layers=2, hidden=64, heads=4, seq_len=32, vocab=256)
 
@@ -163,7 +165,7 @@ def main():
                 start, _ = ckpt.load(a.load_at)
             except Exception as e:  # noqa: BLE001 - reported to the test
                 result["error"] = f"{type(e).__name__}: {e}"
-                print("RESULT " + json.dumps(result), flush=True)
+                write_line("RESULT " + json.dumps(result))
                 gpt.destroy_distributed()
                 return
             result["load_s"] = time.perf_counter() - t0
@@ -180,7 +182,7 @@ def main():
                     os.makedirs(a.ref_out, exist_ok=True)
                     _dump_reference(os.path.join(a.ref_out, f"rank{rank}.pt"), chunks, opt)
     result["losses"] = losses
-    print("RESULT " + json.dumps(result), flush=True)
+    write_line("RESULT " + json.dumps(result))
     gpt.destroy_distributed()
 
 

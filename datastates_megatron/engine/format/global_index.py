@@ -33,14 +33,15 @@ import numpy as np
 from ..errors import CorruptCheckpointError
 from .hashing import xxh64
 from .json_budget import check_budget
-from .manifest import Manifest, atomic_write, iter_dir
+from .manifest import Manifest
+from ..fs.durable import atomic_write
+from ..names import INDEX_NAME, iter_dir
 from ..fs.safe_io import read_capped
 
-__all__ = ["INDEX_NAME", "GlobalIndex", "Summaries", "encode_summary", "summary_sum", "read_index", "write_index"]
+__all__ = ["GlobalIndex", "Summaries", "encode_summary", "summary_sum", "read_index", "write_index"]
 
 log = logging.getLogger(__name__)
 
-INDEX_NAME = "global_index.dsgi"
 MAGIC = b"DSGIDX01"
 VERSION = 1
 INDEX_MAX_BYTES = 1 << 30  # 64k ranks of two tensors each: ~5 MiB

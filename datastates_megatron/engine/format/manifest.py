@@ -1,9 +1,9 @@
-"""The global manifest (the commit point), the Megatron-style tracker file, and the directory layout.
+"""The global manifest (the commit point) and the Megatron-style tracker file (their names: :mod:`..names`).
 
 ``<root>/iter_0000100/manifest.json`` names every rank file of iteration 100 with its size and
-checksums; it is written with temp file + fsync + ``os.replace`` + directory fsync, so it either
-exists whole or not at all.  A directory without a valid manifest is not a checkpoint (what a whole
-directory holds is :func:`.tier.survey`'s to say).
+checksums; it is written with temp file + fsync + ``os.replace`` + directory fsync
+(:func:`..fs.durable.atomic_write`), so it either exists whole or not at all.  A directory without a
+valid manifest is not a checkpoint (what a whole directory holds is :func:`..tiers.tier.survey`'s to say).
 ``<root>/latest_checkpointed_iteration.txt`` is replaced the same way right after the manifest.
 """
 
@@ -19,36 +19,26 @@ import re
 import time
 
 from ..._version import VERSION_RE, __version__
-from ..fs import safe_io
 from ..errors import CorruptCheckpointError, FormatVersionError, NoCheckpointError
+from ..fs import safe_io
+from ..fs.durable import atomic_write
+from ..names import MANIFEST_NAME, TRACKER_NAME, iter_dir, iteration_of
 from .json_budget import check_budget
-from .writer import fsync_dir
 
 __all__ = [
-    "MANIFEST_NAME",
-    "TRACKER_NAME",
     "MANIFEST_VERSION",
     "RankRecord",
     "Manifest",
-    "iter_dir",
-    "rank_file_name",
-    "parse_rank_file_name",
-    "save_id",
-    "atomic_write",
     "write_manifest",
     "read_manifest",
     "read_tracker",
     "read_tracker_text",
     "parse_tracker",
     "write_tracker",
-    "iteration_of",
 ]
 
-MANIFEST_NAME = "manifest.json"
-TRACKER_NAME = "latest_checkpointed_iteration.txt"
 MANIFEST_FORMAT = "datastates-megatron-manifest"
 MANIFEST_VERSION = 1  # the newest format this code writes; it reads every format from 1 up to it
-_ITER_RE = re.compile(r"^iter_([0-9]{7,})$")
 _SAFE_NAME = re.compile(r"^[A-Za-z0-9._-]+$")
 _TOKEN = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 _DIGITS = re.compile(rb"^[0-9]{1,18}$")  # ASCII only: ``str.isdigit`` accepts '\u00b2' and other scripts' digits
@@ -60,51 +50,6 @@ _TIERS = ("persistent", "local")
 _MANIFEST_BYTES_PER_VALUE = 16
 _MANIFEST_VALUE_ALLOWANCE = 1 << 16
 log = logging.getLogger(__name__)
-
-
-def iter_dir(root: str, iteration: int) -> str:
-    return os.path.join(root, f"iter_{iteration:07d}")
-
-
-def iteration_of(ckpt_dir: str) -> int | None:
-    """The iteration an ``iter_*`` directory's name stands for, ``None`` for any other name."""
-    match = _ITER_RE.match(os.path.basename(os.path.normpath(ckpt_dir)))
-    return int(match.group(1)) if match else None
-
-
-def rank_file_name(rank: int, token: str, seq: int) -> str:
-    return f"r{rank:05d}-{token}-{seq:06d}.dsck"
-
-
-def save_id(name: str) -> tuple[int, int] | None:
-    """``(run token as an integer, save sequence)`` of a rank file name whose token is one
-    ``CheckpointManager`` agrees on (16 hex digits, below 2**63: it fits an int64 collective);
-    None for any other name."""
-    parsed = parse_rank_file_name(name)
-    if parsed is None:
-        return None
-    token = parsed[1]
-    if len(token) != 16 or any(c not in "0123456789abcdef" for c in token) or int(token, 16) >= 1 << 63:
-        return None
-    return int(token, 16), parsed[2]
-
-
-def parse_rank_file_name(name: str) -> tuple[int, str, int] | None:
-    """``(rank, run token, save sequence)`` of a :func:`rank_file_name`, or None for another name.
-    Token and sequence identify the save: every rank's file of one save shares them."""
-    parts = name.removesuffix(".dsck").split("-") if name.endswith(".dsck") else []
-    if (
-        len(parts) != 3
-        or not parts[0].startswith("r")
-        or not _ascii_digits(parts[0][1:])
-        or not _ascii_digits(parts[2])
-    ):
-        return None
-    return int(parts[0][1:]), parts[1], int(parts[2])
-
-
-def _ascii_digits(text: str) -> bool:
-    return text.isascii() and text.isdigit()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -344,31 +289,6 @@ def _body_xxh64(body: dict) -> int:
     return xxh64(json.dumps(body, sort_keys=True, separators=(",", ":")).encode("utf-8"))
 
 
-def atomic_write(path: str, data: bytes) -> None:
-    """Write ``data`` to ``path`` atomically and durably: temp file, fsync, rename, directory fsync.
-    The temp name is created ``O_EXCL | O_NOFOLLOW`` (:func:`.safe_io.create_temp`): a symlink
-    planted there is refused (:class:`FlushError`), never written through or removed."""
-    directory = os.path.dirname(path) or "."
-    tmp = f"{path}.tmp-{os.getpid()}"
-    fd = safe_io.create_temp(tmp)
-    try:
-        try:
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view) :]
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, path)  # replaces a link at ``path`` itself, never its target
-    except BaseException:
-        try:
-            os.unlink(tmp)  # ours: created above (a full disk must not leave temp files behind)
-        except OSError:
-            pass
-        raise
-    fsync_dir(directory)
-
-
 def write_manifest(root: str, manifest: Manifest) -> str:
     path = os.path.join(iter_dir(root, manifest.iteration), MANIFEST_NAME)
     atomic_write(path, manifest.to_json())
@@ -381,8 +301,8 @@ def read_manifest(ckpt_dir: str) -> Manifest:
     unreadable, unparsable, invalid) is a :class:`CorruptCheckpointError` naming it, and so is an
     ``iter_*`` directory that is a symlink: we never write one, so it is not ours to read through."""
     path = os.path.join(ckpt_dir, MANIFEST_NAME)
-    match = _ITER_RE.match(os.path.basename(os.path.normpath(ckpt_dir)))
-    if match and os.path.islink(os.path.normpath(ckpt_dir)):
+    named = iteration_of(ckpt_dir)
+    if named is not None and os.path.islink(os.path.normpath(ckpt_dir)):
         raise CorruptCheckpointError(
             f"{ckpt_dir}: is a symlink to {os.readlink(os.path.normpath(ckpt_dir))!r}; checkpoint directories are"
             " never read through a link (not written by this engine)"
@@ -394,10 +314,8 @@ def read_manifest(ckpt_dir: str) -> Manifest:
     except NotADirectoryError as e:
         raise NoCheckpointError(f"{ckpt_dir}: not a directory: not a checkpoint") from e
     m = Manifest.from_json(data, path)
-    if match and int(match.group(1)) != m.iteration:
-        raise CorruptCheckpointError(
-            f"{path}: manifest is for iteration {m.iteration}, directory says {int(match.group(1))}"
-        )
+    if named is not None and named != m.iteration:
+        raise CorruptCheckpointError(f"{path}: manifest is for iteration {m.iteration}, directory says {named}")
     return m
 
 

@@ -20,21 +20,12 @@ from ..errors import FlushError
 from .file_format import HEADER_BYTES, Header
 from ..fs.mapped_files import MappedFiles
 from ..fs.page_cache import memory_backed
-from ..fs.safe_io import open_dir, open_for_write, reopen_same
+from ..fs.safe_io import open_for_write, reopen_same
 
-__all__ = ["ALIGN", "RankFileWriter", "fsync_dir", "pwrite_direct", "reuse_limit", "tail_offset"]
+__all__ = ["ALIGN", "RankFileWriter", "pwrite_direct", "reuse_limit", "tail_offset"]
 
 log = logging.getLogger(__name__)
 ALIGN = 4096  # O_DIRECT: offsets, lengths and the source address in multiples of this
-
-
-def fsync_dir(path: str) -> None:
-    """fsync a directory so a create/rename inside it is durable (never through a symlink)."""
-    fd = open_dir(path)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _pwrite_all(fd: int, data, offset: int) -> None:

@@ -35,7 +35,7 @@ import time
 from ..errors import FlushError, LockLostError, SaveDirBusyError
 from ..names import LOCK_NAME
 
-__all__ = ["SaveDirLock", "LOCK_NAME"]
+__all__ = ["SaveDirLock"]
 
 log = logging.getLogger(__name__)
 _UNSUPPORTED = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL)

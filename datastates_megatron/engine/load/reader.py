@@ -30,12 +30,13 @@ import time
 
 import torch
 
-from ..errors import CheckpointError, CorruptCheckpointError, LayoutMismatchError, NoCheckpointError
+from ..errors import CheckpointError, CorruptCheckpointError, LayoutMismatchError, NoCheckpointError, RankFileError
 from ..runtime.faults import crash_point
 from ..format.file_format import RankFile, TensorEntry
 from ..format.hashing import xxh64
 from .load_plan import ElementRange, LoadPlan, LoadPlanner, ReadItem
-from ..format.manifest import Manifest, iter_dir, read_manifest
+from ..format.manifest import Manifest, read_manifest
+from ..names import iter_dir
 from ..fs.page_cache import warm_file
 from ..fs.safe_io import describe
 
@@ -66,30 +67,45 @@ def open_checkpoint(root: str, iteration: int) -> tuple[str, Manifest]:
 
 
 def open_rank(ckpt: str, manifest: Manifest, rank: int) -> RankFile:
-    """Open ``rank``'s file and check it is the one the manifest committed (size and header checksum)."""
+    """Open ``rank``'s file and check it is the one the manifest committed (a regular file of the
+    committed size, whose header and index checksums, tag and iteration are the committed ones).
+    The one check of a rank file against its manifest: a load and ``datastates-ckpt inspect``/``verify``
+    use it.  A file that is not the committed one is a :class:`RankFileError` (its ``kind``: missing,
+    size or file); one the format refuses (damaged, newer) raises the format's own error."""
     rec = manifest.record(rank)
     if rec is None:
         raise CorruptCheckpointError(f"{ckpt}: the {manifest.tier} manifest has no file for rank {rank}")
     path = os.path.join(ckpt, rec.file)
+    missing = f"{ckpt}: rank {rank} file {rec.file} is missing"
     try:
         st = os.lstat(path)
     except FileNotFoundError as e:
-        raise CorruptCheckpointError(f"{ckpt}: rank {rank} file {rec.file} is missing") from e
+        raise RankFileError(missing, "missing", "file is missing") from e
     except OSError as e:
-        raise CorruptCheckpointError(f"{path}: rank {rank} file cannot be read: {e}") from e
+        raise RankFileError(
+            f"{path}: rank {rank} file cannot be read: {e}", "file", f"cannot stat the file: {e}"
+        ) from e
     if not stat.S_ISREG(st.st_mode):  # a link may point outside the checkpoint: never followed
-        raise CorruptCheckpointError(
-            f"{ckpt}: rank {rank} file {rec.file} is missing: {path} is "
-            f"{describe(st.st_mode)}, not a regular file; refusing to follow or use it"
+        what = describe(st.st_mode)
+        raise RankFileError(
+            f"{missing}: {path} is {what}, not a regular file; refusing to follow or use it",
+            "file",
+            f"is {what} (not a regular file inside the checkpoint)",
         )
     if st.st_size != rec.file_bytes:
-        raise CorruptCheckpointError(f"{path}: rank {rank} file has {st.st_size} bytes, manifest says {rec.file_bytes}")
+        what = "truncated" if st.st_size < rec.file_bytes else "longer than committed"
+        raise RankFileError(
+            f"{path}: rank {rank} file has {st.st_size} bytes, manifest says {rec.file_bytes}",
+            "size",
+            f"file is {what}: {st.st_size} bytes, manifest says {rec.file_bytes}",
+        )
     try:
         rf = RankFile(path)  # O_NOFOLLOW + fstat again (:mod:`.safe_io`): a swap since lstat is refused too
     except FileNotFoundError as e:
-        raise CorruptCheckpointError(f"{ckpt}: rank {rank} file {rec.file} is missing") from e
+        raise RankFileError(missing, "missing", "file is missing") from e
     except OSError as e:
-        raise CorruptCheckpointError(f"{path}: rank {rank} file cannot be read: {e}") from e
+        problem = f"rank {rank} file cannot be read: {e}"
+        raise RankFileError(f"{path}: {problem}", "file", problem) from e
     if (
         xxh64(rf.header.pack()) != rec.header_xxh64
         or rf.header.index_xxh64 != rec.index_xxh64
@@ -97,9 +113,8 @@ def open_rank(ckpt: str, manifest: Manifest, rank: int) -> RankFile:
         or rf.objects.get("version") != manifest.iteration
     ):
         rf.close()
-        raise CorruptCheckpointError(
-            f"{path}: rank {rank} file is not the one committed by the manifest (from another iteration or run?)"
-        )
+        problem = f"rank {rank} file is not the one committed by the manifest (from another iteration or run?)"
+        raise RankFileError(f"{path}: {problem}", "file", problem)
     return rf
 
 

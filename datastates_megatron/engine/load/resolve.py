@@ -28,7 +28,8 @@ from collections.abc import Callable
 
 from ..errors import NoCheckpointError, error_class_named, make_error
 from .load_plan import validate_world
-from ..format.manifest import Manifest, RankRecord, iter_dir
+from ..format.manifest import Manifest, RankRecord
+from ..names import iter_dir
 from ..dist.store_channel import StoreChannel
 from ..tiers.tier import Survey, survey
 

@@ -30,7 +30,8 @@ import numpy as np
 from ..errors import CacheTimeoutError, CommitError, LockLostError
 from ..runtime.faults import crash_point
 from ..format.global_index import Summaries, write_index
-from ..format.manifest import Manifest, RankRecord, iter_dir, rank_file_name, write_manifest, write_tracker
+from ..format.manifest import Manifest, RankRecord, write_manifest, write_tracker
+from ..names import iter_dir, rank_file_name
 from .retention import unlink_ours
 from ..dist.store_channel import StoreChannel
 from ..runtime.threads import QueueThread

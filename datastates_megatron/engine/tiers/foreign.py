@@ -20,7 +20,8 @@ import re
 from typing import NamedTuple
 
 from ..errors import CheckpointError, ForeignCheckpointError
-from ..format.manifest import MANIFEST_NAME, read_tracker_text
+from ..format.manifest import read_tracker_text
+from ..names import MANIFEST_NAME
 from ..names import is_ours_in_iteration
 
 __all__ = ["FORMATS", "ForeignCheckpoint", "find_foreign", "foreign_format", "refuse_newer_foreign", "tracker_text"]

@@ -23,12 +23,11 @@ import time
 
 from ..errors import CheckpointError
 from ..fs.safe_io import open_for_write
+from ..names import promote_slot_name
 
-__all__ = ["PROMOTE_SLOT_PREFIX", "PromoteSlots", "Pace"]
+__all__ = ["PromoteSlots", "Pace"]
 
 log = logging.getLogger(__name__)
-
-PROMOTE_SLOT_PREFIX = ".promote-slot-"  # + slot number: the lock files in a node's local tier directory
 
 
 class PromoteSlots:
@@ -44,9 +43,7 @@ class PromoteSlots:
 
     def _open(self) -> list[int]:
         if not self._fds:  # slot files are created once (never through a link) and kept open
-            self._fds = [
-                open_for_write(os.path.join(self.directory, f"{PROMOTE_SLOT_PREFIX}{i}")) for i in range(self.slots)
-            ]
+            self._fds = [open_for_write(os.path.join(self.directory, promote_slot_name(i))) for i in range(self.slots)]
         return self._fds
 
     @contextlib.contextmanager

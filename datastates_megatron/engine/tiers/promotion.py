@@ -26,13 +26,15 @@ from .commit import Ticket
 from ..errors import FlushError, NoCheckpointError
 from ..runtime.faults import crash_point
 from ..format.file_format import HEADER_BYTES, FileReceipt, RankFile
-from ..format.manifest import iter_dir, parse_rank_file_name, rank_file_name, read_manifest
+from ..format.manifest import read_manifest
+from ..names import iter_dir, parse_rank_file_name, rank_file_name
 from ..names import PROMOTING_SUFFIX
 from .promote_throttle import Pace, PromoteSlots
 from ..fs.safe_io import create_temp, make_dir, reopen_same
 from ..runtime.threads import QueueThread
 from .tier import Tier, survey
-from ..format.writer import ALIGN, fsync_dir, pwrite_direct
+from ..format.writer import ALIGN, pwrite_direct
+from ..fs.durable import fsync_dir
 
 __all__ = ["Promotion", "copy_verified"]
 
@@ -119,10 +121,8 @@ def copy_verified(src: str, dst: str, version: int, pace=None) -> FileReceipt:
     t0 = time.perf_counter()
     tmp = dst + PROMOTING_SUFFIX
     with RankFile(src) as rf:
-        for entry in rf.entries.values():
-            rf.verify_entry(entry)
+        data_bytes = rf.verify_all()
         header = rf.header
-        data_bytes = sum(e.nbytes for e in rf.entries.values())
         fd_tmp = create_temp(tmp)  # O_EXCL | O_NOFOLLOW: a link planted at the temp name is refused
         try:
             with os.fdopen(fd_tmp, "wb") as fout:  # copied from the file just verified, not the path again

@@ -36,24 +36,24 @@ from ..dist.collective import Collective
 from ..errors import CheckpointError, CorruptCheckpointError, OptionsError
 from ..runtime.faults import crash_point
 from ..format.file_format import FileReceipt, RankFile
-from ..format.manifest import (
-    Manifest,
+from ..format.manifest import Manifest, read_manifest, write_manifest
+from ..names import (
+    PROMOTING_SUFFIX,
+    REPLICAS_DIR,
     iter_dir,
     parse_rank_file_name,
-    read_manifest,
     rank_file_name,
-    write_manifest,
+    replica_store_name,
+    replica_store_rank,
 )
-from ..names import PROMOTING_SUFFIX
 from .retention import delete_checkpoint, remove_ours, select_deletions, unlink_ours
 from ..fs.safe_io import create_temp, make_dir, real_dir
 from .tier import Tier, committed_saves, list_iterations, survey
-from ..format.writer import fsync_dir
+from ..fs.durable import fsync_dir
 
-__all__ = ["Replication", "clique_of", "replication_plan", "REPLICAS_DIR", "ReplicaStats"]
+__all__ = ["Replication", "clique_of", "replication_plan", "ReplicaStats"]
 
 log = logging.getLogger(__name__)
-REPLICAS_DIR = "replicas"
 _CHUNK = 16 << 20  # one receive buffer of this size (sends go from the file's mapping): replication's memory
 _HDR = ("ok", "iteration", "seq", "token", "file_bytes", "manifest_bytes")
 
@@ -141,7 +141,7 @@ class Replication:
         top = os.path.join(self.local.root, REPLICAS_DIR)
         make_dir(top)
         for name in os.listdir(top) if node_sources is not None else ():
-            src = _store_rank(name)
+            src = replica_store_rank(name)
             if src is not None and src not in node_sources and real_dir(os.path.join(top, name)):
                 for it in list_iterations(os.path.join(top, name)):
                     delete_checkpoint(os.path.join(top, name), it)
@@ -156,7 +156,7 @@ class Replication:
         return self._stores[self.rank].root
 
     def _store(self, src: int) -> Tier:
-        root = os.path.join(self.local.root, REPLICAS_DIR, f"r{src:05d}")
+        root = os.path.join(self.local.root, REPLICAS_DIR, replica_store_name(src))
         return Tier("replica", root, rank=self.rank, token=self.local.token, writes=[src], run_id=self.local.run_id)
 
     # ------------------------------------------------------------------ after each local commit
@@ -348,8 +348,7 @@ class Replication:
         try:
             m = read_manifest(d)
             rf = RankFile(os.path.join(d, m.ranks[0].file))
-            for entry in rf.entries.values():
-                rf.verify_entry(entry)
+            rf.verify_all()
         except (CheckpointError, OSError) as e:
             log.error("rank %d: cannot send rank %d its replica of iteration %d: %s", self.rank, member, iteration, e)
             if rf is not None:
@@ -397,12 +396,6 @@ class Replication:
 
     def close(self) -> None:
         """Nothing runs on its own thread; the clique group goes with the process group."""
-
-
-def _store_rank(name: str) -> int | None:
-    """The source rank of a replica directory name ``r<rank, 5+ digits>``, else None (not ours)."""
-    digits = name[1:]
-    return int(digits) if name.startswith("r") and len(digits) >= 5 and digits.isascii() and digits.isdigit() else None
 
 
 class _ReplicaReceiver:
@@ -481,9 +474,7 @@ class _ReplicaReceiver:
 
     def _verify(self) -> None:
         with RankFile(self.tmp) as rf:
-            for entry in rf.entries.values():
-                rf.verify_entry(entry)
-            got = FileReceipt.of(rf.header, sum(e.nbytes for e in rf.entries.values()), 0, self.tmp)
+            got = FileReceipt.of(rf.header, rf.verify_all(), 0, self.tmp)
         r = self.record
         if (got.file_bytes, got.n_tensors, got.index_xxh64, got.header_xxh64, got.data_bytes) != (
             r.file_bytes,

@@ -21,10 +21,18 @@ import logging
 import os
 import stat
 
-from ..format.manifest import MANIFEST_NAME, iter_dir, parse_rank_file_name
-from ..names import RECYCLE_DIR, is_ours_in_iteration, is_recycled_name, is_tracker_temp
+from ..names import (
+    MANIFEST_NAME,
+    RECYCLE_DIR,
+    is_ours_in_iteration,
+    is_recycled_name,
+    is_tracker_temp,
+    iter_dir,
+    parse_rank_file_name,
+    recycled_name,
+)
 from ..fs.safe_io import make_dir, real_dir
-from ..format.writer import fsync_dir
+from ..fs.durable import fsync_dir
 
 __all__ = [
     "select_deletions",
@@ -32,7 +40,6 @@ __all__ = [
     "deletion_failed",
     "remove_ours",
     "remove_stale_tracker_temps",
-    "RECYCLE_DIR",
     "take_recycled",
     "trim_recycled",
     "unlink_ours",
@@ -166,7 +173,7 @@ def delete_checkpoint(root: str, iteration: int, recycle: bool = False, rank: in
                 st = os.lstat(src)
                 # a file with other hard links (a ``cp -al`` backup) is unlinked, never rewritten
                 if parse_rank_file_name(name) is not None and stat.S_ISREG(st.st_mode) and st.st_nlink == 1:
-                    os.rename(src, os.path.join(pool, f"{iteration:07d}-{name}"))
+                    os.rename(src, os.path.join(pool, recycled_name(iteration, name)))
         except OSError as e:  # recycling is an optimisation: fall back to deleting
             log.warning("%s: could not recycle rank files (%s); deleting them", d, e)
     remove_ours(d, rank)

@@ -21,13 +21,11 @@ import secrets
 import time
 
 from ..errors import CorruptCheckpointError
-from ..format.manifest import atomic_write
-from ..names import RUN_ID_NAME
+from ..fs.durable import atomic_write
+from ..names import RUN_ID_NAME, RUN_SUBDIR_PREFIX
 from ..fs.safe_io import read_capped
 
 __all__ = [
-    "RUN_ID_NAME",
-    "RUN_SUBDIR_PREFIX",
     "ensure_run_id",
     "is_run_id",
     "local_tier_dir",
@@ -35,7 +33,6 @@ __all__ = [
     "run_subdir",
 ]
 
-RUN_SUBDIR_PREFIX = "run-"
 _ID = re.compile(r"^[0-7][0-9a-f]{15}$")  # below 2**63: it travels as an int64
 _MAX_BYTES = 4096
 log = logging.getLogger(__name__)

@@ -33,18 +33,18 @@ from ..fs.dirlock import SaveDirLock
 from ..errors import CheckpointError, CorruptCheckpointError, LockLostError, NoCheckpointError
 from ..runtime.faults import crash_point
 from .foreign import refuse_newer_foreign
-from ..format.manifest import (
+from ..format.manifest import Manifest, read_manifest
+from ..names import (
+    INDEX_NAME,
     MANIFEST_NAME,
-    Manifest,
+    RUN_SUBDIR_PREFIX,
+    is_ours_in_iteration,
     iter_dir,
     iteration_of,
     parse_rank_file_name,
     rank_file_name,
-    read_manifest,
     save_id,
 )
-from ..format.global_index import INDEX_NAME
-from ..names import is_ours_in_iteration
 from .retention import (
     delete_checkpoint,
     deletion_failed,
@@ -55,7 +55,6 @@ from .retention import (
     trim_recycled,
     unlink_ours,
 )
-from .run_id import RUN_SUBDIR_PREFIX
 from ..fs.safe_io import make_root, real_dir
 
 __all__ = [

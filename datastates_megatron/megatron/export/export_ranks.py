@@ -25,6 +25,8 @@ import signal
 import socket
 import sys
 
+from ..._output import write_line
+
 __all__ = ["DONE", "rank_env", "start", "main"]
 
 DONE = "EXPORT-RANKS-OK"  # printed by ``start`` when every rank succeeded
@@ -65,10 +67,10 @@ def start(nproc: int, command: list[str]) -> int:
             try:
                 os.execvpe(command[0], command, {**base, **rank_env(rank, nproc, port)})
             except OSError as e:
-                print(f"rank {rank}: cannot run {command[0]}: {e}", flush=True)
+                write_line(f"rank {rank}: cannot run {command[0]}: {e}")
             os._exit(127)
         pids[pid] = rank
-    print(f"started {nproc} ranks (pids {' '.join(map(str, pids))})", flush=True)
+    write_line(f"started {nproc} ranks (pids {' '.join(map(str, pids))})")
     while pids:
         pid, status = os.wait()
         rank = pids.pop(pid, None)
@@ -77,7 +79,7 @@ def start(nproc: int, command: list[str]) -> int:
         code = os.waitstatus_to_exitcode(status)
         if code != 0:
             how = f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit {code}"
-            print(f"rank {rank} failed ({how}): ending the other ranks", flush=True)
+            write_line(f"rank {rank} failed ({how}): ending the other ranks")
             for other in pids:
                 try:
                     os.kill(other, signal.SIGKILL)  # ours: forked above, not yet reaped
@@ -86,7 +88,7 @@ def start(nproc: int, command: list[str]) -> int:
             for other in list(pids):
                 os.waitpid(other, 0)
             return code if code > 0 else 1
-    print(DONE, flush=True)
+    write_line(DONE)
     return 0
 
 
@@ -95,7 +97,7 @@ def _rank(argv: list[str]) -> None:
     from ..cpu import launch as cpu_launch
     from .worker_process import watch_children
 
-    print(f"rank {os.environ.get('RANK')} started (pid {os.getpid()})", flush=True)
+    write_line(f"rank {os.environ.get('RANK')} started (pid {os.getpid()})")
     hold_point("export_worker")  # the fault tests' stalled export
     watch_children()
     cpu_launch.main(argv)
@@ -110,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if argv[:2] == ["start", "--nproc"] and len(argv) > 4 and argv[2].isdigit() and argv[3] == "--":
         return start(int(argv[2]), argv[4:])
-    print(usage, file=sys.stderr)
+    write_line(usage, sys.stderr)
     return 2
 
 

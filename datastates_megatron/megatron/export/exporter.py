@@ -39,10 +39,12 @@ import tempfile
 
 import torch
 
+from ..._output import write_line
 from ..._deps import require
 
 from ...engine.errors import CheckpointError, FlushError, LayoutMismatchError, NoCheckpointError
-from ...engine.format.manifest import MANIFEST_NAME, iter_dir, iteration_of, read_manifest, write_tracker
+from ...engine.format.manifest import read_manifest, write_tracker
+from ...engine.names import MANIFEST_NAME, iter_dir, iteration_of
 from ...engine.tiers.tier import latest_committed
 from ...engine.load.load_plan import LoadPlan, ReadItem
 from ...engine.load.reader import CheckpointReader
@@ -321,8 +323,7 @@ def run_export(args: argparse.Namespace) -> int:
     )
     if getattr(args, "json", False):
         iteration = iteration_of(path.removesuffix(".pt"))
-        json.dump({"path": path, "format": args.format, "iteration": iteration}, sys.stdout, sort_keys=True)
-        sys.stdout.write("\n")
+        write_line(json.dumps({"path": path, "format": args.format, "iteration": iteration}, sort_keys=True))
     else:
-        print(path)
+        write_line(path)
     return 0

@@ -31,6 +31,7 @@ import subprocess
 import sys
 import threading
 
+from ..._output import write_line
 from ...engine.errors import CheckpointError
 
 __all__ = ["Terminated", "WorkerOutcome", "WorkerTerminatedError", "run_worker", "sigterm_raises", "watch_children"]
@@ -182,7 +183,7 @@ def watch_children(interval_s: float = 0.2) -> threading.Thread:
             found = failed_child()
             if found is not None:
                 pid, how = found
-                print(f"a child process of the worker (pid {pid}) failed ({how}): ending the worker", flush=True)
+                write_line(f"a child process of the worker (pid {pid}) failed ({how}): ending the worker")
                 os._exit(1)
 
     thread = threading.Thread(target=watch, name="dsm-child-watch", daemon=True)

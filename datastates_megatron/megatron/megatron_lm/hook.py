@@ -87,21 +87,34 @@ def _version_triple() -> str:
 
 
 def _check_version() -> None:
-    """Refuse a Megatron-LM that is not in the table of tested versions, unless overridden."""
+    """Refuse a Megatron-LM by the patch's own rule (:func:`.versions.resolve`): a tested version is
+    routed; with the override, so is an untested one of a tested ``MAJOR.MINOR`` series; a version of
+    any other series never is."""
     version = _version_triple()
     if versions.tested(version) is not None:
         return
-    if versions.allow_untested():
+    try:
+        row = versions.resolve(version, allow=True)  # is there a series for the override to use?
+    except versions.UntestedVersionError:
+        row = None
+    if row is not None and versions.allow_untested():
         logger.warning(
-            "Megatron-LM %s is not tested with the datastates_megatron runtime hook (%s=1 set); tested: %s",
+            "Megatron-LM %s is not tested with the datastates_megatron runtime hook (%s=1 set: routed as "
+            "its series' %s); tested: %s",
             version,
             versions.ALLOW_UNTESTED_ENV,
+            row.version,
             versions.tested_names(),
         )
         return
+    how = (
+        f" (to route it anyway: {versions.ALLOW_UNTESTED_ENV}=1)"
+        if row is not None
+        else f" (no tested version of its {'.'.join(version.split('.')[:2])} series: it cannot be routed)"
+    )
     raise HookError(
         f"Megatron-LM {version} is not tested with the datastates_megatron runtime hook; tested versions: "
-        f"{versions.tested_names()} (to route it anyway: {versions.ALLOW_UNTESTED_ENV}=1)"
+        f"{versions.tested_names()}{how}"
     )
 
 
