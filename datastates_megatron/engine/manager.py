@@ -830,6 +830,7 @@ class CheckpointManager(ClosingContext):
         if self.replication is not None and choice.shared == self.root:
             # collective of the clique: ranks whose node lost its copy fetch theirs
             need = choice.tier == "local" and choice.source == "replica"
+            self.replication.drain()  # the clique group is the restore's (a save since choose() may have run)
             fetched, holder = self.replication.fetch(choice.iteration, choice.save, need, choice.replicas)
             if need:
                 chosen_root = fetched or self.replication.own_root  # none: the load fails and falls back
