@@ -59,10 +59,10 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     from ..engine.errors import NoCheckpointError
     from ..megatron.cpu.training_record import state_digest
-    from ..megatron.megatron_lm.args import config_from_args, validate_lazy_ckpt_args
+    from ..megatron.megatron_lm.args import validate_lazy_ckpt_args
     from . import gpt
 
-    validate_lazy_ckpt_args(args)
+    config = validate_lazy_ckpt_args(args)  # None without --lazy-ckpt
     gpt.init_distributed(seed=args.seed)
     rank = int(os.environ.get("RANK", "0"))
     logging.basicConfig(
@@ -84,7 +84,7 @@ def main(argv=None) -> int:
     if args.lazy_ckpt:
         from ..megatron.checkpointing.checkpointer import LazyCheckpointer
 
-        ckpt = LazyCheckpointer(chunks, optimizer, config_from_args(args), opt_param_scheduler=scheduler)
+        ckpt = LazyCheckpointer(chunks, optimizer, config, opt_param_scheduler=scheduler)
         ckpt.on_commit.append(
             lambda rec, stall: records["commits"].append(
                 {

@@ -15,11 +15,14 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import dataclasses
+import functools
 import logging
 import os
 import secrets
 import time
+import zlib
 
+import numpy as np
 import torch
 
 from .dist.collective import Collective
@@ -36,7 +39,7 @@ from .errors import (
 from .runtime.faults import hold_point
 from .format.global_index import encode_summary
 from .format.manifest import Manifest, RankRecord, read_manifest
-from .names import REPLICAS_DIR, RUN_SUBDIR_PREFIX, iter_dir, rank_file_name, save_id
+from .names import REPLICAS_DIR, RUN_SUBDIR_PREFIX, iter_dir, rank_file_name
 from .options import EngineOptions, ManagerOptions
 from .load.load_plan import LoadPlanner, SameLayoutPlanner
 from .load.reader import CheckpointReader, RestoreStats, open_checkpoint
@@ -52,9 +55,17 @@ from .save.stall_report import StallReport
 from .load.resolve import Resolved, resolve
 from .dist.store_channel import StoreChannel, default_store
 from .runtime.threads import ClosingContext, close_at_exit, forget
-from .tiers.tier import Tier, committed_iterations, latest_committed, latest_to_resume, report_other_runs, survey
+from .tiers.tier import (
+    Survey,
+    Tier,
+    committed_iterations,
+    committed_saves,
+    latest_to_resume,
+    report_other_runs,
+    survey,
+)
 
-__all__ = ["CheckpointManager", "LoadResult"]
+__all__ = ["CheckpointManager", "LoadResult", "RestoreChoice"]
 
 log = logging.getLogger(__name__)
 # the longest path we create under a tier's root: a temp name beside a rank file in an iter_* directory
@@ -63,12 +74,25 @@ _LONGEST_NAME = os.path.join("iter_0000000000", rank_file_name(99999, "f" * 16, 
 _LONGEST_LOCAL = os.path.join(RUN_SUBDIR_PREFIX + "f" * 16, REPLICAS_DIR, "r99999", _LONGEST_NAME)
 
 
-def _no_check(manifest, ckpt) -> None:
-    """Resolve without a layout check: the load plan checks what it needs (a reshard reads another layout)."""
+def _no_check(manifest, ckpt) -> bool:
+    """Resolve without a layout check: the load plan checks what it needs (``False``: no reshard)."""
+    return False
 
 
 _SLOTS = 8  # restore candidates each rank sends (its newest local saves)
 _DECIDE_FIELDS = ("n", *(f"{k}{i}" for i in range(_SLOTS) for k in ("it", "tok", "seq", "ms")))
+
+
+def _offer(saves: dict) -> dict:
+    """This rank's record for rank 0's restore decision: its ``_SLOTS`` newest local saves (by
+    commit time), ``saves`` being ``{iteration: (token, seq, commit ms)}`` -- one fixed-size record."""
+    newest = sorted(saves, key=lambda it: saves[it][2])[-_SLOTS:]
+    record = {"n": len(newest)}
+    for i in range(_SLOTS):
+        it = newest[i] if i < len(newest) else 0
+        token, seq, ms = saves[it] if i < len(newest) else (0, 0, 0)
+        record.update({f"it{i}": it, f"tok{i}": token, f"seq{i}": seq, f"ms{i}": ms})
+    return record
 
 
 def _newest_common(cols: dict, iteration: int | None) -> dict:
@@ -92,20 +116,47 @@ def _newest_common(cols: dict, iteration: int | None) -> dict:
 
 @dataclasses.dataclass(frozen=True)
 class _Restorable:
-    saves: dict  # iteration -> (run token as an int, save sequence)
+    saves: dict  # iteration -> (run token as an int, save sequence, commit time in ms)
     how: dict  # iteration -> "local" (this node's copy) or "replica" (a clique member holds it)
     table: dict  # the clique's replica table (:meth:`.replication.Replication.holdings`)
-    created: dict  # iteration -> its commit time, ms (the order of commits)
 
 
 @dataclasses.dataclass(frozen=True)
-class _Source:
-    """Where one rank's state comes from, and why (the one log line of a restore)."""
+class RestoreChoice:
+    """The one restore decision (:meth:`CheckpointManager.choose`), as this rank needs it; what
+    :meth:`CheckpointManager.load` consumes.  Made on rank 0; ``tier``, ``iteration``, ``view``'s
+    header and ``reshard`` are the same on every rank, ``source``/``root``/``save`` are this rank's.
 
-    how: str  # "local", "replica" or "persistent"
-    save: tuple | None  # the local save restored (None: persistent)
-    table: dict
+    ``tier``: where the job restores from, ``"local"`` (the node-local tier: each rank's node copy
+    or a replica) or ``"persistent"`` (``shared``).  ``source``: where this rank's state comes
+    from -- ``"local"`` (its node's copy), ``"replica"`` (fetched from the clique member holding it
+    at load) or ``"persistent"``.  ``root``: the tier directory this rank reads.  ``view``: the
+    checkpoint ``iteration`` of the shared tier (``shared``: the load directory), its manifest's
+    header and this rank's record, read by rank 0 alone; ``None`` when that tier does not hold it.
+    ``reshard``: the caller's layout check of that manifest found another layout its planner
+    reshards from (every rank then reads the shared tier).  Immutable."""
+
+    tier: str
+    iteration: int
+    source: str
+    root: str
     why: str
+    shared: str
+    view: Resolved | None = None
+    reshard: bool = False
+    asked: int | None = None  # the iteration asked for (None: the newest)
+    save: tuple[int, int] | None = None  # the local save restored: (run token as an int, sequence)
+    replicas: dict = dataclasses.field(default_factory=dict)  # the clique's table, for the fetch
+
+    @property
+    def manifest(self) -> Manifest | None:
+        """The shared tier's manifest of ``iteration`` (header and this rank's record), or ``None``."""
+        return self.view.manifest if self.view is not None else None
+
+    @property
+    def layout(self) -> dict | None:
+        """The layout the checkpoint was saved with (from ``view``), or ``None``."""
+        return dict(self.view.manifest.layout) if self.view is not None else None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -242,10 +293,10 @@ class CheckpointManager(ClosingContext):
                 self._restore_chan = StoreChannel(
                     default_store(), self.rank, self.world_size, f"dsm/{token}/restore", opts.timeout_s
                 )
-                common = self._decide(*self._local_committed(), None, persistent=False)["local"]
-                if common and self._save_empty:
-                    self._warn_wiped_save(common[0])
-                self.promotion.resume(common[0] if common else None)
+                newest = self._newest_local()
+                if newest is not None and self._save_empty:
+                    self._warn_wiped_save(newest)
+                self.promotion.resume(newest)
                 jump, factor = replication_plan(self.world_size, per_node, policy.replicas, policy.replication_jump)
                 if factor > 1:
                     self._start_replication(jump, factor, opts.timeout_s)
@@ -591,64 +642,121 @@ class CheckpointManager(ClosingContext):
 
     # ------------------------------------------------------------------ load path
     def latest(self, root: str | None = None) -> int:
-        """The iteration :meth:`load` restores by default: with a local tier, the newest one every
-        rank can read (local or persistent; collective then); raises ``NoCheckpointError``."""
-        root = _location(root or self.load_root)
-        if self.local_root and root == self.root:
-            root, iteration, _ = self._choose_tier(None)
-            if iteration is not None:
-                return iteration
-        return self._latest_in(root)
+        """The iteration :meth:`load` restores by default (collective: :meth:`choose`); raises
+        ``NoCheckpointError``."""
+        return self.choose(root=root).iteration
 
-    def _latest_in(self, root: str) -> int:
+    def _latest_in(self, root: str, found: Survey | None = None) -> int:
         """The latest committed iteration under ``root`` -- refusing (``ForeignCheckpointError``)
         when a checkpoint we did not write there is newer: resuming would silently skip it."""
-        if is_object_url(root):
-            latest = self._persistent_latest() if root == self.root else None
-            if latest is None:
-                raise NoCheckpointError(f"{root}: no committed checkpoint")
-            return latest
-        return latest_to_resume(root, warn=self.rank == 0 and root != self.root)
+        if is_object_url(root):  # the persistent tier's objects: surveyed by rank 0 (resolve's ``survey``)
+            return (found or self._survey_objects(root)).latest()
+        return latest_to_resume(root, warn=self.rank == 0 and root != self.root, found=found)
 
-    def _persistent_latest(self) -> int | None:
-        """The persistent tier's newest commit (``None``: none); a damaged newer manifest raises."""
-        if self.objects:
-            return self.persistent.latest_committed()
+    def choose(self, iteration: int | None = None, *, root: str | None = None, check=None) -> RestoreChoice:
+        """Collective: the one restore decision -- which tier and iteration (default: the newest
+        every rank can restore), where each rank's state comes from, and the checkpoint's manifest
+        as this rank needs it -- made on rank 0 in one round of the resolve step
+        (:func:`.load.resolve.resolve`): every rank sends one record (the directory it asks for, its
+        newest local saves: O(1) bytes), rank 0 surveys ``root`` (default: the load directory),
+        decides, reads that manifest once and runs ``check(manifest, ckpt) -> bool`` on it
+        (``True``: another layout the caller's planner reshards; raise: none it can load), and every
+        rank receives the answer and its own record.  No world-group collective unless it fails
+        (with replication, one gather of the clique); any error is raised on every rank
+        (``NoCheckpointError`` when there is nothing to restore)."""
+        self._check_open()
+        self._drain_deletions(None)  # the decision never races retention of what it names
+        root = _location(root or self.load_root)
+        tiered = bool(self.local_root) and root == self.root
+        found = self._restorable() if tiered else None  # the clique's collective, with replication
+        # one record to rank 0: which directory this rank asks for, and its local candidates
+        offer = {"root": zlib.crc32(root.encode("utf-8")), **(_offer(found.saves) if tiered else {})}
         try:
-            return latest_committed(self.root)
+            view = resolve(
+                root,
+                iteration,
+                self._resolve_chan,
+                self.layout,
+                check=check or _no_check,
+                offer=offer,
+                decide=functools.partial(self._decide, root=root, iteration=iteration, tiered=tiered),
+                **self._readers(root),
+            )
+        except CheckpointError as e:  # alike on every rank: agreed, so that rank 0 (the store's
+            self._world.raise_agreed(e, "restore")  # host) never exits before every rank has heard it
+            raise
+        decision, reshard = view.decision, bool(view.checked)
+        it, why = decision["iteration"], decision["why"]
+        shared = view if view.ckpt is not None else None
+        common = dict(tier="persistent", iteration=it, shared=root, view=shared, reshard=reshard, asked=iteration)
+        if tiered:
+            common["replicas"] = found.table
+        if decision["tier"] == "local" and not reshard:  # every rank holds it: its node's copy or a replica
+            how = found.how[it]
+            what = "this node's copy" if how == "local" else "its node-local copy is missing"
+            common.update(tier="local", save=found.saves[it][:2])
+            return RestoreChoice(source=how, root=self.local_root, why=f"{why}; {what}", **common)
+        if reshard:
+            why = f"{why}; its layout is resharded, from every rank's file"
+        elif (
+            tiered
+            and self.local_fallback == "rank"
+            and not self.objects  # an object is fetched whole, never read beside a node's copy
+            and self._local_copy_of(it, view.file_of(self.rank))
+        ):
+            return RestoreChoice(
+                source="local", root=self.local_root, why="this node's copy of the persistent file", **common
+            )
+        return RestoreChoice(source="persistent", root=root, why=why, **common)
+
+    def _decide(
+        self, cols: dict, found: Survey, *, root: str, iteration: int | None, tiered: bool
+    ) -> tuple[int | None, dict]:
+        """Rank 0, inside the resolve step: the tier and iteration every rank restores, from every
+        rank's record (``cols``: the directory it asks for, its local saves; O(N * _SLOTS)) and the
+        survey of the shared tier ``found``.  The local tier wins when every rank holds the same save there (two nodes holding
+        one iteration from different saves never restore together) and it is not older than the
+        shared tier's newest.  Returns the shared tier's iteration to read (``None``: it does not
+        hold the chosen one) and the decision."""
+        elsewhere = np.flatnonzero(cols["root"] != cols["root"][0])
+        if elsewhere.size:  # a restore is collective: one directory for every rank
+            raise CheckpointError(
+                f"rank(s) {elsewhere[:8].tolist()}{f' and {elsewhere.size - 8} more' if elsewhere.size > 8 else ''} "
+                f"asked to load another directory than rank 0 ({root}); give every rank the same one"
+            )
+        common = _newest_common(cols, iteration)["local"] if tiered else None
+        if iteration is not None:
+            if common is not None:
+                read = iteration if iteration in found.committed else None
+                return read, {"tier": "local", "iteration": iteration, "why": f"iteration {iteration} is on every node"}
+            why = f"iteration {iteration} is not on every node" if tiered else f"iteration {iteration} asked for"
+            return iteration, {"tier": "persistent", "iteration": iteration, "why": why}
+        try:
+            newest = self._latest_in(root, found)
         except NoCheckpointError:
-            return None
+            if common is None:
+                raise
+            newest = None
+        if common is not None and (newest is None or common[0] >= newest):
+            read = common[0] if common[0] in found.committed else None
+            return read, {"tier": "local", "iteration": common[0], "why": "the newest checkpoint every rank has"}
+        why = "the newest checkpoint"
+        if tiered:
+            why = "no node-local checkpoint every rank has"
+            if common is not None:
+                why = f"newer than the newest node-local checkpoint every rank has ({common[0]})"
+        return newest, {"tier": "persistent", "iteration": newest, "why": why}
 
     def _persistent_committed(self) -> list[int]:
         return sorted(self.persistent.survey().committed) if self.objects else committed_iterations(self.root)
 
-    def _read_objects(self, root: str, iteration: int | None) -> tuple[str, Manifest]:
-        """Rank 0 of :func:`.load.resolve.resolve` on object storage: the manifest object of
-        ``iteration`` (``None``: the newest commit)."""
-        from .storage.base import ObjectMissingError
-        from .storage.fetch import fetch_manifest
-
-        it = iteration if iteration is not None else self._persistent_latest()
-        if it is None:
-            raise NoCheckpointError(f"{root}: no committed checkpoint")
-        try:
-            return f"{root}/iter_{it:07d}", fetch_manifest(self.persistent.storage, it)
-        except ObjectMissingError:
-            raise NoCheckpointError(f"{root}/iter_{it:07d}: no committed checkpoint") from None
-
-    def _fetch_own(self, iteration: int | None, resolved: Resolved | None = None) -> Resolved:
-        """Collective: rank 0 reads the manifest object once and sends each rank its record (the
-        resolve step: O(1) bytes per rank); each rank fetches its own object into
+    def _fetch_own(self, view: Resolved) -> Resolved:
+        """Collective: each rank fetches its own object of the checkpoint rank 0 resolved (``view``:
+        the manifest's header and this rank's record, O(1) bytes per rank) into
         ``<local tier>/fetched/iter_N/``, verified whole (:mod:`.storage.fetch`); agreed.  Its
-        directory and the one-record manifest, for the reader.  ``resolved``: that view already made
-        (:meth:`view`, for the checkpointer's layout check)."""
+        directory and the one-record manifest, for the reader."""
         from .storage.fetch import fetch_rank
 
-        try:
-            view = resolved or self._resolve(self.root, iteration)  # ``resolved``: alike on every rank
-        except CheckpointError as e:  # raised alike on every rank: agreed (rank 0 hosts the store)
-            self._agree_error(e)
-            raise
         it, err = view.manifest.iteration, None
         try:
             d = iter_dir(self._fetch_root(it), it)
@@ -675,20 +783,15 @@ class CheckpointManager(ClosingContext):
         make_dir(root)
         return root
 
-    def _fetched(self, iteration: int | None, every_rank: bool) -> tuple[str, int]:
-        """Collective: fetch checkpoint ``iteration`` (``None``: the newest, found by rank 0) of the
-        persistent tier on object storage into ``<local tier>/fetched/`` -- this rank's object, or
-        every rank's for a plan that reads them all -- each verified whole before it takes its name
-        (:mod:`.storage.fetch`); agreed, so that a failure on any rank raises on every rank."""
+    def _fetched(self, iteration: int, every_rank: bool) -> tuple[str, int]:
+        """Collective: fetch checkpoint ``iteration`` of the persistent tier on object storage into
+        ``<local tier>/fetched/`` -- this rank's object, or every rank's for a plan that reads them
+        all -- each verified whole before it takes its name (:mod:`.storage.fetch`); agreed, so that
+        a failure on any rank raises on every rank."""
         from .storage.fetch import fetch_checkpoint
 
         err, it = None, iteration
         try:
-            if it is None:
-                it = self._persistent_latest() if self.rank == 0 else None
-                it = self._world.broadcast(-1 if it is None else it, src=0)
-                if it < 0:
-                    raise NoCheckpointError(f"{self.root}: no committed checkpoint")
             root = self._fetch_root(it)
             fetch_checkpoint(self.persistent.storage, it, root, None if every_rank else [self.rank])
         except Exception as e:  # noqa: BLE001 - every rank must hear it
@@ -700,119 +803,97 @@ class CheckpointManager(ClosingContext):
 
     def load(
         self,
-        iteration: int | None = None,
+        iteration: int | RestoreChoice | None = None,
         *,
         root: str | None = None,
         verify: bool | None = None,
         planner: LoadPlanner | None = None,
-        resolved: Resolved | None = None,
     ) -> LoadResult:
-        """Restore checkpoint ``iteration`` (default: the latest committed) in place, as ``planner``
-        plans it (default: every registered tensor from this rank's own file, same layout), through
-        the one verifying reader (:mod:`.reader`).  Collective: raises on every rank or none, and
-        writes nothing unless every rank validated its part.  A planner that reads other ranks'
-        files reads ``root`` (the persistent tier), never a node-local one.  ``resolved``: what
-        :meth:`view` returned for this load (alike on every rank), used instead of resolving again
-        when the load reads that checkpoint."""
+        """Restore checkpoint ``iteration`` (default: the latest committed; a :class:`RestoreChoice`:
+        what :meth:`choose` decided, not decided again) in place, as ``planner`` plans it (default:
+        every registered tensor from this rank's own file, same layout), through the one verifying
+        reader (:mod:`.reader`).  Collective: raises on every rank or none, and writes nothing
+        unless every rank validated its part.  A planner that reads other ranks' files reads the
+        shared tier (the load directory), never a node-local one."""
         self._check_open()
+        choice = iteration if isinstance(iteration, RestoreChoice) else self.choose(iteration, root=root)
         self._drain_deletions(None)  # a load never races retention of what it may read
-        root = _location(root or self.load_root)
-        if (planner is not None and planner.reads_all_ranks) or not (self.local_root and root == self.root):
-            return self._load_from(root, iteration, verify, planner, resolved=resolved)
-        chosen_root, chosen, source = self._choose_tier(iteration)
-        if self.replication is not None:  # collective of the clique: ranks whose node lost its copy fetch theirs
-            need = chosen_root == self.local_root and source.save is not None and source.how == "replica"
-            fetched, holder = self.replication.fetch(chosen, source.save, need, source.table)
+        if planner is not None and planner.reads_all_ranks:  # every rank reads the whole manifest
+            if choice.view is None:  # alike on every rank
+                raise NoCheckpointError(
+                    f"rank {self.rank}: {iter_dir(choice.shared, choice.iteration)}: not committed; a plan "
+                    "reading every rank's file reads the checkpoint there, not a node-local copy"
+                )
+            return self._load_from(choice.shared, choice.iteration, verify, planner)
+        chosen_root = choice.root
+        why = choice.why
+        if self.replication is not None and choice.shared == self.root:
+            # collective of the clique: ranks whose node lost its copy fetch theirs
+            need = choice.tier == "local" and choice.source == "replica"
+            self.replication.drain()  # the clique group is the restore's (a save since choose() may have run)
+            fetched, holder = self.replication.fetch(choice.iteration, choice.save, need, choice.replicas)
             if need:
                 chosen_root = fetched or self.replication.own_root  # none: the load fails and falls back
-                source = dataclasses.replace(source, why=f"the replica held by rank {holder} ({source.why})")
+                why = f"the replica held by rank {holder} ({why})"
         # a replica in use means a node lost its copy: worth a warning
         log.log(
-            logging.WARNING if source.how == "replica" else logging.INFO,
+            logging.WARNING if choice.source == "replica" else logging.INFO,
             "rank %d: restoring iteration %s from %s: %s",
             self.rank,
-            chosen,
+            choice.iteration,
             chosen_root,
-            source.why,
+            why,
         )
         try:
-            # local_fallback="rank": ranks may read different tiers, so none resolves through rank 0
-            return self._load_from(
-                chosen_root, chosen, verify, planner, shared=self.local_fallback != "rank", resolved=resolved
-            )
+            # a rank reading the shared tier reads it through rank 0's view (local_fallback="rank":
+            # some ranks may read their node's copy instead)
+            view = choice.view if chosen_root == choice.shared else None
+            return self._load_from(chosen_root, choice.iteration, verify, planner, view)
         except CheckpointError as e:
             # every rank raised (the failure was agreed before any tensor was written): a bad local
             # copy on some rank must not hide an intact persistent checkpoint -- unless no rank read
             # a local copy (with local_fallback="rank" only some may have), so a retry would repeat it
-            if not self._agree(chosen_root == self.root):
+            if choice.shared != self.root or not self._agree(chosen_root == self.root):
                 raise
-            try:
-                fallback = iteration if iteration is not None else self._persistent_latest()
-                if fallback is None:
-                    raise NoCheckpointError(f"{self.root}: no committed checkpoint")
-                if fallback not in self._persistent_committed():
-                    raise NoCheckpointError(f"{iter_dir(self.root, fallback)}: not committed")
+            try:  # collective: rank 0 finds and reads it, each rank gets its record
+                fallback = self._resolve(self.root, choice.asked)
             except NoCheckpointError:
                 # a checkpoint exists but could not be restored: never "no checkpoint" (a trainer
                 # would start from scratch and overwrite --save), and never an older one than asked
                 raise CheckpointError(
-                    f"rank {self.rank}: restoring iteration {chosen} from the node-local tier failed and "
-                    f"{self.root} holds no {'copy of it' if iteration is not None else 'checkpoint'}: {e}"
+                    f"rank {self.rank}: restoring iteration {choice.iteration} from the node-local tier failed "
+                    f"and {self.root} holds no {'copy of it' if choice.asked is not None else 'checkpoint'}: {e}"
                 ) from e
+            it = fallback.manifest.iteration
             log.warning(
                 "rank %d: restoring local checkpoint %s failed (%s); restoring persistent checkpoint %d",
                 self.rank,
-                chosen,
+                choice.iteration,
                 e,
-                fallback,
+                it,
             )
-            return self._load_from(self.root, fallback, verify, planner)
+            return self._load_from(self.root, it, verify, planner, view=fallback)
 
     def _load_from(
-        self,
-        root: str,
-        iteration: int | None,
-        verify: bool | None,
-        planner: LoadPlanner | None,
-        shared: bool = True,
-        resolved: Resolved | None = None,
+        self, root: str, iteration: int, verify: bool | None, planner: LoadPlanner | None, view: Resolved | None = None
     ) -> LoadResult:
-        """Restore ``iteration`` of the tier at ``root`` (collective; raises on every rank or none).
-        ``shared``: every rank reads the same tier, so rank 0 may resolve it for all (or has:
-        ``resolved``, used when it is that checkpoint)."""
-        partial = shared and (planner is None or not planner.reads_all_ranks)
-        own = None  # object storage: this rank's object fetched, its record from rank 0
-        if is_object_url(root) and partial:
-            own = self._fetch_own(
-                iteration, resolved if resolved and _is_checkpoint(resolved, root, iteration) else None
-            )
-            ckpt, manifest, iteration = own.ckpt, own.manifest, own.manifest.iteration
+        """Restore ``iteration`` of the tier at ``root`` (collective: raises on every rank or none).
+        ``view``: that checkpoint as rank 0 resolved it for this rank (the manifest's header and this
+        rank's record: no rank but 0 reads the manifest); ``None``: this rank reads the manifest --
+        a node-local one (it lists one node's ranks), or the whole one a plan reading every rank's
+        file needs.  Nothing here is a collective before the reader's one agreement (a rank that
+        fails to open its manifest joins that agreement, whichever way the others read) -- but on
+        object storage, where every rank fetches what it reads into the node-local tier first
+        (agreed: every rank reads object storage alike, never a node's copy beside it)."""
+        if view is not None and is_object_url(root):  # this rank's object, its record from rank 0
+            view = self._fetch_own(view)
         elif is_object_url(root):  # every rank's objects (and the whole manifest) fetched, read locally
             root, iteration = self._fetched(iteration, every_rank=planner is not None)
-        local = self.local_root is not None and (root == self.local_root or root.startswith(self.local_root + os.sep))
-        if own is not None:
-            pass  # its ckpt and one-record manifest are above
-        elif partial and not local:
-            # a shared tier: its manifest (O(N)) is read by rank 0 alone, each rank gets its record
-            # (raises alike on every rank; the plan still checks layout and tensors)
-            try:
-                if resolved is not None and _is_checkpoint(resolved, root, iteration):
-                    view = resolved  # alike on every rank: so is the test
-                else:
-                    view = self._resolve(root, iteration)
-            except CheckpointError as e:  # raised alike on every rank: agreed, so that rank 0 (the
-                self._agree_error(e)  # store's host) never exits before every rank has heard it
-                raise
-            ckpt, manifest, iteration = view.ckpt, view.manifest, view.manifest.iteration
-            elsewhere = None
-            if os.path.dirname(ckpt) != root:  # a load is collective: one directory for every rank
-                elsewhere = CheckpointError(f"rank {self.rank}: asked to load {root}, rank 0 resolved {ckpt}")
-            self._agree_error(elsewhere)
-        else:  # a node-local manifest lists one node's ranks; a plan reading every rank needs them all
+        if view is not None:
+            ckpt, manifest, partial = view.ckpt, view.manifest, True
+        else:
             partial = False
             try:  # a rank failing here still joins the one agreement
-                if iteration is None:
-                    iteration = self._latest_in(root)
                 ckpt, manifest = open_checkpoint(root, iteration)
             except Exception as e:  # noqa: BLE001 - every rank must hear it
                 self._agree_error(e)
@@ -834,25 +915,34 @@ class CheckpointManager(ClosingContext):
         return LoadResult(iteration, plan.objects, manifest.metadata, stats, root, plan.kind)
 
     def _resolve(self, root: str, iteration: int | None) -> Resolved:
-        """:func:`.source.resolve` of ``root`` for this world (collective): rank 0 reads, each rank
+        """:func:`.load.resolve.resolve` of ``root`` for this world (collective): rank 0 reads, each rank
         gets its record; the layout is checked by the planner, not here."""
-        if is_object_url(root):  # rank 0 reads the manifest object
-            return resolve(root, iteration, self._resolve_chan, self.layout, check=_no_check, read=self._read_objects)
-        return resolve(root, iteration, self._resolve_chan, self.layout, check=_no_check, latest=self._latest_in)
+        return resolve(root, iteration, self._resolve_chan, self.layout, check=_no_check, **self._readers(root))
 
-    def view(self, iteration: int, root: str | None = None):
-        """Collective: checkpoint ``iteration`` (``None``: the newest committed, found by rank 0) of
-        ``root`` (default: the load directory) as this rank needs it -- the manifest's header and
-        this rank's record (:class:`.source.Resolved`), read by rank 0 alone -- or ``None`` when it
-        is not committed there."""
-        root = _location(root or self.load_root)
-        try:
-            return self._resolve(root, iteration)
-        except NoCheckpointError:
-            return None  # every rank alike (rank 0's answer)
-        except CheckpointError as e:  # agreed: rank 0, the store's host, never exits before the others heard it
-            self._agree_error(e)
-            raise
+    def _readers(self, root: str) -> dict:
+        """How rank 0 of the resolve step finds and reads checkpoints under ``root``: a directory's
+        survey, or (object storage) a listing of the persistent tier's objects and its manifest
+        objects; the newest is :meth:`_latest_in`'s."""
+        hooks: dict = {"latest": lambda found: self._latest_in(root, found)}
+        if is_object_url(root):
+            hooks.update(survey=self._survey_objects, read=self._read_objects)
+        return hooks
+
+    def _survey_objects(self, root: str):
+        """Rank 0: the persistent tier's objects (one listing; each manifest read once, then cached
+        by its tag) -- the only object storage location this manager reads."""
+        if root != self.root:
+            raise NoCheckpointError(f"{root}: not this run's save location ({self.root}); no checkpoint read there")
+        return self.persistent.survey()
+
+    def _read_objects(self, found, iteration: int) -> tuple[str, Manifest]:
+        """Rank 0 of :func:`.load.resolve.resolve` on object storage: the manifest object of
+        committed ``iteration`` in the listing ``found``."""
+        if iteration not in found.committed:
+            if iteration in found.damaged:
+                raise found.damaged[iteration]
+            raise NoCheckpointError(f"{self.root}/iter_{iteration:07d}: no committed checkpoint")
+        return f"{self.root}/iter_{iteration:07d}", found.committed[iteration]
 
     def _agree(self, ok: bool) -> list[int]:
         """Every rank says whether its file validated; returns the ranks that failed (default group)."""
@@ -862,112 +952,40 @@ class CheckpointManager(ClosingContext):
         return self._persistent_committed()
 
     # ------------------------------------------------------------------ tiers
-    def _local_committed(self) -> tuple[dict[int, tuple[int, int]], dict[int, int]]:
-        """Local-tier iterations whose node manifest is readable and names this rank's file, each
-        with the save that wrote it -- (run token as an integer, save sequence) -- and when it was
-        committed (ms since the epoch: the order of commits, across runs and rollbacks)."""
-        out, created = {}, {}
-        for it, m in sorted(survey(self.local_root).committed.items()):
-            if m.run_id != self.run_id:  # copied in from elsewhere: never this run's
-                log.warning(
-                    "rank %d: %s belongs to run %r, not this run; not loaded",
-                    self.rank,
-                    iter_dir(self.local_root, it),
-                    m.run_id,
-                )
-                continue
-            rec = m.record(self.rank)
-            save = save_id(rec.file) if rec is not None else None
-            if save is not None:
-                out[it], created[it] = save, int(m.created * 1000)
-        return out, created
-
     def _restorable(self) -> _Restorable:
         """This rank's local-tier checkpoints: its node's, else (with replication) a replica its
         clique holds for it (a collective of the clique)."""
-        local, created = self._local_committed()
-        saves, how, table = dict(local), dict.fromkeys(local, "local"), {}
+        saves = committed_saves(self.local_root, self.run_id, self.rank)
+        how, table = dict.fromkeys(saves, "local"), {}
         if self.replication is not None:
             self.replication.drain()  # the clique group is the restore's from here (its thread is idle)
-            replica, table, replica_created = self.replication.holdings(local)
+            replica, table, replica_created = self.replication.holdings({it: s[:2] for it, s in saves.items()})
             for it, save in replica.items():
                 if it not in saves:
-                    saves[it], how[it], created[it] = save, "replica", replica_created[it]
-        return _Restorable(dict(sorted(saves.items())), how, table, created)
+                    saves[it], how[it] = (*save, replica_created[it]), "replica"
+        return _Restorable(dict(sorted(saves.items())), how, table)
 
-    def _decide(self, saves: dict, created: dict, iteration: int | None, persistent: bool) -> dict:
-        """The one restore decision, made on rank 0 (a collective of the restore channel: one
-        record of at most ``_SLOTS`` candidates from each rank, one small answer back -- O(N) on
-        rank 0, O(1) on every other rank).  Candidates are local saves; the answer is the newest
-        commit every rank can restore from one save (two nodes holding the same iteration from
-        different runs must not be restored together) or, for ``iteration``, whether every rank
-        has it; with ``persistent``, also the persistent tier's newest commit (read by rank 0 only).
-        A failure on rank 0 (a damaged manifest) is raised on every rank."""
-        newest = sorted(saves, key=lambda it: created.get(it, 0))[-_SLOTS:]
-        record = {"n": len(newest)}
-        for i in range(_SLOTS):
-            it = newest[i] if i < len(newest) else 0
-            token, seq = saves[it] if i < len(newest) else (0, 0)
-            record.update({f"it{i}": it, f"tok{i}": token, f"seq{i}": seq, f"ms{i}": created.get(it, 0)})
-        cols = self._restore_chan.gather(record, _DECIDE_FIELDS)
+    def _newest_local(self) -> int | None:
+        """Start-up: the newest node-local checkpoint every rank holds from one save (one gather to
+        rank 0 and one small answer back; a failure on rank 0 is raised on every rank)."""
+        cols = self._restore_chan.gather(
+            _offer(committed_saves(self.local_root, self.run_id, self.rank)), _DECIDE_FIELDS
+        )
         answer = None
         if self._restore_chan.is_root:
             try:
-                answer = _newest_common(cols, iteration)
-                if persistent:
-                    answer["persistent"] = self._persistent_latest()
+                answer = _newest_common(cols, None)
             except Exception as e:  # noqa: BLE001 - every rank must hear it
                 answer = {"error": type(e).__name__, "message": str(e)[:1500]}
         answer = self._restore_chan.broadcast(answer)
         if "error" in answer:
             err = make_error(
                 error_class_named(answer["error"]),
-                f"rank {self.rank}: deciding where to restore from failed on rank 0: {answer['message']}",
+                f"rank {self.rank}: finding the newest node-local checkpoint failed on rank 0: {answer['message']}",
             )
             self._agree_error(err)  # every rank raises; rank 0, the store's host, only once all have heard
             raise err
-        return answer
-
-    def _choose_tier(self, iteration: int | None) -> tuple[str, int | None, _Source]:
-        """Restore from the local tier when every rank has the checkpoint there (its node's copy, or
-        a partner's replica), else persistent (a node lost without a replica makes everyone fall
-        back).  With ``local_fallback="rank"`` a rank whose local copy of the persistent checkpoint
-        is intact reads it locally and only the others read the persistent tier."""
-        found = self._restorable()
-        answer = self._decide(found.saves, found.created, iteration, persistent=iteration is None)
-        common = answer["local"]  # [iteration, token, seq] of the newest common save, or None
-
-        def local(it: int, why: str) -> tuple[str, int, _Source]:
-            how = found.how[it]
-            what = "this node's copy" if how == "local" else "its node-local copy is missing"
-            return self.local_root, it, _Source(how, found.saves[it], found.table, f"{why}; {what}")
-
-        persistent_why = "no node-local checkpoint every rank has"
-        if iteration is not None:
-            if common is not None:
-                return local(iteration, f"iteration {iteration} is on every node")
-            chosen = (self.root, iteration)
-            persistent_why = f"iteration {iteration} is not on every node"
-        else:
-            persistent = answer["persistent"]
-            if common is not None and (persistent is None or common[0] >= persistent):
-                return local(common[0], "the newest checkpoint every rank has")
-            chosen = (self.root, persistent)
-            if common is not None:
-                persistent_why = f"newer than the newest node-local checkpoint every rank has ({common[0]})"
-        root, it = chosen
-        if root == self.root and it is not None and self.local_fallback == "rank" and not self.objects:
-            try:  # collective: rank 0 reads the persistent manifest, each rank gets its own record
-                view = self.view(it, self.root)
-            except CheckpointError:
-                view = None  # alike on every rank; the load from persistent says what is wrong
-            if view is not None and self._local_copy_of(it, view.file_of(self.rank)):
-                return (
-                    self.local_root,
-                    it,
-                    _Source("local", None, found.table, "this node's copy of the persistent file"),
-                )
-        return root, it, _Source("persistent", None, found.table, persistent_why)
+        return answer["local"][0] if answer["local"] else None
 
     def _local_copy_of(self, iteration: int, persistent: RankRecord | None) -> bool:
         """This rank's local file of ``iteration`` is the very file the persistent manifest lists
@@ -1031,8 +1049,3 @@ def _durable(ticket: Ticket) -> bool:
 def _span(iterations: list[int]) -> str:
     """``a..b`` (or ``a``): a range of iterations in a log line, however many."""
     return f"{iterations[0]}..{iterations[-1]}" if len(iterations) > 1 else f"{iterations[0]}"
-
-
-def _is_checkpoint(view: Resolved, root: str, iteration: int | None) -> bool:
-    """``view`` is checkpoint ``iteration`` (``None``: whichever is newest, as the view was made) of ``root``."""
-    return os.path.dirname(view.ckpt) == root and (iteration is None or view.manifest.iteration == iteration)

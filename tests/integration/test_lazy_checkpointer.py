@@ -75,6 +75,17 @@ def test_load_in_the_same_run_takes_the_newest_local_tier_checkpoint(tmp_path):
     assert all(r["returncode"] == 0 for r in res), describe(res)
     assert committed_iterations(save) == [3, 4]  # 3 promoted by the interval (before the load), 4 at close
     assert all(r["result"]["loaded"] == 4 and r["result"]["exact"] for r in res), [r["result"] for r in res]
+    _one_decision_one_load([r["result"] for r in res], local=True)
+
+
+def _one_decision_one_load(results, local):
+    """Following ``LazyCheckpointer.load``: the manager decides once (one resolve round, rank 0's
+    ``_decide`` on rank 0 only, one survey of the local tier, no process-group collective) and loads
+    once, deciding nothing again."""
+    for r in results:
+        want = {"choose": 1, "resolve": 1, "_decide": int(r["rank"] == 0), "_restorable": int(local), "load": 1}
+        want["choose_collectives"] = 0  # the decision is one round through the store: no all-gather, no all-reduce
+        assert r["decisions"] == want, r
 
 
 def test_load_into_a_different_dp_size_reshards(tmp_path):
@@ -106,3 +117,4 @@ def test_extra_state_buffers_and_subclass_optimizer_state_resume_exactly(tmp_pat
     assert resumed[0]["result"]["manifest_reads"] >= 1 and resumed[1]["result"]["manifest_reads"] == 0, describe(
         resumed
     )
+    _one_decision_one_load([r["result"] for r in resumed], local=False)

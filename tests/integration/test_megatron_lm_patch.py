@@ -183,6 +183,19 @@ def test_partial_load_flags_load_what_megatron_lm_loads(tmp_path, recording, fla
         assert got == (10, 1.5e12) and resumed.consumed_train_samples == 640
 
 
+def test_the_config_is_built_once_at_start_up(tmp_path, recording, monkeypatch):
+    """The session's start validates the flags and builds its LazyCkptConfig in one step."""
+    from datastates_megatron.megatron.checkpointing.config import LazyCkptConfig
+
+    built = []
+    original = LazyCkptConfig.__post_init__
+    monkeypatch.setattr(LazyCkptConfig, "__post_init__", lambda self: built.append(self) or original(self))
+    model, opt, sched = _objects()
+    megatron_lm.save_checkpoint(1, model, opt, sched, 0, args=_args(tmp_path, "--lazy-ckpt-keep-last", "3"))
+    (ckpt,) = recording.instances
+    assert built == [ckpt.config] and ckpt.config.keep_last == 3
+
+
 def test_finalize_lifecycle(tmp_path, recording):
     model, opt, sched = _objects()
     assert megatron_lm.maybe_finalize(blocking=False) == []  # nothing started yet

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from datastates_megatron.engine import EngineOptions
-from datastates_megatron.engine.errors import CorruptCheckpointError, OptionsError
+from datastates_megatron.engine.errors import CorruptCheckpointError, NoCheckpointError, OptionsError
 from datastates_megatron.engine.manager import CheckpointManager
 
 
@@ -38,10 +38,12 @@ def test_save_to_s3_then_restore_on_a_fresh_node(bucket, s3_env, tmp_path):
     fresh = torch.zeros_like(w)
     with _manager(url, str(tmp_path / "node-b")) as mgr:  # another node: no local copy
         mgr.register("w", fresh)
-        view = mgr.view(None)  # the checkpointer's layout check: rank 0 read the manifest object
-        assert view.manifest.iteration == 3 and view.manifest.layout == {} and view.file_of(0) is not None
-        assert mgr.view(7) is None
-        result = mgr.load(resolved=view)
+        with pytest.raises(NoCheckpointError, match="iter_0000007"):
+            mgr.choose(7)
+        choice = mgr.choose()  # the one decision: rank 0 listed the bucket and read the manifest object
+        assert choice.tier == "persistent" and choice.source == "persistent" and choice.iteration == 3
+        assert choice.manifest.iteration == 3 and choice.layout == {} and choice.view.file_of(0) is not None
+        result = mgr.load(choice)
         assert mgr.committed() == [2, 3]
     assert result.iteration == 3 and result.objects == {"iteration": 3}
     assert result.root == url  # read from the bucket: this rank's object fetched to node-b, verified

@@ -76,7 +76,7 @@ def test_error_classes_defined_anywhere_cross_ranks_by_name():
     assert RankFailure((1,), ((1, "_ElsewhereError", "m"),)).error_class() is _ElsewhereError
     err = RankFailure((1, 2, 7), ((1, "_ElsewhereError", "a"), (2, "_ElsewhereError", "b"))).to_error("load")
     assert type(err) is _ElsewhereError
-    assert str(err) == "load failed on rank(s) [1, 2, 7]: [rank 1] a; [rank 2] b; and 1 more rank(s)"
+    assert str(err) == "load failed on rank(s) [1, 2, 7]: [rank 1] a; [rank 2] b"  # rank 7: named once
 
 
 def test_an_error_whose_constructor_takes_other_arguments_still_arrives_in_its_class():
@@ -102,8 +102,8 @@ def test_a_failure_of_many_ranks_names_the_lowest_and_counts_the_rest():
     failure = RankFailure(named, ((0, "CommitError", "a"),), count=5000)
     assert failure.failed == 5000
     assert str(failure.to_error("load")) == (
-        "load failed on rank(s) [0, 1, 2, 3, 4, 5, 6, 7] and 4992 more (5000 in all): [rank 0] a; and 4999 more rank(s)"
-    )
+        "load failed on rank(s) [0, 1, 2, 3, 4, 5, 6, 7] and 4992 more (5000 in all): [rank 0] a"
+    )  # the ranks without a message reported are counted once, in the list
 
 
 def test_min_max_in_a_world_of_one(world):

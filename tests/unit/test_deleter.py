@@ -100,3 +100,6 @@ def test_retention_does_not_read_back_the_manifest_just_written(tmp_path, monkey
             mgr.save(it)
             mgr.wait()
     assert read == []  # each survey found the writer's own manifests in the cache
+    # ... the one process-wide cache: any survey in this process (a restore's) reads none back either
+    tier.survey(str(tmp_path / "ckpt"))
+    assert read == []

@@ -250,6 +250,27 @@ def test_local_tier_flags_need_a_local_dir(tmp_path, argv, flag):
     assert f"{flag} only applies to a local tier: it requires --lazy-ckpt-local-dir" in msg
 
 
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("persist_interval", 5),
+        ("local_keep_last", 4),
+        ("local_fallback", "rank"),
+        ("replicas", 1),
+        ("promote_slots", 0),
+        ("promote_mbps", 10.0),
+    ],
+)
+def test_the_config_refuses_local_tier_options_without_a_local_dir(tmp_path, field, value):
+    """Checked where the options are (the config, for every front end), not only by the flags."""
+    with pytest.raises(OptionsError) as got:
+        LazyCkptConfig(save_dir=str(tmp_path), **{field: value})
+    assert (field, "only applies to a local tier: it requires local_dir") in got.value.problems
+    assert (
+        getattr(LazyCkptConfig(save_dir=str(tmp_path), local_dir=str(tmp_path / "l"), **{field: value}), field) == value
+    )
+
+
 def test_local_dir_must_differ_from_save(tmp_path):
     msg = _error("--lazy-ckpt", "--save", str(tmp_path), "--lazy-ckpt-local-dir", str(tmp_path / "."))
     assert "--lazy-ckpt-local-dir and --save must differ" in msg
@@ -368,10 +389,13 @@ def test_replicas_flag_and_megatrons_replication_flags(tmp_path):
 
 
 def test_promotion_throttle_flags(tmp_path):
-    args = _parse("--save", str(tmp_path), "--lazy-ckpt-promote-slots", "1", "--lazy-ckpt-promote-mbps", "250")
+    local = ("--lazy-ckpt-local-dir", str(tmp_path / "local"))
+    args = _parse("--save", str(tmp_path), *local, "--lazy-ckpt-promote-slots", "1", "--lazy-ckpt-promote-mbps", "250")
     config = config_from_args(args)
     assert (config.promote_slots, config.promote_mbps) == (1, 250.0)
     assert (config.manager_options().promote_slots, config.manager_options().promote_mbps) == (1, 250.0)
     assert LazyCkptConfig(save_dir=str(tmp_path)).manager_options().promote_slots == 2  # capped by default
     with pytest.raises(LazyCkptArgsError, match="--lazy-ckpt-promote-slots"):
-        validate_lazy_ckpt_args(_parse("--lazy-ckpt", "--save", str(tmp_path), "--lazy-ckpt-promote-slots", "-1"))
+        validate_lazy_ckpt_args(
+            _parse("--lazy-ckpt", "--save", str(tmp_path), *local, "--lazy-ckpt-promote-slots", "-1")
+        )

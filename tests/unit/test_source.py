@@ -67,3 +67,48 @@ def test_a_layout_mismatch_on_rank0_is_every_rank_error(root):
 def test_a_missing_iteration_is_every_rank_error(root):
     for got, _ in _resolve_on_every_rank(root, {"dp": WORLD}, iteration=9):
         assert isinstance(got, NoCheckpointError) and "iter_0000009" in str(got)
+
+
+def _decide_on_every_rank(root, decide, check=None):
+    store = dist.HashStore()
+    chans = [StoreChannel(store, r, WORLD, "resolve", 20) for r in range(WORLD)]
+
+    def one(c):
+        try:
+            offer = {"mine": 10 + c.rank}
+            return resolve(root, None, c, {"dp": WORLD}, check=check, offer=offer, decide=decide), c
+        except Exception as e:  # noqa: BLE001 - compared below
+            return e, c
+
+    with cf.ThreadPoolExecutor(WORLD) as pool:
+        return list(pool.map(one, chans))
+
+
+def test_the_restore_decision_is_made_on_rank0_from_every_ranks_offer_in_the_same_round(root):
+    seen = []
+
+    def decide(cols, found):
+        seen.append((cols["mine"].tolist(), sorted(found.committed)))
+        return 7, {"tier": "persistent", "offers": int(cols["mine"].sum())}
+
+    results = _decide_on_every_rank(root, decide, check=lambda m, c: m.world_size == WORLD)
+    assert seen == [([10, 11, 12, 13], [7])]  # once, on rank 0, from one survey
+    for rank, (got, chan) in enumerate(results):
+        assert got.decision == {"tier": "persistent", "offers": 46} and got.checked is True
+        assert [r.rank for r in got.manifest.ranks] == [rank] and got.ckpt == iter_dir(root, 7)
+        if rank:
+            assert chan.sent < 512 and chan.received < 2048  # one record out; the answer and its record back
+
+
+def test_a_decision_that_reads_nothing_sends_no_records(root):
+    results = _decide_on_every_rank(root, lambda cols, found: (None, {"tier": "local"}))
+    for got, _ in results:
+        assert (got.ckpt, got.manifest, got.decision, got.checked) == (None, None, {"tier": "local"}, None)
+
+
+def test_a_failed_decision_is_every_ranks_error(root):
+    def decide(cols, found):
+        raise NoCheckpointError(f"{found.root}: nothing every rank holds")
+
+    for got, _ in _decide_on_every_rank(root, decide):
+        assert isinstance(got, NoCheckpointError) and "nothing every rank holds" in str(got)

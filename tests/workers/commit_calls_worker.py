@@ -19,6 +19,7 @@ import sys
 
 import torch
 
+from datastates_megatron._output import write_line
 from datastates_megatron.engine import EngineOptions
 from datastates_megatron.engine.format.manifest import iter_dir, read_manifest, write_manifest, write_tracker
 from datastates_megatron.engine.manager import CheckpointManager
@@ -78,4 +79,4 @@ def run(directory: str, kept: int, commits: int) -> dict:
 
 if __name__ == "__main__":
     directory, kept, commits = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-    print("RESULT " + json.dumps(run(directory, kept, commits)), flush=True)
+    write_line("RESULT " + json.dumps(run(directory, kept, commits)))

@@ -28,6 +28,48 @@ def _count_manifest_reads() -> list:
     return calls
 
 
+def _count_restore_decisions() -> dict:
+    """Calls into the manager's restore decision from now on: ``choose`` (the decision), the resolve
+    round it runs (one per decision), rank 0's ``_decide`` and the local survey ``_restorable``;
+    and the process-group collectives ``choose`` makes."""
+    from datastates_megatron.engine import manager
+
+    calls = dict.fromkeys(("choose", "resolve", "_decide", "_restorable", "load"), 0)
+
+    def counted(name, original):
+        def call(*args, **kwargs):
+            calls[name] += 1
+            return original(*args, **kwargs)
+
+        return call
+
+    for name in ("choose", "_decide", "_restorable", "load"):
+        setattr(manager.CheckpointManager, name, counted(name, getattr(manager.CheckpointManager, name)))
+    manager.resolve = counted("resolve", manager.resolve)
+    # process-group collectives while deciding (the decision's round goes through the store)
+    calls["choose_collectives"] = 0
+    inside = [False]
+    for name in ("all_reduce", "all_gather", "broadcast", "all_gather_into_tensor", "barrier"):
+        original = getattr(torch.distributed, name)
+
+        def collective(*args, _original=original, **kwargs):
+            calls["choose_collectives"] += inside[0]
+            return _original(*args, **kwargs)
+
+        setattr(torch.distributed, name, collective)
+    choose = manager.CheckpointManager.choose
+
+    def deciding(*args, **kwargs):
+        inside[0] = True
+        try:
+            return choose(*args, **kwargs)
+        finally:
+            inside[0] = False
+
+    manager.CheckpointManager.choose = deciding
+    return calls
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("scenario", choices=["slow_copy", "replicated", "local_tier", "held_state"])
@@ -86,8 +128,10 @@ def main():
     if a.scenario == "held_state":
         first = 1
         if a.phase == "resume":
+            decisions = _count_restore_decisions()
             first = ckpt.load()[0] + 1
             result["manifest_reads"] = len(reads)
+            result["decisions"] = decisions
         for it in range(first, 7 if a.phase != "save" else 4):
             gpt.train_step(chunks, opt, data(it))
         if a.phase == "save":
@@ -113,7 +157,9 @@ def main():
         at_4 = state_digest(chunks, opt)
         ckpt.wait()
         gpt.train_step(chunks, opt, data(5))
+        decisions = _count_restore_decisions()
         result["loaded"], _ = ckpt.load()
+        result["decisions"] = decisions
         result["exact"] = state_digest(chunks, opt) == at_4
     elif a.scenario == "slow_copy":
         if a.source_writes:

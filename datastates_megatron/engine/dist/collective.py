@@ -67,15 +67,13 @@ class RankFailure:
 
     def to_error(self, what: str) -> CheckpointError:
         """One error for every rank: ``what`` failed on these ranks, with each reported rank's
-        message (each names its file, rank and tensor), under the errors' common class."""
-        more = self.failed - len(self.errors)
+        message (each names its file, rank and tensor), under the errors' common class.  Every
+        failed rank is counted once: named in the list, or in its "and N more"."""
+        ranks = f"{list(self.ranks)}"
         if self.failed > len(self.ranks):
-            ranks = f"{list(self.ranks)} and {self.failed - len(self.ranks)} more ({self.failed} in all)"
-        else:
-            ranks = f"{list(self.ranks)}"
+            ranks += f" and {self.failed - len(self.ranks)} more ({self.failed} in all)"
         detail = "; ".join(f"[rank {src}] {text}" for src, _, text in self.errors)
-        tail = f"; and {more} more rank(s)" if more > 0 else ""
-        return make_error(self.error_class(), f"{what} failed on rank(s) {ranks}: {detail}{tail}")
+        return make_error(self.error_class(), f"{what} failed on rank(s) {ranks}: {detail}")
 
 
 class Collective:

@@ -11,6 +11,11 @@ record, all N in one store call (:meth:`.store_channel.StoreChannel.scatter`).  
 rank.  An error on rank 0 (no checkpoint, a damaged manifest, another layout) reaches every rank
 as the same exception class and message.
 
+The same round is also the restore decision (:meth:`.manager.CheckpointManager.choose`): every
+rank's small fixed record (its restore candidates) is gathered to rank 0 first, which decides from
+them and from its one survey of the tier which checkpoint to read, and every rank receives the
+decision with its record -- one gather, one broadcast, one scatter.
+
 Collective over its channel (every rank calls it once per resolve).  Thread-safety: the caller's
 thread; the channel is this step's own.
 """
@@ -26,7 +31,8 @@ from .load_plan import validate_world
 from ..format.manifest import Manifest, RankRecord
 from ..names import iter_dir
 from ..dist.store_channel import StoreChannel
-from ..tiers.tier import survey
+from ..tiers.tier import Survey
+from ..tiers.tier import survey as survey_dir
 
 __all__ = ["Resolved", "resolve"]
 
@@ -36,13 +42,17 @@ _HEADER = ("iteration", "world_size", "run_token", "layout", "metadata", "commit
 @dataclasses.dataclass(frozen=True)
 class Resolved:
     """One rank's view of the resolved checkpoint: its directory and a manifest holding the
-    header and this rank's record only (``manifest.record(rank)``)."""
+    header and this rank's record only (``manifest.record(rank)``) -- both ``None`` when rank 0's
+    ``decide`` read nothing of this tier -- with what rank 0 decided (``decision``) and what the
+    layout ``check`` returned (``checked``), the same on every rank."""
 
-    ckpt: str
-    manifest: Manifest
+    ckpt: str | None
+    manifest: Manifest | None
+    decision: dict = dataclasses.field(default_factory=dict)
+    checked: object = None
 
     def file_of(self, rank: int) -> RankRecord | None:
-        return self.manifest.record(rank)
+        return self.manifest.record(rank) if self.manifest is not None else None
 
 
 def resolve(
@@ -50,24 +60,42 @@ def resolve(
     iteration: int | None,
     channel: StoreChannel,
     layout: dict,
-    check: Callable[[Manifest, str], None] | None = None,
-    latest: Callable[[str], int] | None = None,
-    read: Callable[[str, int | None], tuple[str, Manifest]] | None = None,
+    check: Callable[[Manifest, str], object] | None = None,
+    latest: Callable[[Survey], int] | None = None,
+    *,
+    offer: dict | None = None,
+    decide: Callable[[dict | None, Survey], tuple[int | None, dict]] | None = None,
+    survey: Callable[[str], Survey] | None = None,
+    read: Callable[[Survey, int], tuple[str, Manifest]] | None = None,
 ) -> Resolved:
-    """Resolve checkpoint ``iteration`` (``None``: the newest committed, or what ``latest(root)``
+    """Resolve checkpoint ``iteration`` (``None``: the newest committed, or what ``latest(survey)``
     says on rank 0) of the tier at ``root`` for this world (``channel.world_size`` ranks,
     ``layout``) and give this rank its record.  ``check(manifest, ckpt)`` replaces the same-layout
-    check (e.g. a reshard's own).  ``read(root, iteration)``: ``(checkpoint, manifest)`` on rank 0
-    (default: the directory's; object storage reads its manifest object)."""
+    check (e.g. a reshard's own); what it returns (JSON) is every rank's ``checked``.
+    ``survey(root)``: what rank 0 finds there (default: the directory's, :func:`.tiers.tier.survey`);
+    ``read(survey, iteration)``: ``(checkpoint, manifest)`` of a committed iteration in it (default:
+    the directory's) -- object storage lists its objects and reads its manifest objects instead.
+
+    With ``decide`` the same round is the restore decision: every rank's ``offer`` (int fields;
+    ``None`` on every rank: nothing to gather) reaches rank 0 in one gather, where
+    ``decide(columns, survey of root)`` returns the iteration of ``root`` to read (``None``: none)
+    and a small JSON decision that every rank receives."""
+    cols = channel.gather(offer, tuple(offer)) if offer is not None else None
     head, records, error = None, None, None
     if channel.is_root:
         try:
-            if iteration is None and latest is not None:
-                iteration = latest(root)
-            ckpt, manifest = (read or _read)(root, iteration)
-            (check or (lambda m, c: validate_world(m, c, channel.world_size, layout)))(manifest, ckpt)
-            head = {"ckpt": ckpt, "head": {k: getattr(manifest, k) for k in _HEADER}}
-            records = {r: _record_doc(manifest.record(r)) for r in range(channel.world_size)}
+            found = (survey or survey_dir)(root)
+            decision: dict = {}
+            if decide is not None:
+                iteration, decision = decide(cols, found)
+            elif iteration is None:
+                iteration = latest(found) if latest is not None else found.latest()
+            head = {"decision": decision}
+            if iteration is not None:
+                ckpt, manifest = (read or _read)(found, iteration)
+                checked = (check or (lambda m, c: validate_world(m, c, channel.world_size, layout)))(manifest, ckpt)
+                head.update(ckpt=ckpt, head={k: getattr(manifest, k) for k in _HEADER}, checked=checked)
+                records = {r: _record_doc(manifest.record(r)) for r in range(channel.world_size)}
         except Exception as e:  # noqa: BLE001 - every rank must hear it
             error = e
             head = {"error": type(e).__name__, "message": str(e)}
@@ -79,15 +107,16 @@ def resolve(
             error_class_named(head["error"]),
             f"rank {channel.rank}: resolving the checkpoint failed on rank 0: {head['message']}",
         )
+    if "ckpt" not in head:  # every rank alike: nothing read, nothing to send
+        return Resolved(None, None, head["decision"])
     rec = channel.scatter(records, expect=True)
     ranks = (RankRecord(**rec),) if rec is not None else ()
-    return Resolved(head["ckpt"], Manifest(ranks=ranks, **head["head"]))
+    return Resolved(head["ckpt"], Manifest(ranks=ranks, **head["head"]), head["decision"], head.get("checked"))
 
 
-def _read(root: str, iteration: int | None) -> tuple[str, Manifest]:
-    """The directory and manifest of ``iteration`` (default: the newest committed) under ``root``."""
-    found = survey(root)
-    it = found.latest() if iteration is None else iteration
+def _read(found: Survey, iteration: int) -> tuple[str, Manifest]:
+    """The directory and manifest of committed ``iteration`` in the surveyed tier ``found``."""
+    root, it = found.root, iteration
     if it not in found.committed:
         if it in found.damaged:
             raise found.damaged[it]

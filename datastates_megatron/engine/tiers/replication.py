@@ -54,11 +54,10 @@ from ..names import (
     rank_file_name,
     replica_store_name,
     replica_store_rank,
-    save_id,
 )
 from .retention import delete_checkpoint, remove_ours, select_deletions, unlink_ours
 from ..fs.safe_io import create_temp, make_dir, real_dir
-from .tier import Tier, list_iterations, survey
+from .tier import Tier, committed_saves, list_iterations, survey
 from ..fs.durable import fsync_dir
 
 __all__ = ["Replication", "clique_of", "replication_plan", "ReplicaStats"]
@@ -376,7 +375,7 @@ class Replication:
         ``local``: this rank's node-local checkpoints (they need no replica)."""
         mine = []
         for src, store in self._stores.items():
-            for it, (token, seq, ms) in _saves(store).items():
+            for it, (token, seq, ms) in committed_saves(store.root, store.run_id, src).items():
                 mine.append({"src": src, "iteration": it, "token": token, "seq": seq, "ms": ms})
         rows = self._coll.gather_many(mine[-64:], fields=("src", "iteration", "token", "seq", "ms"), capacity=64)
         table: dict = {}
@@ -499,18 +498,6 @@ class Replication:
                 self._offered,
                 self.clique,
             )
-
-
-def _saves(store: Tier) -> dict[int, tuple[int, int, int]]:
-    """``{iteration: (token as an int, seq, commit time in ms)}`` of the committed replicas in ``store``."""
-    out = {}
-    for it, m in sorted(survey(store.root).committed.items()):
-        if m.run_id != store.run_id or len(m.ranks) != 1:
-            continue
-        save = save_id(m.ranks[0].file)
-        if save is not None:
-            out[it] = (*save, int(m.created * 1000))
-    return out
 
 
 class _ReplicaReceiver:

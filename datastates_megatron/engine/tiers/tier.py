@@ -43,6 +43,7 @@ from ..names import (
     iteration_of,
     parse_rank_file_name,
     rank_file_name,
+    save_id,
 )
 from .retention import (
     delete_checkpoint,
@@ -64,6 +65,7 @@ __all__ = [
     "committed_iterations",
     "latest_committed",
     "latest_to_resume",
+    "committed_saves",
     "report_other_runs",
 ]
 
@@ -173,8 +175,9 @@ def list_iterations(root: str) -> list[int]:
 def survey(root: str) -> Survey:
     """The one answer to "what is committed, ours, not ours" in the tier directory ``root``.
     Incremental: a manifest whose file is unchanged since it was last read here (same inode,
-    size, mtime and ctime; :class:`_ManifestCache`) is not read again (loads and ``ls`` survey a
-    tier again; a tier's own retention does not: it knows what it committed)."""
+    size, mtime and ctime; :class:`_ManifestCache`) is not read again, nor one this process wrote
+    itself (:meth:`Tier.manifest_written`) -- loads and ``ls`` survey a tier again; a tier's own
+    retention does not: it knows what it committed."""
     iterations = list_iterations(root)
     committed, damaged = {}, {}
     for it in iterations:
@@ -216,11 +219,7 @@ class _ManifestCache:
         path = os.path.join(ckpt_dir, MANIFEST_NAME)
         key = None
         if real_dir(ckpt_dir):  # never through a linked directory: read_manifest refuses that itself
-            try:
-                st = os.lstat(path)
-                key = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_mode)
-            except OSError:
-                key = None
+            key = _key(path)
         if key is not None:
             with self._lock:
                 hit = self._entries.get(path)
@@ -233,12 +232,24 @@ class _ManifestCache:
         except CheckpointError as e:  # damaged, or not ours to read (permission)
             got = _detached(e)
         if key is not None and time.time_ns() - max(key[3], key[4]) > self._RACY_NS:
-            with self._lock:
-                self._entries.pop(path, None)
-                self._entries[path] = (key, got)
-                while len(self._entries) > self._MAX:
-                    self._entries.pop(next(iter(self._entries)))
+            self._put(path, key, got)
         return got
+
+    def remember(self, ckpt_dir: str, manifest: Manifest) -> None:
+        """``manifest`` is what this process just wrote in ``ckpt_dir`` (a commit's writer): no
+        survey need read it back (14 MB at 64k ranks), racy window or not -- it replaced the old one
+        by a rename, so any later change of ours is a new inode (a new key)."""
+        path = os.path.join(ckpt_dir, MANIFEST_NAME)
+        key = _key(path)
+        if key is not None:
+            self._put(path, key, manifest)
+
+    def _put(self, path: str, key: tuple, got) -> None:
+        with self._lock:
+            self._entries.pop(path, None)
+            self._entries[path] = (key, got)
+            while len(self._entries) > self._MAX:
+                self._entries.pop(next(iter(self._entries)))
 
     def keep_only(self, root: str, ckpt_dirs: list[str]) -> None:
         """Forget the manifests under ``root`` outside ``ckpt_dirs`` (deleted by retention, say): the
@@ -250,7 +261,16 @@ class _ManifestCache:
                 del self._entries[path]
 
 
-_MANIFESTS = _ManifestCache()
+def _key(path: str) -> tuple | None:
+    """The cache key of the file at ``path`` (its ``lstat``), ``None`` when there is none."""
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return None
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_mode)
+
+
+_MANIFESTS = _ManifestCache()  # the process's one manifest cache
 
 
 def committed_iterations(root: str) -> list[int]:
@@ -261,17 +281,34 @@ def latest_committed(root: str) -> int:
     return survey(root).latest()
 
 
-def latest_to_resume(root: str, *, warn: bool = False) -> int:
+def latest_to_resume(root: str, *, warn: bool = False, found: Survey | None = None) -> int:
     """The latest committed iteration under ``root`` -- refusing (``ForeignCheckpointError``) when a
     checkpoint we did not write there is newer: resuming would silently skip it.  ``warn``: log the
-    older ones (left alone)."""
+    older ones (left alone).  ``found``: the survey of ``root`` already made."""
     try:
-        latest = latest_committed(root)
+        latest = (found or survey(root)).latest()
     except NoCheckpointError:
         refuse_newer_foreign(root, None, option="--load", warn=False)
         raise
     refuse_newer_foreign(root, latest, option="--load", warn=warn)
     return latest
+
+
+def committed_saves(root: str, run_id: str, rank: int) -> dict[int, tuple[int, int, int]]:
+    """``{iteration: (run token as an int, save sequence, commit time in ms)}`` of the checkpoints
+    committed under ``root`` by run ``run_id`` that list ``rank``'s file: what a restart can restore
+    from this directory (a node-local tier, or a replica store).  The commit time orders commits
+    across runs and rollbacks.  A checkpoint of another run (copied in) is named and skipped."""
+    out = {}
+    for it, m in sorted(survey(root).committed.items()):
+        if m.run_id != run_id:
+            log.warning("rank %d: %s belongs to run %r, not this run; not loaded", rank, iter_dir(root, it), m.run_id)
+            continue
+        rec = m.record(rank)
+        save = save_id(rec.file) if rec is not None else None
+        if save is not None:
+            out[it] = (*save, int(m.created * 1000))
+    return out
 
 
 def report_other_runs(local_base: str, run_id: str) -> list[str]:
@@ -471,6 +508,8 @@ class Tier:
             self._written[manifest.iteration] = manifest
             while len(self._written) > 4:
                 self._written.pop(next(iter(self._written)))
+        # the process's one manifest cache: no survey (a load, ``ls``) reads it back either
+        _MANIFESTS.remember(iter_dir(self.root, manifest.iteration), manifest)
 
     def _deletions(self) -> Deleter:
         """The writer's deleter, started on first use (a tier that never commits starts no thread)."""

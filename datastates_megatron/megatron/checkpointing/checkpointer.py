@@ -18,7 +18,7 @@ import time
 import torch
 
 from ...engine.tiers.commit import CommitRecord
-from ...engine.errors import CheckpointError, EngineClosedError, NoCheckpointError
+from ...engine.errors import CheckpointError, EngineClosedError
 from ...engine.manager import CheckpointManager
 from ...engine.load.load_plan import LoadPlan, LoadPlanner, SameLayoutPlanner
 from ...engine.load.reader import CheckpointReader
@@ -299,29 +299,17 @@ class LazyCheckpointer:
         Returns ``(iteration, extra_state)``; raises ``NoCheckpointError`` when there is none."""
         self._check_open()
         self._mgr.wait()
-        asked = iteration  # None: the manager restores the newest it can, falling back tier by tier
-        # the layout is read from the persistent tier (a node-local manifest lists only that node's
-        # ranks), its header by rank 0 alone (who also finds the newest: no rank but 0 reads a
-        # manifest); None: only in another tier (the manager finds it there)
-        if iteration is None and self._mgr.local_root is None:
-            view = self._mgr.view(None)
-            if view is None:  # every rank alike, before anything is touched
-                raise NoCheckpointError(f"{self._mgr.load_root}: no committed checkpoint")
-        else:
-            if iteration is None:
-                iteration = self._mgr.latest()  # NoCheckpointError here, before anything is touched
-            view = self._mgr.view(iteration)
-        ckpt_dir, manifest = (view.ckpt, view.manifest) if view is not None else (None, None)
-        # LayoutMismatchError here, on every rank alike (one manifest), before anything is touched
-        other_dp = manifest is not None and reshard.check_layout(
-            manifest, ckpt_dir, self._mgr.world_size, self._mgr.layout
-        )
+        # the one restore decision (collective, made on rank 0 -- no other rank reads a manifest):
+        # the tier and iteration, each rank's source, and the checkpoint's layout checked on rank 0
+        # (LayoutMismatchError here, on every rank alike, before anything is touched; another
+        # data-parallel size: resharded); NoCheckpointError when there is none
+        choice = self._mgr.choose(iteration, check=self._layout_differs)
         self._drain_param_gathers()
         created = self._ensure_optimizer_state() if optimizer else []
         try:
             self._refresh()
-            planner = self._planner(other_dp) if optimizer else self._model_planner()
-            result = self._mgr.load(asked, planner=planner, resolved=view)
+            planner = self._planner(choice.reshard) if optimizer else self._model_planner()
+            result = self._mgr.load(choice, planner=planner)
         except BaseException:
             for inner in created:  # leave a fresh optimizer as fresh as it was
                 inner.state.clear()
@@ -349,6 +337,10 @@ class LazyCheckpointer:
             result.stats.copy_s,
         )
         return result.iteration, result.objects["extra_state"]
+
+    def _layout_differs(self, manifest, ckpt: str) -> bool:
+        """Rank 0, in the restore decision: :func:`.reshard.check_layout` of the chosen checkpoint."""
+        return reshard.check_layout(manifest, ckpt, self._mgr.world_size, self._mgr.layout)
 
     def _planner(self, other_dp: bool) -> LoadPlanner:
         """The planner the manifest's layout calls for: another layout is planned by parameter

@@ -12,7 +12,7 @@ import os
 
 from ...engine.errors import OptionsError
 from ...engine.storage.url import is_object_url
-from .flag_spec import option
+from .flag_spec import option, options_of
 from ...engine.options import (
     LOCAL_FALLBACK_CHOICES,
     ON_ERROR_CHOICES,
@@ -243,6 +243,12 @@ class LazyCkptConfig:
             problems.append(("local_dir", f"is required when save_dir is on object storage ({self.save_dir})"))
         if self.local_dir and self.save_dir and os.path.realpath(self.local_dir) == os.path.realpath(self.save_dir):
             problems.append(("local_dir", f"and save_dir must differ, both are {self.save_dir!r}"))
+        if not self.local_dir:  # an option of the node-local tier without one would be silently ignored
+            problems += [
+                (o.field, "only applies to a local tier: it requires local_dir")
+                for o in _LOCAL_TIER_OPTIONS
+                if getattr(self, o.field) != o.default
+            ]
         for build in (self.engine_options, self.manager_options):
             try:
                 build()
@@ -274,6 +280,7 @@ class LazyCkptConfig:
 
 
 _CONFIG_FIELDS = frozenset(f.name for f in dataclasses.fields(LazyCkptConfig))
+_LOCAL_TIER_OPTIONS = tuple(o for o in options_of(LazyCkptConfig) if o.local_tier)
 
 
 def _fields_for(config: LazyCkptConfig, options_type) -> dict:

@@ -142,14 +142,15 @@ def _non_default_flags(args: argparse.Namespace) -> list[str]:
     return [o.flag for o in _FLAGGED if _value(args, o) != o.default]
 
 
-def validate_lazy_ckpt_args(args: argparse.Namespace, argv: Sequence[str] | None = None) -> None:
+def validate_lazy_ckpt_args(args: argparse.Namespace, argv: Sequence[str] | None = None) -> LazyCkptConfig | None:
     """Fail at start-up on an invalid ``--lazy-ckpt`` combination.
 
     With ``--lazy-ckpt``, first maps Megatron-LM's local-checkpoint flags onto ours in ``args`` and
     warns once about Megatron checkpoint flags in ``argv`` (default: ``sys.argv``) that it ignores
     (:func:`.megatron_flags.adopt`).  Raises :class:`LazyCkptArgsError` listing every problem
     found, each naming its flags. Without ``--lazy-ckpt`` it only warns when ``--lazy-ckpt-*``
-    options were set (they would be ignored). Whether the host cache holds the largest shard under
+    options were set (they would be ignored) and returns ``None``; with it, returns the one
+    :class:`LazyCkptConfig` it built (start-up builds no other). Whether the host cache holds the largest shard under
     ``--lazy-ckpt-no-streaming`` is known only once the model exists: see :func:`check_host_cache_fits`.
     """
     if not getattr(args, "lazy_ckpt", False):
@@ -158,7 +159,7 @@ def validate_lazy_ckpt_args(args: argparse.Namespace, argv: Sequence[str] | None
             logger.warning(
                 "%s given without --lazy-ckpt: ignored, Megatron's own checkpointing is used", ", ".join(ignored)
             )
-        return
+        return None
 
     problems: list[str] = []
     if not getattr(args, "save", None):
@@ -177,19 +178,16 @@ def validate_lazy_ckpt_args(args: argparse.Namespace, argv: Sequence[str] | None
         ]
         if same:
             problems.append(f"--lazy-ckpt-convert-to must be another directory than {' and '.join(same)}")
-    if _value(args, _BY_FIELD["local_dir"]) is None:
-        for opt in _FLAGGED:
-            if opt.local_tier and _value(args, opt) != opt.default:
-                problems.append(f"{opt.flag} only applies to a local tier: it requires --lazy-ckpt-local-dir")
-    cause = None
+    cause = config = None
     if not mapping:  # the config would repeat the mapping's problems
         try:
-            config_from_args(args)
+            config = config_from_args(args)
         except OptionsError as e:  # the config's own checks, reworded with the flags' names
             cause = e
             problems += [_with_flags(f"{field} {text}") for field, text in e.problems if field != "save_dir"]
     if problems:
         raise LazyCkptArgsError("invalid --lazy-ckpt arguments:\n  - " + "\n  - ".join(problems)) from cause
+    return config
 
 
 def _same(a: str, b: str) -> bool:

@@ -37,7 +37,7 @@ from typing import Any
 
 from ...engine.errors import CheckpointError, FormatVersionError, LayoutMismatchError, NoCheckpointError
 from . import call_params, torch_dist
-from .args import LazyCkptArgsError, check_host_cache_fits, config_from_args, validate_lazy_ckpt_args
+from .args import LazyCkptArgsError, check_host_cache_fits, validate_lazy_ckpt_args
 
 __all__ = [
     "EXTRA_STATE_KEY",
@@ -240,8 +240,8 @@ def _session_for(args: Any, model: Any, optimizer: Any, scheduler: Any) -> _Sess
                     "model-only load with optimizer=None), which lazy checkpoints do not support"
                 )
             return _session
-        validate_lazy_ckpt_args(args)  # the patch's parse-time check, again: problems named by flag
-        config = config_from_args(args)
+        # the patch's parse-time check, again (problems named by flag), and the config it builds
+        config = validate_lazy_ckpt_args(args)
         if not config.streaming:
             check_host_cache_fits(config, largest_tensor_bytes(model), what="largest model tensor")
         from ..checkpointing.checkpointer import LazyCheckpointer
