@@ -1,0 +1,95 @@
+"""Megatron-LM's own ``pretrain_gpt.py --lazy-ckpt`` with ``--save``/``--load`` on ``s3://`` (a bucket
+of the local S3 server): saves through its node-local tier, the promotion uploads to the bucket, the
+run is killed with ``kill -9`` once a checkpoint is committed in the bucket, the node-local directory
+is wiped, and the restart restores from the bucket and trains on exactly as a run that was never
+interrupted (tests/integration/test_pretrain_gpt.py's comparison, to the bit).  No local directory
+named after the URL is ever made."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+
+from datastates_megatron.megatron.megatron_lm import versions
+from tests.integration.megatron_lm_runs import LAZY, MEGATRON_LM_DIR, assert_same_training, launch
+
+pytestmark = pytest.mark.skipif(
+    not MEGATRON_LM_DIR,
+    reason="MEGATRON_LM_DIR is not set (scripts/test.sh unpacks and patches one from ../shared/megatron-lm)",
+)
+
+REPO = Path(__file__).resolve().parents[2]
+ITERS = 6
+# the other trees of MEGATRON_LM_DIRS that the table runs end to end (main)
+END_TO_END = [
+    d
+    for d in (os.environ.get("MEGATRON_LM_DIRS") or "").split(os.pathsep)
+    if d and d != MEGATRON_LM_DIR and any(r.end_to_end and r.source == Path(d).name for r in versions.TESTED)
+]
+_MANIFEST = re.compile(r"iter_(\d+)/manifest\.json$")
+
+
+def _committed(client, bucket: str, prefix: str) -> list[int]:
+    """The iterations whose manifest object exists under ``prefix`` (a checkpoint exists only then)."""
+    pages = client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix + "/")
+    return sorted(int(m.group(1)) for p in pages for o in p.get("Contents", []) if (m := _MANIFEST.search(o["Key"])))
+
+
+def _msc_flags(tree: str | None) -> list[str]:
+    """``--enable-msc`` where the tree has it (main): Megatron-LM's own object-storage switch."""
+    arguments = Path(tree or MEGATRON_LM_DIR) / "megatron" / "training" / "arguments.py"
+    return ["--enable-msc"] if "'--enable-msc'" in arguments.read_text() else []
+
+
+@pytest.mark.parametrize(
+    "tree",
+    [
+        pytest.param(None, id="default"),
+        *(pytest.param(d, id=Path(d).name, marks=pytest.mark.slow) for d in END_TO_END),
+    ],
+)
+def test_kill_9_then_resume_from_the_bucket_is_bit_exact(tmp_path, s3_env, bucket, tree, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # a relative directory named after the URL would land here
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
+    # the restart is the killed job requeued (its identity, as SLURM_JOB_ID): it takes the lock over at once
+    monkeypatch.setenv("DSM_JOB_ID", f"pretrain-gpt-s3-{bucket}")
+    url = f"s3://{bucket}/run"
+    local = tmp_path / "node-local"
+    client = s3_env.client()
+    args = [
+        "--train-iters",
+        str(ITERS),
+        "--bf16",
+        "--save",
+        url,
+        "--load",
+        url,
+        "--save-interval",
+        "2",
+        "--lazy-ckpt-local-dir",
+        str(local),
+        *_msc_flags(tree),
+        *LAZY,
+    ]
+    reference = launch(tmp_path, "reference", ["--train-iters", str(ITERS), "--bf16"], megatron_lm_dir=tree)
+    assert reference.returncode == 0, reference.describe()
+
+    killed = launch(
+        tmp_path, "killed", args, kill_when=lambda: bool(_committed(client, bucket, "run")), megatron_lm_dir=tree
+    )
+    assert killed.returncode != 0, "the run ended before it was killed:\n" + killed.describe()
+    resume_from = max(_committed(client, bucket, "run"))
+    assert 2 <= resume_from < ITERS, resume_from
+    shutil.rmtree(local)  # a fresh node: the restart has only the bucket
+
+    resumed = launch(tmp_path, "resumed", args, megatron_lm_dir=tree)
+    assert resumed.returncode == 0, resumed.describe()
+    assert f"loaded lazy checkpoint of iteration {resume_from}" in resumed.log
+    assert_same_training(killed, reference, None)
+    assert_same_training(resumed, reference, range(resume_from + 1, ITERS + 1))
+    assert max(_committed(client, bucket, "run")) == ITERS  # the last save reached the bucket
+    assert not any(p.name.startswith(("s3:", "msc:")) for p in tmp_path.rglob("*")), sorted(tmp_path.rglob("*"))
