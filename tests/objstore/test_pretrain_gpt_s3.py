@@ -1,13 +1,15 @@
-"""Megatron-LM's own ``pretrain_gpt.py --lazy-ckpt`` with ``--save``/``--load`` on ``s3://`` (a bucket
-of the local S3 server): saves through its node-local tier, the promotion uploads to the bucket, the
-run is killed with ``kill -9`` once a checkpoint is committed in the bucket, the node-local directory
-is wiped, and the restart restores from the bucket and trains on exactly as a run that was never
-interrupted (tests/integration/test_pretrain_gpt.py's comparison, to the bit).  No local directory
-named after the URL is ever made."""
+"""Megatron-LM's own ``pretrain_gpt.py --lazy-ckpt`` with ``--save``/``--load`` on object storage (a
+bucket of the local S3 server; core_v0.16.1 by ``s3://``, main by ``msc://`` and an MSC profile):
+saves through its node-local tier, the promotion uploads to the bucket, the run is killed with
+``kill -9`` once a checkpoint is committed in the bucket, the node-local directory is wiped, and the
+restart restores from the bucket and trains on exactly as a run that was never interrupted
+(tests/integration/test_pretrain_gpt.py's comparison, to the bit).  No local directory named after
+the URL is ever made."""
 
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import re
 import shutil
@@ -18,13 +20,15 @@ import pytest
 from datastates_megatron.megatron.megatron_lm import versions
 from tests.integration.megatron_lm_runs import LAZY, MEGATRON_LM_DIR, assert_same_training, launch
 
+from .conftest import DUMMY_KEY_ID, DUMMY_SECRET
+
 pytestmark = pytest.mark.skipif(
     not MEGATRON_LM_DIR,
     reason="MEGATRON_LM_DIR is not set (scripts/test.sh unpacks and patches one from ../shared/megatron-lm)",
 )
 
 REPO = Path(__file__).resolve().parents[2]
-ITERS = 6
+ITERS = 8  # killed at the first commit in the bucket: the rest of the run is the margin for the kill to land
 # the other trees of MEGATRON_LM_DIRS that the table runs end to end (main)
 END_TO_END = [
     d
@@ -48,21 +52,49 @@ def _msc_flags(tree: str | None) -> list[str]:
     return ["--enable-msc"] if has_flag and importlib.util.find_spec("multistorageclient") else []
 
 
+def _msc_profile(tmp_path: Path, bucket: str, endpoint: str, monkeypatch) -> None:
+    """An MSC configuration whose profile ``train`` is the bucket on the local server, and nothing of
+    S3 in the environment: the profile alone says where and who."""
+    config = {
+        "profiles": {
+            "train": {
+                "storage_provider": {
+                    "type": "s3",
+                    "options": {"base_path": bucket, "endpoint_url": endpoint, "region_name": "us-east-1"},
+                },
+                "credentials_provider": {
+                    "type": "S3Credentials",
+                    "options": {"access_key": DUMMY_KEY_ID, "secret_key": DUMMY_SECRET},
+                },
+            }
+        }
+    }
+    (tmp_path / "msc.json").write_text(json.dumps(config))
+    monkeypatch.setenv("MSC_CONFIG", str(tmp_path / "msc.json"))
+    for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_ENDPOINT_URL"):
+        monkeypatch.delenv(k)
+
+
+# core_v0.16.1 with s3://, main with msc:// (Megatron-LM main's own spelling of object storage)
 @pytest.mark.parametrize(
-    "tree",
+    "tree, scheme",
     [
-        pytest.param(None, id="default"),
-        *(pytest.param(d, id=Path(d).name) for d in END_TO_END),
+        pytest.param(None, "s3", id="s3"),
+        *(pytest.param(d, "msc", id=f"msc-{Path(d).name}") for d in END_TO_END),
     ],
 )
-def test_kill_9_then_resume_from_the_bucket_is_bit_exact(tmp_path, s3_env, bucket, tree, monkeypatch):
+def test_kill_9_then_resume_from_the_bucket_is_bit_exact(tmp_path, s3_env, bucket, tree, scheme, monkeypatch):
     monkeypatch.chdir(tmp_path)  # a relative directory named after the URL would land here
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
     # the restart is the killed job requeued (its identity, as SLURM_JOB_ID): it takes the lock over at once
     monkeypatch.setenv("DSM_JOB_ID", f"pretrain-gpt-s3-{bucket}")
-    url = f"s3://{bucket}/run"
-    local = tmp_path / "node-local"
     client = s3_env.client()
+    if scheme == "msc":
+        _msc_profile(tmp_path, bucket, s3_env.endpoint, monkeypatch)
+        url = "msc://train/run"
+    else:
+        url = f"s3://{bucket}/run"
+    local = tmp_path / "node-local"
     args = [
         "--train-iters",
         str(ITERS),
