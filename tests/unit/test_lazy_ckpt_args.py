@@ -9,6 +9,7 @@ import logging
 import pytest
 
 from datastates_megatron.engine.errors import CheckpointError
+from datastates_megatron.megatron.megatron_lm import megatron_flags
 from datastates_megatron.megatron.megatron_lm.args import (
     UNSUPPORTED_MEGATRON_FLAGS,
     LazyCkptArgsError,
@@ -399,3 +400,22 @@ def test_promotion_throttle_flags(tmp_path):
         validate_lazy_ckpt_args(
             _parse("--lazy-ckpt", "--save", str(tmp_path), *local, "--lazy-ckpt-promote-slots", "-1")
         )
+
+
+@pytest.mark.parametrize("attr, flag, _why", megatron_flags.LOCAL_PATH_UNDER_SAVE)
+def test_save_on_object_storage_refuses_megatron_flags_that_write_under_save(tmp_path, attr, flag, _why):
+    url = "s3://bucket/run"
+    msg = _error("--lazy-ckpt", "--save", url, "--lazy-ckpt-local-dir", str(tmp_path), **{attr: 1})
+    assert f"--save {url} is on object storage but {flag} is given" in msg
+    args = _parse("--lazy-ckpt", "--save", str(tmp_path / "ckpt"))  # a directory: Megatron-LM writes there
+    setattr(args, attr, 1)
+    validate_lazy_ckpt_args(args)
+
+
+def test_save_on_object_storage_needs_a_wandb_save_dir(tmp_path):
+    url = "msc://profile/run"
+    argv = ("--lazy-ckpt", "--save", url, "--lazy-ckpt-local-dir", str(tmp_path))
+    assert "--wandb-project is given without --wandb-save-dir" in _error(*argv, wandb_project="p", wandb_save_dir=None)
+    args = _parse(*argv)
+    args.wandb_project, args.wandb_save_dir, args.log_progress = "p", str(tmp_path / "wandb"), False
+    validate_lazy_ckpt_args(args)

@@ -40,6 +40,15 @@ def test_nothing_is_imported_without_a_tracker_or_beside_a_lazy_checkpoint(tmp_p
     assert torch_dist.importable(str(tmp_path / "mixed")) is None  # the lazy path decides (and refuses)
 
 
+def test_a_load_on_object_storage_is_never_read_as_a_local_path(tmp_path, monkeypatch):
+    """``--load s3://b/run``: a Megatron checkpoint in a local directory spelled like the URL
+    (relative to the working directory) is not imported; the lazy path reads the bucket."""
+    monkeypatch.chdir(tmp_path)
+    _native_torch_dist(tmp_path / "s3:" / "b" / "run", 100)
+    assert os.path.isdir("s3://b/run")
+    assert torch_dist.importable("s3://b/run") is None
+
+
 def test_a_tracked_directory_megatron_cannot_read_is_refused_by_name(tmp_path):
     d = iter_dir(str(tmp_path), 300)
     os.makedirs(d)

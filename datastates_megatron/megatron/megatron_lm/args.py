@@ -167,6 +167,7 @@ def validate_lazy_ckpt_args(args: argparse.Namespace, argv: Sequence[str] | None
     for attr, flag, hint in UNSUPPORTED_MEGATRON_FLAGS:
         if _given(getattr(args, attr, None)):
             problems.append(f"--lazy-ckpt cannot be combined with {flag}: {hint}")
+    problems += megatron_flags.url_save_problems(args)
     mapping = megatron_flags.adopt(args, _DEFAULTS, argv)
     problems += mapping
     convert_to = getattr(args, "lazy_ckpt_convert_to", None)

@@ -25,7 +25,18 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["UNSUPPORTED", "IGNORED", "MappingError", "mapped_fields", "adopt", "ignored_given"]
+from ...engine.storage.url import is_object_url
+
+__all__ = [
+    "UNSUPPORTED",
+    "IGNORED",
+    "LOCAL_PATH_UNDER_SAVE",
+    "MappingError",
+    "mapped_fields",
+    "adopt",
+    "ignored_given",
+    "url_save_problems",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -81,6 +92,42 @@ IGNORED: tuple[str, ...] = (
 )
 
 _ADOPTED = "_lazy_ckpt_adopted"  # set on args by adopt(): it ran (its warning is given once)
+
+
+# Megatron-LM flags whose files Megatron-LM itself writes under --save as a local path (os.path.join,
+# open): with --save on object storage they would make a local directory named "s3:".  (args
+# attribute, flag, what to do); a flag counts as given as in UNSUPPORTED.
+LOCAL_PATH_UNDER_SAVE: tuple[tuple[str, str, str], ...] = (
+    ("log_progress", "--log-progress", "Megatron-LM appends to --save/progress.txt"),
+    ("save_wgrads_interval", "--save-wgrads-interval", "Megatron-LM writes the gradients under --save"),
+    ("save_dgrads_interval", "--save-dgrads-interval", "Megatron-LM writes the gradients under --save"),
+    ("save_activations_interval", "--save-activations-interval", "Megatron-LM writes the activations under --save"),
+    (
+        "save_tokens_per_expert_interval",
+        "--save-tokens-per-expert-interval",
+        "Megatron-LM writes the expert token counts under --save",
+    ),
+)
+
+
+def url_save_problems(args: argparse.Namespace) -> list[str]:
+    """The Megatron-LM flags given with ``--save`` on object storage that would write under it as a
+    local path (:data:`LOCAL_PATH_UNDER_SAVE`; ``--wandb-project`` without ``--wandb-save-dir``,
+    whose default is ``--save/wandb``), each as a problem naming the flag."""
+    save = getattr(args, "save", None)
+    if not save or not is_object_url(save):
+        return []
+    problems = [
+        f"--save {save} is on object storage but {flag} is given: {why}; drop {flag}"
+        for attr, flag, why in LOCAL_PATH_UNDER_SAVE
+        if getattr(args, attr, None) not in (None, False)
+    ]
+    if getattr(args, "wandb_project", None) and not getattr(args, "wandb_save_dir", None):
+        problems.append(
+            f"--save {save} is on object storage but --wandb-project is given without --wandb-save-dir: "
+            "Megatron-LM writes W&B's files under --save/wandb; give --wandb-save-dir DIR"
+        )
+    return problems
 
 
 class MappingError(ValueError):

@@ -33,6 +33,7 @@ import torch
 
 from ...engine.dist.collective import Collective
 from ...engine.errors import CheckpointError, ForeignCheckpointError
+from ...engine.storage.url import is_object_url
 from ...engine.tiers.foreign import ForeignCheckpoint, find_foreign, tracker_text
 from ...engine.tiers.tier import committed_iterations
 from ..checkpointing.shards import distributed_optimizers
@@ -99,8 +100,10 @@ def _patched(objs: list, name: str, make: Any) -> Iterator[None]:
 def importable(load_dir: str, ckpt_step: int | None = None) -> ForeignCheckpoint | None:
     """The Megatron checkpoint a native load of ``load_dir`` would read (the ``--ckpt-step`` one, else
     the one the tracker file names), when ``load_dir`` holds no committed lazy checkpoint; else None.
-    A named directory in a format Megatron-LM cannot read raises :class:`ForeignCheckpointError`."""
-    if not load_dir or not os.path.isdir(load_dir) or committed_iterations(load_dir):
+    A named directory in a format Megatron-LM cannot read raises :class:`ForeignCheckpointError`.
+    ``load_dir`` on object storage: None (only lazy checkpoints are read from a bucket; never a
+    local path spelled like the URL)."""
+    if not load_dir or is_object_url(load_dir) or not os.path.isdir(load_dir) or committed_iterations(load_dir):
         return None
     found = find_foreign(load_dir)
     if not found:
@@ -160,7 +163,12 @@ def _lazy_checkpoints_elsewhere(args: Any, load_dir: str, local_root: str | None
     node's local tier, ``{node}`` resolved, when they are not ``--load``)."""
     out = []
     for flag, root in (("--save", args.save), ("--lazy-ckpt-local-dir", local_root)):
-        if root and os.path.abspath(root) != os.path.abspath(load_dir) and os.path.isdir(root):
+        if (
+            root
+            and not is_object_url(root)
+            and os.path.abspath(root) != os.path.abspath(load_dir)
+            and os.path.isdir(root)
+        ):
             its = committed_iterations(root)
             if its:
                 out.append(f"{flag} {root} (iteration {its[-1]})")
