@@ -131,7 +131,7 @@ def measure(fn, *args, **kw) -> Measured:
 def _meta(rank: int, world: int, layout: dict | None = None) -> dict:
     """The identity metadata of a DP shard: rank ``rank`` holds elements [rank*K, (rank+1)*K).
     With a ``layout`` (``{"tp", "pp", "dp"}``, world = their product, Megatron's rank order: TP
-    fastest, PP slowest), each (TP, PP) position has a parameter of its own, ``w.p{pp}.t{tp}``, of
+    fastest, PP slowest), each (TP, PP) position has a parameter ``w`` of its own (slice ``pp{pp}.tp{tp}``), of
     ``dp * K`` elements, of which DP rank ``d`` holds [d*K, (d+1)*K)."""
     if layout is not None:
         return _layout_meta(rank, layout)
@@ -167,10 +167,11 @@ def _position(rank: int, layout: dict) -> tuple[int, int, int]:
 
 def _layout_meta(rank: int, layout: dict) -> dict:
     t, p, d = _position(rank, layout)
-    dp, name = layout["dp"], f"w.p{p}.t{t}"
+    dp, name, sl = layout["dp"], "w", f"pp{p}.tp{t}"
     shard = {
         "kind": "param_shard",
-        "identity": 1,
+        "identity": 2,
+        "slice": sl,
         "chunk": 0,
         "buffer": "buf0",
         "bucket": 0,
@@ -180,7 +181,8 @@ def _layout_meta(rank: int, layout: dict) -> dict:
     }
     state = {
         "kind": "optimizer_state",
-        "identity": 1,
+        "identity": 2,
+        "slice": sl,
         "chunk": 0,
         "key": "exp_avg",
         "param": name,
@@ -431,11 +433,13 @@ def reshard_layout(root: str, old: dict, new: dict, new_rank: int) -> dict:
     t, p, d = _position(new_rank, new)
     total = old["dp"] * K
     start, end = d * total // new["dp"], (d + 1) * total // new["dp"]
-    key = f"w.p{p}.t{t}"
+    sl = f"pp{p}.tp{t}"  # the (TP, PP) position's model-parallel slice (identity 2)
     dst = {what: torch.empty(end - start) for what in ("param", "exp_avg")}
 
     def plan(index):
-        return [(r, dst[what][at : at + r.count]) for what in dst for r, at in index.ranges((0, key, what), start, end)]
+        return [
+            (r, dst[what][at : at + r.count]) for what in dst for r, at in index.ranges((sl, 0, "w", what), start, end)
+        ]
 
     r0 = _rchar()
     t0 = time.perf_counter()

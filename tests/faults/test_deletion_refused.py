@@ -113,7 +113,7 @@ def test_refused_deletions_never_stop_a_restart(tmp_path, refuse_deletions):
     _save(mgr, w, [1, 2, 3, 4])  # retention filled the recycle pool
     pool = os.path.join(mgr.local_root, ".recycle")
     mgr.engine.close()  # killed: the pool is not emptied at close
-    mgr._abandon_start()
+    mgr._abandon_start(timeout_s=30)
     forget(mgr)
     assert os.listdir(pool)
     refuse_deletions.append(local)

@@ -255,7 +255,7 @@ def test_a_write_held_by_a_real_filesystem_is_a_bounded_error_not_a_hang(fault_f
             closer.join(60) if closer.ident else _close_quietly(mgr)
     assert not closer.is_alive(), "close() still blocked after the write was released"
     for t in [t for t in threading.enumerate() if t.name.startswith("dsm-")]:
-        t.join(30)  # the held writes returned: the flush threads end
+        t.join(120)  # the held writes returned: the flush threads end (a loaded machine is slow to)
         assert not t.is_alive(), f"{t.name} still blocked after the release"
     assert committed_iterations(root) == []
     problems = [] if closed_in_time else ["close() did not return within 10 s while the filesystem held a write"]
