@@ -119,6 +119,8 @@ def check_pace(rec: dict, stall: Stall) -> tuple[float, float]:
         f"rank {rec['rank']}: median iteration {1e3 * d:.1f} ms during the stall "
         f"({len(during)} iterations), {1e3 * b:.1f} ms before it ({len(before)})"
     )
+    print(f"rank {rec['rank']}: median iteration {1e3 * b:.1f} ms before the stall ({len(before)}), "
+          f"{1e3 * d:.1f} ms during it ({len(during)}): {d / b:.2f}x; stats {rec['stats']}")  # fmt: skip
     return b, d
 
 
