@@ -151,6 +151,12 @@ def check_commits_after(recs: list[dict], stall: Stall, save: str) -> int:
     return after[0]
 
 
+@pytest.mark.xfail(
+    strict=True,
+    reason="the writer's iter_* mkdir runs on rank 0's training thread (engine/fs/iteration_dir.py): a "
+    "stalled mkdir stops training for the whole stall; moved to a flush thread on branch stalldone-wip, "
+    "which changes save()'s synchronous error contract (tests/faults/test_write_failures.py)",
+)
 def test_all_writes_stalled_training_keeps_its_pace_and_the_next_checkpoint_commits(fault_fs, tmp_path):
     ranks, recs, stall = run_stalled(fault_fs, tmp_path, "ckpt/**")
     for rec in recs:

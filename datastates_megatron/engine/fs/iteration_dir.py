@@ -1,10 +1,9 @@
 """One mkdir per iteration directory, not one per rank.
 
-The tier's writer (rank 0; a node leader on the local tier) creates ``iter_*`` on a flush thread
-just before it opens its rank file -- never on the training thread, where a stalled metadata server
-would stop training (issue 41).  Every other rank only checks it -- one ``lstat``, a metadata read,
-on a flush thread just before its file is opened, usually after the writer has made it -- and
-creates it only if it is still missing.  At N ranks a save thus costs about one mkdir instead of N (N - 1 of
+The tier's writer (rank 0; a node leader on the local tier) creates ``iter_*`` on the training
+thread when it starts a save.  Every other rank only checks it -- one ``lstat``, a metadata read, on a
+flush thread just before its file is opened, by when the writer has made it -- and creates it
+only if it is still missing.  At N ranks a save thus costs about one mkdir instead of N (N - 1 of
 which would fail with ``EEXIST`` on the parallel file system's metadata server).  A directory that
 is a symlink is refused on every rank, as :func:`.safe_io.make_dir` refuses it: we never write
 through a link.
@@ -23,20 +22,12 @@ __all__ = ["prepare_iteration_dir"]
 
 
 def prepare_iteration_dir(path: str, writer: bool, then=None):
-    """What a flush thread runs before opening the rank file: the writer creates ``path``, another
-    rank checks it (:func:`_join`); then ``then``, e.g. moving a recycled file into place."""
-    return functools.partial(_make if writer else _join, path, then)
-
-
-def _make(path: str, then) -> None:
-    """Flush thread of the writer.  Raises :class:`CheckpointError` (not an ``OSError``, which the
-    engine would log and write past) when ``path`` cannot be made."""
-    try:
+    """The writer: create ``path`` now.  Returns what a flush thread runs before opening the rank
+    file (``then`` after the check, e.g. moving a recycled file into place), or ``None``."""
+    if writer:
         make_dir(path)
-    except OSError as e:
-        raise CheckpointError(f"{path}: cannot prepare the iteration directory: {e}") from e
-    if then is not None:
-        then()
+        return then
+    return functools.partial(_join, path, then)
 
 
 def _join(path: str, then) -> None:
