@@ -642,6 +642,11 @@ class LazyEngine(Engine):
     def _tier_options(self, w: Workload, opts: BenchOptions) -> dict:
         return {}
 
+    def extras(self) -> dict:
+        """The host cache's size and high-water mark (what a save stages into)."""
+        stats = self._ckpt.stats
+        return {"cache_bytes": stats.get("cache_bytes", 0), "cache_peak_bytes": stats.get("cache_peak_bytes", 0)}
+
     def save(self, iteration: int) -> None:
         self._ckpt.save(iteration)
         self.last_iteration = iteration
@@ -734,7 +739,10 @@ class LazyReplicatedEngine(LazyLocalEngine):
 
     def extras(self) -> dict:
         r = self._ckpt._mgr.replication
-        return {"replication_bytes": r.stats.bytes_sent, "replication_s": r.stats.seconds} if r else {}
+        out = super().extras()
+        if r:
+            out.update(replication_bytes=r.stats.bytes_sent, replication_s=r.stats.seconds)
+        return out
 
     def recover(self, check: Callable[[], list[str]]) -> dict:
         """Collective: seconds, bytes and iterations lost restoring after a lost node, from the

@@ -127,6 +127,11 @@ ENGINE_KEYS = (
     "steal_cores",
     "ratio_e2e_rounds",
     "rounds",
+    "rss_base_bytes",
+    "rss_peak_bytes",
+    "rss_over_base_bytes",
+    "cache_bytes",
+    "cache_peak_bytes",
 )
 GB = 1e9
 MB = 1 << 20
@@ -492,6 +497,31 @@ def _timed(fn: Callable[[], Any]) -> float:
 # --------------------------------------------------------------------------- #
 # one engine run
 # --------------------------------------------------------------------------- #
+def _proc_status_bytes(field: str) -> int | None:
+    """``VmRSS`` / ``VmHWM`` of this process from /proc/self/status, in bytes (None off Linux)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def _reset_peak_rss() -> int | None:
+    """Reset this process's high-water RSS (``VmHWM``) to its RSS now (``5`` to
+    /proc/self/clear_refs, Linux >= 4.0) and return that RSS: the base an engine's peak is measured
+    from.  None where it cannot be reset (the peak would include earlier engines)."""
+    gc.collect()
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        return None
+    return _proc_status_bytes("VmRSS")
+
+
 def _blank(name: str, interval: int) -> dict:
     res = {k: None for k in ENGINE_KEYS}
     res.update(status="pending", interval=interval, engine=name)
@@ -518,6 +548,10 @@ def run_engine(
         root.mkdir(parents=True, exist_ok=True)
     _barrier()
     chunks, optimizer, scheduler = be.build_workload(args)
+    # host memory: the high-water RSS from here (model and optimizer built) to the end of the drain
+    # -- the engine's buffers, caches and staging copies, in this process (DCP's writer process
+    # with --dcp-checkpointer process is not counted)
+    rss_base = _reset_peak_rss()
     gate = be.GateTimer(optimizer)
     opts = be.BenchOptions(
         host_cache_gb=args.host_cache_gb,
@@ -572,6 +606,8 @@ def run_engine(
         engine.drain()
         _sync_device()
         local["drain"] = time.perf_counter() - t0
+        if rss_base is not None:
+            local["rss_base"], local["rss_peak"] = rss_base, _proc_status_bytes("VmHWM")
         if mark is not None:
             local["foreign_cores"], local["steal_cores"] = meter.stop(mark)
         _barrier()
@@ -640,7 +676,16 @@ def _summarise(name: str, interval: int, ranks: list[dict]) -> dict:
         steal_cores=r0.get("steal_cores"),
         rank_state_bytes=max(r.get("state_bytes", 0) for r in ranks),
     )
+    if all(r.get("rss_peak") is not None for r in ranks):
+        res.update(
+            rss_base_bytes=max(r["rss_base"] for r in ranks),
+            rss_peak_bytes=max(r["rss_peak"] for r in ranks),
+            rss_over_base_bytes=max(r["rss_peak"] - r["rss_base"] for r in ranks),
+        )
     extras = [r.get("extras") or {} for r in ranks]
+    if any("cache_peak_bytes" in e for e in extras):
+        res["cache_bytes"] = max(e.get("cache_bytes", 0) for e in extras)
+        res["cache_peak_bytes"] = max(e.get("cache_peak_bytes", 0) for e in extras)
     if any("replication_bytes" in e for e in extras):
         res["replication_gbps"] = min(
             e["replication_bytes"] / e["replication_s"] / 1e9 for e in extras if e.get("replication_s")
@@ -771,6 +816,24 @@ def render(doc: dict) -> str:
             )
         )
     lines += _table(hdr, rows)
+    mem = [(n, r) for n, r in doc["engines"].items() if r.get("rss_peak_bytes") is not None]
+    if mem:
+        lines.append("")
+        lines.append("host memory per rank (max over ranks and rounds), MiB:")
+        lines += _table(
+            ("engine", "RSS before engine", "peak RSS", "peak - before", "host cache peak", "host cache size"),
+            [
+                (
+                    n,
+                    _f(r["rss_base_bytes"] / MB, "{:.1f}"),
+                    _f(r["rss_peak_bytes"] / MB, "{:.1f}"),
+                    _f(r["rss_over_base_bytes"] / MB, "{:.1f}"),
+                    _f(None if r.get("cache_peak_bytes") is None else r["cache_peak_bytes"] / MB, "{:.1f}"),
+                    _f(None if r.get("cache_bytes") is None else r["cache_bytes"] / MB, "{:.1f}"),
+                )
+                for n, r in mem
+            ],
+        )
     floor = floor_view(doc)
     if floor:
         lines.append(
@@ -1028,6 +1091,10 @@ def merge_rounds(name: str, interval: int, rounds: list[dict]) -> dict:
             )
     for key in ("params", "rank_state_bytes"):
         res[key] = done[0].get(key)
+    for key in ("rss_peak_bytes", "rss_over_base_bytes", "cache_peak_bytes", "cache_bytes"):  # the worst round
+        vals = [r[key] for r in done if r.get(key) is not None]
+        res[key] = max(vals) if vals else None
+    res["rss_base_bytes"] = next((r["rss_base_bytes"] for r in done if r.get("rss_base_bytes") is not None), None)
     for key in ("replication_gbps", "replication_bytes_per_rank", "node_loss", "node_loss_ok"):
         res[key] = next((r[key] for r in reversed(done) if r.get(key) is not None), None)  # the last measured
     return res

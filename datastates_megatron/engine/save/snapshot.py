@@ -186,6 +186,7 @@ class SnapshotEngine(ClosingContext):
         self._seq = 0
         self._last_opened: cf.Future | None = None  # copier thread only: files are opened in save order
         self._from_source_hint = False  # whether the last version wrote CPU tensors from their memory
+        self._memory_backed_roots: dict[str, bool] = {}  # save root -> whether memory-backed (_writes_from_source)
         self._closed = False
         self.gate_wait_s = 0.0
         self.slot_wait_s = 0.0
@@ -487,19 +488,26 @@ class SnapshotEngine(ClosingContext):
 
     def _writes_from_source(self, path: str) -> bool:
         """Whether CPU tensors skip the cache: see ``EngineOptions.source_writes``.  "auto" asks the
-        file system of ``path``'s directory (the file may not exist yet; a recycled one is renamed
-        into place from the same file system)."""
+        file system of the directory above ``path``'s (the save root: the iteration directory may
+        not exist yet, and is on the same file system), once per root: this runs on the copier
+        thread, which the gate waits for, and a lookup in a directory where a stalled ``mkdir`` or
+        ``unlink`` holds the kernel's directory lock would wait as long (issue 41)."""
         mode = self.options.source_writes
         if mode != "auto":
             return bool(mode)
+        root = os.path.dirname(os.path.dirname(path)) or "."
+        known = self._memory_backed_roots.get(root)
+        if known is not None:
+            return known
         try:
-            fd = open_dir(os.path.dirname(path) or ".")
+            fd = open_dir(root)
         except OSError:
             return False  # opening the file will fail too, and report it
         try:
-            return memory_backed(fd)
+            known = self._memory_backed_roots[root] = memory_backed(fd)
         finally:
             os.close(fd)
+        return known
 
     def _open_file(self, job: _Job, previous: cf.Future | None) -> None:
         """Flush thread: move a recycled file into place (``before_open``) and open ``job.path``;
