@@ -13,6 +13,7 @@ from datastates_megatron.cli import main
 from datastates_megatron.engine import EngineOptions
 from datastates_megatron.engine.manager import CheckpointManager
 from datastates_megatron.engine.format.manifest import MANIFEST_NAME, TRACKER_NAME, iter_dir
+from datastates_megatron.engine.tiers import tier as tier_module
 from datastates_megatron.engine.tiers.tier import latest_committed
 
 from tests.workers.fault_worker import fill, make_state
@@ -42,6 +43,9 @@ def _deny(monkeypatch, path: str) -> None:
         return real(p, *a, **kw)
 
     monkeypatch.setattr(os, "open", fake_open)
+    # a reader is another process: the manifests the fixture's writer put in this process's cache
+    # (the writer never reads back what it wrote) are not what a reader holds
+    monkeypatch.setattr(tier_module._MANIFESTS, "_entries", {})
 
 
 @pytest.mark.parametrize("command", ["verify", "inspect"])
