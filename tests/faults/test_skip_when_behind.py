@@ -89,6 +89,31 @@ def test_a_save_behind_stuck_versions_is_skipped_at_once_and_the_next_commits(tm
     assert "3 checkpoint(s) skipped (iterations 3..5)" in stall[1], stall[1]
 
 
+def test_the_saves_skipped_during_a_stall_are_abandoned_in_one_commit_round(tmp_path, held_writes):
+    """Issue 41: a stall skips one save per iteration; once storage recovers, those skips must not
+    cost one commit round each (a gather and a broadcast, and the writer's unlinks), or the backlog
+    of rounds, as long as the stall, makes every save after it wait for its commit and be skipped in
+    turn.  Every rank skipped them: they are abandoned together, and the next save commits."""
+    root = tmp_path / "c"
+    n = 500
+    with _manager(root) as mgr:
+        _register(mgr, 2)
+        assert mgr.save(1) and mgr.save(2)  # stuck: the commit thread waits for 1's file
+        for it in range(3, 3 + n):
+            assert mgr.save(it) is False
+        assert mgr.skipped == n
+        held_writes.set()  # the storage recovers
+        mgr.wait()
+        assert mgr.abandoned_skips == n
+        committer = mgr.persistent._committer
+        assert committer.rounds == 3, committer.rounds  # 1, 2, and one for the 500 skipped
+        assert mgr.save(3 + n)
+        mgr.wait()
+        assert committer.rounds == 4
+    assert committed_iterations(str(root)) == [1, 2, 3 + n]
+    assert all(_no_files_of(root, it) for it in (3, 2 + n))
+
+
 def test_a_cache_without_room_skips_although_a_slot_is_free(tmp_path, held_writes):
     """3 MiB of state, a 4 MiB cache: version 1's regions hold the cache while its writes are
     stuck, so version 2 would wait for them (max_inflight=2 leaves it a slot)."""
