@@ -178,3 +178,36 @@ def test_through_a_stalling_filesystem_a_save_behind_is_skipped_at_once(fault_fs
     assert [fault_fs.hits(r) for r in rules] == [1, 1]
     assert committed_iterations(root) == [1, 2, 4]
     assert _no_files_of(root, 3)
+
+
+def test_save_and_the_gate_make_no_storage_call_while_every_call_under_save_is_held(fault_fs):
+    """Issue 41: every call under ``--save`` (any operation: mkdir, create, write, even a lookup
+    that reaches the filesystem) is held; ``save`` of a new iteration (its directory not made yet)
+    and the gate return at once, the held calls are the flush thread's, and once the storage
+    answers the checkpoint commits.  (Before, the writer made the directory in ``save``.)"""
+    root = os.path.join(fault_fs.root, "ckpt")
+    with _manager(root) as mgr:
+        _register(mgr, 2)
+        assert mgr.save(1)
+        mgr.wait()
+        rule = fault_fs.fault(op="*", path="ckpt/**", hold=True)
+        got: dict = {}
+
+        def training_thread():
+            t0 = time.perf_counter()
+            got["started"] = mgr.save(2)
+            mgr.wait_for_snapshot()
+            got["took"] = time.perf_counter() - t0
+
+        thread = threading.Thread(target=training_thread)
+        try:
+            thread.start()
+            thread.join(30)
+            blocked = fault_fs.wait_blocked(1, timeout=30)  # the flush thread's mkdir, held
+        finally:
+            fault_fs.clear(rule)
+        thread.join(60)
+        assert got.get("started") is True and got["took"] < PROMPT_S, got
+        assert blocked, "no call reached the filesystem"
+        mgr.wait()
+    assert committed_iterations(root) == [1, 2]
