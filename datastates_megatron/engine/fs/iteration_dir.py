@@ -42,7 +42,6 @@ def _failed(rank: int, path: str, op: str, e: BaseException) -> CheckpointError:
     else:
         why = f"{errno.errorcode.get(cause.errno, cause.errno)} ({cause.strerror})"
         err = CheckpointError(f"rank {rank}: {path}: cannot prepare the iteration directory ({op}): {why}")
-    err.__cause__ = e
     return err
 
 
@@ -52,7 +51,7 @@ def _make(path: str, then, rank: int) -> None:
     try:
         make_dir(path)
     except OSError as e:  # make_dir's FlushError is one: a plain CheckpointError, or the engine writes past it
-        raise _failed(rank, path, "mkdir", e) from None
+        raise _failed(rank, path, "mkdir", e) from e
     if then is not None:
         then()
 
@@ -67,7 +66,7 @@ def _join(path: str, then, rank: int) -> None:
             make_dir(path)  # before the writer: make it (exist_ok), then check it as the writer does
             mode = os.lstat(path).st_mode
     except OSError as e:
-        raise _failed(rank, path, "lstat/mkdir", e) from None
+        raise _failed(rank, path, "lstat/mkdir", e) from e
     if not stat.S_ISDIR(mode):
         raise CheckpointError(f"rank {rank}: {path}: is not a directory (a symlink?); refusing to follow or use it")
     if then is not None:
