@@ -96,6 +96,7 @@ def main(argv=None) -> int:
                     "flush_s": rec.flush_s,
                     "commit_s": rec.commit_s,
                     "flush_gbps": rec.flush_gbps,
+                    "at": time.time(),  # when this rank heard of it (epoch seconds, as "end")
                 }
             )
         )

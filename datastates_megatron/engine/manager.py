@@ -478,8 +478,11 @@ class CheckpointManager(ClosingContext):
     def save(self, iteration: int, objects=None, metadata: dict | None = None, *, final: bool = False) -> bool:
         """Start checkpoint ``iteration`` (collective: every rank calls it in the same order).
 
-        Returns at once; ``False`` if it could not start and ``on_error="warn"``, or if it was
-        skipped: with ``when_behind="skip"`` a save this rank cannot stage without waiting for its
+        Returns at once, with no storage call on this thread; ``False`` if it could not start
+        and ``on_error="warn"``, or if it was skipped.  A storage error of this save (the iteration
+        directory's mkdir, the file's open, write, fsync) happens after it returned: every rank
+        abandons the checkpoint at its commit, and the error reaches the caller at its next
+        ``save``/``poll``/``wait``/``close`` (raised, or one warning line).  Skipped: with ``when_behind="skip"`` a save this rank cannot stage without waiting for its
         storage (:meth:`_behind`) is not staged, and every rank abandons that checkpoint at its
         commit (:attr:`skipped` counts them here).  ``final`` (the save at the end of a run, on
         a signal or at an exit interval): never skipped; it waits for the storage, bounded by
@@ -499,10 +502,12 @@ class CheckpointManager(ClosingContext):
         try:
             name = rank_file_name(self.rank, self.token, self._seq)
             path = os.path.join(d, name)
-            # overwrite a retired rank file in place when there is one (a listdir and a rename: done on
-            # a flush thread just before the file is opened, not here on the training thread)
-            # one mkdir (the writer's); an iter_* symlink is refused on every rank: never written through
-            prepare = prepare_iteration_dir(d, tier.is_writer, tier.recycled(path))
+            # no storage call here on the training thread (issue 41): the writer's one mkdir, the other
+            # ranks' check of it, and the move of a retired rank file into place (to be overwritten)
+            # run on a flush thread just before the file is opened; an error there fails this rank's
+            # file, every rank abandons the checkpoint at its commit, and the caller hears it at its
+            # next save/poll/wait/close.  An iter_* symlink is refused on every rank: never written through
+            prepare = prepare_iteration_dir(d, tier.is_writer, tier.recycled(path), rank=self.rank)
             handle = self.engine.save(iteration, path, objects, tag=name, before_open=prepare)
         except CheckpointError as e:
             error, handle = e, None

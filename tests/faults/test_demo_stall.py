@@ -1,13 +1,14 @@
 """Issue 41's first "Done when": the demo trainer (megatron-core GPT, 2 gloo CPU ranks, a checkpoint
 every iteration, the default ``--lazy-ckpt-when-behind skip``) with ``--save`` on the fault
 filesystem, whose writes all stall once iteration ``FROM - 1`` (or a later one) has committed, for ``STALL_S``
-seconds (15 s here, not the issue's 30 s: the run on a loaded two-core machine stays near a
-minute; ``DSM_TEST_STALL_S`` sets it).
+seconds (the issue's 30 s; ``DSM_TEST_STALL_S`` sets it).
 
 Checked: the median iteration time of the iterations overlapping the stall is <= 1.2x the median
 before it (from the trainer's own per-iteration records, ``--log-json``), the job finishes, the
 skipped checkpoints are reported (the stall warning, and the skip counters), the first checkpoint
-saved after the stall commits.  Then the same with only rank 1's rank files stalled.  Then a
+saved after the stall commits, and checkpoints commit again at once: at least ``RECOVERED`` of the
+first ``WINDOW`` saves after the stall (before the skipped saves were abandoned in one commit round,
+their backlog of rounds, as long as the stall, kept every save after it skipped for seconds).  Then the same with only rank 1's rank files stalled.  Then a
 ``kill -9`` of both ranks during the stall: the last committed checkpoint loads, and the run
 resumed from it trains bit-exactly as an uninterrupted one (every loss after the resume, and the
 digest of the final model and optimizer state).
@@ -35,7 +36,7 @@ from ..distributed.ranks import describe, run_ranks  # noqa: E402
 pytestmark = pytest.mark.slow
 
 DEMO = "datastates_megatron.demo.train"
-STALL_S = float(os.environ.get("DSM_TEST_STALL_S", "15"))
+STALL_S = float(os.environ.get("DSM_TEST_STALL_S", "30"))
 FROM = 10  # the first iteration whose checkpoint meets the stall
 MODEL = ["--num-layers", "2", "--hidden-size", "64", "--seq-length", "32", "--vocab-size", "256"]
 # enough iterations to outlast the stall at this model's pace (~20-50 ms an iteration); a run that
@@ -47,6 +48,7 @@ WRITE_OPS = ["write", "create", "mkdir", "fsync", "rename", "unlink", "truncate"
 # rank 1's rank files, wherever they are (an iteration directory, the recycle pool's reused names)
 RANK1_FILES = "ckpt/**/*" + rank_file_name(1, "*", 0).replace("000000", "*")
 STALL_WARNING = "storage behind: checkpoint of iteration"
+WINDOW, RECOVERED = 50, 5  # of the first WINDOW saves after the stall, at least RECOVERED commit
 
 
 def lazy(save: str, iters: int) -> list[str]:
@@ -148,15 +150,13 @@ def check_commits_after(recs: list[dict], stall: Stall, save: str) -> int:
     for rec, its in zip(recs, committed):
         assert after[0] in its and rec["last_iteration"] in its, (rec["rank"], after[0], its[-10:])
     assert latest_committed(save) == recs[0]["last_iteration"]
+    window = [i for i in committed[0] if first <= i < min(first + WINDOW, recs[0]["last_iteration"])]
+    print(f"committed after the stall: {len(window)} of the {WINDOW} saves from iteration {first} "
+          f"(first {after[0]}); {len(after)} up to the last, {recs[0]['last_iteration']}")  # fmt: skip
+    assert len(window) >= RECOVERED, (first, window, committed[0][-20:])
     return after[0]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the writer's iter_* mkdir runs on rank 0's training thread (engine/fs/iteration_dir.py): a "
-    "stalled mkdir stops training for the whole stall; moved to a flush thread on branch stalldone-wip, "
-    "which changes save()'s synchronous error contract (tests/faults/test_write_failures.py)",
-)
 def test_all_writes_stalled_training_keeps_its_pace_and_the_next_checkpoint_commits(fault_fs, tmp_path):
     ranks, recs, stall = run_stalled(fault_fs, tmp_path, "ckpt/**")
     for rec in recs:

@@ -89,6 +89,31 @@ def test_a_save_behind_stuck_versions_is_skipped_at_once_and_the_next_commits(tm
     assert "3 checkpoint(s) skipped (iterations 3..5)" in stall[1], stall[1]
 
 
+def test_the_saves_skipped_during_a_stall_are_abandoned_in_one_commit_round(tmp_path, held_writes):
+    """Issue 41: a stall skips one save per iteration; once storage recovers, those skips must not
+    cost one commit round each (a gather and a broadcast, and the writer's unlinks), or the backlog
+    of rounds, as long as the stall, makes every save after it wait for its commit and be skipped in
+    turn.  Every rank skipped them: they are abandoned together, and the next save commits."""
+    root = tmp_path / "c"
+    n = 500
+    with _manager(root) as mgr:
+        _register(mgr, 2)
+        assert mgr.save(1) and mgr.save(2)  # stuck: the commit thread waits for 1's file
+        for it in range(3, 3 + n):
+            assert mgr.save(it) is False
+        assert mgr.skipped == n
+        held_writes.set()  # the storage recovers
+        mgr.wait()
+        assert mgr.abandoned_skips == n
+        committer = mgr.persistent._committer
+        assert committer.rounds == 3, committer.rounds  # 1, 2, and one for the 500 skipped
+        assert mgr.save(3 + n)
+        mgr.wait()
+        assert committer.rounds == 4
+    assert committed_iterations(str(root)) == [1, 2, 3 + n]
+    assert all(_no_files_of(root, it) for it in (3, 2 + n))
+
+
 def test_a_cache_without_room_skips_although_a_slot_is_free(tmp_path, held_writes):
     """3 MiB of state, a 4 MiB cache: version 1's regions hold the cache while its writes are
     stuck, so version 2 would wait for them (max_inflight=2 leaves it a slot)."""
@@ -153,3 +178,36 @@ def test_through_a_stalling_filesystem_a_save_behind_is_skipped_at_once(fault_fs
     assert [fault_fs.hits(r) for r in rules] == [1, 1]
     assert committed_iterations(root) == [1, 2, 4]
     assert _no_files_of(root, 3)
+
+
+def test_save_and_the_gate_make_no_storage_call_while_every_call_under_save_is_held(fault_fs):
+    """Issue 41: every call under ``--save`` (any operation: mkdir, create, write, even a lookup
+    that reaches the filesystem) is held; ``save`` of a new iteration (its directory not made yet)
+    and the gate return at once, the held calls are the flush thread's, and once the storage
+    answers the checkpoint commits.  (Before, the writer made the directory in ``save``.)"""
+    root = os.path.join(fault_fs.root, "ckpt")
+    with _manager(root) as mgr:
+        _register(mgr, 2)
+        assert mgr.save(1)
+        mgr.wait()
+        rule = fault_fs.fault(op="*", path="ckpt/**", hold=True)
+        got: dict = {}
+
+        def training_thread():
+            t0 = time.perf_counter()
+            got["started"] = mgr.save(2)
+            mgr.wait_for_snapshot()
+            got["took"] = time.perf_counter() - t0
+
+        thread = threading.Thread(target=training_thread)
+        try:
+            thread.start()
+            thread.join(30)
+            blocked = fault_fs.wait_blocked(1, timeout=30)  # the flush thread's mkdir, held
+        finally:
+            fault_fs.clear(rule)
+        thread.join(60)
+        assert got.get("started") is True and got["took"] < PROMPT_S, got
+        assert blocked, "no call reached the filesystem"
+        mgr.wait()
+    assert committed_iterations(root) == [1, 2]

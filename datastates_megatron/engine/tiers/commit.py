@@ -8,6 +8,12 @@ the local tier each node's first rank, sent its node's rows by rank 0) writes ``
 commit point), and rank 0 broadcasts the outcome; the tracker follows.  Otherwise nothing is
 written and every rank learns which ranks failed.  Rank 0 does O(N) work; every other rank sends
 and receives O(1) bytes (a node leader: O(its node's ranks)).
+A run of saves that every rank skipped (a stall: one per iteration) is abandoned in one round: each
+rank sends how far its own run of queued skipped tickets goes, and every rank drops the tickets up
+to the smallest of these without a round of their own and without a storage call (nobody wrote a
+file).  One round per skipped save would leave, once storage recovers, a backlog of rounds as long
+as the stall, during which each new save waits for its commit and is skipped in turn: at a round
+cost near the iteration time, no checkpoint would commit again (issue 41).
 Then the committer's ``after_commit`` runs: the tier hands its retention to its deleter thread
 (:mod:`.deleter`) and offers the checkpoint to its subscribers -- the promotion, replication
 (:meth:`.tier.Tier.on_commit`).
@@ -56,6 +62,7 @@ _STATUS = (
     "writes_n",
     "summary_sum",  # the checksum of this rank's global-index summary (:mod:`.global_index`); 0: none
     "skipped",  # 1: this rank skipped the save (its storage was behind): no file, nothing failed
+    "skip_to",  # skipped: the last sequence number of this rank's run of skipped tickets from this one on
 )
 _RECORD = ("file_bytes", "data_bytes", "n_tensors", "index_xxh64", "header_xxh64")  # a manifest's record, in order
 _SHOWN = 16  # ranks named in an outcome (and how many there are): the document stays small
@@ -147,6 +154,8 @@ class Committer(QueueThread):
         self._errors: collections.deque[BaseException] = collections.deque()
         self.latest: int | None = None
         self.skipped = 0  # checkpoints abandoned because some rank skipped its save (commit thread writes)
+        self.rounds = 0  # commit rounds run (one gather and broadcast each): what a stall costs after it
+        self._absorb_to = 0  # the tickets up to this sequence number were abandoned with an earlier one
         self._after = after_commit
         self.guard = guard
         # a tier on object storage writes its manifest, tracker and index itself (no ``os`` there)
@@ -178,6 +187,11 @@ class Committer(QueueThread):
     # ------------------------------------------------------------------ commit thread
     def _handle(self, ticket: Ticket) -> None:
         committed = False
+        if ticket.seq <= self._absorb_to:  # every rank skipped it: abandoned in an earlier round
+            with self._idle:
+                self._outstanding.pop(ticket.seq, None)
+                self._idle.notify_all()
+            return
         try:
             committed = self._commit(ticket)
         except BaseException as e:  # noqa: BLE001 - stored, re-raised on the training thread
@@ -233,7 +247,7 @@ class Committer(QueueThread):
                 self._published = h
             status.update(summary_sum=h)
         if ticket.skipped:
-            status.update(skipped=1)
+            status.update(skipped=1, skip_to=self._skipped_run(ticket.seq))
             return status
         try:
             r = ticket.durable.result(timeout=self._timeout)
@@ -254,12 +268,21 @@ class Committer(QueueThread):
         )
         return status
 
+    def _skipped_run(self, seq: int) -> int:
+        """The last sequence number of the run of this rank's submitted tickets, from ``seq`` on,
+        that are all skipped."""
+        with self._lock:
+            while (nxt := self._outstanding.get(seq + 1)) is not None and nxt.skipped:
+                seq += 1
+        return seq
+
     def _commit(self, ticket: Ticket) -> bool:
         """Whether ``ticket``'s checkpoint was committed (False or an error: it was not).  Rank 0 gathers every rank's status (O(N) there, one record sent by each other rank),
         writes the manifest -- on the local tier each node leader writes its node's, with its
         node's rows from rank 0, and rank 0 gathers whether they could -- and broadcasts the
         outcome (one small document)."""
         chan = self._chan
+        self.rounds += 1
         mine = self._status(ticket)
         cols = chan.gather(mine, _STATUS)  # rank 0: every rank's status, a column per field
         verdict = self._verdict(ticket, cols) if chan.is_root else None
@@ -328,7 +351,10 @@ class Committer(QueueThread):
         stray = np.flatnonzero((it != ticket.iteration) | (sq != ticket.seq))
         failed = np.flatnonzero(cols["ok"] != 1)
         skipped = np.flatnonzero(cols["skipped"] != 0)
+        everyone = not stray.size and skipped.size == sq.size  # every rank skipped it: a run may go at once
         return {
+            "all_skipped": bool(everyone),
+            "skip_to": int(cols["skip_to"].min()) if everyone else ticket.seq,
             "go": not stray.size and not failed.size,
             "stray": [(i, int(it[i]), int(sq[i])) for i in stray[:_SHOWN].tolist()],
             "n_stray": int(stray.size),
@@ -425,7 +451,7 @@ class Committer(QueueThread):
     def _refuse(self, ticket: Ticket, outcome: dict, own_failed: bool) -> None:
         """Nothing was committed: the writers remove the save's files; every rank but one whose own
         error is stored already raises, naming the ranks that failed."""
-        if self._writes:
+        if self._writes and not outcome["all_skipped"]:  # when every rank skipped, nobody wrote a file
             self._discard(ticket)
         if outcome["n_stray"]:
             raise CommitError(
@@ -435,6 +461,9 @@ class Committer(QueueThread):
         if outcome["n_failed"] and outcome["n_failed"] == outcome["n_skipped"]:
             # only skips (storage behind somewhere): reported by the skipping ranks, not an error here
             self.skipped += 1
+            if outcome["skip_to"] > ticket.seq:  # every rank skipped these too: abandoned with this one
+                self.skipped += outcome["skip_to"] - ticket.seq
+                self._absorb_to = outcome["skip_to"]
             log.debug(
                 "rank %d: iteration %d abandoned (%s tier): rank(s) %s skipped it",
                 self.rank,

@@ -18,6 +18,7 @@ import functools
 import inspect
 import json
 import os
+import time
 from typing import Any
 from collections.abc import Callable
 
@@ -79,6 +80,7 @@ def install(prefix: str) -> None:
                 "params_norm": _float(a.get("params_norm")),
                 "lm_loss": _float(loss),
                 "skipped": int(a.get("skipped_iter") or 0),
+                "t": time.time(),  # when it was logged: a run's pace (tests/faults/test_pretrain_gpt_stall.py)
             }
         )
 
