@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import struct
 
 import numpy as np
 import pytest
@@ -161,15 +162,33 @@ def test_an_index_of_another_commit_is_not_used(ckpt):
     assert read_index(iter_dir(root, 5), manifest) is not None
 
 
-def test_a_damaged_index_is_named_and_the_reshard_reads_every_file(ckpt, caplog):
+def _parts(path: str) -> tuple[int, int]:
+    """``(body start, body length)`` of a format-2 index file."""
+    data = open(path, "rb").read()
+    (hlen,) = struct.unpack_from("<Q", data, 8)
+    return 24 + hlen, json.loads(data[16 : 16 + hlen])["body_bytes"]
+
+
+@pytest.mark.parametrize("where", ["header", "contents", "rows"])
+def test_a_damaged_index_is_named_and_the_reshard_reads_every_file(ckpt, caplog, where):
+    """A byte changed in the header or the contents is found when the index is opened; one in a
+    block of rows when a lookup reads that block (the step's, which every plan here looks up)."""
     root, manifest = ckpt
     path = os.path.join(iter_dir(root, 5), INDEX_NAME)
+    body_at, body = _parts(path)
+    at = {"header": 20, "contents": body_at + 20, "rows": body_at + body - 3}[where]
     data = bytearray(open(path, "rb").read())
-    data[-3] ^= 0xFF
+    data[at] ^= 0x01
     with open(path, "wb") as f:
         f.write(data)
-    with pytest.raises(CorruptCheckpointError, match=f"{path}: global index checksum mismatch"):
-        read_index(iter_dir(root, 5), manifest)
+    if where == "rows":
+        gi = read_index(iter_dir(root, 5), manifest)
+        with pytest.raises(CorruptCheckpointError, match=f"{path}: global index checksum mismatch"):
+            gi.pieces(json.dumps(["", 0, "w", "step", "scalar"]), 0, 1)
+        gi.close()
+    else:
+        with pytest.raises(CorruptCheckpointError, match=f"{path}: global index (checksum mismatch|header)"):
+            read_index(iter_dir(root, 5), manifest)
     used, opened, _ = _reshard(root, 2, 4)
     assert not used and opened == list(range(WORLD))
     assert INDEX_NAME in caplog.text and "reading every rank file" in caplog.text
