@@ -232,3 +232,56 @@ def test_summaries_are_fetched_once_per_change():
 def test_the_index_and_its_temp_file_are_ours():
     assert is_ours_in_iteration(INDEX_NAME) and is_ours_in_iteration(INDEX_NAME + ".tmp-123")
     assert not is_ours_in_iteration(INDEX_NAME + ".bak")
+
+
+def _partial(root: str, new_rank: int, new_world: int, monkeypatch):
+    """:func:`_reshard` with the manifest as the resolve step gives it (the header and this rank's
+    record); the number of times the whole manifest was read."""
+    from datastates_megatron.engine.load import reader as reader_mod
+
+    _, whole = open_checkpoint(root, 5)
+    own = Manifest(5, WORLD, TOKEN, (whole.record(new_rank),), whole.layout, {}, commit_seq=whole.commit_seq)
+    reads = []
+    real = reader_mod.read_manifest
+    monkeypatch.setattr(reader_mod, "read_manifest", lambda ckpt: reads.append(ckpt) or real(ckpt))
+    n = WORLD * K // new_world
+    start, end = new_rank * n, (new_rank + 1) * n
+    dst = torch.empty(n)
+    with CheckpointReader(iter_dir(root, 5), own, rank=new_rank, threads=1, partial=True) as reader:
+        planned = plan_by_global_index(
+            reader,
+            lambda index: [(r, dst[at : at + r.count]) for r, at in index.ranges(("", 0, "w", "param"), start, end)],
+            new_rank,
+        )
+        pairs = planned[0] if planned else None
+        if pairs is None:
+            from datastates_megatron.megatron.checkpointing.reshard import CheckpointIndex
+
+            idx = CheckpointIndex.from_reader(reader)
+            pairs = [(r, dst[at : at + r.count]) for r, at in idx.ranges(("", 0, "w", "param"), start, end)]
+        reader.execute(LoadPlan("reshard", tuple(ReadItem(r, d) for r, d in pairs)))
+        opened = sorted(reader.opened)
+    assert torch.equal(dst, torch.arange(start, end, dtype=torch.float32))
+    return planned is not None, opened, len(reads)
+
+
+def test_a_resharding_rank_takes_the_records_of_the_files_it_opens_from_the_index(ckpt, monkeypatch):
+    """Given its own record only (as rank 0's resolve sends it), a resharding rank reads no
+    manifest: the records of the old files it opens come from the index, bound to the same commit."""
+    root, _ = ckpt
+    used, opened, manifest_reads = _partial(root, 1, 4, monkeypatch)
+    assert used and opened == [1, 4, 5, 6, 7] and manifest_reads == 0
+
+
+def test_damaged_rank_records_in_the_index_make_the_rank_read_the_manifest(ckpt, monkeypatch, caplog):
+    """Records that fail their block's checksum are not used: the whole manifest is read, once."""
+    root, _ = ckpt
+    path = os.path.join(iter_dir(root, 5), INDEX_NAME)
+    data = bytearray(open(path, "rb").read())
+    body_at, body = _parts(path)
+    data[body_at + body + 3] ^= 0x01  # the first block of rank records
+    with open(path, "wb") as f:
+        f.write(data)
+    used, opened, manifest_reads = _partial(root, 1, 4, monkeypatch)
+    assert manifest_reads == 1 and "global index checksum mismatch (ranks 0..)" in caplog.text
+    assert used and opened == [1, 4, 5, 6, 7]  # its pieces are in blocks of their own, checked apart
