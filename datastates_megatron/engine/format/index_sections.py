@@ -157,6 +157,9 @@ def pack_ranks(records, world_size: int) -> tuple[dict, bytes] | None:
 def count_json(raw) -> tuple[int, int]:
     """Upper bounds on the JSON values (:func:`.json_budget.count_values`) and objects in ``raw``,
     over 16 MiB windows."""
+    if isinstance(raw, (bytes, bytearray)):  # in place
+        objects = raw.count(b"{")
+        return 1 + raw.count(b",") + raw.count(b"[") + objects, objects
     values, objects = 1, 0
     for i in range(0, len(raw), 16 << 20):
         part = bytes(raw[i : i + (16 << 20)])
@@ -253,17 +256,21 @@ class RangedIndex:
             self._slices[e[0]] = (e[1] + at, e[2], e[3], e[4] + at, e[5])
 
     # ------------------------------------------------------------------ reading
-    def _read(self, at: int, n: int) -> bytes:
-        """``n`` bytes at body offset ``at`` (checked inside the file by the caller)."""
-        out = bytearray()
-        pos = self._body_at + at
-        while len(out) < n:
-            got = os.pread(self._fd, n - len(out), pos + len(out))
-            if not got:
-                raise CorruptCheckpointError(f"{self.path}: global index ended at {pos + len(out)} while read")
-            out += got
+    def _read(self, at: int, n: int) -> bytearray:
+        """``n`` bytes at body offset ``at`` (checked inside the file by the caller), read into one
+        buffer (a crafted section costs its size once, not once per copy)."""
+        out = bytearray(n)
+        view, done, pos = memoryview(out), 0, self._body_at + at
+        try:
+            while done < n:
+                got = os.preadv(self._fd, [view[done:]], pos + done)
+                if not got:
+                    raise CorruptCheckpointError(f"{self.path}: global index ended at {pos + done} while read")
+                done += got
+        finally:
+            view.release()
         self.bytes_read += n
-        return bytes(out)
+        return out
 
     def close(self) -> None:
         if self._fd >= 0:
@@ -294,8 +301,10 @@ class RangedIndex:
         (tlen,) = struct.unpack_from("<Q", raw, 0)
         if tlen > n - 8 or (n - 8 - tlen) % (8 * _FENCE):
             raise CorruptCheckpointError(f"{self.path}: global index slice {sl!r}: tables of {tlen} bytes in {n}")
-        tables = _parse(self.path, raw[8 : 8 + tlen], f"slice {sl!r} tables")
-        fences = np.frombuffer(raw, dtype="<i8", offset=8 + tlen).reshape(-1, _FENCE)
+        fences = np.frombuffer(raw, dtype="<i8", offset=8 + tlen).reshape(-1, _FENCE).copy()
+        del raw[8 + tlen :], raw[:8]  # the tables, in place: a crafted head costs its size once
+        tables = _parse(self.path, raw, f"slice {sl!r} tables")
+        del raw
         keys, tensors, params = (
             tables.get(f) if isinstance(tables, dict) else None for f in ("keys", "tensors", "params")
         )
@@ -319,6 +328,11 @@ class RangedIndex:
             by_key[e[0]] = (i, e[1], e[2], e[3])
         head = self._heads[sl] = _Head(by_key, tensors, params, fences, rows_at, n_rows)
         return head
+
+    def keys_of(self, sl) -> list[str]:
+        """The keys of slice ``sl`` (none when the index has no such slice)."""
+        head = self._head(sl)
+        return list(head.keys) if head is not None else []
 
     def params_of(self, slices) -> dict:
         """``{key: [shape, dtype]}`` of the parameters of ``slices`` (those this index has)."""
