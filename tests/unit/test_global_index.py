@@ -285,3 +285,25 @@ def test_damaged_rank_records_in_the_index_make_the_rank_read_the_manifest(ckpt,
     used, opened, manifest_reads = _partial(root, 1, 4, monkeypatch)
     assert manifest_reads == 1 and "global index checksum mismatch (ranks 0..)" in caplog.text
     assert used and opened == [1, 4, 5, 6, 7]  # its pieces are in blocks of their own, checked apart
+
+
+def test_the_committer_writes_the_manifests_records_into_the_index(tmp_path):
+    """Rank 0's commit puts its status columns in the index as the manifest's records, byte for
+    byte what the manifest says (the file name from the save's token and sequence)."""
+    from datastates_megatron.engine.format.manifest import read_manifest
+    from datastates_megatron.engine.manager import CheckpointManager
+
+    root = str(tmp_path / "ckpt")
+    opts = EngineOptions(cache_bytes=1 << 20, timeout_s=30)
+    with CheckpointManager(root, opts, layout={"dp": 1}, keep_last=0, summarize=index_summary) as mgr:
+        for name, meta in _meta(0).items():
+            mgr.register(name, _tensors(0)[name], meta=meta)
+        for it in (1, 2):
+            mgr.save(it, {"rank": 0})
+            mgr.wait()
+    manifest = read_manifest(iter_dir(root, 2))
+    gi = read_index(iter_dir(root, 2), manifest)
+    try:
+        assert gi.record(0) == manifest.record(0) and gi.record(1) is None
+    finally:
+        gi.close()

@@ -46,7 +46,17 @@ from .hashing import xxh64
 from .json_budget import VALUE_BYTES
 from .manifest import RankRecord
 
-__all__ = ["VERSION", "BLOCK_ROWS", "RANK_BLOCK", "pack_body", "pack_ranks", "RangedIndex", "slice_of", "count_json"]
+__all__ = [
+    "VERSION",
+    "BLOCK_ROWS",
+    "RANK_BLOCK",
+    "pack_body",
+    "pack_ranks",
+    "pack_columns",
+    "RangedIndex",
+    "slice_of",
+    "count_json",
+]
 
 VERSION = 2
 BLOCK_ROWS = 32  # rows per checksummed block (1.5 KiB): a lookup reads a block or two per key
@@ -148,7 +158,13 @@ def pack_ranks(records, world_size: int) -> tuple[dict, bytes] | None:
     cols = np.array(
         [(r.file_bytes, r.data_bytes, r.n_tensors, r.index_xxh64, r.header_xxh64) for r in records], dtype="<u8"
     )
-    raw = cols.tobytes()
+    return pack_columns(token, seq, cols)
+
+
+def pack_columns(token: str, seq: int, cols: np.ndarray) -> tuple[dict, bytes]:
+    """:func:`pack_ranks` of columns ``uint64[world, 5]`` (rank order) of files named
+    ``rank_file_name(rank, token, seq)``: what the committer has at hand, no record by record."""
+    raw = np.ascontiguousarray(cols, dtype="<u8").tobytes()
     step = RANK_BLOCK * _RECORD * 8
     sums = np.array([xxh64(raw[i : i + step]) for i in range(0, len(raw), step)], dtype="<u8").tobytes()
     return {"token": token, "seq": seq, "block": RANK_BLOCK, "sums_xxh64": xxh64(sums)}, raw + sums
