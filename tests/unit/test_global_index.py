@@ -307,3 +307,41 @@ def test_the_committer_writes_the_manifests_records_into_the_index(tmp_path):
         assert gi.record(0) == manifest.record(0) and gi.record(1) is None
     finally:
         gi.close()
+
+
+def _format1(root: str, manifest: Manifest) -> None:
+    """Replace the index with a format-1 one of the same pieces, as the code of its day wrote it:
+    one body (tables, then every row sorted by key, start and rank) under one checksum."""
+    from datastates_megatron.engine.format.global_index import MAGIC
+    from datastates_megatron.engine.format.hashing import xxh64
+
+    keys, tensors, params, rows = {}, {}, {}, []
+    for r in range(WORLD):
+        doc = index_summary(_tensors(r), _meta(r))
+        params.update(doc["params"])
+        for key, start, end, tensor, offset in doc["pieces"]:
+            rows.append(
+                (keys.setdefault(key, len(keys)), start, end, r, tensors.setdefault(tensor, len(tensors)), offset)
+            )
+    table = np.array(rows, dtype=np.int64)
+    table = table[np.lexsort((table[:, 3], table[:, 1], table[:, 0]))]
+    tables = json.dumps({"keys": list(keys), "tensors": list(tensors), "params": params}, sort_keys=True).encode()
+    body = struct.pack("<Q", len(tables)) + tables + table.astype("<i8").tobytes()
+    head = {"format_version": 1, "iteration": 5, "commit_seq": manifest.commit_seq, "run_token": TOKEN}
+    head.update(world_size=WORLD, body_bytes=len(body), body_xxh64=xxh64(body))
+    raw = json.dumps(head, sort_keys=True).encode()
+    with open(os.path.join(iter_dir(root, 5), INDEX_NAME), "wb") as f:
+        f.write(MAGIC + struct.pack("<Q", len(raw)) + raw + body)
+
+
+def test_an_index_of_format_1_is_still_read(ckpt, monkeypatch):
+    """A checkpoint written before format 2 reshards from its index as before (read whole); it
+    holds no rank records, so a rank given only its own record reads the whole manifest, once."""
+    root, manifest = ckpt
+    _format1(root, manifest)
+    gi = read_index(iter_dir(root, 5), manifest)
+    assert gi.record(3) is None and len(gi.keys) == 3
+    used, opened, _ = _reshard(root, 1, 4)
+    assert used and opened == [1, 4, 5, 6, 7]
+    used, opened, manifest_reads = _partial(root, 1, 4, monkeypatch)
+    assert used and opened == [1, 4, 5, 6, 7] and manifest_reads == 1
