@@ -5,7 +5,7 @@ checkpoint every iteration, every write stalled for ``--stall-s`` seconds from `
     python scripts/bench_stall.py [--stall-s 25] [--stall-from 30] [--rank 1] [--when-behind skip]
 
 The stall is the engine's in-process stall point (``DSM_STALL_AT=write:<iteration>:<seconds>``,
-:mod:`datastates_megatron.engine.faults`): from the first write of a checkpoint of iteration
+:mod:`datastates_megatron.engine.runtime.faults`): from the first write of a checkpoint of iteration
 ``--stall-from`` on, every rank-file write waits until the stall ends, as a storage target that
 stops answering and then recovers (``--rank``: only that rank's writes).  Prints the median
 iteration time before the stall and of the iterations overlapping it (per rank, and their ratio;

@@ -128,7 +128,7 @@ class EngineOptions:
 
 @dataclasses.dataclass(frozen=True)
 class ManagerOptions:
-    """Policy of :class:`~datastates_megatron.engine.CheckpointManager` (retention, errors, restore,
+    """Policy of :class:`~datastates_megatron.engine.manager.CheckpointManager` (retention, errors, restore,
     tiers); the engine's own knobs are :class:`EngineOptions`.
 
     keep_last / keep_every: keep the N newest committed checkpoints (0, the default: all, as

@@ -539,7 +539,9 @@ def _digests(directory: str) -> dict[str, str]:
 
 
 def _in_child(run, root: str, limit_s: float) -> dict:
-    """``run(root)`` in a forked child under SIGALRM; its outcome, time and peak RSS growth."""
+    """``run(root)`` in a forked child under SIGALRM; its outcome, wall and CPU time (all its threads)
+    and peak RSS growth. The bound is checked on CPU time, which other load on the machine does not
+    inflate; wall time is kept as the guard against a wait."""
     r, w = os.pipe()
     pid = os.fork()
     if pid == 0:  # child
@@ -547,15 +549,18 @@ def _in_child(run, root: str, limit_s: float) -> dict:
         try:
             logging.disable(logging.WARNING)  # the table says what happened; the engine's log lines would bury it
             signal.alarm(int(math.ceil(limit_s)))
-            before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+            usage = resource.getrusage(resource.RUSAGE_SELF)
+            before, cpu0 = usage.ru_maxrss, usage.ru_utime + usage.ru_stime
             t0 = time.perf_counter()
             try:
                 outcome = run(root)
             except BaseException as e:  # reported: the sweep goes on
                 outcome = f"TRACEBACK {type(e).__name__}: {str(e)[:100]}"
             wall = time.perf_counter() - t0
-            growth = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) * 1024
-            os.write(w, json.dumps({"outcome": outcome, "wall_s": wall, "rss_growth": growth}).encode())
+            usage = resource.getrusage(resource.RUSAGE_SELF)
+            growth = (usage.ru_maxrss - before) * 1024
+            cpu = usage.ru_utime + usage.ru_stime - cpu0
+            os.write(w, json.dumps({"outcome": outcome, "wall_s": wall, "cpu_s": cpu, "rss_growth": growth}).encode())
         finally:
             os._exit(0)
     os.close(w)
@@ -563,7 +568,7 @@ def _in_child(run, root: str, limit_s: float) -> dict:
         data = f.read()
     _, status = os.waitpid(pid, 0)
     if not data:
-        return {"outcome": f"CHILD DIED (wait status {status})", "wall_s": limit_s, "rss_growth": 0}
+        return {"outcome": f"CHILD DIED (wait status {status})", "wall_s": limit_s, "cpu_s": limit_s, "rss_growth": 0}
     return json.loads(data)
 
 
@@ -576,9 +581,12 @@ def _allocated(directory: str) -> int:
     return total
 
 
+WALL_SLACK = 5  # wall time may exceed the CPU bound this many times (a machine shared with other work)
+
+
 def bound(planted: int) -> tuple[int, float]:
     """The stated cost bound of reading crafted files of ``planted`` bytes (docs/reliability.md):
-    peak memory growth <= 64 MiB + 2x the bytes, time <= 2 s per 64 MiB (at least 2 s)."""
+    peak memory growth <= 64 MiB + 2x the bytes, CPU time <= 2 s per 64 MiB (at least 2 s)."""
     return 64 * MiB + 2 * planted, 2.0 * max(1.0, planted / (64 * MiB))
 
 
@@ -599,7 +607,9 @@ def run_attack(attack: Attack, workdir: str, limit_s: float = 30.0) -> dict:
     got["as_specified"] = attack.expect in got["outcome"] and got["outside_unchanged"]
     got["planted"] = planted
     memory, seconds = bound(planted)
-    got["within_bound"] = got["rss_growth"] <= memory and got["wall_s"] <= seconds
+    got["within_bound"] = (
+        got["rss_growth"] <= memory and got["cpu_s"] <= seconds and got["wall_s"] <= WALL_SLACK * seconds
+    )
     return got
 
 

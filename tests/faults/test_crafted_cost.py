@@ -2,7 +2,8 @@
 a rank file with ``chunk_bytes = 1``, a 96 MiB objects section, a 1 TiB sparse rank file.  Each is
 refused -- one line, no traceback, no partial restore, nothing outside the save directory changed --
 within the stated bound (docs/reliability.md): peak memory growth <= 64 MiB + 2x the crafted bytes,
-time <= 2 s per 64 MiB.  Measured in a forked child (``resource.getrusage`` peak RSS growth),
+CPU time <= 2 s per 64 MiB (wall time within 5x that, so a machine shared with other work does
+not fail it by chance).  Measured in a forked child (``resource.getrusage`` peak RSS growth),
 ``ls``/``verify``/``inspect`` through the CLI, loads and a trainer's start-up through the manager."""
 
 from __future__ import annotations
@@ -36,7 +37,8 @@ def test_a_crafted_file_is_refused_within_the_stated_bound(attack, tmp_path, war
     assert got["as_specified"] and got["outside_unchanged"], got
     memory, seconds = attacks.bound(got["planted"])
     assert got["rss_growth"] <= memory, f"peak RSS growth {got['rss_growth'] >> 20} MiB over {memory >> 20} MiB: {got}"
-    assert got["wall_s"] <= seconds, f"{got['wall_s']:.1f} s over {seconds:.1f} s: {got}"
+    assert got["cpu_s"] <= seconds, f"{got['cpu_s']:.1f} s of CPU over {seconds:.1f} s: {got}"
+    assert got["wall_s"] <= attacks.WALL_SLACK * seconds, f"{got['wall_s']:.1f} s of wall time: {got}"
 
 
 def test_manifests_are_surveyed_incrementally_not_all_reread_at_every_commit(tmp_path, monkeypatch):
@@ -144,4 +146,5 @@ def test_a_crafted_global_index_costs_no_more_than_the_stated_bound(attack, tmp_
     assert got["as_specified"] and got["outside_unchanged"], got
     memory, seconds = attacks.bound(got["planted"])
     assert got["rss_growth"] <= memory, f"peak RSS growth {got['rss_growth'] >> 20} MiB over {memory >> 20} MiB: {got}"
-    assert got["wall_s"] <= seconds, f"{got['wall_s']:.1f} s over {seconds:.1f} s: {got}"
+    assert got["cpu_s"] <= seconds, f"{got['cpu_s']:.1f} s of CPU over {seconds:.1f} s: {got}"
+    assert got["wall_s"] <= attacks.WALL_SLACK * seconds, f"{got['wall_s']:.1f} s of wall time: {got}"

@@ -57,7 +57,7 @@ def test_hostile_storage_section_every_attack_as_specified_nothing_outside_chang
     assert len(hostile) >= 20
     for h in hostile:
         assert h["as_specified"] and h["outside_unchanged"], h
-        assert "TRACEBACK" not in h["outcome"] and h["wall_s"] < 10, h
+        assert "TRACEBACK" not in h["outcome"] and h["wall_s"] < 30, h
         # the stated bound: 64 MiB + 2x the crafted bytes, 2 s per 64 MiB (attacks.bound)
         assert h["within_bound"], h
     assert done.returncode == 0, done.stdout[-3000:]

@@ -52,17 +52,19 @@ SCRIPTS = {  # script, sbatch options that fit one CPU node with 2 ranks
 }
 
 # Makes every rank file write sleep DSM_TEST_SLOW_WRITE_MS, so that a pre-emption lands while a
-# background flush is still running; put first on the job's PYTHONPATH.
+# background flush is still running; put first on the job's PYTHONPATH. Python ignores an error in
+# sitecustomize, so each process that patched the writer leaves a file the test checks for.
 SLOW_WRITES = """
 import os, time
 _ms = float(os.environ.get("DSM_TEST_SLOW_WRITE_MS", "0"))
 if _ms:
-    from datastates_megatron.engine import writer as _writer
+    from datastates_megatron.engine.format import writer as _writer
     _real = _writer.RankFileWriter.write
     def _slow(self, data, offset):
         time.sleep(_ms / 1000.0)
         return _real(self, data, offset)
     _writer.RankFileWriter.write = _slow
+    open(os.path.join(os.environ["DSM_TEST_SLOW_WRITE_MARKS"], str(os.getpid())), "w").close()
 """
 
 
@@ -157,9 +159,11 @@ def _slow_writes(tmp_path: Path) -> dict[str, str]:
     site = tmp_path / "site"
     site.mkdir()
     (site / "sitecustomize.py").write_text(SLOW_WRITES)
+    (tmp_path / "slowed").mkdir()
     return dict(
         SAVE_INTERVAL="1",
         DSM_TEST_SLOW_WRITE_MS="400",
+        DSM_TEST_SLOW_WRITE_MARKS=str(tmp_path / "slowed"),
         PYTHONPATH=f"{site}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
     )
 
@@ -172,6 +176,7 @@ def _preempt_and_check(jobs, uninterrupted, script: str, how: str, env: dict[str
     probe = _tracker_names_only_complete(job.save_dir)
     wait_for_commit_after(job, 1)
     if "DSM_TEST_SLOW_WRITE_MS" in env:  # pre-empt while a save is still being written
+        assert any(Path(env["DSM_TEST_SLOW_WRITE_MARKS"]).iterdir()), "no process slowed its writes"
         poll(
             lambda: [p.name for p in job.save_dir.glob("iter_*") if not (p / "manifest.json").exists()] or None,
             30,
