@@ -420,14 +420,33 @@ def _name(layout: dict) -> str:
     return f"tp{layout['tp']}pp{layout['pp']}dp{layout['dp']}"
 
 
-def reshard_layout(root: str, old: dict, new: dict, new_rank: int) -> dict:
+def resolve_rank0(root: str, new: dict, store) -> dict:
+    """Rank 0 of layout ``new``: the restore choice's resolve step (survey, the manifest read once,
+    each rank's record sent through the store), as every resharding restart does once."""
+    from datastates_megatron.engine.dist.store_channel import StoreChannel
+    from datastates_megatron.engine.load.resolve import resolve
+
+    from datastates_megatron.engine.tiers import tier
+
+    tier._MANIFESTS._entries = {}  # a restart is another process: the writer's cached manifests are not there
+    world = new["tp"] * new["pp"] * new["dp"]
+    chan = StoreChannel(store, 0, world, f"dsm/{TOKEN}/resolve", 60.0)
+    r0 = _rchar()
+    resolve(root, None, chan, new, check=lambda manifest, ckpt: True)
+    return {"rank0_read_bytes": _rchar() - r0, "rank0_sent_bytes": chan.sent}
+
+
+def reshard_layout(root: str, old: dict, new: dict, new_rank: int, store) -> dict:
     """Rank ``new_rank`` of layout ``new`` restores its DP shard of its (TP, PP) position's parameter
     and Adam state from the checkpoint written at ``old`` (the same TP and PP), as a resharding rank
-    does: the manifest (:func:`~datastates_megatron.engine.load.reader.open_checkpoint`), the global
-    index, the rank files its ranges name (checked against their own metadata), then its ranges
+    does: its view of the checkpoint from rank 0's resolve (the manifest's header and its own record,
+    from the store), the global index (its slice's pieces near its ranges, and the records of the
+    files they name), those rank files (checked against their own metadata), then its ranges
     through the verifying reader.  Returns what it read and opened, and the plan's seconds."""
+    from datastates_megatron.engine.dist.store_channel import StoreChannel
     from datastates_megatron.engine.load.load_plan import LoadPlan, ReadItem
-    from datastates_megatron.engine.load.reader import CheckpointReader, open_checkpoint
+    from datastates_megatron.engine.load.reader import CheckpointReader
+    from datastates_megatron.engine.load.resolve import resolve
     from datastates_megatron.megatron.checkpointing.reshard import CheckpointIndex, plan_by_global_index
 
     t, p, d = _position(new_rank, new)
@@ -435,33 +454,44 @@ def reshard_layout(root: str, old: dict, new: dict, new_rank: int) -> dict:
     start, end = d * total // new["dp"], (d + 1) * total // new["dp"]
     sl = f"pp{p}.tp{t}"  # the (TP, PP) position's model-parallel slice (identity 2)
     dst = {what: torch.empty(end - start) for what in ("param", "exp_avg")}
+    seen = {}
 
     def plan(index):
+        seen.setdefault("gi", getattr(index, "gi", None))  # the global index it reads, when it does
         return [
             (r, dst[what][at : at + r.count]) for what in dst for r, at in index.ranges((sl, 0, "w", what), start, end)
         ]
 
+    world = new["tp"] * new["pp"] * new["dp"]
+    chan = StoreChannel(store, new_rank, world, f"dsm/{TOKEN}/resolve", 60.0)
+    fds0 = _fds()
     r0 = _rchar()
     t0 = time.perf_counter()
-    ckpt, manifest = open_checkpoint(root, ITERATION)
-    manifest_bytes = _rchar() - r0
-    with CheckpointReader(ckpt, manifest, rank=new_rank, verify=True, threads=1) as reader:
+    got = resolve(root, None, chan, new, check=lambda manifest, ckpt: True)
+    manifest_bytes = _rchar() - r0 + chan.received  # read from files (none) and received from rank 0
+    with CheckpointReader(got.ckpt, got.manifest, rank=new_rank, verify=True, threads=1, partial=True) as reader:
         planned = plan_by_global_index(reader, plan, new_rank)
         pairs = planned[0] if planned is not None else plan(CheckpointIndex.from_reader(reader))
-        reader.objects(min(new_rank, manifest.world_size - 1))
+        reader.objects(min(new_rank, got.manifest.world_size - 1))
         plan_s = time.perf_counter() - t0
-        meta_read = _rchar() - r0  # manifest, index and the opened files' headers (read calls)
+        index_read = seen["gi"].bytes_read if seen.get("gi") is not None else None  # ranged reads, records too
+        meta_read = _rchar() - r0  # index, the opened files' headers (read calls)
         mapped = sum(  # their index and objects sections come through the mapping: not in rchar
             reader.rank_file(r).header.index_bytes + reader.rank_file(r).header.objects_bytes for r in reader.opened
         )
+        whole_manifest = len(reader.manifest.ranks) > 1  # a manifest of one record: rank 0's resolve's
+        open_after_plan = _fds() - fds0  # the index and the planned files, all open now (the sampler may miss them)
         stats = reader.execute(LoadPlan("reshard", tuple(ReadItem(r, dst_) for r, dst_ in pairs)))
     old_rank = [t + old["tp"] * (e // K + old["dp"] * p) for e in range(start, end)]
     if not torch.equal(dst["param"], torch.tensor(old_rank, dtype=torch.float32)):
         raise RuntimeError("resharded values differ from what was saved")
     return {
         "manifest_bytes": manifest_bytes,
-        "metadata_bytes": meta_read + mapped,
+        "index_bytes": index_read,
+        "metadata_bytes": meta_read + chan.received + mapped,
+        "whole_manifest_read": whole_manifest,
         "files_opened": stats.files_opened,
+        "open_after_plan": open_after_plan,
         "plan_s": plan_s,
         "index_used": planned is not None,
     }
@@ -477,11 +507,15 @@ def run_reshard(old: dict, new: dict, base: str) -> dict:
     try:
         t0 = time.perf_counter()
         receipts = build(root, world, old)
-        commit(root, world, receipts, 1, old)  # the first commit writes the index; one more, as at a restart
+        c = commit(root, world, receipts, 1, old)  # the first commit writes the index; one more, as at a restart
         build_s = time.perf_counter() - t0
         new_world = new["tp"] * new["pp"] * new["dp"]
         new_rank = new_world // 2 + 1 if new_world > 2 else 0  # in the middle: neither end is special
-        m = measure(reshard_layout, root, old, new, new_rank)
+        import torch.distributed as dist
+
+        store = dist.HashStore()
+        r0 = measure(resolve_rank0, root, new, store)
+        m = measure(reshard_layout, root, old, new, new_rank, store)
         ckpt = iter_dir(root, ITERATION)
         doc = {
             "from": _name(old),
@@ -495,9 +529,13 @@ def run_reshard(old: dict, new: dict, base: str) -> dict:
                 os.path.getsize(os.path.join(ckpt, f)) for f in os.listdir(ckpt) if f.startswith("global_index")
             ),
             "seconds": m.seconds,
-            "max_open_files": m.max_open_files,
+            "max_open_files": max(m.max_open_files, (m.value or {}).get("open_after_plan", 0)),
             "peak_mb": m.peak_mb,
-            "error": m.error,
+            "error": m.error or r0.error,
+            "rank0_resolve_s": r0.seconds,
+            "commit_first_s": c["first_s"],  # rank 0's commit that builds the index body from the summaries
+            "commit_s": c["rank0_s"],  # the next one (body kept): the index with the records, and the manifest
+            **(r0.value or {}),
             **(m.value or {}),
         }
         return doc
@@ -510,10 +548,16 @@ def _reshard_table(doc: dict) -> str:
         return f"reshard {doc['from']} -> {doc['to']}: FAILED: {doc['error']}"
     return (
         f"reshard {doc['from']} ({doc['ranks_from']:,} ranks) -> {doc['to']} ({doc['ranks_to']:,}), rank "
-        f"{doc['rank']}: metadata read {doc['metadata_bytes']:,} bytes (manifest {doc['manifest_bytes']:,} of "
-        f"{doc['manifest_file_bytes']:,}; global index file {doc['index_file_bytes']:,}); files open at once "
-        f"{doc['max_open_files']} (rank files opened {doc['files_opened']}); plan {doc['plan_s']:.3f} s, whole "
-        f"load {doc['seconds']:.3f} s; global index used: {doc['index_used']}; peak {doc['peak_mb']:.0f} MB"
+        f"{doc['rank']}: metadata read {doc['metadata_bytes']:,} bytes (manifest {doc['manifest_bytes']:,} "
+        f"from rank 0's resolve, whole manifest read: {doc['whole_manifest_read']}; global index "
+        f"{doc['index_bytes']:,} of {doc['index_file_bytes']:,}; the rest: the opened files' headers, index "
+        f"and objects); files open at once {doc['max_open_files']} (rank files opened {doc['files_opened']}); "
+        f"plan {doc['plan_s']:.3f} s, whole load {doc['seconds']:.3f} s; global index used: {doc['index_used']}; "
+        f"peak {doc['peak_mb']:.0f} MB\n"
+        f"  rank 0's resolve (once per restart): read {doc['rank0_read_bytes']:,} bytes (manifest file "
+        f"{doc['manifest_file_bytes']:,}), sent {doc['rank0_sent_bytes']:,} bytes, {doc['rank0_resolve_s']:.3f} s; "
+        f"its commits (the index written before the manifest): first {doc['commit_first_s']:.3f} s, next "
+        f"{doc['commit_s']:.3f} s"
     )
 
 

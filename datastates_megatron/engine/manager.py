@@ -823,13 +823,17 @@ class CheckpointManager(ClosingContext):
         self._check_open()
         choice = iteration if isinstance(iteration, RestoreChoice) else self.choose(iteration, root=root)
         self._drain_deletions(None)  # a load never races retention of what it may read
-        if planner is not None and planner.reads_all_ranks:  # every rank reads the whole manifest
+        if planner is not None and planner.reads_all_ranks:  # other ranks' files, of the shared tier
             if choice.view is None:  # alike on every rank
                 raise NoCheckpointError(
                     f"rank {self.rank}: {iter_dir(choice.shared, choice.iteration)}: not committed; a plan "
                     "reading every rank's file reads the checkpoint there, not a node-local copy"
                 )
-            return self._load_from(choice.shared, choice.iteration, verify, planner)
+            # rank 0's view (the header and this rank's record): the reader takes the records of the
+            # files the plan opens from the global index, or reads the whole manifest once if it must
+            # (object storage: every rank's objects and the manifest are fetched first, as before)
+            view = None if is_object_url(choice.shared) else choice.view
+            return self._load_from(choice.shared, choice.iteration, verify, planner, view)
         chosen_root = choice.root
         why = choice.why
         if self.replication is not None and choice.shared == self.root:

@@ -316,28 +316,78 @@ def _sparse_tib(root, outside):
 
 
 def op_read_index(root: str, it: int = 2) -> str:
-    """What a resharding load does first: read iter_2's global index against its manifest."""
+    """What a resharding load does first: read iter_2's global index against its manifest (format
+    2: every slice's parameters, and one lookup of each key, as a rank's plan does for its own)."""
     from datastates_megatron.engine.errors import CorruptCheckpointError
     from datastates_megatron.engine.format.global_index import read_index
 
     try:
         got = read_index(iter_dir(root, it), read_manifest(iter_dir(root, it)))
+        if got is None:
+            return "no index"
+        if hasattr(got, "keys"):  # format 1, read whole
+            return f"read {len(got.keys)} keys"
+        try:
+            keys = 0
+            for sl in got.slices():
+                got.params_of([sl])
+                for key in got.keys_of(sl):
+                    got.pieces(key, 0, 1)
+                    keys += 1
+        finally:
+            got.close()
     except CorruptCheckpointError as e:
         return f"refused: {str(e)[:120]}"
-    return "no index" if got is None else f"read {len(got.keys)} keys"
+    return f"read {keys} keys"
+
+
+def _plant_index(root: str, header: dict, body: bytes, version: int) -> None:
+    """iter_2's global index of ``body`` under a valid seal naming iter_2's commit, in format
+    ``version`` as its writer lays it out (1: the body's checksum in the header; 2: the header's own)."""
+    import struct
+
+    from datastates_megatron.engine.format.global_index import MAGIC
+    from datastates_megatron.engine.fs.durable import atomic_write
+    from datastates_megatron.engine.names import INDEX_NAME
+
+    m = read_manifest(iter_dir(root, 2))
+    head = {"format_version": version, "iteration": m.iteration, "commit_seq": m.commit_seq}
+    head.update(run_token=m.run_token, world_size=m.world_size, body_bytes=len(body), **header)
+    raw = json.dumps(head, sort_keys=True).encode()
+    seal = struct.pack("<Q", xxh64(raw)) if version == 2 else b""
+    atomic_write(os.path.join(iter_dir(root, 2), INDEX_NAME), MAGIC + struct.pack("<Q", len(raw)) + raw + seal + body)
 
 
 def _sealed_index(tables, rows=lambda: b""):
-    """Plant in iter_2 a global index of ``tables()`` (and ``rows()``) under a valid seal: its header
-    names iter_2's commit and the body's checksum, as the writer's would (made when planted)."""
+    """Plant in iter_2 a format-1 global index of ``tables()`` (and ``rows()``) under a valid seal:
+    its header names iter_2's commit and the body's checksum, as the writer's would (made when planted)."""
 
     def plant(root, outside):
         import struct
 
-        from datastates_megatron.engine.format.global_index import write_index
-
         raw = tables()
-        write_index(root, read_manifest(iter_dir(root, 2)), struct.pack("<Q", len(raw)) + raw + rows())
+        body = struct.pack("<Q", len(raw)) + raw + rows()
+        _plant_index(root, {"body_xxh64": xxh64(body)}, body, 1)
+
+    return plant
+
+
+def _sealed_index2(contents=None, tables=None, rows=0):
+    """Plant in iter_2 a format-2 global index under valid seals: table of contents ``contents()``,
+    or one slice ``"s"`` of tables ``tables()`` and ``rows`` rows of one key ``k`` (zeros)."""
+
+    def plant(root, outside):
+        import struct
+
+        if contents is not None:
+            toc, sections = contents(), b""
+        else:
+            raw = tables()
+            fences = bytes(24 * math.ceil(rows / 32))
+            head = struct.pack("<Q", len(raw)) + raw + fences
+            sections = head + bytes(48 * rows)
+            toc = json.dumps({"slices": [["s", 0, len(head), xxh64(head), len(head), rows]]}).encode()
+        _plant_index(root, {"ranks": None}, struct.pack("<QQ", len(toc), xxh64(toc)) + toc + sections, 2)
 
     return plant
 
@@ -348,7 +398,13 @@ def _tables(filler: bytes, total: int) -> bytes:
     return head + filler * ((total - len(head) - len(tail)) // len(filler)) + tail
 
 
+def _contents(filler: bytes, total: int) -> bytes:
+    head, tail = b'{"slices":[', b"0]}"
+    return head + filler * ((total - len(head) - len(tail)) // len(filler)) + tail
+
+
 INDEX_CAP = 64 * MiB - 4096  # just under the index's size cap (the manifest's)
+_ROWS = (INDEX_CAP - 2 * MiB) // 48
 INDEX_ATTACKS = [
     # issue 41, item 7.2: 1,537 MiB and 7.0 s before the index had the manifest's bounds
     Attack(
@@ -380,6 +436,28 @@ INDEX_ATTACKS = [
         "64 MiB index of rows: read",
         _sealed_index(
             lambda: b'{"keys":["k"],"params":{},"tensors":["t"]}', lambda: bytes(48 * ((INDEX_CAP - 4096) // 48))
+        ),
+        op_read_index,
+        "read",
+    ),
+    # format 2 (ranged reads): the same bounds on each JSON text it parses
+    Attack(
+        '64 MiB format-2 contents of {"a":0}: read',
+        _sealed_index2(contents=lambda: _contents(b'{"a":0},', INDEX_CAP)),
+        op_read_index,
+        "refused",
+    ),
+    Attack(
+        "64 MiB format-2 slice tables of short strings, one per 16 bytes: read",
+        _sealed_index2(tables=lambda: _tables(b'"ssssssssssss", ', INDEX_CAP)),
+        op_read_index,
+        "refused",
+    ),
+    Attack(
+        "64 MiB format-2 slice of rows of one key: read",
+        _sealed_index2(
+            tables=lambda: json.dumps({"keys": [["k", 0, _ROWS, 0]], "params": {}, "tensors": ["t"]}).encode(),
+            rows=_ROWS,
         ),
         op_read_index,
         "read",

@@ -77,3 +77,34 @@ def test_save_to_s3_then_restore_on_a_fresh_node(bucket, s3_env, tmp_path):
 def test_an_object_storage_save_needs_a_local_tier(bucket, s3_env):
     with pytest.raises(OptionsError, match="local_root is required"):
         CheckpointManager(f"s3://{bucket}/x", EngineOptions(cache_bytes=1 << 20, timeout_s=30))
+
+
+def test_the_global_index_object_holds_the_manifests_records(bucket, s3_env, tmp_path):
+    """Rank 0's commit to the bucket writes the index object (format 2) with the manifest's
+    records in it, as on a file system (read back here from a downloaded copy)."""
+    import os
+
+    from datastates_megatron.engine.format.global_index import read_index
+    from datastates_megatron.engine.format.manifest import read_manifest
+    from datastates_megatron.engine.names import INDEX_NAME, MANIFEST_NAME
+    from datastates_megatron.megatron.checkpointing.reshard import index_summary
+
+    url = f"s3://{bucket}/run2"
+    w = torch.arange(16, dtype=torch.float32)
+    meta = {"kind": "param_shard", "identity": 2, "chunk": 0, "params": [["w", [16], "float32", 0, 16, 0]]}
+    with _manager(url, str(tmp_path / "node"), summarize=index_summary) as mgr:
+        mgr.register("w", w, meta=meta)
+        mgr.save(1, {"iteration": 1})
+        mgr.wait(persist=True)
+    got = tmp_path / "got" / "iter_0000001"
+    got.mkdir(parents=True)
+    c = s3_env.client()
+    for name in (MANIFEST_NAME, INDEX_NAME):
+        (got / name).write_bytes(c.get_object(Bucket=bucket, Key=f"run2/iter_0000001/{name}")["Body"].read())
+    manifest = read_manifest(str(got))
+    gi = read_index(str(got), manifest)
+    try:
+        assert gi.record(0) == manifest.record(0) and os.path.basename(gi.path) == INDEX_NAME
+        assert [p[0] for p in gi.pieces('["", 0, "w", "param"]', 0, 16)] == [0]
+    finally:
+        gi.close()

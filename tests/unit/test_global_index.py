@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import struct
 
 import numpy as np
 import pytest
@@ -161,15 +162,33 @@ def test_an_index_of_another_commit_is_not_used(ckpt):
     assert read_index(iter_dir(root, 5), manifest) is not None
 
 
-def test_a_damaged_index_is_named_and_the_reshard_reads_every_file(ckpt, caplog):
+def _parts(path: str) -> tuple[int, int]:
+    """``(body start, body length)`` of a format-2 index file."""
+    data = open(path, "rb").read()
+    (hlen,) = struct.unpack_from("<Q", data, 8)
+    return 24 + hlen, json.loads(data[16 : 16 + hlen])["body_bytes"]
+
+
+@pytest.mark.parametrize("where", ["header", "contents", "rows"])
+def test_a_damaged_index_is_named_and_the_reshard_reads_every_file(ckpt, caplog, where):
+    """A byte changed in the header or the contents is found when the index is opened; one in a
+    block of rows when a lookup reads that block (the step's, which every plan here looks up)."""
     root, manifest = ckpt
     path = os.path.join(iter_dir(root, 5), INDEX_NAME)
+    body_at, body = _parts(path)
+    at = {"header": 20, "contents": body_at + 20, "rows": body_at + body - 3}[where]
     data = bytearray(open(path, "rb").read())
-    data[-3] ^= 0xFF
+    data[at] ^= 0x01
     with open(path, "wb") as f:
         f.write(data)
-    with pytest.raises(CorruptCheckpointError, match=f"{path}: global index checksum mismatch"):
-        read_index(iter_dir(root, 5), manifest)
+    if where == "rows":
+        gi = read_index(iter_dir(root, 5), manifest)
+        with pytest.raises(CorruptCheckpointError, match=f"{path}: global index checksum mismatch"):
+            gi.pieces(json.dumps(["", 0, "w", "step", "scalar"]), 0, 1)
+        gi.close()
+    else:
+        with pytest.raises(CorruptCheckpointError, match=f"{path}: global index (checksum mismatch|header)"):
+            read_index(iter_dir(root, 5), manifest)
     used, opened, _ = _reshard(root, 2, 4)
     assert not used and opened == list(range(WORLD))
     assert INDEX_NAME in caplog.text and "reading every rank file" in caplog.text
@@ -213,3 +232,116 @@ def test_summaries_are_fetched_once_per_change():
 def test_the_index_and_its_temp_file_are_ours():
     assert is_ours_in_iteration(INDEX_NAME) and is_ours_in_iteration(INDEX_NAME + ".tmp-123")
     assert not is_ours_in_iteration(INDEX_NAME + ".bak")
+
+
+def _partial(root: str, new_rank: int, new_world: int, monkeypatch):
+    """:func:`_reshard` with the manifest as the resolve step gives it (the header and this rank's
+    record); the number of times the whole manifest was read."""
+    from datastates_megatron.engine.load import reader as reader_mod
+
+    _, whole = open_checkpoint(root, 5)
+    own = Manifest(5, WORLD, TOKEN, (whole.record(new_rank),), whole.layout, {}, commit_seq=whole.commit_seq)
+    reads = []
+    real = reader_mod.read_manifest
+    monkeypatch.setattr(reader_mod, "read_manifest", lambda ckpt: reads.append(ckpt) or real(ckpt))
+    n = WORLD * K // new_world
+    start, end = new_rank * n, (new_rank + 1) * n
+    dst = torch.empty(n)
+    with CheckpointReader(iter_dir(root, 5), own, rank=new_rank, threads=1, partial=True) as reader:
+        planned = plan_by_global_index(
+            reader,
+            lambda index: [(r, dst[at : at + r.count]) for r, at in index.ranges(("", 0, "w", "param"), start, end)],
+            new_rank,
+        )
+        pairs = planned[0] if planned else None
+        if pairs is None:
+            from datastates_megatron.megatron.checkpointing.reshard import CheckpointIndex
+
+            idx = CheckpointIndex.from_reader(reader)
+            pairs = [(r, dst[at : at + r.count]) for r, at in idx.ranges(("", 0, "w", "param"), start, end)]
+        reader.execute(LoadPlan("reshard", tuple(ReadItem(r, d) for r, d in pairs)))
+        opened = sorted(reader.opened)
+    assert torch.equal(dst, torch.arange(start, end, dtype=torch.float32))
+    return planned is not None, opened, len(reads)
+
+
+def test_a_resharding_rank_takes_the_records_of_the_files_it_opens_from_the_index(ckpt, monkeypatch):
+    """Given its own record only (as rank 0's resolve sends it), a resharding rank reads no
+    manifest: the records of the old files it opens come from the index, bound to the same commit."""
+    root, _ = ckpt
+    used, opened, manifest_reads = _partial(root, 1, 4, monkeypatch)
+    assert used and opened == [1, 4, 5, 6, 7] and manifest_reads == 0
+
+
+def test_damaged_rank_records_in_the_index_make_the_rank_read_the_manifest(ckpt, monkeypatch, caplog):
+    """Records that fail their block's checksum are not used: the whole manifest is read, once."""
+    root, _ = ckpt
+    path = os.path.join(iter_dir(root, 5), INDEX_NAME)
+    data = bytearray(open(path, "rb").read())
+    body_at, body = _parts(path)
+    data[body_at + body + 3] ^= 0x01  # the first block of rank records
+    with open(path, "wb") as f:
+        f.write(data)
+    used, opened, manifest_reads = _partial(root, 1, 4, monkeypatch)
+    assert manifest_reads == 1 and "global index checksum mismatch (ranks 0..)" in caplog.text
+    assert used and opened == [1, 4, 5, 6, 7]  # its pieces are in blocks of their own, checked apart
+
+
+def test_the_committer_writes_the_manifests_records_into_the_index(tmp_path):
+    """Rank 0's commit puts its status columns in the index as the manifest's records, byte for
+    byte what the manifest says (the file name from the save's token and sequence)."""
+    from datastates_megatron.engine.format.manifest import read_manifest
+    from datastates_megatron.engine.manager import CheckpointManager
+
+    root = str(tmp_path / "ckpt")
+    opts = EngineOptions(cache_bytes=1 << 20, timeout_s=30)
+    with CheckpointManager(root, opts, layout={"dp": 1}, keep_last=0, summarize=index_summary) as mgr:
+        for name, meta in _meta(0).items():
+            mgr.register(name, _tensors(0)[name], meta=meta)
+        for it in (1, 2):
+            mgr.save(it, {"rank": 0})
+            mgr.wait()
+    manifest = read_manifest(iter_dir(root, 2))
+    gi = read_index(iter_dir(root, 2), manifest)
+    try:
+        assert gi.record(0) == manifest.record(0) and gi.record(1) is None
+    finally:
+        gi.close()
+
+
+def _format1(root: str, manifest: Manifest) -> None:
+    """Replace the index with a format-1 one of the same pieces, as the code of its day wrote it:
+    one body (tables, then every row sorted by key, start and rank) under one checksum."""
+    from datastates_megatron.engine.format.global_index import MAGIC
+    from datastates_megatron.engine.format.hashing import xxh64
+
+    keys, tensors, params, rows = {}, {}, {}, []
+    for r in range(WORLD):
+        doc = index_summary(_tensors(r), _meta(r))
+        params.update(doc["params"])
+        for key, start, end, tensor, offset in doc["pieces"]:
+            rows.append(
+                (keys.setdefault(key, len(keys)), start, end, r, tensors.setdefault(tensor, len(tensors)), offset)
+            )
+    table = np.array(rows, dtype=np.int64)
+    table = table[np.lexsort((table[:, 3], table[:, 1], table[:, 0]))]
+    tables = json.dumps({"keys": list(keys), "tensors": list(tensors), "params": params}, sort_keys=True).encode()
+    body = struct.pack("<Q", len(tables)) + tables + table.astype("<i8").tobytes()
+    head = {"format_version": 1, "iteration": 5, "commit_seq": manifest.commit_seq, "run_token": TOKEN}
+    head.update(world_size=WORLD, body_bytes=len(body), body_xxh64=xxh64(body))
+    raw = json.dumps(head, sort_keys=True).encode()
+    with open(os.path.join(iter_dir(root, 5), INDEX_NAME), "wb") as f:
+        f.write(MAGIC + struct.pack("<Q", len(raw)) + raw + body)
+
+
+def test_an_index_of_format_1_is_still_read(ckpt, monkeypatch):
+    """A checkpoint written before format 2 reshards from its index as before (read whole); it
+    holds no rank records, so a rank given only its own record reads the whole manifest, once."""
+    root, manifest = ckpt
+    _format1(root, manifest)
+    gi = read_index(iter_dir(root, 5), manifest)
+    assert gi.record(3) is None and len(gi.keys) == 3
+    used, opened, _ = _reshard(root, 1, 4)
+    assert used and opened == [1, 4, 5, 6, 7]
+    used, opened, manifest_reads = _partial(root, 1, 4, monkeypatch)
+    assert used and opened == [1, 4, 5, 6, 7] and manifest_reads == 1

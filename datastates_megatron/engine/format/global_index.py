@@ -11,12 +11,16 @@ persistent tier) keeps every rank's, builds the index body once per change (O(to
 writes it before the manifest at each commit.
 
 File ``global_index.dsgi``: ``MAGIC``, a little-endian u64 header length, the header (JSON: format
-version, the commit it belongs to -- iteration, commit sequence, run token, world size -- and the
-body's length and XXH64), then the body: a u64 length of its tables (JSON: ``keys``, ``tensors``,
-``params``) and the pieces, ``int64[n, 6]`` rows ``(key id, start, end, rank, tensor id, offset)``
-sorted by key, start and rank.  The manifest stays the commit point: an index whose header names
-another commit (a re-save of the iteration that was not committed) is ignored, and an index that
-is absent, damaged or stale makes the reader fall back to reading every rank file's metadata.
+version, the commit it belongs to -- iteration, commit sequence, run token, world size -- ...).
+Format 2 (written since issue #40, item 4; :mod:`.index_sections`) cuts the rest by model-parallel
+slice, in checksummed blocks, with the manifest's rank records beside them, so that a resharding
+rank reads only its slices' pieces near its element ranges and the records of the files it opens.
+Format 1 (read whole, still read): the body's length and XXH64 in the header, then the body: a u64
+length of its tables (JSON: ``keys``, ``tensors``, ``params``) and the pieces, ``int64[n, 6]`` rows
+``(key id, start, end, rank, tensor id, offset)`` sorted by key, start and rank.  The manifest
+stays the commit point: an index whose header names another commit (a re-save of the iteration
+that was not committed) is ignored, and an index that is absent, damaged or stale makes the reader
+fall back to reading every rank file's metadata.
 
 Thread-safety: :class:`Summaries` is used by one commit thread; :class:`GlobalIndex` is read-only.
 """
@@ -30,20 +34,20 @@ import struct
 
 import numpy as np
 
-from ..errors import CorruptCheckpointError
+from ..errors import CheckpointAccessError, CorruptCheckpointError
 from .hashing import xxh64
+from .index_sections import VERSION, RangedIndex, count_json, pack_body, pack_columns, pack_ranks, slice_of
 from .json_budget import VALUE_BYTES
 from .manifest import Manifest
 from ..fs.durable import atomic_write
 from ..names import INDEX_NAME, iter_dir
-from ..fs.safe_io import MANIFEST_MAX_BYTES, read_capped
+from ..fs.safe_io import MANIFEST_MAX_BYTES, open_regular, read_capped
 
-__all__ = ["GlobalIndex", "Summaries", "encode_summary", "summary_sum", "read_index", "write_index"]
+__all__ = ["GlobalIndex", "RangedIndex", "Summaries", "encode_summary", "summary_sum", "read_index", "write_index"]
 
 log = logging.getLogger(__name__)
 
-MAGIC = b"DSGIDX01"
-VERSION = 1
+MAGIC = b"DSGIDX01"  # both formats (the header's ``format_version`` tells them apart)
 # the manifest's bounds (:mod:`.json_budget`): a file of at most its size cap (64k ranks of two
 # tensors each: ~5 MiB), tables of at most one JSON value per 16 bytes -- and, since a dict costs
 # more than ``VALUE_BYTES``, at most a few objects (ours hold two: the top level and ``params``) and
@@ -136,33 +140,37 @@ def _build(docs: list[dict]) -> bytes | None:
             t = tensors.setdefault(tensor, len(tensors))
             rows.append((k, start, end, rank, t, offset))
     table = np.array(rows, dtype=np.int64).reshape(-1, _COLS)
-    table = table[np.lexsort((table[:, 3], table[:, 1], table[:, 0]))]
-    tables = json.dumps({"keys": list(keys), "tensors": list(tensors), "params": params}, sort_keys=True).encode()
-    return struct.pack("<Q", len(tables)) + tables + np.ascontiguousarray(table, dtype="<i8").tobytes()
+    return pack_body(list(keys), list(tensors), params, table)
 
 
 def _binding(m: Manifest) -> dict:
     return {"iteration": m.iteration, "commit_seq": m.commit_seq, "run_token": m.run_token, "world_size": m.world_size}
 
 
-def index_blob(manifest: Manifest, body: bytes) -> bytes:
-    """The index file's bytes for the commit ``manifest`` describes (a file, or an object)."""
+def index_blob(manifest: Manifest, body: bytes, records: tuple | None = None) -> bytes:
+    """The index file's bytes (format 2) for the commit ``manifest`` describes (a file, or an
+    object): the header, ``body`` (:func:`.index_sections.pack_body`) and the manifest's rank records
+    -- ``records`` ``(token, seq, uint64[world, 5])`` when the caller has them as columns (the
+    committer: O(N) in numpy, not record by record)."""
+    ranks = pack_columns(*records) if records is not None else pack_ranks(manifest.ranks, manifest.world_size)
     header = json.dumps(
-        {"format_version": VERSION, **_binding(manifest), "body_bytes": len(body), "body_xxh64": xxh64(body)},
+        {"format_version": VERSION, **_binding(manifest), "body_bytes": len(body), "ranks": ranks and ranks[0]},
         sort_keys=True,
     ).encode()
-    return MAGIC + struct.pack("<Q", len(header)) + header + body
+    tail = ranks[1] if ranks else b""
+    return MAGIC + struct.pack("<Q", len(header)) + header + struct.pack("<Q", xxh64(header)) + body + tail
 
 
-def write_index(root: str, manifest: Manifest, body: bytes) -> str:
+def write_index(root: str, manifest: Manifest, body: bytes, records: tuple | None = None) -> str:
     """Write the index of the commit ``manifest`` describes (before that manifest is written)."""
     path = os.path.join(iter_dir(root, manifest.iteration), INDEX_NAME)
-    atomic_write(path, index_blob(manifest, body))
+    atomic_write(path, index_blob(manifest, body, records))
     return path
 
 
 class GlobalIndex:
-    """One checkpoint's global index: ``params`` and :meth:`pieces` of a key over an element range."""
+    """A format-1 index, read whole: ``params`` and :meth:`pieces` of a key over an element range
+    (the interface of :class:`.index_sections.RangedIndex`, without rank records)."""
 
     def __init__(self, path: str, keys: list[str], tensors: list[str], params: dict, table: np.ndarray) -> None:
         self.path = path
@@ -171,6 +179,21 @@ class GlobalIndex:
         self.params = params
         self.table = table
         self._key_col = np.ascontiguousarray(table[:, 0])
+        self.bytes_read = 0  # read whole, before it was made (not counted here)
+
+    @property
+    def unsliced(self) -> bool:
+        return any(slice_of(k) is None for k in self.params)
+
+    def params_of(self, slices) -> dict:
+        wanted = set(slices)
+        return {k: v for k, v in self.params.items() if slice_of(k) in wanted}
+
+    def record(self, rank: int) -> None:
+        return None
+
+    def close(self) -> None:
+        pass
 
     def pieces(self, key: str, start: int, end: int) -> list[tuple[int, str, int, int, int]]:
         """``(rank, tensor, offset, start, end)`` of every piece of ``key`` overlapping ``[start, end)``
@@ -184,30 +207,65 @@ class GlobalIndex:
         return [(int(r[3]), self.tensors[int(r[4])], int(r[5]), int(r[1]), int(r[2])) for r in rows]
 
 
-def read_index(ckpt: str, manifest: Manifest) -> GlobalIndex | None:
+def read_index(ckpt: str, manifest: Manifest) -> "RangedIndex | GlobalIndex | None":
     """The index of ``ckpt``'s committed checkpoint (``manifest``), or ``None`` when it has none
     (written before the index, or by a rank whose summaries were missing) or the one there is of
-    another commit; :class:`CorruptCheckpointError` naming the file when it is damaged."""
+    another commit; :class:`CorruptCheckpointError` naming the file when it is damaged.  Format 2
+    comes back open for ranged reads (:class:`.index_sections.RangedIndex`: close it); format 1
+    is read whole (:class:`GlobalIndex`)."""
     path = os.path.join(ckpt, INDEX_NAME)
     try:
-        data = read_capped(path, INDEX_MAX_BYTES, "global index")
+        fd = open_regular(path)
     except FileNotFoundError:
         return None
-    view = memoryview(data)
-    if len(data) < 16 or bytes(view[:8]) != MAGIC:
-        raise CorruptCheckpointError(f"{path}: not a global index")
-    (hlen,) = struct.unpack_from("<Q", data, 8)
-    if hlen > min(_HEADER_MAX, len(data) - 16):
-        raise CorruptCheckpointError(f"{path}: global index header of {hlen} bytes")
+    except PermissionError as e:
+        raise CheckpointAccessError(f"{path}: permission denied: cannot read the global index") from e
+    except OSError as e:
+        raise CorruptCheckpointError(f"{path}: cannot read the global index: {e}") from e
+    keep = False
     try:
-        header = json.loads(bytes(view[16 : 16 + hlen]))
-    except ValueError as e:
-        raise CorruptCheckpointError(f"{path}: global index header is not JSON: {e}") from None
-    if not isinstance(header, dict) or header.get("format_version") != VERSION:
-        raise CorruptCheckpointError(f"{path}: unknown global index format {str(header)[:60]!r}")
+        size = os.fstat(fd).st_size
+        if size > INDEX_MAX_BYTES:
+            raise CorruptCheckpointError(f"{path}: global index is larger than {INDEX_MAX_BYTES} bytes ({size})")
+        head = os.pread(fd, 16 + _HEADER_MAX + 8, 0)
+        if len(head) < 16 or head[:8] != MAGIC:
+            raise CorruptCheckpointError(f"{path}: not a global index")
+        (hlen,) = struct.unpack_from("<Q", head, 8)
+        if hlen > min(_HEADER_MAX, len(head) - 16):
+            raise CorruptCheckpointError(f"{path}: global index header of {hlen} bytes")
+        try:
+            header = json.loads(head[16 : 16 + hlen])
+        except ValueError as e:
+            raise CorruptCheckpointError(f"{path}: global index header is not JSON: {e}") from None
+        version = header.get("format_version") if isinstance(header, dict) else None
+        if version == 1:  # written before ranged reads: read whole, as then
+            return _read_whole(path, manifest, header, hlen)
+        if version != VERSION:
+            raise CorruptCheckpointError(f"{path}: unknown global index format {str(header)[:60]!r}")
+        if len(head) < 24 + hlen or struct.unpack_from("<Q", head, 16 + hlen)[0] != xxh64(head[16 : 16 + hlen]):
+            raise CorruptCheckpointError(f"{path}: global index checksum mismatch (its header): the file was altered")
+        if {k: header.get(k) for k in _binding(manifest)} != _binding(manifest):
+            log.info("%s: of another commit than the manifest (a re-save that was not committed); not used", path)
+            return None
+        index = RangedIndex(path, fd, size, header, 24 + hlen, manifest.world_size)
+        keep = True
+        return index
+    except PermissionError as e:
+        raise CheckpointAccessError(f"{path}: permission denied: cannot read the global index") from e
+    except OSError as e:
+        raise CorruptCheckpointError(f"{path}: cannot read the global index: {e}") from e
+    finally:
+        if not keep:
+            os.close(fd)
+
+
+def _read_whole(path: str, manifest: Manifest, header: dict, hlen: int) -> GlobalIndex | None:
+    """A format-1 index: its body read whole and checked against its one checksum."""
     if {k: header.get(k) for k in _binding(manifest)} != _binding(manifest):
         log.info("%s: of another commit than the manifest (a re-save that was not committed); not used", path)
         return None
+    data = read_capped(path, INDEX_MAX_BYTES, "global index")
+    view = memoryview(data)
     body = view[16 + hlen :]
     if header.get("body_bytes") != len(body) or header.get("body_xxh64") != xxh64(body):
         raise CorruptCheckpointError(f"{path}: global index checksum mismatch: the file was altered")
@@ -225,7 +283,7 @@ def _split(path: str, body: memoryview) -> tuple[str, np.ndarray]:
     if tlen > len(body) - 8 or (len(body) - 8 - tlen) % (8 * _COLS):
         raise CorruptCheckpointError(f"{path}: global index tables of {tlen} bytes in a body of {len(body)}")
     raw = body[8 : 8 + tlen]
-    values, objects = _count(raw)  # one pass, before anything is decoded or parsed
+    values, objects = count_json(raw)  # one pass, before anything is decoded or parsed
     most = min(_TABLE_MAX_VALUES, len(raw) // _TABLE_BYTES_PER_VALUE + _TABLE_VALUE_ALLOWANCE)
     if values > most or objects > _TABLE_MAX_OBJECTS:
         raise CorruptCheckpointError(
@@ -240,17 +298,6 @@ def _split(path: str, body: memoryview) -> tuple[str, np.ndarray]:
         raise CorruptCheckpointError(f"{path}: global index tables are not UTF-8: {e.reason}") from None
     table = np.frombuffer(body, dtype="<i8", offset=8 + tlen).reshape(-1, _COLS).copy()
     return text, table
-
-
-def _count(raw: memoryview) -> tuple[int, int]:
-    """Upper bounds on the JSON values (:func:`.json_budget.count_values`) and objects in ``raw``,
-    over 16 MiB windows."""
-    values, objects = 1, 0
-    for i in range(0, len(raw), 16 << 20):
-        part = bytes(raw[i : i + (16 << 20)])
-        objects += part.count(b"{")
-        values += part.count(b",") + part.count(b"[")
-    return values + objects, objects
 
 
 def _parse_tables(path: str, text: str) -> tuple[list, list, dict]:

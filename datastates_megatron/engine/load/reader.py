@@ -23,6 +23,7 @@ import collections
 import concurrent.futures as cf
 import contextlib
 import dataclasses
+import logging
 import os
 import stat
 import threading
@@ -35,10 +36,12 @@ from ..runtime.faults import crash_point
 from ..format.file_format import RankFile, TensorEntry
 from ..format.hashing import xxh64
 from .load_plan import ElementRange, LoadPlan, LoadPlanner, ReadItem
-from ..format.manifest import Manifest, read_manifest
+from ..format.manifest import Manifest, RankRecord, read_manifest
 from ..names import iter_dir
 from ..fs.page_cache import warm_file
 from ..fs.safe_io import describe
+
+log = logging.getLogger(__name__)
 
 __all__ = ["RestoreStats", "CheckpointReader", "open_checkpoint", "open_rank", "MAX_OPEN_FILES"]
 
@@ -69,13 +72,13 @@ def open_checkpoint(root: str, iteration: int) -> tuple[str, Manifest]:
     return ckpt, read_manifest(ckpt)
 
 
-def open_rank(ckpt: str, manifest: Manifest, rank: int) -> RankFile:
+def open_rank(ckpt: str, manifest: Manifest, rank: int, record: RankRecord | None = None) -> RankFile:
     """Open ``rank``'s file and check it is the one the manifest committed (a regular file of the
     committed size, whose header and index checksums, tag and iteration are the committed ones).
     The one check of a rank file against its manifest: a load and ``datastates-ckpt inspect``/``verify``
     use it.  A file that is not the committed one is a :class:`RankFileError` (its ``kind``: missing,
     size or file); one the format refuses (damaged, newer) raises the format's own error."""
-    rec = manifest.record(rank)
+    rec = record or manifest.record(rank)  # ``record``: the manifest's, from the checkpoint's global index
     if rec is None:
         raise CorruptCheckpointError(f"{ckpt}: the {manifest.tier} manifest has no file for rank {rank}")
     path = os.path.join(ckpt, rec.file)
@@ -167,6 +170,17 @@ class CheckpointReader:
         self._verified: set[tuple[int, str, int]] = set()
         self._closed = False
         self.opened: set[int] = set()  # the ranks whose files this reader opened (for tests, benchmarks)
+        self._records = None  # a partial manifest's other records: their source (:meth:`records_from`)
+        self._found: dict[int, RankRecord] = {}
+
+    def records_from(self, source) -> None:
+        """With a partial manifest, take the records of other ranks from ``source`` (``record(rank)
+        -> RankRecord | None``, ``close()``: the checkpoint's global index, bound to the same commit;
+        closed with this reader) before reading the whole manifest; ``None``: no such source."""
+        with self._lock:
+            old, self._records = self._records, source
+        if old is not None and old is not source:
+            old.close()
 
     # ------------------------------------------------------------------ files
     def rank_file(self, rank: int) -> RankFile:
@@ -183,12 +197,33 @@ class CheckpointReader:
             if rf is not None:
                 self._files.move_to_end(rank)
                 return rf
+            record = None
             if self._partial and self.manifest.record(rank) is None:
-                self._read_whole_manifest()
+                record = self._record_of(rank)
+                if record is None:
+                    self._read_whole_manifest()
             self._evict(self.max_open - 1)
-            rf = self._files[rank] = open_rank(self.ckpt, self.manifest, rank)
+            rf = self._files[rank] = open_rank(self.ckpt, self.manifest, rank, record)
             self.opened.add(rank)
             return rf
+
+    def _record_of(self, rank: int) -> RankRecord | None:
+        """(lock held) ``rank``'s record from :meth:`records_from`'s source (``None``: it has none,
+        or failed: logged, and the whole manifest is read instead)."""
+        if rank in self._found:
+            return self._found[rank]
+        if self._records is None:
+            return None
+        try:
+            rec = self._records.record(rank)
+        except CheckpointError as e:
+            log.warning("rank %d: %s; reading the whole manifest instead", self.rank, e)
+            self._records.close()
+            self._records = None
+            return None
+        if rec is not None:
+            self._found[rank] = rec
+        return rec
 
     def _read_whole_manifest(self) -> None:
         """(lock held) The whole manifest of the checkpoint whose header this reader was given: the
@@ -398,8 +433,11 @@ class CheckpointReader:
         with self._lock:
             self._closed = True
             files, self._files = list(self._files.values()), collections.OrderedDict()
+            records, self._records = self._records, None
         for rf in files:
             rf.close()
+        if records is not None:
+            records.close()
 
     def __enter__(self) -> "CheckpointReader":
         return self

@@ -233,10 +233,10 @@ class ObjectTier:
     def write_tracker(self, iteration: int) -> None:
         self.storage.put_bytes(TRACKER_NAME, f"{iteration}".encode())
 
-    def write_index(self, manifest: Manifest, body: bytes) -> None:
+    def write_index(self, manifest: Manifest, body: bytes, records: tuple | None = None) -> None:
         from ..format.global_index import index_blob
 
-        self.storage.put_bytes(iter_prefix(manifest.iteration) + INDEX_NAME, index_blob(manifest, body))
+        self.storage.put_bytes(iter_prefix(manifest.iteration) + INDEX_NAME, index_blob(manifest, body, records))
 
     def discard(self, iteration: int, names: list[str]) -> None:
         """A save that was not committed: delete its rank objects (there are no directories)."""

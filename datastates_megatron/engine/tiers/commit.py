@@ -404,7 +404,7 @@ class Committer(QueueThread):
             if self.guard is not None:  # the directory is still ours (its lock file is the one we locked)
                 self.guard()
             _refuse_newer_format(self.root, ticket.iteration)
-            self._write_index(manifest, cols)
+            self._write_index(manifest, cols, (ticket.token or self._token, ticket.seq, mine) if first == 0 else None)
             crash_point("before_manifest", self.rank)
             if self._objects is not None:
                 self._objects.write_manifest(manifest)
@@ -429,17 +429,22 @@ class Committer(QueueThread):
             return False
         return True
 
-    def _write_index(self, manifest: Manifest, cols: dict) -> None:
+    def _write_index(self, manifest: Manifest, cols: dict, mine: tuple | None) -> None:
         """Rank 0 (persistent tier): the checkpoint's global index, before its manifest, when every
-        rank sent a summary.  Optional: a failure is logged and the checkpoint has no index."""
+        rank sent a summary, with the manifest's records from ``mine`` ``(token, seq, {field:
+        column})``.  Optional: a failure is logged and the checkpoint has no index."""
         if self._summaries is None:
             return
         try:
             body = self._summaries.update(cols["summary_sum"], lambda ranks: self._chan.fetch("summary", ranks))
+            records = None
+            if mine is not None and len(manifest.ranks) == manifest.world_size:
+                token, seq, columns = mine
+                records = (token, seq, np.stack([columns[f].astype(np.uint64, copy=False) for f in _RECORD], axis=1))
             if body is not None and self._objects is not None:
-                self._objects.write_index(manifest, body)
+                self._objects.write_index(manifest, body, records)
             elif body is not None:
-                write_index(self.root, manifest, body)
+                write_index(self.root, manifest, body, records)
         except Exception as e:  # noqa: BLE001 - a reshard then reads every rank file's metadata
             log.warning(
                 "rank %d: iteration %d: no global index written (%r); a reshard of it reads every rank file",

@@ -39,7 +39,7 @@ import time
 import torch
 
 from ...engine.errors import CheckpointError, LayoutMismatchError
-from ...engine.format.global_index import GlobalIndex, read_index
+from ...engine.format.global_index import GlobalIndex, RangedIndex, read_index
 from ...engine.load.load_plan import ElementRange, LoadPlan, LoadPlanner, ReadItem
 from ...engine.format.manifest import Manifest
 from ...engine.load.reader import CheckpointReader
@@ -242,6 +242,10 @@ class CheckpointIndex:
         """The 0-d state ``key`` of a parameter whose elements ``[start, end)`` this rank restores."""
         return self.scalars.get(key)
 
+    def params_of(self, slices) -> dict[tuple[str, int, str], tuple[tuple[int, ...], str]]:
+        """The parameters of model-parallel ``slices``: ``{(slice, chunk, name): (shape, dtype)}``."""
+        return {key: value for key, value in self.params.items() if key[0] in slices}
+
     def _add(self, reader: CheckpointReader, rank: int, name: str, meta, legacy: bool = False) -> None:
         zero_dim = (
             isinstance(meta, dict) and meta.get("kind") == "optimizer_state" and not reader.entry(rank, name).shape
@@ -300,17 +304,26 @@ class GlobalIndexView(CheckpointIndex):
     remembered, so that :meth:`check` can compare them with the metadata of the files the plan
     opens anyway."""
 
-    def __init__(self, gi: GlobalIndex) -> None:
+    def __init__(self, gi: GlobalIndex | RangedIndex) -> None:
         super().__init__()
         self.gi = gi
         self.used: list[tuple[tuple, _Piece]] = []
-        for key, value in gi.params.items():
+        if gi.unsliced:  # an index of identity 1
+            raise StaleIndexError(
+                f"{gi.path}: a parameter key is not [slice, chunk, parameter] (an index of identity 1: no "
+                "model-parallel slice)"
+            )
+
+    def params_of(self, slices) -> dict[tuple[str, int, str], tuple[tuple[int, ...], str]]:
+        """Read from the index for ``slices`` only (a ranged index reads those slices' tables)."""
+        for key, value in self.gi.params_of(sorted(set(slices))).items():
             parsed = json.loads(key)
-            if not (isinstance(parsed, list) and len(parsed) == 3):  # an index of identity 1: no slice
-                raise StaleIndexError(f"{gi.path}: parameter key {key!r} is not [slice, chunk, parameter]")
+            if not (isinstance(parsed, list) and len(parsed) == 3):
+                raise StaleIndexError(f"{self.gi.path}: parameter key {key!r} is not [slice, chunk, parameter]")
             sl, c, pname = parsed
             shape, dtype = value
             self.params[(str(sl), int(c), pname)] = (tuple(int(x) for x in shape), str(dtype))
+        return super().params_of(slices)
 
     def ranges(self, key: tuple[str, int, str, str], start: int, end: int) -> list[tuple[ElementRange, int]]:
         found = [_Piece(r, t, o, s, e) for r, t, o, s, e in self.gi.pieces(json.dumps(list(key)), start, end)]
@@ -361,7 +374,7 @@ def _check_params(index: CheckpointIndex, keys: dict, ckpt: str, old: dict, new:
     shapes and both layouts."""
     live = {key: (tuple(p.shape), str(p.dtype).removeprefix("torch.")) for p, key in keys.items()}
     slices = {key[0] for key in live}
-    saved = {key: value for key, value in index.params.items() if key[0] in slices}
+    saved = index.params_of(slices)
     differ = sorted(k for k in live.keys() & saved.keys() if saved[k] != live[k])
     missing = sorted(live.keys() - saved.keys())
     extra = sorted(saved.keys() - live.keys())
@@ -558,16 +571,20 @@ def plan_by_global_index(reader: CheckpointReader, plan_fn, source: int | None):
     besides), whose own metadata are then checked against what the index said (``index``: theirs);
     ``None`` when the checkpoint has no index, or one that is damaged or disagrees with its files
     (logged: the caller then reads every rank file's metadata, and raises what is really wrong)."""
+    gi = None
     try:
         gi = read_index(reader.ckpt, reader.manifest)
         if gi is None:
             return None
+        reader.records_from(gi)  # the records of the files it opens, from the index (closed with the reader)
         view = GlobalIndexView(gi)
         pairs = plan_fn(view)
         ranks = sorted({r.rank for r, _ in pairs} | ({source} if source is not None else set()))
         local = CheckpointIndex.from_reader(reader, ranks)
         view.check(local)
     except CheckpointError as e:
+        if gi is not None:
+            reader.records_from(None)
         log.warning("rank %d: %s; reading every rank file's metadata instead", reader.rank, e)
         return None
     return pairs, local, ranks
