@@ -51,7 +51,6 @@ from ..names import (
     REPLICAS_DIR,
     iter_dir,
     parse_rank_file_name,
-    rank_file_name,
     replica_store_name,
     replica_store_rank,
 )
@@ -269,8 +268,7 @@ class Replication:
         calls it for the same commits, in order).  A failure is logged; the local checkpoint stays committed."""
         t0 = time.perf_counter()
         crash_point("replicate", self.rank)
-        token = ticket.token or self.local.token
-        name = rank_file_name(self.rank, token, ticket.seq)
+        name = ticket.file_name(self.rank)
         src_path = os.path.join(iter_dir(self.local.root, ticket.iteration), name)
         try:
             manifest = read_manifest(iter_dir(self.local.root, ticket.iteration))
