@@ -12,6 +12,7 @@ from __future__ import annotations
 import ast
 import inspect
 import pathlib
+import os
 import re
 
 import datastates_megatron.engine as engine
@@ -19,6 +20,7 @@ from datastates_megatron.engine.names import rank_file_name
 from datastates_megatron.engine.storage.object_tier import ObjectTier
 from datastates_megatron.engine.tiers import tier as tier_module
 from datastates_megatron.engine.tiers.commit import Ticket
+from datastates_megatron.engine.tiers.retention import KeepPolicy
 from datastates_megatron.engine.tiers.tier import Tier
 
 ENGINE = pathlib.Path(engine.__file__).parent
@@ -194,3 +196,63 @@ def test_a_ticket_names_its_files():
     assert t.file_names(range(2, 5)) == [rank_file_name(r, "00ab", 7) for r in range(2, 5)]
     odd = Ticket(3, 7, None, {}, 0.0, "a%b")  # a format character in a token is not a format
     assert odd.file_names(range(1)) == [rank_file_name(0, "a%b", 7)]
+
+
+# ------------------------------------------------------------------ retention, a policy per tier
+def test_the_keep_policy_keeps_the_newest_the_protected_and_the_multiples():
+    order = [2, 4, 6, 8, 10, 12]  # oldest commit first
+    assert KeepPolicy(2).deletions(order, set()) == [2, 4, 6, 8]
+    assert KeepPolicy(2, keep_every=4).deletions(order, {6}) == [2]
+    assert KeepPolicy(0).deletions(order, set()) == []  # keeps everything
+    assert KeepPolicy(1).deletions([5, 3], set()) == [5]  # by commit order, not by iteration
+
+
+def test_the_replica_stores_rule_is_a_policy():
+    assert KeepPolicy.for_replicas(1) == KeepPolicy(2)  # never fewer than the newest two
+    assert KeepPolicy.for_replicas(3) == KeepPolicy(3)
+    assert KeepPolicy.for_replicas(0) == KeepPolicy(0)
+
+
+def test_one_retention_loop():
+    """Deciding what to delete is the policy's (``retention.py``); applying it is the tier's. No
+    other module calls ``select_deletions`` or deletes a checkpoint by its own rule (the replica
+    receiver once re-implemented ``Tier._retain``)."""
+    bad = []
+    for rel, tree in _sources().items():
+        if rel in ("tiers/retention.py",):
+            continue
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Call):
+                f = node.func
+                name = f.id if isinstance(f, ast.Name) else f.attr if isinstance(f, ast.Attribute) else None
+                if name == "select_deletions":
+                    bad.append(_where(rel, node))
+    assert not bad, bad
+    receiver = next(
+        n
+        for n in _sources()["tiers/replication.py"].body
+        if isinstance(n, ast.ClassDef) and n.name == "_ReplicaReceiver"
+    )
+    assert "_retain" not in {n.name for n in receiver.body if isinstance(n, ast.FunctionDef)}
+    calls = {ast.unparse(n.func) for n in ast.walk(receiver) if isinstance(n, ast.Call)}
+    assert "delete_checkpoint" not in calls and "self.store.retain" in calls, sorted(calls)
+
+
+def test_a_replica_store_applies_its_policy(tmp_path):
+    """A store written outside a committer (the replica receiver's path: ``write_manifest`` then
+    ``retain``) keeps what its policy says, and the protected one."""
+    from datastates_megatron.engine.format.manifest import Manifest, RankRecord
+    from datastates_megatron.engine.names import iter_dir
+
+    root = str(tmp_path / "store")
+    store = Tier("replica", root, rank=1, token="t", writes=[0], retention=KeepPolicy.for_replicas(1))
+    store.clean()
+    for seq, it in enumerate((10, 20, 30, 40)):
+        os.makedirs(iter_dir(root, it))
+        rec = RankRecord(0, rank_file_name(0, "t", seq), 0, 0, 0, 0, 0)
+        store.write_manifest(Manifest(it, 1, "t", (rec,), {}, {}, commit_seq=seq, tier="local"))
+        store.retain({it})
+    assert tier_module.survey(root).order == [30, 40]
+    store.retain({10})  # gone already: nothing to keep
+    store.retain({40})
+    assert tier_module.survey(root).order == [30, 40]

@@ -39,7 +39,6 @@ from ..names import (
     is_ours_in_iteration,
     iteration_of,
 )
-from ..tiers.retention import select_deletions
 from ..tiers.run_id import is_run_id
 from ..tiers.tier import Tier
 from .base import ObjectExistsError, ObjectMissingError, ObjectStorageError, Storage
@@ -230,7 +229,7 @@ class ObjectTier(Tier):
         # the iterations and their manifests only (O(checkpoints kept) requests); the objects of an
         # iteration are listed when it is deleted or cleaned
         found = survey_committed(self.storage, self._manifests)
-        for it in select_deletions(found.order, self.keep_last, self.keep_every, protected):
+        for it in self.retention.deletions(found.order, protected):
             crash_point("retention", self.rank)
             self._delete_checkpoint(self._with_objects(found, it), it)
             log.info("rank %d: retention deleted %s", self.rank, self.storage.url(iter_prefix(it)))

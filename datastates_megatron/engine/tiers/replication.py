@@ -45,7 +45,7 @@ from ..dist.collective import Collective
 from ..errors import CacheTimeoutError, CheckpointError, CorruptCheckpointError, OptionsError
 from ..runtime.faults import crash_point
 from ..format.file_format import FileReceipt, RankFile
-from ..format.manifest import Manifest, read_manifest, write_manifest
+from ..format.manifest import Manifest, read_manifest
 from ..names import (
     PROMOTING_SUFFIX,
     REPLICAS_DIR,
@@ -54,7 +54,7 @@ from ..names import (
     replica_store_name,
     replica_store_rank,
 )
-from .retention import delete_checkpoint, remove_ours, select_deletions, unlink_ours
+from .retention import KeepPolicy, delete_checkpoint, remove_ours, unlink_ours
 from ..fs.safe_io import create_temp, make_dir, real_dir
 from .tier import Tier, committed_saves, list_iterations, survey
 from ..fs.durable import fsync_dir
@@ -128,7 +128,7 @@ class Replication:
         self.me = clique.index(self.rank)
         # at least 2 (0: all): a node lost while the newest is replicated -- some cliques done, some
         # not -- still finds the one before it on every partner
-        self.keep_last = max(keep_last, 2) if keep_last else 0
+        self.keep = KeepPolicy.for_replicas(keep_last)  # each replica store's retention
         self.stats = ReplicaStats()
         self.timeout_s = timeout_s
         # the newest local checkpoint whose exchange completed here: local retention keeps it
@@ -172,7 +172,15 @@ class Replication:
 
     def _store(self, src: int) -> Tier:
         root = os.path.join(self.local.root, REPLICAS_DIR, replica_store_name(src))
-        return Tier("replica", root, rank=self.rank, token=self.local.token, writes=[src], run_id=self.local.run_id)
+        return Tier(
+            "replica",
+            root,
+            rank=self.rank,
+            token=self.local.token,
+            writes=[src],
+            run_id=self.local.run_id,
+            retention=self.keep,
+        )
 
     # ------------------------------------------------------------------ after each local commit
     def follow(self) -> None:
@@ -320,7 +328,7 @@ class Replication:
         finally:
             if out_file is not None:
                 out_file.close()
-        committed = receiver.commit(self.keep_last)
+        committed = receiver.commit()
         if committed:
             self.stats.bytes_received += theirs["file_bytes"]
         return hdr["file_bytes"], committed
@@ -473,7 +481,7 @@ class Replication:
         except BaseException:
             receiver.abort()
             raise
-        if not receiver.commit(self.keep_last):
+        if not receiver.commit():
             return None
         self.stats.bytes_fetched += theirs["file_bytes"]
         return self._stores[self.rank].root
@@ -544,8 +552,9 @@ class _ReplicaReceiver:
             os.close(self.fd)
             self.fd = None
 
-    def commit(self, keep_last: int) -> bool:
-        """Verify and commit the replica; then the store keeps its ``keep_last`` newest."""
+    def commit(self) -> bool:
+        """Verify and commit the replica (through the store's :meth:`.tier.Tier.write_manifest`);
+        then the store applies its retention (:meth:`.tier.Tier.retain`), keeping this one."""
         if self.error is None:
             try:
                 os.fsync(self.fd)
@@ -558,7 +567,7 @@ class _ReplicaReceiver:
                 # node's commit count, which restarts on a replaced node
                 newest = max((m.commit_seq for m in survey(self.store.root).committed.values()), default=-1)
                 m = dataclasses.replace(self.manifest, ranks=(self.record,), tier="local", commit_seq=newest + 1)
-                write_manifest(self.store.root, m)
+                self.store.write_manifest(m)
             except (CheckpointError, OSError) as e:
                 self.error = str(e)
         if self.error is not None:
@@ -569,7 +578,7 @@ class _ReplicaReceiver:
                 unlink_ours(self.tmp)  # ours (created O_EXCL above); a planted link is left alone
             log.error("rank %d: replica of rank %d not committed: %s", self.rank, self.src, self.error)
             return False
-        self._retain(keep_last)
+        self.store.retain({self.manifest.iteration})
         return True
 
     def _verify(self) -> None:
@@ -584,11 +593,3 @@ class _ReplicaReceiver:
             r.data_bytes,
         ):
             raise CorruptCheckpointError(f"{self.tmp}: received file does not match rank {self.src}'s manifest record")
-
-    def _retain(self, keep_last: int) -> None:
-        found = survey(self.store.root)
-        for it in select_deletions(found.order, keep_last, 0, {self.manifest.iteration}):
-            try:
-                delete_checkpoint(self.store.root, it)
-            except OSError as e:
-                log.warning("rank %d: could not delete replica %s: %s", self.rank, iter_dir(self.store.root, it), e)

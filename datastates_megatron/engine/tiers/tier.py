@@ -40,7 +40,8 @@ a writer's), each step on the thread named:
    (*storage*): its files go, nothing committed is touched.
 8. Commit thread, every rank, after a commit: the writer's retention is handed to its deleter
    thread (the tier's :class:`.retention.KeepPolicy`; *storage*), then each subscriber is
-   called, in subscription order.
+   called, in subscription order.  A tier written outside a committer (a replica store) calls
+   ``write_manifest`` itself and then ``retain(protected)``: the same policy, applied now.
 9. Any time after step 3 (training thread): ``poll()`` (commits completed; one stored error
    raised once), ``drain(timeout)``, ``outstanding()`` (any thread), ``latest``,
    ``abandoned_skips``, ``latest_committed()`` (*storage*, a fresh survey).
@@ -90,11 +91,11 @@ from ..names import (
     save_id,
 )
 from .retention import (
+    KeepPolicy,
     delete_checkpoint,
     deletion_failed,
     remove_ours,
     remove_stale_tracker_temps,
-    select_deletions,
     take_recycled,
     trim_recycled,
     unlink_ours,
@@ -406,6 +407,7 @@ class Tier:
         first: bool = True,
         run_id: str = "",
         node_local: bool = False,
+        retention: KeepPolicy | None = None,
     ) -> None:
         self.name = name  # in logs, records and manifests only: behaviour follows the flags
         # node-local (``node_local``): each node's leader writes a manifest of its node's ranks, no
@@ -416,8 +418,8 @@ class Tier:
         self.rank = rank
         self.token = token  # this run's token, in the names of the files it writes
         self.writes = writes
-        self.keep_last = keep_last
-        self.keep_every = keep_every
+        # which committed checkpoints the writer's retention keeps (``keep_last``/``keep_every``: its short form)
+        self.retention = retention or KeepPolicy(keep_last, keep_every)
         # retention moves rank files to the pool that the next saves overwrite: where saves write
         # first, on the node-local tier unless "off", on a persistent tier alone only with "all"
         self._recycle = first and recycle_files in (("local", "all") if node_local else ("all",))
@@ -675,18 +677,9 @@ class Tier:
         for _, keep in self._followers:  # still being copied elsewhere (the next tier, partners)
             if keep is not None:
                 protected |= keep()
-        order, manifest = self._commit_order(just)
-        for it in select_deletions(order, self.keep_last, self.keep_every, protected):
-            crash_point("retention", self.rank)
-            try:
-                delete_checkpoint(self.root, it, recycle=self._recycle, rank=self.rank)
-            except OSError as e:  # the next ones may still go; this one is tried again next time
-                deletion_failed(iter_dir(self.root, it), e, self.rank)
-                continue
-            with self._deleter_lock:
-                self._kept.pop(it, None)
-                self._written.pop(it, None)
-            log.info("rank %d: retention deleted %s (%s tier)", self.rank, iter_dir(self.root, it), self.name)
+        self._delete_by_policy(protected)
+        with self._deleter_lock:
+            manifest = self._written.get(just.iteration)
         if self._recycle:
             trim_recycled(self.root, keep=2 * len(self.writes))  # two checkpoints' worth
         # files of older saves of this iteration, superseded by its manifest -- not those of a save
@@ -699,9 +692,28 @@ class Tier:
             if parsed and name not in keep and not (parsed[1] == self.token and parsed[2] > just.seq):
                 unlink_ours(os.path.join(d, name))
 
-    def _commit_order(self, just) -> tuple[list[int], Manifest | None]:
-        """The checkpoints committed here, oldest commit first, and the manifest of ``just``'s
-        iteration (``None``: not committed, or not by this writer).  From what the tier knows; only a
+    def retain(self, protected: set[int]) -> None:
+        """Apply this tier's :class:`.retention.KeepPolicy` now, on the calling thread, keeping
+        ``protected``: for a tier written outside a committer (a replica store, whose receiver
+        commits with :meth:`write_manifest`)."""
+        self._delete_by_policy(protected)
+
+    def _delete_by_policy(self, protected: set[int]) -> None:
+        """Delete what the policy does not keep (a refused deletion is logged, tried again next time)."""
+        for it in self.retention.deletions(self._commit_order(), protected):
+            crash_point("retention", self.rank)
+            try:
+                delete_checkpoint(self.root, it, recycle=self._recycle, rank=self.rank)
+            except OSError as e:  # the next ones may still go; this one is tried again next time
+                deletion_failed(iter_dir(self.root, it), e, self.rank)
+                continue
+            with self._deleter_lock:
+                self._kept.pop(it, None)
+                self._written.pop(it, None)
+            log.info("rank %d: retention deleted %s (%s tier)", self.rank, iter_dir(self.root, it), self.name)
+
+    def _commit_order(self) -> list[int]:
+        """The checkpoints committed here, oldest commit first.  From what the tier knows; only a
         tier whose start-up survey was never taken (:meth:`clean`) surveys, once."""
         with self._deleter_lock:
             kept = self._kept
@@ -713,8 +725,7 @@ class Tier:
                     for it, m in self._written.items():  # written while the survey ran
                         self._kept.setdefault(it, m.commit_seq)
         with self._deleter_lock:
-            order = sorted(self._kept, key=lambda it: (self._kept[it], it))
-            return order, self._written.get(just.iteration)
+            return sorted(self._kept, key=lambda it: (self._kept[it], it))
 
     def _still_owned(self) -> bool:
         """Whether this job still owns the directory (its lock file is the one it locked): once not,
