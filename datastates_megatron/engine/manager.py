@@ -44,7 +44,8 @@ from .options import EngineOptions, ManagerOptions
 from .load.load_plan import LoadPlanner, SameLayoutPlanner
 from .load.reader import CheckpointReader, RestoreStats, open_checkpoint
 from .fs.iteration_dir import prepare_iteration_dir
-from .tiers.replication import Replication, clique_of, replication_plan
+from .tiers.replica_strategy import clique_of, replication_plan
+from .tiers.replication import Replication
 from .names import RUN_ID_NAME
 from .tiers.reclaim import mark_ended, reclaim_finished_runs, unmark_ended
 from .tiers.run_id import run_subdir

@@ -20,6 +20,7 @@ from datastates_megatron.engine.names import rank_file_name
 from datastates_megatron.engine.storage.object_tier import ObjectTier
 from datastates_megatron.engine.tiers import tier as tier_module
 from datastates_megatron.engine.tiers.commit import Ticket
+from datastates_megatron.engine.tiers.replica_strategy import replica_policy
 from datastates_megatron.engine.tiers.retention import KeepPolicy
 from datastates_megatron.engine.tiers.tier import Tier
 
@@ -208,9 +209,9 @@ def test_the_keep_policy_keeps_the_newest_the_protected_and_the_multiples():
 
 
 def test_the_replica_stores_rule_is_a_policy():
-    assert KeepPolicy.for_replicas(1) == KeepPolicy(2)  # never fewer than the newest two
-    assert KeepPolicy.for_replicas(3) == KeepPolicy(3)
-    assert KeepPolicy.for_replicas(0) == KeepPolicy(0)
+    assert replica_policy(1) == KeepPolicy(2)  # never fewer than the newest two
+    assert replica_policy(3) == KeepPolicy(3)
+    assert replica_policy(0) == KeepPolicy(0)
 
 
 def test_one_retention_loop():
@@ -230,8 +231,8 @@ def test_one_retention_loop():
     assert not bad, bad
     receiver = next(
         n
-        for n in _sources()["tiers/replication.py"].body
-        if isinstance(n, ast.ClassDef) and n.name == "_ReplicaReceiver"
+        for n in _sources()["tiers/replica_transport.py"].body
+        if isinstance(n, ast.ClassDef) and n.name == "ReplicaReceiver"
     )
     assert "_retain" not in {n.name for n in receiver.body if isinstance(n, ast.FunctionDef)}
     calls = {ast.unparse(n.func) for n in ast.walk(receiver) if isinstance(n, ast.Call)}
@@ -245,7 +246,7 @@ def test_a_replica_store_applies_its_policy(tmp_path):
     from datastates_megatron.engine.names import iter_dir
 
     root = str(tmp_path / "store")
-    store = Tier("replica", root, rank=1, token="t", writes=[0], retention=KeepPolicy.for_replicas(1))
+    store = Tier("replica", root, rank=1, token="t", writes=[0], retention=replica_policy(1))
     store.clean()
     for seq, it in enumerate((10, 20, 30, 40)):
         os.makedirs(iter_dir(root, it))
@@ -256,3 +257,29 @@ def test_a_replica_store_applies_its_policy(tmp_path):
     store.retain({10})  # gone already: nothing to keep
     store.retain({40})
     assert tier_module.survey(root).order == [30, 40]
+
+
+def test_a_promoted_checkpoint_has_its_global_index(tmp_path):
+    """The summary rides on the save's ticket, through the node-local commit and the promotion, to the
+    persistent commit that writes the global index (once read from ``tier.summary`` at commit time)."""
+    import torch
+
+    from datastates_megatron.engine import EngineOptions
+    from datastates_megatron.engine.format.global_index import read_index
+    from datastates_megatron.engine.format.manifest import read_manifest
+    from datastates_megatron.engine.manager import CheckpointManager
+    from datastates_megatron.engine.names import iter_dir
+    from datastates_megatron.megatron.checkpointing.reshard import index_summary
+
+    from .test_global_index import _meta, _tensors
+
+    persistent, local = str(tmp_path / "save"), str(tmp_path / "local")
+    opts = EngineOptions(cache_bytes=1 << 20, timeout_s=30)
+    with CheckpointManager(persistent, opts, keep_last=0, local_root=local, summarize=index_summary) as mgr:
+        tensors = _tensors(0)
+        for name, meta in _meta(0).items():
+            mgr.register(name, tensors[name], meta=meta)
+        mgr.save(4)
+        mgr.wait()
+    d = iter_dir(persistent, 4)
+    assert read_index(d, read_manifest(d)) is not None, os.listdir(d)

@@ -153,13 +153,6 @@ class KeepPolicy:
     keep_last: int = 0
     keep_every: int = 0
 
-    @classmethod
-    def for_replicas(cls, keep_last: int) -> KeepPolicy:
-        """A replica store's rule: the node-local ``keep_last``, but never fewer than 2 -- the newest
-        replica and the one before it, which a restart may still choose while the newest is being
-        replaced (0: keep everything, as locally)."""
-        return cls(max(keep_last, 2) if keep_last else 0)
-
     def deletions(self, commit_order: list[int], protected: set[int]) -> list[int]:
         """Iterations to delete of ``commit_order`` (committed iterations, oldest commit first)."""
         return select_deletions(commit_order, self.keep_last, self.keep_every, protected)
