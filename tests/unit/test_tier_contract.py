@@ -262,7 +262,6 @@ def test_a_replica_store_applies_its_policy(tmp_path):
 def test_a_promoted_checkpoint_has_its_global_index(tmp_path):
     """The summary rides on the save's ticket, through the node-local commit and the promotion, to the
     persistent commit that writes the global index (once read from ``tier.summary`` at commit time)."""
-    import torch
 
     from datastates_megatron.engine import EngineOptions
     from datastates_megatron.engine.format.global_index import read_index
