@@ -226,19 +226,24 @@ class ObjectTier(Tier):
         for _, keep in self._followers:
             if keep is not None:
                 protected |= keep()
-        # the iterations and their manifests only (O(checkpoints kept) requests); the objects of an
-        # iteration are listed when it is deleted or cleaned
-        found = survey_committed(self.storage, self._manifests)
-        for it in self.retention.deletions(found.order, protected):
-            crash_point("retention", self.rank)
-            self._delete_checkpoint(self._with_objects(found, it), it)
-            log.info("rank %d: retention deleted %s", self.rank, self.storage.url(iter_prefix(it)))
+        found = self._delete_by_policy(protected)
         if just.iteration in found.committed:  # superseded objects of this iteration's earlier saves
             found = self._with_objects(found, just.iteration)
             keep = {t.file_name(r) for t in (just, *outstanding) for r in self.writes}
             for name in found.strays(just.iteration):
                 if name not in keep:
                     self.storage.delete(iter_prefix(just.iteration) + name)
+
+    def _delete_by_policy(self, protected: set[int]) -> ObjectSurvey:
+        """Delete what the tier's :class:`..tiers.retention.KeepPolicy` does not keep; the survey
+        it decided on.  Only the iterations and their manifests are surveyed (O(checkpoints kept)
+        requests); the objects of an iteration are listed when it is deleted."""
+        found = survey_committed(self.storage, self._manifests)
+        for it in self.retention.deletions(found.order, protected):
+            crash_point("retention", self.rank)
+            self._delete_checkpoint(self._with_objects(found, it), it)
+            log.info("rank %d: retention deleted %s", self.rank, self.storage.url(iter_prefix(it)))
+        return found
 
     def _with_objects(self, found: ObjectSurvey, iteration: int) -> ObjectSurvey:
         """``found`` with every object of ``iteration`` listed (one listing of that prefix)."""
