@@ -243,3 +243,78 @@ def test_a_stalled_read_at_restore_falls_back_within_its_deadline(fault_fs, tmp_
     for t in [t for t in threading.enumerate() if t.name.startswith(("dsm-restore-", "dsm-read-"))]:
         t.join(60)  # released: the held read returns and its thread ends (a loaded machine is slow to)
         assert not t.is_alive(), f"{t.name} still blocked after the release"
+
+
+def _two_ranks_restore_with_rank1_failing(args) -> dict:
+    """Forked rank: checkpoints 1 and 2 written through ``writer`` (another mount of the same
+    directory), then restored through ``mount``, where the test made rank 1's reads of checkpoint 2
+    fail or stall.  Reports what each rank restored and logged."""
+    import logging
+    import time
+
+    import torch.distributed as dist
+
+    from datastates_megatron.engine import EngineOptions
+    from datastates_megatron.engine.manager import CheckpointManager
+    from tests.faults.storage_errors import _Lines
+    from tests.workers.fault_worker import fill, is_state_of, make_state
+
+    writer, mount, report, timeout_s = args
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    ts = make_state(rank, 20_000)
+    with CheckpointManager(os.path.join(writer, "ckpt"), EngineOptions(cache_bytes=1 << 20), keep_last=0) as mgr:
+        for n, t in ts.items():
+            mgr.register(n, t)
+        for it in (1, 2):
+            fill(ts, rank, it)
+            mgr.save(it, {"iteration": it})
+            mgr.wait()
+    fill(ts, rank, 7)
+    lines = _Lines()
+    logging.getLogger("datastates_megatron").addHandler(lines)
+    opts = EngineOptions(cache_bytes=1 << 20, timeout_s=timeout_s)
+    with CheckpointManager(os.path.join(mount, "ckpt"), opts, keep_last=0) as mgr:
+        for n, t in ts.items():
+            mgr.register(n, t)
+        t0 = time.perf_counter()
+        got = mgr.load()
+        took = time.perf_counter() - t0
+    out = {
+        "iteration": got.iteration,
+        "exact": is_state_of(ts, rank, got.iteration),
+        "took": took,
+        "lines": [r.getMessage() for r in lines.records if "iter_0000002" in r.getMessage()],
+    }
+    with open(f"{report}.rank{rank}", "w") as f:
+        json.dump(out, f)
+    return {"rank": rank}
+
+
+@pytest.mark.parametrize("fault", ["EIO", "stall"])
+def test_a_read_failing_on_one_rank_makes_every_rank_restore_the_older_checkpoint(fault_fs, tmp_path, fault):
+    """Two ranks; only rank 1's reads of checkpoint 2 fail (EIO) or are held: both ranks agree
+    (one record each, through the load's agreement) and restore checkpoint 1 bit-exact; each logs
+    one line naming rank 1, its file and the errno."""
+    from tests.distributed.ranks import describe, run_ranks
+    from tests.fusefs.control import FaultFS
+
+    spec = {"errno": errno.EIO} if fault == "EIO" else {"hold": True}
+    rule = fault_fs.fault("read", "ckpt/iter_0000002/r00001-*", **spec)
+    report = str(tmp_path / "report")
+    try:
+        with FaultFS(fault_fs.source, str(tmp_path / "writer")) as writer:
+            args = [writer.root, fault_fs.root, report, 2.0]
+            res = run_ranks(_two_ranks_restore_with_rank1_failing, 2, args, timeout=180)
+        hits = fault_fs.hits(rule)
+    finally:
+        fault_fs.release(rule)
+    assert all(r["returncode"] == 0 for r in res), describe(res)
+    assert hits >= 1
+    got = [json.loads((tmp_path / f"report.rank{rank}").read_text()) for rank in (0, 1)]
+    name = "EIO" if fault == "EIO" else "ETIMEDOUT"
+    for r in got:
+        assert r["iteration"] == 1 and r["exact"], r
+        assert r["took"] < 30.0, r
+        (line,) = r["lines"]
+        assert "rank 1" in line and "iter_0000002/r00001-" in line and name in line and "iteration 1" in line, line
