@@ -6,6 +6,7 @@ import concurrent.futures as cf
 import logging
 import queue
 import threading
+import time
 
 from ..errors import CheckpointError
 
@@ -67,6 +68,7 @@ class QueueThread:
         restart-safe); ``close()`` still joins it."""
         self._queue: queue.Queue = queue.Queue()
         self._closed = False
+        self._current: tuple | None = None  # (item, time.monotonic() it started): what close() gives up on
         self._thread = threading.Thread(target=self._run, name=name, daemon=daemon)
         self._thread.start()
 
@@ -96,7 +98,16 @@ class QueueThread:
 
     def _run(self) -> None:
         while (item := self._queue.get()) is not None:
-            self._handle(item)
+            self._current = (item, time.monotonic())
+            try:
+                self._handle(item)
+            finally:
+                self._current = None
+
+    def _busy_for(self) -> tuple[object, float] | None:
+        """The item being handled and for how many seconds (``None``: idle)."""
+        current = self._current
+        return None if current is None else (current[0], time.monotonic() - current[1])
 
     def _handle(self, item) -> None:  # pragma: no cover - abstract
         raise NotImplementedError

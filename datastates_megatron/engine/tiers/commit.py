@@ -151,7 +151,23 @@ class Committer(QueueThread):
         self.guard = guard
         # a tier on object storage writes its manifest, tracker and index itself (no ``os`` there)
         self._objects = getattr(tier, "objects", None)
-        super().__init__(f"dsm-commit-r{rank}" + ("-local" if tier.name == "local" else ""))
+        # a daemon: a storage call that never returns (an unlink behind a held write) must not keep
+        # the process from exiting; close() joins it, bounded, and says what it gave up on.  A
+        # commit cut short at exit is a crash at that point, which the commit protocol survives
+        super().__init__(f"dsm-commit-r{rank}" + ("-local" if tier.name == "local" else ""), daemon=True)
+
+    def _busy_with(self) -> str:
+        """The checkpoint being committed (or abandoned) and this rank's file of it: a storage call
+        on it has not returned (a rank file's unlink behind a held write, the manifest's write)."""
+        busy = self._busy_for()
+        queued = f"{self._queue.qsize()} item(s) still queued"
+        if busy is None or not isinstance(busy[0], Ticket):
+            return queued
+        ticket, seconds = busy
+        path = os.path.join(
+            iter_dir(self.root, ticket.iteration), rank_file_name(self.rank, ticket.token or self._token, ticket.seq)
+        )
+        return f"iteration {ticket.iteration} ({path}), in a storage call not returned for {seconds:.0f} s; {queued}"
 
     def submit(self, ticket: Ticket) -> None:
         with self._lock:
