@@ -17,7 +17,18 @@ import re
 
 import pytest
 
-from tests.faults.storage_errors import ERRNOS, EXPECTED, KNOWN, OPS, run_cell, summarize
+from tests.faults.storage_errors import (
+    ERRNOS,
+    EXPECTED,
+    EXPECTED_READ,
+    KNOWN,
+    OPS,
+    READ_FAULTS,
+    run_cell,
+    run_read_cell,
+    summarize,
+    summarize_read,
+)
 
 DEFAULT_CELLS = {("EIO", "open"), ("ENOSPC", "write"), ("EROFS", "fsync"), ("EDQUOT", "rename"),
                  ("ETIMEDOUT", "mkdir"), ("ENOSPC", "unlink")}  # fmt: skip
@@ -46,6 +57,18 @@ def test_storage_error_outcome(fault_fs, err, op):
         assert got == KNOWN[op][1], o
         raise ShortOfItem2(f"{got!r} != {EXPECTED[op]!r}")
     assert got == EXPECTED[op], o
+
+
+@pytest.mark.parametrize(
+    "fault", [pytest.param(f, marks=[] if f == "ETIMEDOUT" else [pytest.mark.slow]) for f in READ_FAULTS]
+)
+def test_read_fault_outcome(fault_fs, tmp_path, fault):
+    """The restore side of the table: reading the newest checkpoint's rank file fails (or is held);
+    the older one is restored, bit-exact, with one line naming rank, file and errno (EIO and the
+    held read have tests of their own below: ``slow`` here)."""
+    o = run_read_cell(fault_fs, fault, str(tmp_path / "writer"))
+    assert o.hits >= 1 and o.exc is None, o
+    assert summarize_read(o, fault) == EXPECTED_READ[fault], o
 
 
 def test_default_cells_cover_every_errno_and_operation():

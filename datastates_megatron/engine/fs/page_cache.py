@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import ctypes
+import errno
 import logging
 import mmap
 import os
@@ -20,6 +21,8 @@ import sys
 import threading
 
 import numpy as np
+
+from ..errors import READ_ERRNOS, StorageReadError
 
 __all__ = ["memory_backed", "resident_fraction", "resident_fraction_of", "read_range", "warm_file"]
 
@@ -121,7 +124,9 @@ def warm_file(path: str, fd: int, pool: cf.Executor, stripes: int, tick=None) ->
     """Read the open file ``fd`` (named ``path``) into the page cache in ``stripes`` contiguous parts
     on ``pool``, unless most of it is resident already or it would not fit in available memory.
 
-    Returns whether it read; ``tick`` as :func:`read_range`'s.  Never raises: it only speeds up what the caller reads anyway, so any
+    Returns whether it read; ``tick`` as :func:`read_range`'s.  Raises only
+    :class:`.errors.StorageReadError` when the storage fails a read (``READ_ERRNOS``): the same page
+    read through the file's mapping would be a SIGBUS.  Otherwise never raises: it only speeds up what the caller reads anyway, so any
     failure leaves the reads to page faults."""
     try:
         size = os.fstat(fd).st_size
@@ -139,6 +144,14 @@ def warm_file(path: str, fd: int, pool: cf.Executor, stripes: int, tick=None) ->
         cf.wait(futures)  # every stripe is over before the caller may close fd
         for fut in futures:
             fut.result()
+    except OSError as e:
+        if e.errno in READ_ERRNOS:  # the storage failed the read: through the mapping it is a SIGBUS
+            name = errno.errorcode.get(e.errno, str(e.errno))
+            raise StorageReadError(
+                f"{path}: read failed: {name} ({e.strerror or os.strerror(e.errno)})", e.errno
+            ) from e
+        log.warning("%s: read-ahead failed (%s); reading through page faults", path, e)
+        return False
     except Exception as e:  # noqa: BLE001 - an optimisation: report, never fail the restore
         log.warning("%s: read-ahead failed (%s); reading through page faults", path, e)
         return False

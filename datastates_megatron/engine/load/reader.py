@@ -382,9 +382,13 @@ class CheckpointReader:
         warmed = 0
         for rank, nbytes in sorted(wanted.items()):
             with self._mapped(rank) as rf:
-                if 2 * nbytes >= rf.header.data_bytes and warm_file(
-                    rf.path, rf.fileno(), pool, self.threads, self._tick
-                ):
+                try:
+                    read = 2 * nbytes >= rf.header.data_bytes and warm_file(
+                        rf.path, rf.fileno(), pool, self.threads, self._tick
+                    )
+                except StorageReadError as e:
+                    raise StorageReadError(f"rank {rank}: {e}", e.errno) from e
+                if read:
                     warmed += rf.header.file_bytes
         return warmed
 
