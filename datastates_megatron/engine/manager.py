@@ -816,7 +816,10 @@ class CheckpointManager(ClosingContext):
         every registered tensor from this rank's own file, same layout), through the one verifying
         reader (:mod:`.reader`).  Collective: raises on every rank or none, and writes nothing
         unless every rank validated its part.  A planner that reads other ranks' files reads the
-        shared tier (the load directory), never a node-local one."""
+        shared tier (the load directory), never a node-local one.  A read the storage fails or
+        stalls on any rank (:class:`StorageReadError`, agreed) makes every rank restore the next
+        candidate: the persistent copy of a node-local checkpoint, else -- unless ``iteration``
+        was given -- the checkpoint committed before (:meth:`_restore_older`)."""
         self._check_open()
         choice = iteration if isinstance(iteration, RestoreChoice) else self.choose(iteration, root=root)
         self._drain_deletions(None)  # a load never races retention of what it may read
