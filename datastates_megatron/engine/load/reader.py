@@ -472,9 +472,7 @@ class CheckpointReader:
                 if abandoned:  # the caller is gone: what it would have released is ours
                     pool.shutdown(wait=False)
                     self._close_files()
-                    log.warning(
-                        "rank %d: the abandoned read of %s returned; its files are closed", self.rank, self.ckpt
-                    )
+                    log.info("rank %d: the abandoned read of %s returned; its files are closed", self.rank, self.ckpt)
 
         with self._deadline_lock:
             self._preparing = True
