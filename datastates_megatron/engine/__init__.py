@@ -22,6 +22,7 @@ from .errors import (
     NoCheckpointError,
     OptionsError,
     SaveDirBusyError,
+    StorageReadError,
 )
 from .options import EngineOptions, ManagerOptions
 
@@ -42,6 +43,7 @@ __all__ = [
     "CommitError",
     "CopyError",
     "CorruptCheckpointError",
+    "StorageReadError",
     "EncodingError",
     "EngineClosedError",
     "FlushError",

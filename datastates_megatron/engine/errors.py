@@ -6,6 +6,8 @@ never pickled) arrives under its own class on every rank (:func:`error_class_nam
 
 from __future__ import annotations
 
+import errno
+
 from .._version import VERSION_RE, __version__
 
 __all__ = [
@@ -25,6 +27,7 @@ __all__ = [
     "SaveDirBusyError",
     "LockLostError",
     "CheckpointAccessError",
+    "StorageReadError",
     "OptionsError",
     "error_class_named",
     "make_error",
@@ -137,6 +140,24 @@ class SaveDirBusyError(CheckpointError, RuntimeError):
 
 class CheckpointAccessError(CheckpointError, PermissionError):
     """A checkpoint file exists but this process may not read it (EACCES/EPERM): not damage."""
+
+
+class StorageReadError(CheckpointError, OSError):
+    """Reading a committed checkpoint failed in the storage, not in its bytes: an I/O error
+    (``errno`` in :data:`READ_ERRNOS`) or a read that did not return within the restore's deadline.
+    Not damage: the ranks agree on the next candidate (another tier, an older checkpoint) instead
+    of refusing, as they do for a :class:`CorruptCheckpointError`.  ``errno``: the read's (``None``
+    for a read that did not return, or where only the message crossed ranks)."""
+
+    def __init__(self, message: str, err: int | None = None) -> None:
+        super().__init__(message)
+        self.errno = err
+
+
+# errnos of a read that the storage failed (the file may be intact): a restore falls back on them
+READ_ERRNOS = frozenset(
+    getattr(errno, n) for n in ("EIO", "ETIMEDOUT", "ESTALE", "EREMOTEIO", "ENOLINK", "ENOTCONN") if hasattr(errno, n)
+)
 
 
 class LockLostError(CheckpointError, RuntimeError):

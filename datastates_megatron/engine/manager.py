@@ -33,6 +33,7 @@ from .errors import (
     NoCheckpointError,
     OptionsError,
     SaveDirBusyError,
+    StorageReadError,
     error_class_named,
     make_error,
 )
@@ -79,6 +80,7 @@ def _no_check(manifest, ckpt) -> bool:
     return False
 
 
+RESTORE_CANDIDATES = 3  # checkpoints a restore tries when the storage fails its reads (the chosen, then older)
 _SLOTS = 8  # restore candidates each rank sends (its newest local saves)
 _DECIDE_FIELDS = ("n", *(f"{k}{i}" for i in range(_SLOTS) for k in ("it", "tok", "seq", "ms")))
 
@@ -820,7 +822,10 @@ class CheckpointManager(ClosingContext):
         every registered tensor from this rank's own file, same layout), through the one verifying
         reader (:mod:`.reader`).  Collective: raises on every rank or none, and writes nothing
         unless every rank validated its part.  A planner that reads other ranks' files reads the
-        shared tier (the load directory), never a node-local one."""
+        shared tier (the load directory), never a node-local one.  A read the storage fails or
+        stalls on any rank (:class:`StorageReadError`, agreed) makes every rank restore the next
+        candidate: the persistent copy of a node-local checkpoint, else -- unless ``iteration``
+        was given -- the checkpoint committed before (:meth:`_restore_older`)."""
         self._check_open()
         choice = iteration if isinstance(iteration, RestoreChoice) else self.choose(iteration, root=root)
         self._drain_deletions(None)  # a load never races retention of what it may read
@@ -864,6 +869,8 @@ class CheckpointManager(ClosingContext):
             # copy on some rank must not hide an intact persistent checkpoint -- unless no rank read
             # a local copy (with local_fallback="rank" only some may have), so a retry would repeat it
             if choice.shared != self.root or not self._agree(chosen_root == self.root):
+                if isinstance(e, StorageReadError) and choice.asked is None:
+                    return self._restore_older(choice.shared, choice.iteration, e, verify, planner)
                 raise
             try:  # collective: rank 0 finds and reads it, each rank gets its record
                 fallback = self._resolve(self.root, choice.asked)
@@ -882,7 +889,59 @@ class CheckpointManager(ClosingContext):
                 e,
                 it,
             )
-            return self._load_from(self.root, it, verify, planner, view=fallback)
+            try:
+                return self._load_from(self.root, it, verify, planner, view=fallback)
+            except StorageReadError as again:  # the storage failed that read too (agreed on every rank)
+                if choice.asked is not None:
+                    raise
+                return self._restore_older(self.root, it, again, verify, planner)
+
+    def _restore_older(
+        self, root: str, failed: int, err: StorageReadError, verify: bool | None, planner: LoadPlanner | None
+    ) -> LoadResult:
+        """Collective, after every rank agreed that reading checkpoint ``failed`` of ``root`` failed
+        in the storage (``err``: an I/O error or a stalled read on some rank, not damage): restore
+        the next older committed checkpoint there (by commit order), each chosen by rank 0 in one
+        resolve round, at most :data:`RESTORE_CANDIDATES` checkpoints in all.  Every rank logs one
+        line naming the failed rank(s), file and errno.  Never "no checkpoint": a trainer would
+        start from scratch over ``root``."""
+        for _ in range(RESTORE_CANDIDATES - 1):
+            try:  # rank 0 surveys and picks; each rank gets its record
+                view = resolve(
+                    root,
+                    None,
+                    self._resolve_chan,
+                    self.layout,
+                    check=_no_check,
+                    latest=functools.partial(_older_than, failed=failed),
+                    **{k: v for k, v in self._readers(root).items() if k != "latest"},
+                )
+            except CheckpointError as e:
+                try:  # alike on every rank: agreed, so that rank 0 (the store's host) never exits first
+                    self._world.raise_agreed(e, "restore")
+                except NoCheckpointError:
+                    raise StorageReadError(
+                        f"rank {self.rank}: restoring iteration {failed} from {root} failed and no older "
+                        f"committed checkpoint is there: {err}"
+                    ) from err
+                raise
+            it = view.manifest.iteration
+            log.warning(
+                "rank %d: restoring iteration %d from %s failed: %s; restoring iteration %d instead",
+                self.rank,
+                failed,
+                root,
+                err,
+                it,
+            )
+            try:
+                return self._load_from(root, it, verify, planner, view=view)
+            except StorageReadError as e:
+                failed, err = it, e
+        raise StorageReadError(
+            f"rank {self.rank}: the storage failed reading {RESTORE_CANDIDATES} checkpoints of {root} in a row "
+            f"(the last, iteration {failed}): {err}"
+        ) from err
 
     def _load_from(
         self, root: str, iteration: int, verify: bool | None, planner: LoadPlanner | None, view: Resolved | None = None
@@ -913,7 +972,7 @@ class CheckpointManager(ClosingContext):
         with CheckpointReader(
             ckpt, manifest, rank=self.rank, verify=verify, threads=self.restore_threads, partial=partial
         ) as reader:
-            plan, stats = reader.load(planner, agree=self._agree_error)
+            plan, stats = reader.load(planner, agree=self._agree_error, stall_s=self.engine.options.timeout_s)
         log.info(
             "rank %d: loaded iteration %d from %s (%s plan, %d bytes)",
             self.rank,
@@ -1044,6 +1103,17 @@ class CheckpointManager(ClosingContext):
     def _check_open(self) -> None:
         if self._closed:
             raise CheckpointError(f"rank {self.rank}: checkpoint manager is closed")
+
+
+def _older_than(found: Survey, *, failed: int) -> int:
+    """Rank 0: the committed checkpoint in ``found`` committed last before ``failed`` was."""
+    if failed not in found.committed:
+        raise NoCheckpointError(f"{found.root}: iteration {failed} is no longer committed")
+    seq = found.committed[failed].commit_seq
+    older = [m for m in found.committed.values() if m.commit_seq < seq]
+    if not older:
+        raise NoCheckpointError(f"{found.root}: no committed checkpoint older than iteration {failed}")
+    return max(older, key=lambda m: m.commit_seq).iteration
 
 
 def _location(root: str) -> str:

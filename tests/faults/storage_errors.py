@@ -169,5 +169,92 @@ EXPECTED = {op: "abandoned, nothing left; 1 line (rank, file, errno); next commi
     "unlink": "that checkpoint commits; 1 line (rank, file, errno); deletion retried, done; next commits; newest loads",
 }
 
+# faults on the restore side: reading the newest checkpoint's rank file fails with an errno, or is held
+READ_FAULTS = ("EIO", "ETIMEDOUT", "hold")
+READ_TIMEOUT_S = 2.0  # timeout_s of the restoring manager: a held read is given up after at most twice that
+
+
+@dataclasses.dataclass
+class ReadOutcome:
+    restored: int | None  # the iteration load() restored (None: it raised)
+    exact: bool  # the state is that iteration's, bit for bit (or, when it raised, untouched)
+    hits: int
+    lines: list  # WARNING+ lines of the package naming iteration 2's rank file
+    took_s: float  # load() alone
+    exc: str | None
+
+
+def run_read_cell(fs, fault: str, writer_mount: str) -> ReadOutcome:
+    """Checkpoints 1 and 2 written through another mount of ``fs``'s directory (``writer_mount``:
+    no page of theirs cached on ``fs``), then ``load()`` through ``fs`` while every read of
+    checkpoint 2's rank file fails with ``fault`` (an errno name) or is held (``"hold"``)."""
+    import time
+
+    from datastates_megatron.engine import CheckpointError
+    from tests.fusefs.control import FaultFS
+
+    ts = make_state(0, BIG)
+    with FaultFS(fs.source, writer_mount) as writer:
+        opts = EngineOptions(cache_bytes=1 << 20, timeout_s=30)
+        with CheckpointManager(os.path.join(writer.root, "ckpt"), opts, keep_last=0) as mgr:
+            for n, t in ts.items():
+                mgr.register(n, t)
+            for it in (1, 2):
+                fill(ts, 0, it)
+                mgr.save(it, {"iteration": it})
+                mgr.wait()
+    fill(ts, 0, 7)
+    spec = {"hold": True} if fault == "hold" else {"errno": getattr(errno, fault)}
+    rule = fs.fault("read", "ckpt/iter_0000002/r*", **spec)
+    handler = _Lines()
+    pkg = logging.getLogger("datastates_megatron")
+    pkg.addHandler(handler)
+    restored, exc, hits, t0 = None, None, 0, 0.0
+    try:
+        opts = EngineOptions(cache_bytes=1 << 20, timeout_s=READ_TIMEOUT_S)
+        with CheckpointManager(os.path.join(fs.root, "ckpt"), opts, keep_last=0) as mgr:
+            for n, t in ts.items():
+                mgr.register(n, t)
+            t0 = time.perf_counter()
+            try:
+                restored = mgr.load().iteration
+            except CheckpointError as e:
+                exc = f"{type(e).__name__}: {e}"
+            took = time.perf_counter() - t0
+            hits = fs.hits(rule)
+    finally:
+        fs.clear(rule)
+        pkg.removeHandler(handler)
+    return ReadOutcome(
+        restored=restored,
+        exact=is_state_of(ts, 0, restored if restored is not None else 7),
+        hits=hits,
+        lines=[r.getMessage() for r in handler.records if "iter_0000002" in r.getMessage()],
+        took_s=took,
+        exc=exc,
+    )
+
+
+def summarize_read(o: ReadOutcome, fault: str) -> str:
+    """The outcome of one restore-side cell in a few words (the table's cell)."""
+    if o.exc:
+        return f"raised {o.exc.split(':')[0]}"
+    if o.hits == 0:
+        return "fault never hit"
+    parts = [f"iteration {o.restored} restored" + (", bit-exact" if o.exact else ", NOT bit-exact")]
+    name = "ETIMEDOUT" if fault == "hold" else fault
+    named = [ln for ln in o.lines if "rank 0" in ln and name in ln]
+    parts.append(f"{len(o.lines)} line{'s' if len(o.lines) != 1 else ''}" + (" (rank, file, errno)" if named else ""))
+    if fault == "hold":
+        # given up after at most 2 x timeout_s, then the older one is restored (allowed 10 s here)
+        bound = 2 * READ_TIMEOUT_S + 10
+        parts.append("load() within 2 x timeout_s + 10 s" if o.took_s <= bound else f"load() took {o.took_s:.0f} s")
+    return "; ".join(parts)
+
+
+EXPECTED_READ = {f: "iteration 1 restored, bit-exact; 1 line (rank, file, errno)" for f in READ_FAULTS} | {
+    "hold": "iteration 1 restored, bit-exact; 1 line (rank, file, errno); load() within 2 x timeout_s + 10 s",
+}
+
 # cells whose outcome differs from item 2's today: op -> (why, the outcome they show)
 KNOWN: dict[str, tuple[str, str]] = {}

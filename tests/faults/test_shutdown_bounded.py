@@ -134,3 +134,40 @@ def test_a_queue_thread_close_is_bounded_and_names_what_it_gave_up(what, caplog)
     finally:
         release.set()
         assert t.close(BOUND_S)
+
+
+def test_a_daemon_pool_runs_calls_in_order_and_never_holds_an_exit():
+    """``DaemonPool``: results and errors through the futures; its threads are daemons (a call that
+    never returns is not joined at interpreter exit); ``shutdown(wait=False)`` returns at once
+    while a call is stuck, and what was queued before still runs once it returns."""
+    from datastates_megatron.engine.runtime.threads import DaemonPool
+
+    pool = DaemonPool(1, "dsm-test-pool")
+    stuck, release = threading.Event(), threading.Event()
+
+    def hold():
+        stuck.set()
+        release.wait(60)
+        return "held"
+
+    def boom():
+        raise ValueError("boom")
+
+    try:
+        assert all(t.daemon and t.name.startswith("dsm-test-pool_") for t in pool.threads)
+        first = pool.submit(hold)
+        assert stuck.wait(30)
+        queued = [pool.submit(lambda i=i: i) for i in range(3)] + [pool.submit(boom)]
+        t0 = time.perf_counter()
+        pool.shutdown(wait=False)
+        assert time.perf_counter() - t0 < 1.0 and not first.done()
+        with pytest.raises(RuntimeError, match="shut down"):
+            pool.submit(hold)
+    finally:
+        release.set()
+    assert first.result(30) == "held" and [f.result(30) for f in queued[:3]] == [0, 1, 2]
+    with pytest.raises(ValueError, match="boom"):
+        queued[3].result(30)
+    for t in pool.threads:
+        t.join(30)
+        assert not t.is_alive()

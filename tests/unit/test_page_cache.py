@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import concurrent.futures as cf
+import errno
 import os
 import threading
 
@@ -117,18 +118,39 @@ def test_a_cold_file_is_read_in_contiguous_stripes_that_cover_it_exactly(tmp_pat
 
 
 def test_a_failing_read_ahead_does_not_fail_the_restore(tmp_path, monkeypatch, caplog):
+    """A read-ahead that fails for a reason of its own (here ENOMEM) leaves the reads to page
+    faults; one the storage fails (EIO) does not: test_a_storage_error_in_the_read_ahead_fails_the_load."""
     root = str(tmp_path / "ckpt")
     state, _ = _write_checkpoint(root)
     targets = {name: torch.zeros_like(t) for name, t in state.items()}
     monkeypatch.setattr(page_cache, "resident_fraction_of", lambda fd, p: 0.0)
 
     def broken(fd, start, nbytes):
-        raise OSError(5, "Input/output error")
+        raise OSError(errno.ENOMEM, "Cannot allocate memory")
 
     monkeypatch.setattr(page_cache, "read_range", broken)
     stats = _restore(root, targets)
     assert stats.read_ahead_s == 0.0 and "read-ahead failed" in caplog.text
     assert all(torch.equal(targets[n], state[n]) for n in state)
+
+
+def test_a_storage_error_in_the_read_ahead_fails_the_load(tmp_path, monkeypatch):
+    """EIO from the read-ahead: through the mapping the same page would be a SIGBUS, so it is a
+    ``StorageReadError`` naming the rank and file (the manager then falls back), nothing copied."""
+    from datastates_megatron.engine import StorageReadError
+
+    root = str(tmp_path / "ckpt")
+    state, _ = _write_checkpoint(root)
+    targets = {name: torch.zeros_like(t) for name, t in state.items()}
+    monkeypatch.setattr(page_cache, "resident_fraction_of", lambda fd, p: 0.0)
+
+    def broken(fd, start, nbytes, tick=None):
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(page_cache, "read_range", broken)
+    with pytest.raises(StorageReadError, match=r"rank 0: .*\.dsck: read failed: EIO \(Input/output error\)"):
+        _restore(root, targets)
+    assert all(not t.any() for t in targets.values())
 
 
 def test_a_file_larger_than_half_the_available_memory_is_not_read_ahead(tmp_path, monkeypatch):

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import errno as errno_module
 import mmap
 import os
 import struct
@@ -22,7 +23,7 @@ import numba
 import numpy as np
 import torch
 
-from ..errors import CorruptCheckpointError, FormatVersionError
+from ..errors import READ_ERRNOS, CorruptCheckpointError, FormatVersionError, StorageReadError
 from .json_budget import check_budget
 from .tagged_json import decode_objects
 from ..fs.safe_io import open_regular
@@ -311,6 +312,12 @@ def check_sections(h: Header, path: str) -> None:
         raise CorruptCheckpointError(f"{path}: header describes a file the writer never makes: {'; '.join(problems)}")
 
 
+def _errno_text(e: OSError) -> str:
+    """``EIO (Input/output error)``: an errno as a log line names it."""
+    name = errno_module.errorcode.get(e.errno, str(e.errno))
+    return f"{name} ({e.strerror or os.strerror(e.errno)})"
+
+
 class RankFile:
     """A rank file opened read-only via ``mmap``; tensors are zero-copy views.  Not thread-safe to close
     while views are used; reading entries from several threads is safe."""
@@ -334,6 +341,8 @@ class RankFile:
             self._mm = mmap.mmap(self._file.fileno(), 0, access=mmap.ACCESS_COPY)
         except OSError as e:
             self.close()
+            if e.errno in READ_ERRNOS:  # the storage failed the read: the file may be intact
+                raise StorageReadError(f"{self.path}: reading its header failed: {_errno_text(e)}", e.errno) from e
             raise CorruptCheckpointError(f"{self.path}: cannot read or map its {size} bytes: {e.strerror or e}") from e
         except CorruptCheckpointError:
             self.close()

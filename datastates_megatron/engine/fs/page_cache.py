@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import ctypes
+import errno
 import logging
 import mmap
 import os
@@ -20,6 +21,8 @@ import sys
 import threading
 
 import numpy as np
+
+from ..errors import READ_ERRNOS, StorageReadError
 
 __all__ = ["memory_backed", "resident_fraction", "resident_fraction_of", "read_range", "warm_file"]
 
@@ -87,10 +90,11 @@ def resident_fraction_of(fd: int, path: str) -> float | None:
     return float((np.frombuffer(vec, np.uint8) & 1).sum()) / pages
 
 
-def read_range(fd: int, start: int, nbytes: int) -> int:
+def read_range(fd: int, start: int, nbytes: int, tick=None) -> int:
     """Read ``[start, start + nbytes)`` of ``fd`` into a per-thread scratch buffer (and drop it): the
     point is the page cache it fills, in requests large enough for the device.  Returns the bytes
-    read (fewer at the end of the file)."""
+    read (fewer at the end of the file).  ``tick()``: called after each read returned (progress,
+    for a caller's stall deadline)."""
     buf = getattr(_scratch, "buf", None)
     if buf is None:
         buf = _scratch.buf = memoryview(bytearray(_BLOCK))
@@ -100,6 +104,8 @@ def read_range(fd: int, start: int, nbytes: int) -> int:
         if n <= 0:
             break  # end of file
         done += n
+        if tick is not None:
+            tick()
     return done
 
 
@@ -114,11 +120,13 @@ def _memory_available() -> int | None:
     return None
 
 
-def warm_file(path: str, fd: int, pool: cf.Executor, stripes: int) -> bool:
+def warm_file(path: str, fd: int, pool: cf.Executor, stripes: int, tick=None) -> bool:
     """Read the open file ``fd`` (named ``path``) into the page cache in ``stripes`` contiguous parts
     on ``pool``, unless most of it is resident already or it would not fit in available memory.
 
-    Returns whether it read.  Never raises: it only speeds up what the caller reads anyway, so any
+    Returns whether it read; ``tick`` as :func:`read_range`'s.  Raises only
+    :class:`.errors.StorageReadError` when the storage fails a read (``READ_ERRNOS``): the same page
+    read through the file's mapping would be a SIGBUS.  Otherwise never raises: it only speeds up what the caller reads anyway, so any
     failure leaves the reads to page faults."""
     try:
         size = os.fstat(fd).st_size
@@ -129,10 +137,21 @@ def warm_file(path: str, fd: int, pool: cf.Executor, stripes: int) -> bool:
         if available is not None and size > available // 2:
             return False
         part = -(-size // max(1, stripes))
-        futures = [pool.submit(read_range, fd, s, min(part, size - s)) for s in range(0, size, part)]
+        futures = [
+            pool.submit(read_range, fd, s, min(part, size - s), *((tick,) if tick else ()))
+            for s in range(0, size, part)
+        ]
         cf.wait(futures)  # every stripe is over before the caller may close fd
         for fut in futures:
             fut.result()
+    except OSError as e:
+        if e.errno in READ_ERRNOS:  # the storage failed the read: through the mapping it is a SIGBUS
+            name = errno.errorcode.get(e.errno, str(e.errno))
+            raise StorageReadError(
+                f"{path}: read failed: {name} ({e.strerror or os.strerror(e.errno)})", e.errno
+            ) from e
+        log.warning("%s: read-ahead failed (%s); reading through page faults", path, e)
+        return False
     except Exception as e:  # noqa: BLE001 - an optimisation: report, never fail the restore
         log.warning("%s: read-ahead failed (%s); reading through page faults", path, e)
         return False

@@ -23,6 +23,7 @@ import collections
 import concurrent.futures as cf
 import contextlib
 import dataclasses
+import errno
 import logging
 import os
 import stat
@@ -31,8 +32,17 @@ import time
 
 import torch
 
-from ..errors import CheckpointError, CorruptCheckpointError, LayoutMismatchError, NoCheckpointError, RankFileError
+from ..errors import (
+    READ_ERRNOS,
+    CheckpointError,
+    CorruptCheckpointError,
+    LayoutMismatchError,
+    NoCheckpointError,
+    RankFileError,
+    StorageReadError,
+)
 from ..runtime.faults import crash_point
+from ..runtime.threads import DaemonPool
 from ..format.file_format import RankFile, TensorEntry
 from ..format.hashing import xxh64
 from .load_plan import ElementRange, LoadPlan, LoadPlanner, ReadItem
@@ -88,6 +98,8 @@ def open_rank(ckpt: str, manifest: Manifest, rank: int, record: RankRecord | Non
     except FileNotFoundError as e:
         raise RankFileError(missing, "missing", "file is missing") from e
     except OSError as e:
+        if e.errno in READ_ERRNOS:
+            raise _read_error(path, rank, "stat", e) from e
         raise RankFileError(
             f"{path}: rank {rank} file cannot be read: {e}", "file", f"cannot stat the file: {e}"
         ) from e
@@ -109,7 +121,11 @@ def open_rank(ckpt: str, manifest: Manifest, rank: int, record: RankRecord | Non
         rf = RankFile(path)  # O_NOFOLLOW + fstat again (:mod:`.safe_io`): a swap since lstat is refused too
     except FileNotFoundError as e:
         raise RankFileError(missing, "missing", "file is missing") from e
+    except StorageReadError as e:
+        raise StorageReadError(f"rank {rank}: {e}", e.errno) from e
     except OSError as e:
+        if e.errno in READ_ERRNOS:
+            raise _read_error(path, rank, "open", e) from e
         problem = f"rank {rank} file cannot be read: {e}"
         raise RankFileError(f"{path}: {problem}", "file", problem) from e
     if (
@@ -122,6 +138,14 @@ def open_rank(ckpt: str, manifest: Manifest, rank: int, record: RankRecord | Non
         problem = f"rank {rank} file is not the one committed by the manifest (from another iteration or run?)"
         raise RankFileError(f"{path}: {problem}", "file", problem)
     return rf
+
+
+def _read_error(path: str, rank: int, what: str, e: OSError) -> StorageReadError:
+    """The one line a failed read of a rank file gives: rank, file and errno."""
+    name = errno.errorcode.get(e.errno, str(e.errno))
+    return StorageReadError(
+        f"rank {rank}: {path}: {what} failed: {name} ({e.strerror or os.strerror(e.errno)})", e.errno
+    )
 
 
 def _no_agreement(error: BaseException | None) -> None:
@@ -172,6 +196,11 @@ class CheckpointReader:
         self.opened: set[int] = set()  # the ranks whose files this reader opened (for tests, benchmarks)
         self._records = None  # a partial manifest's other records: their source (:meth:`records_from`)
         self._found: dict[int, RankRecord] = {}
+        self._progress = 0  # reads returned so far (files opened, read-ahead blocks, chunks verified)
+        self._reading = ckpt  # the file read last: what a stalled read names
+        self._preparing = False  # a deadline's worker thread is in the first phase
+        self._abandoned = False  # ... and its caller gave up on it: it closes the reader when it returns
+        self._deadline_lock = threading.Lock()  # for those two: a stalled open holds ``_lock``
 
     def records_from(self, source) -> None:
         """With a partial manifest, take the records of other ranks from ``source`` (``record(rank)
@@ -203,8 +232,11 @@ class CheckpointReader:
                 if record is None:
                     self._read_whole_manifest()
             self._evict(self.max_open - 1)
+            rec = record or self.manifest.record(rank)
+            self._reading = os.path.join(self.ckpt, rec.file) if rec is not None else self.ckpt
             rf = self._files[rank] = open_rank(self.ckpt, self.manifest, rank, record)
             self.opened.add(rank)
+            self._tick()
             return rf
 
     def _record_of(self, rank: int) -> RankRecord | None:
@@ -224,6 +256,10 @@ class CheckpointReader:
         if rec is not None:
             self._found[rank] = rec
         return rec
+
+    def _tick(self) -> None:
+        """A read returned (a lost increment between threads is harmless: any change is progress)."""
+        self._progress += 1
 
     def _read_whole_manifest(self) -> None:
         """(lock held) The whole manifest of the checkpoint whose header this reader was given: the
@@ -249,7 +285,9 @@ class CheckpointReader:
         with self._lock:
             self._pins[rank] += 1
         try:
-            yield self.rank_file(rank)
+            rf = self.rank_file(rank)
+            self._reading = rf.path
+            yield rf
         finally:
             with self._lock:
                 self._pins[rank] -= 1
@@ -323,6 +361,7 @@ class CheckpointReader:
             return f"rank {rank}: {e}", 0
         with self._lock:
             self._verified.add(key)
+        self._tick()
         return None, n
 
     def verify(self, ranges, pool: cf.Executor | None = None) -> int:
@@ -375,36 +414,38 @@ class CheckpointReader:
         warmed = 0
         for rank, nbytes in sorted(wanted.items()):
             with self._mapped(rank) as rf:
-                if 2 * nbytes >= rf.header.data_bytes and warm_file(rf.path, rf.fileno(), pool, self.threads):
+                try:
+                    read = 2 * nbytes >= rf.header.data_bytes and warm_file(
+                        rf.path, rf.fileno(), pool, self.threads, self._tick
+                    )
+                except StorageReadError as e:
+                    raise StorageReadError(f"rank {rank}: {e}", e.errno) from e
+                if read:
                     warmed += rf.header.file_bytes
         return warmed
 
-    def load(self, planner: LoadPlanner, agree=None) -> tuple[LoadPlan, RestoreStats]:
+    def load(self, planner: LoadPlanner, agree=None, *, stall_s: float | None = None) -> tuple[LoadPlan, RestoreStats]:
         """Plan with ``planner``, validate, warm and verify; join ``agree`` once; then copy.
 
         ``agree(error)`` is the cross-rank agreement (a collective): every rank passes its error, or
         None when its part validated, and it raises on every rank when any rank failed.  Without it
         this rank's error is raised as it is.  Nothing is written to a destination unless every
-        rank validated.  Returns the plan and the statistics."""
+        rank validated.  Returns the plan and the statistics.
+
+        ``stall_s``: the first phase runs on a thread of its own, and when no read returns for
+        ``stall_s`` seconds (checked every ``stall_s``: given up after at most twice that since the
+        last read) this rank gives up on it -- a :class:`StorageReadError` naming the file, joined
+        to the agreement like any other error.  The abandoned thread keeps the reader's files and
+        its daemon threads until the stalled call returns, then closes them."""
         agree = agree or _no_agreement
         stats = RestoreStats()
-        with cf.ThreadPoolExecutor(self.threads, thread_name_prefix=f"dsm-read-r{self.rank}") as pool:
-            error: BaseException | None = None
-            plan = None
-            try:
-                t0 = time.perf_counter()
-                plan = planner.plan(self)
-                self.validate(plan)
-                stats.plan_s = time.perf_counter() - t0
-                t0 = time.perf_counter()
-                stats.read_bytes = self._warm(plan, pool)
-                if stats.read_bytes:
-                    stats.read_ahead_s = time.perf_counter() - t0
-                t0 = time.perf_counter()
-                stats.verified_bytes = self.verify([it.source for it in plan.items], pool)
-                stats.verify_s = time.perf_counter() - t0
-            except Exception as e:  # noqa: BLE001 - every rank must hear it (an OSError too), not only this one
-                error = e
+        pool = DaemonPool(self.threads, f"dsm-read-r{self.rank}")
+        handed_off = False
+        try:
+            if stall_s is None:
+                plan, error = self._prepare(planner, pool, stats)
+            else:
+                plan, error, handed_off = self._prepare_within(planner, pool, stats, stall_s)
             t0 = time.perf_counter()
             agree(error)
             stats.agree_s = time.perf_counter() - t0
@@ -421,8 +462,71 @@ class CheckpointReader:
                 )
                 del sources
             stats.copy_s = time.perf_counter() - t0
+        finally:
+            if not handed_off:
+                pool.shutdown(wait=True)
         stats.files_opened = len(self.opened)
         return plan, stats
+
+    def _prepare(self, planner: LoadPlanner, pool: cf.Executor, stats: RestoreStats):
+        """The first phase, on this rank only: ``(plan, None)``, or ``(plan or None, the error)``."""
+        plan = None
+        try:
+            t0 = time.perf_counter()
+            plan = planner.plan(self)
+            self.validate(plan)
+            stats.plan_s = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            stats.read_bytes = self._warm(plan, pool)
+            if stats.read_bytes:
+                stats.read_ahead_s = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            stats.verified_bytes = self.verify([it.source for it in plan.items], pool)
+            stats.verify_s = time.perf_counter() - t0
+        except Exception as e:  # noqa: BLE001 - every rank must hear it (an OSError too), not only this one
+            return plan, e
+        return plan, None
+
+    def _prepare_within(self, planner: LoadPlanner, pool: DaemonPool, stats: RestoreStats, stall_s: float):
+        """:meth:`_prepare` on a daemon thread, given up when no read returns for ``stall_s``:
+        ``(plan, error, whether the thread was abandoned)``."""
+        done = threading.Event()
+        box: dict = {}
+
+        def run() -> None:
+            try:
+                box["out"] = self._prepare(planner, pool, stats)
+            finally:
+                with self._deadline_lock:
+                    self._preparing = False
+                    abandoned = self._abandoned
+                done.set()
+                if abandoned:  # the caller is gone: what it would have released is ours
+                    pool.shutdown(wait=False)
+                    self._close_files()
+                    log.info("rank %d: the abandoned read of %s returned; its files are closed", self.rank, self.ckpt)
+
+        with self._deadline_lock:
+            self._preparing = True
+        worker = threading.Thread(target=run, name=f"dsm-restore-r{self.rank}", daemon=True)
+        worker.start()
+        seen = -1
+        while not done.wait(stall_s):
+            if self._progress != seen:
+                seen = self._progress
+                continue
+            with self._deadline_lock:
+                if self._preparing:
+                    self._abandoned = True
+            if not self._abandoned:  # it finished just now
+                break
+            err = StorageReadError(
+                f"rank {self.rank}: {self._reading}: no read returned for {stall_s:.0f} s "
+                f"(ETIMEDOUT: storage stalled); the restore gave up on it",
+                errno.ETIMEDOUT,
+            )
+            return None, err, True
+        return (*box["out"], False)
 
     def execute(self, plan: LoadPlan, agree=None) -> RestoreStats:
         """:meth:`load` of a plan made already."""
@@ -430,6 +534,15 @@ class CheckpointReader:
 
     # ------------------------------------------------------------------ lifecycle
     def close(self) -> None:
+        """Close the files (idempotent); after an abandoned read, the thread stuck in it does once
+        the read returns (unmapping a file under a read in progress is never safe)."""
+        with self._deadline_lock:
+            if self._abandoned and self._preparing:
+                self._closed = True  # no new file is opened (not under ``_lock``: the stalled open holds it)
+                return
+        self._close_files()
+
+    def _close_files(self) -> None:
         with self._lock:
             self._closed = True
             files, self._files = list(self._files.values()), collections.OrderedDict()

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import logging
 import queue
 import threading
+import time
 
 from ..errors import CheckpointError
 
-__all__ = ["QueueThread", "ClosingContext", "close_at_exit", "forget"]
+__all__ = ["QueueThread", "DaemonPool", "ClosingContext", "close_at_exit", "forget"]
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +68,7 @@ class QueueThread:
         restart-safe); ``close()`` still joins it."""
         self._queue: queue.Queue = queue.Queue()
         self._closed = False
+        self._current: tuple | None = None  # (item, time.monotonic() it started): what close() gives up on
         self._thread = threading.Thread(target=self._run, name=name, daemon=daemon)
         self._thread.start()
 
@@ -95,10 +98,70 @@ class QueueThread:
 
     def _run(self) -> None:
         while (item := self._queue.get()) is not None:
-            self._handle(item)
+            self._current = (item, time.monotonic())
+            try:
+                self._handle(item)
+            finally:
+                self._current = None
+
+    def _busy_for(self) -> tuple[object, float] | None:
+        """The item being handled and for how many seconds (``None``: idle)."""
+        current = self._current
+        return None if current is None else (current[0], time.monotonic() - current[1])
 
     def _handle(self, item) -> None:  # pragma: no cover - abstract
         raise NotImplementedError
+
+
+class DaemonPool(cf.Executor):
+    """``workers`` named daemon threads running submitted calls in order of submission.
+
+    For work a caller may have to abandon -- a read the storage never answers: unlike
+    ``ThreadPoolExecutor``'s workers, which the interpreter joins at exit, a daemon thread stuck in
+    such a call does not keep the process from exiting.  ``shutdown(wait=False)`` lets the threads
+    end once their calls return.  Thread-safe."""
+
+    def __init__(self, workers: int, name: str) -> None:
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._shut = False
+        self._threads = [
+            threading.Thread(target=self._run, name=f"{name}_{i}", daemon=True) for i in range(max(1, workers))
+        ]
+        for t in self._threads:
+            t.start()
+
+    def submit(self, fn, /, *args, **kwargs) -> cf.Future:
+        fut: cf.Future = cf.Future()
+        with self._lock:
+            if self._shut:
+                raise RuntimeError("cannot submit to a pool that was shut down")
+            self._queue.put((fut, fn, args, kwargs))
+        return fut
+
+    def _run(self) -> None:
+        while (item := self._queue.get()) is not None:
+            fut, fn, args, kwargs = item
+            if not fut.set_running_or_notify_cancel():
+                continue
+            try:
+                fut.set_result(fn(*args, **kwargs))
+            except BaseException as e:  # noqa: BLE001 - handed to the caller through the future
+                fut.set_exception(e)
+
+    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+        with self._lock:
+            if not self._shut:
+                self._shut = True
+                for _ in self._threads:
+                    self._queue.put(None)
+        if wait:
+            for t in self._threads:
+                t.join()
+
+    @property
+    def threads(self) -> list[threading.Thread]:
+        return list(self._threads)
 
 
 class ClosingContext:

@@ -49,7 +49,7 @@ from ..format.tagged_json import encode_objects
 from ..options import EngineOptions
 from ..fs.page_cache import memory_backed
 from ..fs.safe_io import open_dir
-from ..runtime.threads import ClosingContext, close_at_exit, forget
+from ..runtime.threads import ClosingContext, DaemonPool, close_at_exit, forget
 from ..format.writer import ALIGN, RankFileWriter, tail_offset
 
 __all__ = ["SnapshotEngine", "SaveHandle"]
@@ -191,7 +191,9 @@ class SnapshotEngine(ClosingContext):
         self.gate_wait_s = 0.0
         self.slot_wait_s = 0.0
         self.source_bytes = 0  # bytes written straight from registered tensors (no cache copy)
-        self._flush_pool = cf.ThreadPoolExecutor(opts.flush_threads, thread_name_prefix=f"dsm-flush-r{opts.rank}")
+        # daemon threads: a write the storage never returns must not keep the process from exiting
+        # (close() gives up on it, bounded; the interpreter joins ThreadPoolExecutor's workers)
+        self._flush_pool = DaemonPool(opts.flush_threads, f"dsm-flush-r{opts.rank}")
         self._thread = threading.Thread(target=self._copy_loop, name=f"dsm-copier-r{opts.rank}", daemon=False)
         self._thread.start()
         close_at_exit(self)
@@ -399,14 +401,40 @@ class SnapshotEngine(ClosingContext):
                 if self._mapped is not None:
                     self._mapped.close()
             else:  # storage is stuck: report instead of hanging on the blocked writes
+                given_up = self._abandon_pending()
                 self.cache.close()
                 self._thread.join(self.options.timeout_s)
-                self._flush_pool.shutdown(wait=False, cancel_futures=True)
+                # queued regions still run, as no-ops (their version failed): the last one to
+                # return closes and removes its file
+                self._flush_pool.shutdown(wait=False)
                 log.error(
-                    "rank %d: closed with writes still blocked in storage; their versions are not durable",
+                    "rank %d: close() gave up on %d version(s) whose writes the storage has not returned: %s; "
+                    "not durable, never committed (the last committed checkpoint stays the latest); each file "
+                    "is closed and removed once its writes return",
                     self.options.rank,
+                    len(given_up),
+                    "; ".join(given_up),
                 )
         self._raise_pending()
+
+    def _abandon_pending(self) -> list[str]:
+        """Fail every version still pending (close() gives up on them): what is still queued for it
+        does nothing, and the flush thread finishing its last region closes and removes the file.
+        Returns ``"<file> (N s in flight)"`` for each."""
+        now = time.perf_counter()
+        with self._pending_lock:
+            jobs = list(self._pending.values())
+        out = []
+        for job in jobs:
+            s = now - job.t_save
+            err = CacheTimeoutError(
+                f"rank {self.options.rank}: version {job.version}: {job.path}: given up at close() after "
+                f"{s:.0f} s in flight: the storage has not returned its write"
+            )
+            with job.lock:
+                job.error = job.error or err
+            out.append(f"{job.path} ({s:.0f} s in flight)")
+        return out
 
     def __del__(self) -> None:
         if not getattr(self, "_closed", True):

@@ -32,6 +32,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import logging
+import os
 import threading
 import time
 
@@ -41,7 +42,7 @@ from ..errors import CacheTimeoutError, CommitError, LockLostError
 from ..runtime.faults import crash_point
 from ..format.global_index import Summaries
 from ..format.manifest import Manifest, RankRecord
-from ..names import rank_file_name, rank_file_names
+from ..names import iter_dir, rank_file_name, rank_file_names
 from ..dist.store_channel import StoreChannel
 from ..runtime.threads import QueueThread
 
@@ -199,7 +200,21 @@ class Committer(QueueThread):
         self.skipped = 0  # checkpoints abandoned because some rank skipped its save (commit thread writes)
         self.rounds = 0  # commit rounds run (one gather and broadcast each): what a stall costs after it
         self._absorb_to = 0  # the tickets up to this sequence number were abandoned with an earlier one
-        super().__init__(f"dsm-commit-r{rank}" + (f"-{spec.name}" if spec.node_local else ""))
+        # a daemon: a storage call that never returns (an unlink behind a held write) must not keep
+        # the process from exiting; close() joins it, bounded, and says what it gave up on.  A
+        # commit cut short at exit is a crash at that point, which the commit protocol survives
+        super().__init__(f"dsm-commit-r{rank}" + (f"-{spec.name}" if spec.node_local else ""), daemon=True)
+
+    def _busy_with(self) -> str:
+        """The checkpoint being committed (or abandoned) and this rank's file of it: a storage call
+        on it has not returned (a rank file's unlink behind a held write, the manifest's write)."""
+        busy = self._busy_for()
+        queued = f"{self._queue.qsize()} item(s) still queued"
+        if busy is None or not isinstance(busy[0], Ticket):
+            return queued
+        ticket, seconds = busy
+        path = os.path.join(iter_dir(self.root, ticket.iteration), ticket.file_name(self.rank))
+        return f"iteration {ticket.iteration} ({path}), in a storage call not returned for {seconds:.0f} s; {queued}"
 
     def submit(self, ticket: Ticket) -> None:
         with self._lock:
