@@ -5,9 +5,13 @@ and what it measured of each ``iter_*`` entry; the states and the latest are dec
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from ..engine.errors import CheckpointAccessError, CheckpointError, FormatVersionError, NoCheckpointError
-from ..engine.format.manifest import Manifest, parse_tracker
 from .common import JSON_SCHEMA
+
+if TYPE_CHECKING:  # the engine's format modules need the runtime dependencies: `where` and `patch` do not
+    from ..engine.format.manifest import Manifest
 
 __all__ = ["checkpoint_row", "ls_document"]
 
@@ -78,6 +82,8 @@ def ls_document(
         latest_error = str(e)
     for row in rows:
         row["latest"] = latest is not None and row["iteration"] == latest and row["state"] == "committed"
+    from ..engine.format.manifest import parse_tracker
+
     tracker = parse_tracker(tracker_text)  # ASCII digits only
     return {
         "schema": JSON_SCHEMA,
