@@ -11,7 +11,11 @@ lag).  S3's strong read-after-write consistency makes a manifest visible to ever
 PUT returns.  The one-writer lock is a lease object (:mod:`.lock`), checked before each manifest
 and each deletion.  Retention (the writer's deleter thread, as on POSIX) deletes a checkpoint
 manifest first, then the objects we wrote under it; nothing we did not write is deleted, and
-nothing outside the prefix is touched.
+nothing outside the prefix is touched.  As the POSIX tier, the writer knows what it committed: the
+checkpoints kept come from the start-up survey (:meth:`ObjectTier.clean`) and the manifests it wrote
+since, so a commit and its retention send the same requests whatever the number of checkpoints
+kept (a listing of the iteration deleted and of the one committed, never one of every prefix nor a
+HEAD of every kept manifest).
 
 Thread-safety: as :class:`..tiers.tier.Tier`.
 """
@@ -87,8 +91,12 @@ class ObjectTier:
         self._followers: list[tuple] = []
         self._manifests = ManifestCache()
         self._deleter: Deleter | None = None
-        self._deleter_lock = threading.Lock()
+        self._deleter_lock = threading.Lock()  # guards the deleter, _kept and _written
         self._next_seq = 0
+        # the writer's committed checkpoints: iteration -> commit_seq (None: not surveyed yet), and
+        # the manifests it wrote lately (their rank-object names: the strays of a re-save)
+        self._kept: dict[int, int] | None = None
+        self._written: dict[int, Manifest] = {}
 
     @property
     def is_writer(self) -> bool:
@@ -150,6 +158,9 @@ class ObjectTier:
         if removed:
             log.info("rank %d: removed %d leftover object(s) of ours under %s", self.rank, removed, self.root)
         self._next_seq = max((m.commit_seq for m in found.committed.values()), default=-1) + 1
+        with self._deleter_lock:
+            kept = {it: m.commit_seq for it, m in found.committed.items()}
+            self._kept = {**kept, **(self._kept or {})}
 
     def ensure_run_id(self) -> str:
         """The id of this save location's run (``.datastates.run``, :mod:`..tiers.run_id`), created
@@ -228,7 +239,16 @@ class ObjectTier:
         self._manifests.remember(key, receipt.etag, manifest)
 
     def manifest_written(self, manifest: Manifest) -> None:
-        """Already remembered by :meth:`write_manifest` (with the tag the PUT returned)."""
+        """Counted among the checkpoints kept (never read back: the tier knows what it wrote); the
+        newest few manifests are kept for their rank-object names (the superseded objects of a
+        re-save)."""
+        with self._deleter_lock:
+            if self._kept is not None:
+                self._kept[manifest.iteration] = manifest.commit_seq
+            self._written.pop(manifest.iteration, None)
+            self._written[manifest.iteration] = manifest
+            while len(self._written) > 4:
+                self._written.pop(next(iter(self._written)))
 
     def write_tracker(self, iteration: int) -> None:
         self.storage.put_bytes(TRACKER_NAME, f"{iteration}".encode())
@@ -283,19 +303,39 @@ class ObjectTier:
         for _, keep in self._followers:
             if keep is not None:
                 protected |= keep()
-        # the iterations and their manifests only (O(checkpoints kept) requests); the objects of an
-        # iteration are listed when it is deleted or cleaned
-        found = survey_committed(self.storage, self._manifests)
-        for it in select_deletions(found.order, self.keep_last, self.keep_every, protected):
+        order, manifest = self._commit_order(just)
+        for it in select_deletions(order, self.keep_last, self.keep_every, protected):
             crash_point("retention", self.rank)
-            self.delete_checkpoint(self._with_objects(found, it), it)
+            self.delete_checkpoint(self._with_objects(_EMPTY, it), it)  # one listing of that prefix
+            with self._deleter_lock:
+                self._kept.pop(it, None)
+                self._written.pop(it, None)
             log.info("rank %d: retention deleted %s", self.rank, self.storage.url(iter_prefix(it)))
-        if just.iteration in found.committed:  # superseded objects of this iteration's earlier saves
-            found = self._with_objects(found, just.iteration)
+        if manifest is not None:  # superseded objects of this iteration's earlier saves
+            found = self._with_objects(
+                dataclasses.replace(_EMPTY, committed={just.iteration: manifest}), just.iteration
+            )
             keep = {rank_file_name(r, t.token or self.token, t.seq) for t in (just, *outstanding) for r in self.writes}
             for name in found.strays(just.iteration):
                 if name not in keep:
                     self.storage.delete(iter_prefix(just.iteration) + name)
+
+    def _commit_order(self, just) -> tuple[list[int], Manifest | None]:
+        """The checkpoints committed here, oldest commit first, and the manifest of ``just``'s
+        iteration (``None``: not written by this writer), from what the tier knows; only a tier
+        whose start-up survey was never taken (:meth:`clean`) surveys, once."""
+        with self._deleter_lock:
+            surveyed = self._kept is not None
+        if not surveyed:
+            found = survey_committed(self.storage, self._manifests)
+            with self._deleter_lock:
+                if self._kept is None:
+                    self._kept = {it: m.commit_seq for it, m in found.committed.items()}
+                    for it, m in self._written.items():  # written while the survey ran
+                        self._kept.setdefault(it, m.commit_seq)
+        with self._deleter_lock:
+            order = sorted(self._kept, key=lambda it: (self._kept[it], it))
+            return order, self._written.get(just.iteration)
 
     def _with_objects(self, found: ObjectSurvey, iteration: int) -> ObjectSurvey:
         """``found`` with every object of ``iteration`` listed (one listing of that prefix)."""
@@ -304,8 +344,9 @@ class ObjectTier:
         return dataclasses.replace(found, objects={**found.objects, iteration: names})
 
     def delete_checkpoint(self, found: ObjectSurvey, iteration: int) -> None:
-        """Manifest first (only the one surveyed: a manifest rewritten since is not ours to delete),
-        then every object we wrote under the iteration; others stay."""
+        """Manifest first (only the one listed: a manifest rewritten since is not ours to delete),
+        then every object we wrote under the iteration; others stay.  A manifest already gone (an
+        operator's deletion) leaves the objects to delete."""
         names = found.objects.get(iteration, {})
         manifest = names.get(MANIFEST_NAME)
         if manifest is not None:
@@ -314,6 +355,8 @@ class ObjectTier:
             except ObjectExistsError:
                 log.warning("%s: rewritten since it was surveyed; not deleted", self.storage.url(manifest.key))
                 return
+            except ObjectMissingError:
+                log.info("%s: already deleted", self.storage.url(manifest.key))
         crash_point("retention_files")
         for name, info in names.items():
             if name != MANIFEST_NAME and is_ours_in_iteration(name):
@@ -332,6 +375,9 @@ class ObjectTier:
 
     def __repr__(self) -> str:  # pragma: no cover - for logs
         return f"ObjectTier({self.root!r}, rank={self.rank}, pid={os.getpid()})"
+
+
+_EMPTY = ObjectSurvey("", {}, {}, {}, ())
 
 
 def _is_our_key(key: str) -> bool:
