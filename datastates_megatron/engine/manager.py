@@ -887,8 +887,10 @@ class CheckpointManager(ClosingContext):
         (agreed: every rank reads object storage alike, never a node's copy beside it)."""
         if view is not None and is_object_url(root):  # this rank's object, its record from rank 0
             view = self._fetch_own(view)
+        elif is_object_url(root) and planner is not None:  # the byte ranges the plan reads, of any rank
+            return self._load_ranges(iteration, verify, planner)
         elif is_object_url(root):  # every rank's objects (and the whole manifest) fetched, read locally
-            root, iteration = self._fetched(iteration, every_rank=planner is not None)
+            root, iteration = self._fetched(iteration, every_rank=False)
         if view is not None:
             ckpt, manifest, partial = view.ckpt, view.manifest, True
         else:
@@ -913,6 +915,58 @@ class CheckpointManager(ClosingContext):
             stats.bytes,
         )
         return LoadResult(iteration, plan.objects, manifest.metadata, stats, root, plan.kind)
+
+    def _load_ranges(self, iteration: int, verify: bool | None, planner: LoadPlanner) -> LoadResult:
+        """Collective: restore ``iteration`` of the persistent tier on object storage as ``planner``
+        plans it (a reshard: parts of other ranks' objects), fetching by ranged GETs only the rank
+        objects' metadata and the chunks the plan reads (:mod:`.storage.ranges`), into
+        ``<local tier>/fetched/ranges-r<rank>/`` -- this rank's, emptied before and removed after."""
+        from .storage.fetch import fetch_manifest
+        from .storage.ranges import RangeFetcher
+        from .tiers.retention import remove_ours
+
+        from .names import iteration_of
+
+        storage = self.persistent.storage
+        err, manifest, work, d = None, None, "", ""
+        try:
+            work = os.path.join(self._fetch_root(iteration), f"ranges-r{self.rank}")
+            d = iter_dir(work, iteration)
+            for name in os.listdir(work) if os.path.isdir(work) else ():  # a killed load's leftovers (ours)
+                if iteration_of(name) is not None:
+                    remove_ours(os.path.join(work, name), self.rank)
+            make_dir(d)
+            manifest = fetch_manifest(storage, iteration)
+        except Exception as e:  # noqa: BLE001 - every rank must hear it
+            err = e
+        if err is not None:
+            self._agree_error(err)  # the reader's agreement is then never reached on any rank
+            raise err
+        fetcher = RangeFetcher(storage, manifest, d, threads=self.restore_threads)
+        planner = planner or SameLayoutPlanner(self.engine.registered, self.world_size, self.layout)
+        verify = self.verify_on_load if verify is None else verify
+        try:
+            with CheckpointReader(
+                d, manifest, rank=self.rank, verify=verify, threads=self.restore_threads, fetcher=fetcher
+            ) as reader:
+                plan, stats = reader.load(planner, agree=self._agree_error)
+        finally:
+            remove_ours(d, self.rank)
+            try:
+                os.rmdir(work)
+            except OSError:
+                pass  # another entry there: not ours to remove
+        log.info(
+            "rank %d: loaded iteration %d from %s (%s plan, %d bytes; %d fetched by %d ranged GETs)",
+            self.rank,
+            iteration,
+            storage.url(f"iter_{iteration:07d}"),
+            plan.kind,
+            stats.bytes,
+            fetcher.fetched_bytes,
+            fetcher.requests,
+        )
+        return LoadResult(iteration, plan.objects, manifest.metadata, stats, self.root, plan.kind)
 
     def _resolve(self, root: str, iteration: int | None) -> Resolved:
         """:func:`.load.resolve.resolve` of ``root`` for this world (collective): rank 0 reads, each rank
