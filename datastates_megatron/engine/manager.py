@@ -39,7 +39,7 @@ from .errors import (
 from .runtime.faults import hold_point
 from .format.global_index import encode_summary
 from .format.manifest import Manifest, RankRecord, read_manifest
-from .names import REPLICAS_DIR, RUN_SUBDIR_PREFIX, iter_dir, rank_file_name
+from .names import INDEX_NAME, REPLICAS_DIR, RUN_SUBDIR_PREFIX, iter_dir, rank_file_name
 from .options import EngineOptions, ManagerOptions
 from .load.load_plan import LoadPlanner, SameLayoutPlanner
 from .load.reader import CheckpointReader, RestoreStats, open_checkpoint
@@ -72,6 +72,22 @@ log = logging.getLogger(__name__)
 _LONGEST_NAME = os.path.join("iter_0000000000", rank_file_name(99999, "f" * 16, 999999) + ".tmp-4194304")
 # ... and under a node-local root: in this run's directory, a replica held for another rank
 _LONGEST_LOCAL = os.path.join(RUN_SUBDIR_PREFIX + "f" * 16, REPLICAS_DIR, "r99999", _LONGEST_NAME)
+
+
+def _fetch_global_index(storage, iteration: int, d: str) -> None:
+    """Copy checkpoint ``iteration``'s global index object, if it has one within the index's size
+    cap, into ``d`` (the planner checks it against the manifest, and against the rank files it opens)."""
+    from .format.global_index import INDEX_MAX_BYTES
+    from .fs.durable import atomic_write
+    from .storage.survey import iter_prefix
+
+    info = storage.head(iter_prefix(iteration) + INDEX_NAME)
+    if info is None:
+        return
+    if info.size > INDEX_MAX_BYTES:
+        log.warning("%s: %d bytes, over the index cap; planning without it", storage.url(info.key), info.size)
+        return
+    atomic_write(os.path.join(d, INDEX_NAME), storage.get(info.key))
 
 
 def _no_check(manifest, ckpt) -> bool:
@@ -937,6 +953,7 @@ class CheckpointManager(ClosingContext):
                     remove_ours(os.path.join(work, name), self.rank)
             make_dir(d)
             manifest = fetch_manifest(storage, iteration)
+            _fetch_global_index(storage, iteration, d)  # the plan then opens only the objects it reads
         except Exception as e:  # noqa: BLE001 - every rank must hear it
             err = e
         if err is not None:
