@@ -8,10 +8,11 @@ import os
 import stat
 import time
 
-from ..engine.errors import CheckpointError, FormatVersionError, NoCheckpointError
+from ..engine.errors import CheckpointError, NoCheckpointError
 from ..engine.names import RANK_FILE_SUFFIX, TRACKER_NAME
 from ..engine.storage.url import is_object_url
-from .common import JSON_SCHEMA, age, emit, exit_for, human, strip_path
+from .common import age, emit, exit_for, human, strip_path
+from .ls_rows import checkpoint_row, ls_document
 
 __all__ = ["list_checkpoints", "run"]
 
@@ -37,8 +38,7 @@ def _dir_usage(path: str) -> tuple[int, int, float | None]:
 def list_checkpoints(save_dir: str) -> dict:
     """Every ``iter_*`` directory of ``save_dir`` with its state, as the tier's own survey
     (:func:`.engine.tiers.tier.survey`: what a load would pick) classifies it; the ``ls --json`` document."""
-    from ..engine.errors import CheckpointAccessError
-    from ..engine.format.manifest import parse_tracker, read_tracker_text
+    from ..engine.format.manifest import read_tracker_text
     from ..engine.names import iter_dir
     from ..engine.tiers.foreign import find_foreign
     from ..engine.tiers.tier import survey
@@ -55,78 +55,32 @@ def list_checkpoints(save_dir: str) -> dict:
         raise NoCheckpointError(f"{save_dir}: not a directory")
     save_dir = os.path.abspath(save_dir)
     now = time.time()
-    rows = []
     foreign = {f.path: f.format for f in find_foreign(save_dir)}
     release = [p for p in foreign if os.path.basename(p) == "release"]
     found = survey(save_dir)
+    rows = []
     for it, d in [(None, p) for p in release] + [(it, iter_dir(save_dir, it)) for it in found.iterations]:
         size, files, newest = _dir_usage(d)
-        row = {
-            "iteration": it,
-            "path": d,
-            "state": "uncommitted",
-            "format": None,
-            "tier": None,
-            "world_size": None,
-            "bytes": size,
-            "data_bytes": None,
-            "files": files,
-            "commit_seq": None,
-            "created": newest,
-            "age_s": None if newest is None else now - newest,
-            "latest": False,
-            "error": None,
-        }
-        if d in foreign:
-            row.update(state="foreign", format=foreign[d])
-            rows.append(row)
-            continue
-        m, e = found.committed.get(it), found.damaged.get(it)
-        if isinstance(e, CheckpointAccessError):  # permission denied: not ours to read, not damaged
-            row.update(state="unreadable", error=str(e))
-        elif isinstance(e, FormatVersionError):  # a newer version's: not damaged, and never removed
-            row.update(state="newer", error=str(e))
-        elif e is not None:
-            row.update(state="damaged", error=str(e))
-        elif m is not None:
-            row.update(
-                state="committed",
-                tier=m.tier,
-                world_size=m.world_size,
-                data_bytes=m.total_bytes,
-                commit_seq=m.commit_seq,
-                created=m.created,
-                age_s=now - m.created,
+        rows.append(
+            checkpoint_row(
+                it,
+                d,
+                size=size,
+                files=files,
+                created=newest,
+                now=now,
+                manifest=found.committed.get(it),
+                error=found.damaged.get(it),
+                foreign=foreign.get(d),
             )
-        rows.append(row)
-    latest, latest_error = None, None
-    try:
-        latest = found.latest()
-    except NoCheckpointError:
-        pass
-    except (CheckpointError, OSError) as e:
-        latest_error = str(e)
-    for row in rows:
-        row["latest"] = latest is not None and row["iteration"] == latest and row["state"] == "committed"
+        )
     tracker_readable = True
     try:
         tracker_text = read_tracker_text(save_dir)  # not through a link, size-capped
     except CheckpointError as e:
         tracker_readable = False
         tracker_text = f"<unreadable: {strip_path(str(e), os.path.join(save_dir, TRACKER_NAME))}>"
-    tracker = parse_tracker(tracker_text)  # ASCII digits only
-    return {
-        "schema": JSON_SCHEMA,
-        "command": "ls",
-        "save_dir": save_dir,
-        "checkpoints": rows,
-        "latest": latest,
-        "latest_error": latest_error,
-        "tracker": tracker,
-        "tracker_text": tracker_text,
-        # an unreadable tracker agrees with nothing, not even with "no checkpoint"
-        "tracker_agrees": None if tracker_text is None or latest_error or not tracker_readable else tracker == latest,
-    }
+    return ls_document(save_dir, rows, found, tracker_text, tracker_readable)
 
 
 def _render_ls(doc: dict) -> None:
@@ -181,7 +135,7 @@ def run(args: argparse.Namespace) -> int:
     if is_object_url(args.save_dir):  # s3://, msc://
         from .objects import list_object_checkpoints
 
-        doc = list_object_checkpoints(args.save_dir, JSON_SCHEMA)
+        doc = list_object_checkpoints(args.save_dir)
     else:
         doc = list_checkpoints(args.save_dir)
     emit(doc) if args.json else _render_ls(doc)

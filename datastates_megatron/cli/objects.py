@@ -14,10 +14,10 @@ import os
 import tempfile
 import time
 
-from ..engine.errors import CheckpointError, FormatVersionError, NoCheckpointError
-from ..engine.format.manifest import parse_tracker
+from ..engine.errors import CheckpointError, NoCheckpointError
 from ..engine.names import TRACKER_NAME, iteration_of
 from ..engine.storage import ObjectMissingError, open_storage
+from .ls_rows import checkpoint_row, ls_document
 
 __all__ = ["list_object_checkpoints", "verify_object_checkpoint", "inspect_object_checkpoint", "split_checkpoint_url"]
 
@@ -31,75 +31,35 @@ def split_checkpoint_url(url: str) -> tuple[str, int]:
     return head, it
 
 
-def list_object_checkpoints(save_url: str, schema: int) -> dict:
+def list_object_checkpoints(save_url: str) -> dict:
     """The ``ls --json`` document of the save location ``save_url``."""
     from ..engine.storage.survey import survey_objects
 
     with open_storage(save_url) as st:
         found = survey_objects(st)
         now = time.time()
-        rows = []
         foreign = found.foreign()
+        rows = []
         for it in found.iterations:
             objs = found.objects[it]
-            row = {
-                "iteration": it,
-                "path": st.url(f"iter_{it:07d}"),
-                "state": "uncommitted",
-                "format": None,
-                "tier": None,
-                "world_size": None,
-                "bytes": sum(o.size for o in objs.values()),
-                "data_bytes": None,
-                "files": len(objs),
-                "commit_seq": None,
-                "created": None,
-                "age_s": None,
-                "latest": False,
-                "error": None,
-            }
-            m = found.committed.get(it)
-            if m is not None:
-                row.update(
-                    state="committed",
-                    tier=m.tier,
-                    world_size=m.world_size,
-                    data_bytes=m.total_bytes,
-                    commit_seq=m.commit_seq,
-                    created=m.created,
-                    age_s=now - m.created,
+            rows.append(
+                checkpoint_row(
+                    it,
+                    st.url(f"iter_{it:07d}"),
+                    size=sum(o.size for o in objs.values()),
+                    files=len(objs),
+                    created=None,
+                    now=now,
+                    manifest=found.committed.get(it),
+                    error=found.damaged.get(it),
+                    foreign=("torch_dist" if ".metadata" in objs else "unknown") if it in foreign else None,
                 )
-            elif it in found.damaged:
-                err = found.damaged[it]
-                row.update(state="newer" if isinstance(err, FormatVersionError) else "damaged", error=str(err))
-            elif it in foreign:
-                row.update(state="foreign", format="torch_dist" if ".metadata" in objs else "unknown")
-            rows.append(row)
-        latest, latest_error = None, None
-        try:
-            latest = found.latest()
-        except NoCheckpointError:
-            pass
-        except CheckpointError as e:
-            latest_error = str(e)
-        for row in rows:
-            row["latest"] = row["state"] == "committed" and row["iteration"] == latest
+            )
         try:
             tracker_text = st.get(TRACKER_NAME)[:64].decode("utf-8", "replace").strip()
         except ObjectMissingError:
             tracker_text = None
-    tracker = parse_tracker(tracker_text)
-    return {
-        "schema": schema,
-        "command": "ls",
-        "save_dir": save_url,
-        "checkpoints": rows,
-        "latest": latest,
-        "latest_error": latest_error,
-        "tracker": tracker,
-        "tracker_text": tracker_text,
-        "tracker_agrees": None if tracker_text is None or latest_error else tracker == latest,
-    }
+    return ls_document(save_url, rows, found, tracker_text)
 
 
 def verify_object_checkpoint(url: str, verify_dir, **options) -> dict:

@@ -93,6 +93,18 @@ def _add_ls(sub, fmt) -> None:
     )
 
 
+def _add_checkpoint_args(cmd, fetched: str) -> None:
+    """The arguments ``inspect`` and ``verify`` share: the checkpoint (a directory or its URL, whose
+    rank objects are fetched, then ``fetched``) and ``--rank``."""
+    cmd.add_argument(
+        "ckpt_dir",
+        metavar="CKPT_DIR",
+        help="one checkpoint directory, e.g. SAVE_DIR/iter_0000100, or its URL (s3://bucket/prefix/iter_0000100: its "
+        f"rank objects are fetched into a temporary directory under TMPDIR{fetched})",
+    )
+    cmd.add_argument("--rank", type=int, metavar="N", help="only rank N (default: every rank)")
+
+
 def _add_inspect(sub, fmt) -> None:
     """``inspect CKPT_DIR``: what one checkpoint holds."""
     ins = sub.add_parser(
@@ -108,13 +120,7 @@ def _add_inspect(sub, fmt) -> None:
             "Reads indexes only; use `verify` to check the tensor bytes."
         ),
     )
-    ins.add_argument(
-        "ckpt_dir",
-        metavar="CKPT_DIR",
-        help="one checkpoint directory, e.g. SAVE_DIR/iter_0000100, or its URL (s3://bucket/prefix/iter_0000100: its "
-        "rank objects are fetched into a temporary directory under TMPDIR)",
-    )
-    ins.add_argument("--rank", type=int, metavar="N", help="only rank N (default: every rank)")
+    _add_checkpoint_args(ins, fetched="")
     ins.add_argument(
         "--tensors", action="store_true", help="list every tensor (name, dtype, shape, bytes, checksum chunks)"
     )
@@ -143,13 +149,7 @@ def _add_verify(sub, fmt) -> None:
             "between tensors is not covered by checksums (it holds no data)."
         ),
     )
-    ver.add_argument(
-        "ckpt_dir",
-        metavar="CKPT_DIR",
-        help="one checkpoint directory, e.g. SAVE_DIR/iter_0000100, or its URL (s3://bucket/prefix/iter_0000100: its "
-        "rank objects are fetched into a temporary directory under TMPDIR and checked there)",
-    )
-    ver.add_argument("--rank", type=int, metavar="N", help="only rank N (default: every rank)")
+    _add_checkpoint_args(ver, fetched=" and checked there")
     ver.add_argument("--threads", type=int, metavar="N", help="hashing threads (default: min(8, CPUs))")
     ver.add_argument("-q", "--quiet", action="store_true", help="no progress")
     ver.add_argument(

@@ -39,15 +39,16 @@ from .errors import (
 from .runtime.faults import hold_point
 from .format.global_index import encode_summary
 from .format.manifest import Manifest, RankRecord, read_manifest
-from .names import INDEX_NAME, REPLICAS_DIR, RUN_SUBDIR_PREFIX, iter_dir, rank_file_name
+from .names import INDEX_NAME, LONGEST_RANK_FILE_NAME, REPLICAS_DIR, RUN_SUBDIR_PREFIX, iter_dir
 from .options import EngineOptions, ManagerOptions
 from .load.load_plan import LoadPlanner, SameLayoutPlanner
 from .load.reader import CheckpointReader, RestoreStats, open_checkpoint
 from .fs.iteration_dir import prepare_iteration_dir
-from .tiers.replication import Replication, clique_of, replication_plan
+from .tiers.replica_strategy import clique_of, replication_plan
+from .tiers.replication import Replication
 from .names import RUN_ID_NAME
 from .tiers.reclaim import mark_ended, reclaim_finished_runs, unmark_ended
-from .tiers.run_id import ensure_run_id, run_subdir
+from .tiers.run_id import run_subdir
 from .fs.safe_io import check_path_fits, make_dir, make_root
 from .storage.url import is_object_url
 from .save.snapshot import SnapshotEngine
@@ -62,14 +63,13 @@ from .tiers.tier import (
     committed_saves,
     latest_to_resume,
     report_other_runs,
-    survey,
 )
 
 __all__ = ["CheckpointManager", "LoadResult", "RestoreChoice"]
 
 log = logging.getLogger(__name__)
 # the longest path we create under a tier's root: a temp name beside a rank file in an iter_* directory
-_LONGEST_NAME = os.path.join("iter_0000000000", rank_file_name(99999, "f" * 16, 999999) + ".tmp-4194304")
+_LONGEST_NAME = os.path.join("iter_0000000000", LONGEST_RANK_FILE_NAME + ".tmp-4194304")
 # ... and under a node-local root: in this run's directory, a replica held for another rank
 _LONGEST_LOCAL = os.path.join(RUN_SUBDIR_PREFIX + "f" * 16, REPLICAS_DIR, "r99999", _LONGEST_NAME)
 
@@ -239,6 +239,7 @@ class CheckpointManager(ClosingContext):
         self._closed = False
         self._summarize = summarize
         self._summary_stale = summarize is not None
+        self._summary: tuple[bytes, int] | None = None  # this rank's, sent with each save's ticket
         self.last_commit: CommitRecord | None = None
         self._world = Collective()  # the default group: start-up, restore and tier agreements
         self.token = token = self._agree_token()
@@ -395,21 +396,15 @@ class CheckpointManager(ClosingContext):
             for root, longest in ((self.root, _LONGEST_NAME), (self.local_base, _LONGEST_LOCAL)):
                 if root and not is_object_url(root):  # ENAMETOOLONG now, not mid-save
                     check_path_fits(root, longest)
-            if self.persistent.is_writer and self.objects:
+            if self.persistent.is_writer:
+                if not self.objects:
+                    make_root(self.root)
                 found = self.persistent.survey()
                 self._save_empty = not found.committed and not found.damaged
                 self.persistent.refuse_foreign(found)  # read-only: before the lock
                 self.persistent.acquire()
                 self.persistent.clean(found)
                 run_id = int(self.persistent.ensure_run_id(), 16)
-            elif self.persistent.is_writer:
-                make_root(self.root)
-                found = survey(self.root)
-                self._save_empty = not found.committed and not found.damaged
-                self.persistent.refuse_foreign(found)  # read-only: before the lock
-                self.persistent.acquire()
-                self.persistent.clean(found)
-                run_id = int(ensure_run_id(self.root), 16)
         except Exception as e:  # noqa: BLE001 - every rank must hear it, not only this one
             self._agree_start(e)
             raise
@@ -427,6 +422,7 @@ class CheckpointManager(ClosingContext):
             keep_last=self.policy.local_keep_last,
             recycle_files=self.policy.recycle_files,
             run_id=self.run_id,
+            node_local=True,
         )
         try:
             if self.local.is_writer:
@@ -482,13 +478,14 @@ class CheckpointManager(ClosingContext):
         self.engine.clear()
         self._summary_stale = self._summarize is not None
 
-    def _refresh_summary(self) -> None:
-        """This rank's global-index summary, recomputed when its registrations changed."""
-        if not self._summary_stale:
-            return
-        self._summary_stale = False
-        doc = self._summarize(self.engine.registered, self.engine.registered_meta)
-        self.persistent.summary = encode_summary(doc) if doc is not None else None
+    def _current_summary(self) -> tuple[bytes, int] | None:
+        """This rank's global-index summary (recomputed when its registrations changed): carried
+        by each save's ticket to the commit that writes the global index."""
+        if self._summary_stale:
+            self._summary_stale = False
+            doc = self._summarize(self.engine.registered, self.engine.registered_meta)
+            self._summary = encode_summary(doc) if doc is not None else None
+        return self._summary
 
     # ------------------------------------------------------------------ save path
     def save(self, iteration: int, objects=None, metadata: dict | None = None, *, final: bool = False) -> bool:
@@ -504,16 +501,18 @@ class CheckpointManager(ClosingContext):
         hold_point("save")
         self._surface_errors()
         self._seq += 1
-        self._refresh_summary()
+        ticket = Ticket(
+            iteration, self._seq, None, dict(metadata or {}), 0.0, self.token, summary=self._current_summary()
+        )
         tier = self._first_tier
         d = iter_dir(tier.root, iteration)
         behind = self._behind() if final or self.policy.when_behind == "skip" else None
         if behind and not final:
-            return self._skip(iteration, metadata, behind)
+            return self._skip(ticket, behind)
         t_wait = time.perf_counter()
         error = None
         try:
-            name = rank_file_name(self.rank, self.token, self._seq)
+            name = ticket.file_name(self.rank)
             path = os.path.join(d, name)
             # overwrite a retired rank file in place when there is one (a listdir and a rename: done on
             # a flush thread just before the file is opened, not here on the training thread)
@@ -525,7 +524,7 @@ class CheckpointManager(ClosingContext):
         except OSError as e:  # the save path raises CheckpointError only: a raw one must not escape
             error, handle = FlushError(f"rank {self.rank}: iteration {iteration}: {d}: save failed: {e}"), None
             error.__cause__ = e
-        t_save = time.perf_counter()
+        ticket.t_save = t_save = time.perf_counter()
         if behind:  # a final save: it waited (bounded by timeout_s) rather than be skipped
             log.warning(
                 "rank %d: final checkpoint of iteration %d waited %.1f s for storage of %s (%s)",
@@ -538,13 +537,14 @@ class CheckpointManager(ClosingContext):
         if handle is None:
             # the other ranks still expect this rank in the agreement for this sequence number: the
             # failed ticket goes in before the error is raised (on_error="raise") or logged
-            failed: cf.Future = cf.Future()
-            failed.set_exception(CheckpointError("save did not start"))
-            tier.submit(Ticket(iteration, self._seq, failed, dict(metadata or {}), t_save))
+            ticket.durable = cf.Future()
+            ticket.durable.set_exception(CheckpointError("save did not start"))
+            tier.submit(ticket)
             self._handle(error)
             return False
         self._stalls.staged(iteration)
-        tier.submit(Ticket(iteration, self._seq, handle.durable, dict(metadata or {}), t_save))
+        ticket.durable = handle.durable
+        tier.submit(ticket)
         return True
 
     def _behind(self) -> str | None:
@@ -557,15 +557,16 @@ class CheckpointManager(ClosingContext):
             return f"{len(waiting)} checkpoint(s) written, waiting for the other ranks' (iterations {_span(waiting)})"
         return self.engine.behind()
 
-    def _skip(self, iteration: int, metadata: dict | None, why: str) -> bool:
-        """Skip this save: a ticket saying so goes to the commit, where every rank abandons the
+    def _skip(self, ticket: Ticket, why: str) -> bool:
+        """Skip this save: ``ticket``, saying so, goes to the commit, where every rank abandons the
         checkpoint; the stall report tells it as an episode."""
-        self._stalls.skipped_save(iteration, why, self._in_flight_s())
-        done: cf.Future = cf.Future()
-        done.set_exception(CheckpointError(f"rank {self.rank}: iteration {iteration}: skipped (storage behind)"))
-        self._first_tier.submit(
-            Ticket(iteration, self._seq, done, dict(metadata or {}), time.perf_counter(), skipped=True)
+        self._stalls.skipped_save(ticket.iteration, why, self._in_flight_s())
+        ticket.durable = cf.Future()
+        ticket.durable.set_exception(
+            CheckpointError(f"rank {self.rank}: iteration {ticket.iteration}: skipped (storage behind)")
         )
+        ticket.t_save, ticket.skipped = time.perf_counter(), True
+        self._first_tier.submit(ticket)
         return False
 
     @property

@@ -36,6 +36,8 @@ __all__ = [
     "iter_dir",
     "iteration_of",
     "rank_file_name",
+    "rank_file_names",
+    "LONGEST_RANK_FILE_NAME",
     "parse_rank_file_name",
     "save_id",
     "temp_name",
@@ -82,6 +84,16 @@ def iteration_of(ckpt_dir: str) -> int | None:
 def rank_file_name(rank: int, token: str, seq: int) -> str:
     """Rank ``rank``'s file of save ``seq`` of the run with token ``token``."""
     return f"r{rank:05d}-{token}-{seq:06d}{RANK_FILE_SUFFIX}"
+
+
+def rank_file_names(ranks: range, token: str, seq: int) -> list[str]:
+    """:func:`rank_file_name` of each of ``ranks``, the pattern formatted once (64k names in a manifest)."""
+    tail = rank_file_name(0, token, seq)[len("r00000") :]
+    return list(map(("r%05d" + tail.replace("%", "%%")).__mod__, ranks))
+
+
+# the longest rank file name we write (a rank below 100000, a 16-digit token, a sequence below 10**6)
+LONGEST_RANK_FILE_NAME = rank_file_name(99999, "f" * 16, 999999)
 
 
 def _ascii_digits(text: str) -> bool:

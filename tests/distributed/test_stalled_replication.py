@@ -1,6 +1,6 @@
 """A stalled partner never delays a local commit: 2 CPU ranks as 2 "nodes" (LOCAL_WORLD_SIZE=1),
 each rank's node-local file replicated to the other; rank 1's receiving of a replica is held for a
-few seconds (in-process, ``_ReplicaReceiver.write``) while both ranks save and wait for their local
+few seconds (in-process, ``replica_transport.ReplicaReceiver.write``) while both ranks save and wait for their local
 commits.  The replication runs on its own thread: the local commits go on at their pace, the
 checkpoints committed meanwhile are dropped from replication (reported), and the newest one is
 replicated once the partner answers."""
@@ -25,13 +25,13 @@ def _save_with_a_stalled_partner(args) -> dict:
 
     from datastates_megatron.engine import EngineOptions
     from datastates_megatron.engine.manager import CheckpointManager
-    from datastates_megatron.engine.tiers import replication
+    from datastates_megatron.engine.tiers import replica_transport
 
     persistent, local, hold = args[0], args[1], args[2] == "hold"
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     if rank == 1 and hold:
-        real, held = replication._ReplicaReceiver.write, threading.Event()
+        real, held = replica_transport.ReplicaReceiver.write, threading.Event()
 
         def write(self, data, offset):
             if not held.is_set():
@@ -39,7 +39,7 @@ def _save_with_a_stalled_partner(args) -> dict:
                 threading.Event().wait(HOLD_S)  # a partner whose storage stops answering for a while
             return real(self, data, offset)
 
-        replication._ReplicaReceiver.write = write
+        replica_transport.ReplicaReceiver.write = write
     mgr = CheckpointManager(persistent, EngineOptions(cache_bytes=4 << 20, timeout_s=60), keep_last=0, local_root=local)
     w = torch.zeros(1 << 16)
     mgr.register("w", w)

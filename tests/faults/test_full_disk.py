@@ -113,19 +113,19 @@ def test_tracker_that_cannot_be_written_after_the_manifest_is_reported_consisten
     import torch
 
     from datastates_megatron.engine import EngineOptions
-    from datastates_megatron.engine.tiers import commit
+    from datastates_megatron.engine.tiers import tier as tier_module
     from datastates_megatron.engine.manager import CheckpointManager
     from datastates_megatron.engine.format.manifest import read_manifest
     from datastates_megatron.engine.tiers.tier import latest_committed
 
-    real = commit.write_tracker
+    real = tier_module.write_tracker
 
     def write_tracker(root, iteration):
         if iteration == 2:
             raise OSError(28, "No space left on device (injected)")
         return real(root, iteration)
 
-    monkeypatch.setattr(commit, "write_tracker", write_tracker)
+    monkeypatch.setattr(tier_module, "write_tracker", write_tracker)
     root = str(tmp_path / "c")
     committed = []
     with CheckpointManager(root, EngineOptions(cache_bytes=1 << 20, timeout_s=30), keep_last=0, on_error="warn") as mgr:

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from datastates_megatron.engine.names import iter_dir
-from datastates_megatron.engine.tiers import promotion
+from datastates_megatron.engine.format import verified_copy
 from datastates_megatron.engine.tiers.tier import committed_iterations
 from tests.managers import two_tier_manager
 
@@ -25,14 +25,14 @@ def held_copies(monkeypatch):
     """Every promotion copy blocks until the returned event is set (60 s at most); set at teardown."""
     release = threading.Event()
     started = threading.Event()
-    real = promotion.copy_verified
+    real = verified_copy.copy_verified
 
     def copy(*a, **kw):
         started.set()
         release.wait(60)
         return real(*a, **kw)
 
-    monkeypatch.setattr(promotion, "copy_verified", copy)
+    monkeypatch.setattr(verified_copy, "copy_verified", copy)
     release.started = started
     yield release
     release.set()

@@ -12,6 +12,8 @@ import time
 import pytest
 
 from datastates_megatron.engine.tiers import promotion
+from datastates_megatron.engine.format import verified_copy
+from datastates_megatron.engine.tiers.commit import Ticket
 from datastates_megatron.engine.names import iter_dir, rank_file_name
 from datastates_megatron.engine.tiers.promote_throttle import Pace, PromoteSlots
 from datastates_megatron.engine.tiers.tier import Tier
@@ -34,7 +36,7 @@ def _promote_node(tmp_path, slots: int, monkeypatch) -> tuple[int, list]:
     os.makedirs(persistent)
     lock, active, peak = threading.Lock(), [0], [0]
     meet = threading.Barrier(2)
-    real = promotion.copy_verified
+    real = verified_copy.copy_verified
 
     def observed(*args, **kwargs):
         with lock:
@@ -50,7 +52,7 @@ def _promote_node(tmp_path, slots: int, monkeypatch) -> tuple[int, list]:
             with lock:
                 active[0] -= 1
 
-    monkeypatch.setattr(promotion, "copy_verified", observed)
+    monkeypatch.setattr(verified_copy, "copy_verified", observed)
     links = []
     for r in range(RANKS):
         src = Tier("local", local, rank=r, token=TOKEN, writes=[])
@@ -59,7 +61,7 @@ def _promote_node(tmp_path, slots: int, monkeypatch) -> tuple[int, list]:
     futures = [cf.Future() for _ in links]
     try:
         for link, future in zip(links, futures):
-            link.put((1, 1, TOKEN, future))
+            link.put((1, Ticket(1, 1, future, {}, 0.0, TOKEN), future))
         receipts = [f.result(timeout=60) for f in futures]
     finally:
         for link in links:
@@ -107,7 +109,7 @@ def test_a_slot_name_taken_by_a_link_is_left_alone_and_the_copy_goes_uncapped(tm
 
 
 def test_a_bandwidth_cap_spaces_the_copy(tmp_path, monkeypatch):
-    monkeypatch.setattr(promotion, "_COPY_BLOCK", 1 << 20)
+    monkeypatch.setattr(verified_copy, "_COPY_BLOCK", 1 << 20)
     src, dst = str(tmp_path / "src"), str(tmp_path / "dst")
     write_rank_file(src, tensors=2, numel=1_000_000, seed=1, cache_bytes=8 << 20)  # 8 MB: 8 blocks
     size = os.path.getsize(src)
@@ -116,7 +118,7 @@ def test_a_bandwidth_cap_spaces_the_copy(tmp_path, monkeypatch):
     real = pace.__class__.__call__
     monkeypatch.setattr(Pace, "__call__", lambda self, n: calls.append(n) or real(self, n))
     t0 = time.perf_counter()
-    promotion.copy_verified(src, dst, 1, pace)
+    verified_copy.copy_verified(src, dst, 1, pace)
     assert sum(calls) == size and len(calls) >= 8
     assert time.perf_counter() - t0 >= 0.95 * size / 40e6
     assert open(src, "rb").read() == open(dst, "rb").read()

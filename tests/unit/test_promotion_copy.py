@@ -1,4 +1,4 @@
-"""copy_verified: the byte copy a promotion makes from the local tier to the persistent one."""
+"""verified_copy.copy_verified: the byte copy a promotion makes from the local tier to the persistent one."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from datastates_megatron.engine import CorruptCheckpointError, FlushError, load_file
-from datastates_megatron.engine.tiers import promotion
+from datastates_megatron.engine.format import verified_copy
 
 from .rank_files import write_rank_file
 
@@ -21,12 +21,12 @@ def _rank_file(path: str) -> dict[str, torch.Tensor]:
 
 @pytest.fixture
 def small_blocks(monkeypatch):
-    monkeypatch.setattr(promotion, "_COPY_BLOCK", 5 << 20)  # not a divisor of the file size
+    monkeypatch.setattr(verified_copy, "_COPY_BLOCK", 5 << 20)  # not a divisor of the file size
 
 
 def _check_copy(tmp_path, state) -> None:
     src, dst = str(tmp_path / "src"), str(tmp_path / "dst")
-    receipt = promotion.copy_verified(src, dst, 1)
+    receipt = verified_copy.copy_verified(src, dst, 1)
     assert open(src, "rb").read() == open(dst, "rb").read()
     assert receipt.file_bytes == os.path.getsize(dst) and not os.path.exists(dst + ".promoting")
     tensors, _ = load_file(dst)
@@ -50,9 +50,11 @@ def _refuse_o_direct(monkeypatch) -> list:
 def test_the_aligned_bytes_are_copied_with_o_direct_and_only_the_tail_buffered(tmp_path, small_blocks, monkeypatch):
     state = _rank_file(str(tmp_path / "src"))
     size = os.path.getsize(tmp_path / "src")
-    starts, real = [], promotion._copy_bytes
+    starts, real = [], verified_copy._copy_bytes
     monkeypatch.setattr(
-        promotion, "_copy_bytes", lambda fi, fo, n, start=0, **kw: starts.append(start) or real(fi, fo, n, start, **kw)
+        verified_copy,
+        "_copy_bytes",
+        lambda fi, fo, n, start=0, **kw: starts.append(start) or real(fi, fo, n, start, **kw),
     )
     _check_copy(tmp_path, state)
     aligned = size // 4096 * 4096
@@ -108,7 +110,7 @@ def test_a_corrupt_source_is_refused_and_nothing_is_left_at_the_destination(tmp_
         f.seek(-1, os.SEEK_CUR)
         f.write(bytes([byte[0] ^ 0xFF]))
     with pytest.raises(CorruptCheckpointError):
-        promotion.copy_verified(src, dst, 1)
+        verified_copy.copy_verified(src, dst, 1)
     assert not os.path.exists(dst) and not os.path.exists(dst + ".promoting")
 
 
@@ -121,9 +123,9 @@ def test_a_failed_copy_leaves_no_partial_file_and_the_source_intact(tmp_path, mo
         os.write(fd_out, b"partial")
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(promotion, "_copy_file", disk_full)
+    monkeypatch.setattr(verified_copy, "_copy_file", disk_full)
     with pytest.raises(OSError, match="No space"):
-        promotion.copy_verified(src, dst, 1)
+        verified_copy.copy_verified(src, dst, 1)
     assert not os.path.exists(dst) and not os.path.exists(dst + ".promoting")
     assert open(src, "rb").read() == before
 
@@ -135,7 +137,7 @@ def test_a_source_shorter_than_its_header_is_refused(tmp_path):
     fd_out = os.open(tmp_path / "out", os.O_WRONLY | os.O_CREAT, 0o644)
     try:
         with pytest.raises(FlushError, match="copied 1000 of 4096 bytes"):
-            promotion._copy_bytes(fd_in, fd_out, 4096)
+            verified_copy._copy_bytes(fd_in, fd_out, 4096)
     finally:
         os.close(fd_in)
         os.close(fd_out)
@@ -146,14 +148,14 @@ def test_a_source_rewritten_in_place_during_the_copy_fails_the_promotion(tmp_pat
     while that happened must not commit the mixed bytes."""
     src, dst = str(tmp_path / "src"), str(tmp_path / "dst")
     _rank_file(src)
-    real = promotion._copy_file
+    real = verified_copy._copy_file
 
     def copy_then_recycled(rf, fd_out, path_out, size, pace=None):
         real(rf, fd_out, path_out, size)
         with open(src, "r+b") as f:  # what take_recycled + the writer do first: zero the header
             f.write(b"\0" * 4096)
 
-    monkeypatch.setattr(promotion, "_copy_file", copy_then_recycled)
+    monkeypatch.setattr(verified_copy, "_copy_file", copy_then_recycled)
     with pytest.raises(FlushError, match="rewritten while it was promoted"):
-        promotion.copy_verified(src, dst, 1)
+        verified_copy.copy_verified(src, dst, 1)
     assert not os.path.exists(dst) and not os.path.exists(dst + ".promoting")

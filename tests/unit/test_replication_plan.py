@@ -4,7 +4,7 @@
 import pytest
 
 from datastates_megatron.engine.errors import OptionsError
-from datastates_megatron.engine.tiers.replication import clique_of, replication_plan
+from datastates_megatron.engine.tiers.replica_strategy import clique_of, replication_plan
 
 
 def test_cliques_put_each_member_on_another_node():

@@ -8,12 +8,13 @@ symlink (:mod:`.safe_io`).
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 from ..names import temp_name
 from .safe_io import create_temp, open_dir
 
-__all__ = ["fsync_dir", "atomic_write"]
+__all__ = ["fsync_dir", "atomic_write", "unlinked_on_error"]
 
 
 def fsync_dir(path: str) -> None:
@@ -33,7 +34,7 @@ def atomic_write(path: str, data: bytes) -> None:
     directory = os.path.dirname(path) or "."
     tmp = temp_name(path, os.getpid())
     fd = create_temp(tmp)
-    try:
+    with unlinked_on_error(tmp):  # ours: created above (a full disk must not leave temp files behind)
         try:
             view = memoryview(data)
             while view:
@@ -42,10 +43,20 @@ def atomic_write(path: str, data: bytes) -> None:
         finally:
             os.close(fd)
         os.replace(tmp, path)  # replaces a link at ``path`` itself, never its target
+    fsync_dir(directory)
+
+
+@contextlib.contextmanager
+def unlinked_on_error(tmp: str):
+    """Run the block that fills (and may rename) the temp file ``tmp`` -- one the caller created
+    (``O_EXCL``): ours; when the block raises, ``tmp`` is removed before the error goes on (a full
+    disk, a failed check must not leave temp files behind).  The one tail of every verified copy:
+    a save's manifest, a promotion's copy, a fetch, a put on a directory store."""
+    try:
+        yield
     except BaseException:
         try:
-            os.unlink(tmp)  # ours: created above (a full disk must not leave temp files behind)
+            os.unlink(tmp)
         except OSError:
             pass
         raise
-    fsync_dir(directory)

@@ -25,7 +25,7 @@ from ..errors import CorruptCheckpointError
 from ..format.file_format import RankFile
 from ..format.hashing import xxh64
 from ..format.manifest import Manifest
-from ..fs.durable import atomic_write
+from ..fs.durable import atomic_write, unlinked_on_error
 from ..names import MANIFEST_NAME, iter_dir
 from ..fs.safe_io import create_temp, make_dir, make_root
 from .base import ObjectChecksumError, Storage
@@ -97,16 +97,10 @@ def fetch_rank(
     final = os.path.join(dest_dir, rec.file)
     tmp = final + FETCHING_SUFFIX
     _download(storage, key, tmp, info.size, threads, range_bytes)  # unverified: as the store holds it
-    try:
+    with unlinked_on_error(tmp):
         if verify:
             _verify(storage.url(key), tmp, manifest, rank)
         os.replace(tmp, final)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
     return final
 
 

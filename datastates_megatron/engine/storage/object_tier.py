@@ -1,10 +1,13 @@
-"""The persistent tier on object storage: a save prefix and its one owner, with the methods of
-:class:`..tiers.tier.Tier` that the manager and the promotion call.
+"""The persistent tier on object storage: a :class:`..tiers.tier.Tier` over a save prefix and its one
+owner.  The tier's contract (its numbered call order, :mod:`..tiers.tier`) is the same; what differs
+is its storage steps, which this class overrides: the survey, the lock, start-up cleaning, the
+promotion's copy, the committer's writes, retention.  Its commit thread, subscribers and deleter
+are the base class's.
 
 Its checkpoints are written by the promotion only (the node-local tier absorbs the save; a rank
 object is :func:`.upload.upload_verified` from the local file).  The commit is the committer's
-(:class:`..tiers.commit.Committer`: the same cross-rank agreement as on POSIX), which hands this tier the
-writes it cannot do with ``os`` (its ``objects`` seam): every rank object is stored before rank 0
+(:class:`..tiers.commit.Committer`: the same cross-rank agreement as on POSIX), which asks this
+tier for the writes (:class:`..tiers.commit.CommitCalls`): every rank object is stored before rank 0
 hears that rank's status, then the manifest is one PUT -- conditional: ``If-None-Match: *`` for a
 new iteration, ``If-Match`` the surveyed tag for a re-save -- then the tracker (informative, may
 lag).  S3's strong read-after-write consistency makes a manifest visible to every reader once its
@@ -27,12 +30,9 @@ import json
 import logging
 import os
 import secrets
-import threading
 import time
 
-from ..tiers.commit import Committer
-from ..tiers.deleter import Deleter
-from ..errors import CorruptCheckpointError, ForeignCheckpointError, LockLostError, NoCheckpointError
+from ..errors import CorruptCheckpointError, ForeignCheckpointError, LockLostError
 from ..runtime.faults import crash_point
 from ..format.manifest import Manifest
 from ..names import (
@@ -42,10 +42,9 @@ from ..names import (
     TRACKER_NAME,
     is_ours_in_iteration,
     iteration_of,
-    rank_file_name,
 )
-from ..tiers.retention import select_deletions
 from ..tiers.run_id import is_run_id
+from ..tiers.tier import Tier
 from .base import ObjectExistsError, ObjectMissingError, ObjectStorageError, Storage
 from .lock import DEFAULT_LEASE_S, ObjectLock
 from .survey import ManifestCache, ObjectSurvey, iter_prefix, manifest_key, survey_committed, survey_objects
@@ -56,12 +55,10 @@ __all__ = ["ObjectTier"]
 log = logging.getLogger(__name__)
 
 
-class ObjectTier:
+class ObjectTier(Tier):
     """The persistent tier of one rank on ``storage`` (see the module docstring).  ``writes``: the
     ranks this rank describes in manifests (every rank on rank 0, else empty); only the writer
     deletes.  ``lease_s``: the lock's lease (:mod:`.lock`)."""
-
-    name = "persistent"
 
     def __init__(
         self,
@@ -75,32 +72,25 @@ class ObjectTier:
         run_id: str = "",
         lease_s: float = DEFAULT_LEASE_S,
     ) -> None:
+        super().__init__(
+            "persistent",
+            storage.url(),
+            rank=rank,
+            token=token,
+            writes=writes,
+            keep_last=keep_last,
+            keep_every=keep_every,
+            recycle_files="off",  # objects are never overwritten in place
+            run_id=run_id,
+        )
         self.storage = storage
-        self.root = storage.url()
-        self.rank = rank
-        self.token = token
-        self.writes = writes
-        self.keep_last = keep_last
-        self.keep_every = keep_every
-        self.run_id = run_id
-        self.summary: tuple[bytes, int] | None = None
-        self.objects = self  # the committer's seam: what it cannot write with ``os``
         self._lease_s = lease_s
-        self._lock: ObjectLock | None = None
-        self._committer: Committer | None = None
-        self._followers: list[tuple] = []
         self._manifests = ManifestCache()
-        self._deleter: Deleter | None = None
-        self._deleter_lock = threading.Lock()  # guards the deleter, _kept and _written
-        self._next_seq = 0
-        # the writer's committed checkpoints: iteration -> commit_seq (None: not surveyed yet), and
-        # the manifests it wrote lately (their rank-object names: the strays of a re-save)
-        self._kept: dict[int, int] | None = None
-        self._written: dict[int, Manifest] = {}
 
-    @property
-    def is_writer(self) -> bool:
-        return bool(self.writes)
+    @staticmethod
+    def _location(root: str) -> str:
+        """The storage's URL, as it is."""
+        return root
 
     # ------------------------------------------------------------------ start-up (the writer)
     def survey(self) -> ObjectSurvey:
@@ -120,14 +110,15 @@ class ObjectTier:
             )
 
     def acquire(self) -> ObjectTier:
-        if self._lock is None:
-            self._lock = ObjectLock(self.storage, lease_s=self._lease_s).acquire()
+        """Take the prefix's lease lock (:class:`.lock.ObjectLock`)."""
+        if self._dirlock is None:
+            self._dirlock = ObjectLock(self.storage, lease_s=self._lease_s).acquire()
         return self
 
     def release(self) -> None:
         """Release the lock (idempotent), then the storage's connections and threads: the last call
         on a tier, after :meth:`close`."""
-        lock, self._lock = self._lock, None
+        lock, self._dirlock = self._dirlock, None
         try:
             if lock is not None:
                 lock.release()
@@ -188,48 +179,15 @@ class ObjectTier:
             return run_id
         raise ObjectStorageError(f"{self.storage.url(RUN_ID_NAME)}: created and removed while it was read")
 
-    # ------------------------------------------------------------------ commits
-    def open(self, collective, world_size: int, layout: dict, timeout_s: float) -> None:
-        guard = self._lock.check if self._lock is not None else None
-        self._committer = Committer(
-            self, collective, world_size, layout, self._next_seq, timeout_s, after_commit=self._committed, guard=guard
-        )
-
-    def submit(self, ticket) -> None:
-        self._committer.submit(ticket)
-
-    def poll(self) -> list:
-        return self._committer.poll()
-
-    def drain(self, timeout: float | None = None) -> None:
-        self._committer.drain(timeout)
-
-    def outstanding(self) -> list:
-        return self._committer.outstanding() if self._committer is not None else []
-
-    @property
-    def latest(self) -> int | None:
-        return self._committer.latest
-
-    def latest_committed(self) -> int | None:
-        """The newest committed iteration here (``None``: none); a damaged newer manifest raises."""
-        try:
-            return self.survey().latest()
-        except NoCheckpointError:
-            return None
-
-    def on_commit(self, callback, keep=None) -> None:
-        self._followers.append((callback, keep))
-
-    def recycled(self, path: str):
-        return None  # objects are never overwritten in place
-
     # ------------------------------------------------------------------ the promotion's copy
     def promote_file(self, src: str, iteration: int, name: str, pace=None):
         """Store the local rank file ``src`` as ``iter_N/name`` (verified first): its receipt."""
         return upload_verified(src, self.storage, iter_prefix(iteration) + name, iteration, pace)
 
-    # ------------------------------------------------------------------ the committer's seam
+    # ------------------------------------------------------------------ the committer's writes
+    def refuse_newer_format(self, iteration: int) -> None:
+        """Nothing to refuse: a manifest is replaced only ``If-Match`` the tag surveyed."""
+
     def write_manifest(self, manifest: Manifest) -> None:
         """The commit point: one conditional PUT of the manifest."""
         key = manifest_key(manifest.iteration)
@@ -237,18 +195,7 @@ class ObjectTier:
         old = self.storage.head(key)
         receipt = self.storage.create(key, body) if old is None else self.storage.replace_if(key, body, old.etag)
         self._manifests.remember(key, receipt.etag, manifest)
-
-    def manifest_written(self, manifest: Manifest) -> None:
-        """Counted among the checkpoints kept (never read back: the tier knows what it wrote); the
-        newest few manifests are kept for their rank-object names (the superseded objects of a
-        re-save)."""
-        with self._deleter_lock:
-            if self._kept is not None:
-                self._kept[manifest.iteration] = manifest.commit_seq
-            self._written.pop(manifest.iteration, None)
-            self._written[manifest.iteration] = manifest
-            while len(self._written) > 4:
-                self._written.pop(next(iter(self._written)))
+        self._count_written(manifest)  # retention counts it, never reads it back
 
     def write_tracker(self, iteration: int) -> None:
         self.storage.put_bytes(TRACKER_NAME, f"{iteration}".encode())
@@ -258,7 +205,7 @@ class ObjectTier:
 
         self.storage.put_bytes(iter_prefix(manifest.iteration) + INDEX_NAME, index_blob(manifest, body))
 
-    def discard(self, iteration: int, names: list[str]) -> None:
+    def discard(self, iteration: int, names: list[str], last: bool) -> None:
         """A save that was not committed: delete its rank objects (there are no directories)."""
         for name in names:
             try:
@@ -266,23 +213,7 @@ class ObjectTier:
             except ObjectStorageError as e:  # uncommitted: the next start-up removes it
                 log.warning("rank %d: %s", self.rank, e)
 
-    # ------------------------------------------------------------------ after a commit
-    def _committed(self, ticket) -> None:
-        if self.is_writer:
-            self._deletions().submit(ticket)
-        for callback, _ in self._followers:
-            callback(ticket)
-
-    def _deletions(self) -> Deleter:
-        with self._deleter_lock:
-            if self._deleter is None:
-                self._deleter = Deleter(self.name, self.rank, self._retain_after)
-            return self._deleter
-
-    def drain_deletions(self, timeout: float) -> None:
-        if self._deleter is not None:
-            self._deleter.drain(timeout)
-
+    # ------------------------------------------------------------------ after a commit (the deleter thread)
     def _retain_after(self, just) -> None:
         try:
             self._retain(just, self.outstanding())
@@ -297,16 +228,18 @@ class ObjectTier:
             )
 
     def _retain(self, just, outstanding: list) -> None:
-        if self._lock is not None:
-            self._lock.check()  # lost: delete nothing (LockLostError, logged above)
+        if self._dirlock is not None:
+            self._dirlock.check()  # lost: delete nothing (LockLostError, logged above)
         protected = {t.iteration for t in outstanding} | {just.iteration}
         for _, keep in self._followers:
             if keep is not None:
                 protected |= keep()
-        order, manifest = self._commit_order(just)
-        for it in select_deletions(order, self.keep_last, self.keep_every, protected):
+        order = self._commit_order()
+        with self._deleter_lock:
+            manifest = self._written.get(just.iteration)
+        for it in self.retention.deletions(order, protected):
             crash_point("retention", self.rank)
-            self.delete_checkpoint(self._with_objects(_EMPTY, it), it)  # one listing of that prefix
+            self._delete_checkpoint(self._with_objects(_EMPTY, it), it)  # one listing of that prefix
             with self._deleter_lock:
                 self._kept.pop(it, None)
                 self._written.pop(it, None)
@@ -315,27 +248,15 @@ class ObjectTier:
             found = self._with_objects(
                 dataclasses.replace(_EMPTY, committed={just.iteration: manifest}), just.iteration
             )
-            keep = {rank_file_name(r, t.token or self.token, t.seq) for t in (just, *outstanding) for r in self.writes}
+            keep = {t.file_name(r) for t in (just, *outstanding) for r in self.writes}
             for name in found.strays(just.iteration):
                 if name not in keep:
                     self.storage.delete(iter_prefix(just.iteration) + name)
 
-    def _commit_order(self, just) -> tuple[list[int], Manifest | None]:
-        """The checkpoints committed here, oldest commit first, and the manifest of ``just``'s
-        iteration (``None``: not written by this writer), from what the tier knows; only a tier
-        whose start-up survey was never taken (:meth:`clean`) surveys, once."""
-        with self._deleter_lock:
-            surveyed = self._kept is not None
-        if not surveyed:
-            found = survey_committed(self.storage, self._manifests)
-            with self._deleter_lock:
-                if self._kept is None:
-                    self._kept = {it: m.commit_seq for it, m in found.committed.items()}
-                    for it, m in self._written.items():  # written while the survey ran
-                        self._kept.setdefault(it, m.commit_seq)
-        with self._deleter_lock:
-            order = sorted(self._kept, key=lambda it: (self._kept[it], it))
-            return order, self._written.get(just.iteration)
+    def _surveyed_commits(self) -> dict[int, int]:
+        """The fallback of :meth:`_commit_order` for a tier never cleaned: the ``iter_*`` prefixes
+        and their manifests (O(checkpoints kept) requests, once)."""
+        return {it: m.commit_seq for it, m in survey_committed(self.storage, self._manifests).committed.items()}
 
     def _with_objects(self, found: ObjectSurvey, iteration: int) -> ObjectSurvey:
         """``found`` with every object of ``iteration`` listed (one listing of that prefix)."""
@@ -343,7 +264,7 @@ class ObjectTier:
         names = {n: o for n, o in names.items() if "/" not in n}
         return dataclasses.replace(found, objects={**found.objects, iteration: names})
 
-    def delete_checkpoint(self, found: ObjectSurvey, iteration: int) -> None:
+    def _delete_checkpoint(self, found: ObjectSurvey, iteration: int) -> None:
         """Manifest first (only the one listed: a manifest rewritten since is not ours to delete),
         then every object we wrote under the iteration; others stay.  A manifest already gone (an
         operator's deletion) leaves the objects to delete."""
@@ -362,15 +283,8 @@ class ObjectTier:
             if name != MANIFEST_NAME and is_ours_in_iteration(name):
                 self.storage.delete(info.key)
 
-    def abandon(self, timeout: float | None = None) -> None:
-        """Join the commit thread and the deleter (each within ``timeout`` s when given: past it,
-        the thread is logged and left, as :meth:`.tiers.tier.Tier.abandon`)."""
-        if self._committer is not None:
-            self._committer.close(timeout)
-        if self._deleter is not None:
-            self._deleter.close(timeout)
-
     def close(self, timeout: float | None = None) -> None:
+        """:meth:`abandon`: there is no recycle pool to empty."""
         self.abandon(timeout)
 
     def __repr__(self) -> str:  # pragma: no cover - for logs

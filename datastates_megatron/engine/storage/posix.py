@@ -19,7 +19,7 @@ import zlib
 from collections.abc import Iterator
 
 from ..fs.safe_io import create_temp, make_dir, open_regular
-from ..fs.durable import fsync_dir
+from ..fs.durable import fsync_dir, unlinked_on_error
 from .base import ObjectExistsError, ObjectInfo, ObjectMissingError, ObjectStorageError, PutReceipt, Storage
 
 __all__ = ["PosixStorage"]
@@ -60,7 +60,7 @@ class PosixStorage(Storage):
         view = memoryview(data).cast("B")
         fd = create_temp(tmp)
         crc = 0
-        try:
+        with unlinked_on_error(tmp):
             try:
                 for lo in range(0, len(view), _BLOCK):
                     block = view[lo : lo + _BLOCK]
@@ -73,12 +73,6 @@ class PosixStorage(Storage):
                 os.fsync(fd)
             finally:
                 os.close(fd)
-        except BaseException:
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
-            raise
         return path, tmp, crc
 
     def _put(self, key: str, data, pace=None) -> PutReceipt:

@@ -1,6 +1,6 @@
 """Promotion to object storage: a verified local rank file streamed into one object.
 
-As :func:`..tiers.promotion.copy_verified` does for a directory: every chunk checksum of the local file
+As :func:`..format.verified_copy.copy_verified` does for a directory: every chunk checksum of the local file
 is verified first, then the verified mapping itself is uploaded (:meth:`.base.Storage.put_file`:
 parts sliced from the mapping, CRC32 end to end -- no second copy of the file), and the file's
 header is read again afterwards: a local file rewritten in place meanwhile (a recycled file) fails

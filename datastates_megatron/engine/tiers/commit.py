@@ -12,6 +12,11 @@ Then the committer's ``after_commit`` runs: the tier hands its retention to its 
 (:mod:`.deleter`) and offers the checkpoint to its subscribers -- the promotion, replication
 (:meth:`.tier.Tier.on_commit`).
 
+The committer never sees its tier: it is given a :class:`CommitSpec` (what it must know: the
+tier's name, root, rank, token, the ranks it describes, whether its manifests are per node) and
+:class:`CommitCalls` (what it may ask the tier to write) -- steps 5 to 9 of the tier contract
+(:mod:`.tier`).
+
 Thread-safety: ``submit``/``poll``/``drain``/``close`` are called from the training thread; the
 commit thread owns the process group and the manifest writes.
 """
@@ -21,22 +26,20 @@ from __future__ import annotations
 import collections
 import dataclasses
 import logging
-import os
 import threading
 import time
 
 import numpy as np
 
-from ..errors import CacheTimeoutError, CommitError, CorruptCheckpointError, FormatVersionError, LockLostError
+from ..errors import CacheTimeoutError, CommitError, LockLostError
 from ..runtime.faults import crash_point
-from ..format.global_index import Summaries, write_index
-from ..format.manifest import Manifest, RankRecord, read_manifest, write_manifest, write_tracker
-from ..names import iter_dir, rank_file_name
-from .retention import unlink_ours
+from ..format.global_index import Summaries
+from ..format.manifest import Manifest, RankRecord
+from ..names import rank_file_name, rank_file_names
 from ..dist.store_channel import StoreChannel
 from ..runtime.threads import QueueThread
 
-__all__ = ["Committer", "Ticket", "CommitRecord"]
+__all__ = ["Committer", "CommitSpec", "CommitCalls", "Ticket", "CommitRecord"]
 
 log = logging.getLogger(__name__)
 # one rank's status of one save, gathered by every rank (checksums as signed int64)
@@ -67,13 +70,57 @@ def _to_i64(u: int) -> int:
 
 @dataclasses.dataclass
 class Ticket:
+    """One save (or a promotion's copy) of one rank, on its way to a commit.  ``token`` and ``seq``
+    name its files: :meth:`file_name` is the one place a rank file's name is made."""
+
     iteration: int
     seq: int
     durable: object  # concurrent.futures.Future[FileReceipt]: a save's, or a promotion's copy
     metadata: dict
     t_save: float
-    token: str | None = None  # run token in the file names (a re-promotion carries an earlier run's)
+    token: str  # run token in the file names (a re-promotion carries an earlier run's)
     skipped: bool = False  # this rank skipped the save (storage behind): the checkpoint is abandoned everywhere
+    # this rank's global-index summary (:mod:`.global_index`) ``(bytes, checksum)`` when the save is
+    # one whose commit writes a global index (the persistent tier's); ``None``: none to send
+    summary: tuple[bytes, int] | None = None
+
+    def file_name(self, rank: int) -> str:
+        """Rank ``rank``'s file of this save."""
+        return rank_file_name(rank, self.token, self.seq)
+
+    def file_names(self, ranks: range) -> list[str]:
+        """:meth:`file_name` of each of ``ranks`` (formatted once: 64k names in a manifest)."""
+        return rank_file_names(ranks, self.token, self.seq)
+
+
+@dataclasses.dataclass(frozen=True)
+class CommitSpec:
+    """What a committer knows of its tier: plain data, read at the tier's ``open``."""
+
+    name: str  # in records, manifests and messages
+    root: str  # in messages
+    rank: int
+    token: str  # this run's, in the manifest
+    writes: tuple[int, ...]  # the ranks whose files this rank describes in a manifest (empty: none)
+    run_id: str  # the run the manifests belong to (:mod:`.run_id`)
+    node_local: bool  # each node's leader writes its node's manifest (two phases); no global index
+
+
+@dataclasses.dataclass(frozen=True)
+class CommitCalls:
+    """What a committer asks its tier to write, on the commit thread, in this order for one
+    checkpoint (the writer only): ``guard`` (the tier is still ours: raises ``LockLostError``),
+    ``refuse_newer_format`` (raises :class:`CommitError`), ``write_index``, ``write_manifest`` (the
+    commit point); then ``write_tracker``, or ``discard`` when nothing was committed; and on every
+    rank ``after_commit`` once it is committed."""
+
+    write_manifest: object  # (manifest) -> None
+    write_tracker: object  # (iteration) -> None
+    write_index: object  # (manifest, body) -> None
+    discard: object  # (iteration, names, last) -> None; last: no other save of that iteration is pending
+    refuse_newer_format: object  # (iteration) -> None
+    after_commit: object = None  # (ticket) -> None
+    guard: object = None  # () -> None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,36 +155,32 @@ class Committer(QueueThread):
 
     def __init__(
         self,
-        tier,
+        spec: CommitSpec,
+        calls: CommitCalls,
         channel: StoreChannel,
         world_size: int,
         layout: dict,
         next_commit_seq: int,
         timeout_s: float,
-        *,
-        after_commit=None,
-        guard=None,
     ) -> None:
-        """``tier``: the :class:`.tier.Tier` whose manifests this thread writes (it owns this
-        committer); ``channel``: this tier's own, used by the commit thread only;
-        ``after_commit(ticket)``: run on this thread after each commit; ``guard()``: the writer's
-        check that it still owns the directory (:meth:`.dirlock.SaveDirLock.check`), run before
-        each manifest is written -- it raises ``LockLostError`` and nothing is committed then."""
-        self.tier = tier
-        self.root = tier.root
-        self.rank = rank = tier.rank
+        """``spec``/``calls``: the tier's (it owns this committer); ``channel``: this tier's own,
+        used by the commit thread only."""
+        self.spec = spec
+        self.calls = calls
+        self.root = spec.root
+        self.rank = rank = spec.rank
         self.world_size = world_size
         self._chan = channel
-        self._token = tier.token
+        self._token = spec.token
         self._layout = layout
         self._commit_seq = next_commit_seq
         self._timeout = timeout_s
-        self._writes = tier.writes  # the ranks whose files this rank describes in a manifest
+        self._writes = list(spec.writes)  # the ranks whose files this rank describes in a manifest
         if self._writes and list(self._writes) != list(range(self._writes[0], self._writes[0] + len(self._writes))):
             raise ValueError(f"rank {rank}: a writer describes a contiguous range of ranks, not {self._writes}")
-        self._two_phase = tier.name == "local"  # node leaders write the manifests, not rank 0 alone
-        # the persistent tier's writer also writes the checkpoint's global index (a reshard's map)
-        self._indexed = tier.name == "persistent"
+        self._two_phase = spec.node_local  # node leaders write the manifests, not rank 0 alone
+        # a shared tier's writer also writes the checkpoint's global index (a reshard's map)
+        self._indexed = not spec.node_local
         self._published = 0  # the summary checksum this rank last sent
         self._summaries = Summaries(world_size) if self._indexed and channel.is_root else None
         self._lock = threading.Lock()
@@ -147,11 +190,7 @@ class Committer(QueueThread):
         self._errors: collections.deque[BaseException] = collections.deque()
         self.latest: int | None = None
         self.skipped = 0  # checkpoints abandoned because some rank skipped its save (commit thread writes)
-        self._after = after_commit
-        self.guard = guard
-        # a tier on object storage writes its manifest, tracker and index itself (no ``os`` there)
-        self._objects = getattr(tier, "objects", None)
-        super().__init__(f"dsm-commit-r{rank}" + ("-local" if tier.name == "local" else ""))
+        super().__init__(f"dsm-commit-r{rank}" + (f"-{spec.name}" if spec.node_local else ""))
 
     def submit(self, ticket: Ticket) -> None:
         with self._lock:
@@ -206,16 +245,16 @@ class Committer(QueueThread):
         """Retention and promotion of a committed checkpoint (``after_commit``): outside the
         commit's ``try``, so that nothing they raise can turn a commit into "nothing committed" (the
         tier logs its own failures; this is the last guard)."""
-        if self._after is None:
+        if self.calls.after_commit is None:
             return
         try:
-            self._after(ticket)
+            self.calls.after_commit(ticket)
         except Exception as e:  # noqa: BLE001 - the checkpoint is committed whatever happens here
             log.error(
                 "rank %d: iteration %d is committed (%s tier), but what follows its commit failed: %r",
                 self.rank,
                 ticket.iteration,
-                self.tier.name,
+                self.spec.name,
                 e,
             )
 
@@ -225,7 +264,7 @@ class Committer(QueueThread):
         status.update(iteration=ticket.iteration, seq=ticket.seq)
         if self._writes:
             status.update(writes_lo=self._writes[0], writes_n=len(self._writes))
-        summary = self.tier.summary if self._indexed else None
+        summary = ticket.summary if self._indexed else None
         if summary is not None:
             raw, h = summary
             if h != self._published:  # sent once per change, kept in the store
@@ -285,10 +324,7 @@ class Committer(QueueThread):
             # the manifest is the commit point; the tracker is Megatron's hint and may lag it
             crash_point("before_tracker", self.rank)
             try:
-                if self._objects is not None:
-                    self._objects.write_tracker(ticket.iteration)
-                else:
-                    write_tracker(self.root, ticket.iteration)
+                self.calls.write_tracker(ticket.iteration)
             except OSError as e:
                 log.warning(
                     "rank %d: iteration %d is committed but %s could not update the tracker: %s",
@@ -305,7 +341,7 @@ class Committer(QueueThread):
             copy_s=outcome["copy_us"] / 1e6,
             flush_s=outcome["flush_us"] / 1e6,
             commit_s=time.perf_counter() - ticket.t_save,
-            tier=self.tier.name,
+            tier=self.spec.name,
             max_rank_bytes=outcome["max_rank_bytes"],
         )
         self._records.append(record)
@@ -350,8 +386,6 @@ class Committer(QueueThread):
         columns (arrays, or lists sent by rank 0) of ranks ``lo``, ``lo + 1``, ... (every rank on
         rank 0; a node leader's node); ``False`` (the error stored) when it could not be written."""
         try:
-            tail = rank_file_name(0, ticket.token or self._token, ticket.seq)[len("r00000") :]
-            name = ("r%05d" + tail.replace("%", "%%")).__mod__  # rank_file_name(i, token, seq), formatted once
             first, n = self._writes[0], len(self._writes)
             mine = {f: np.asarray(cols[f], dtype=np.int64)[first - lo : first - lo + n] for f in _RECORD}
             for f in ("index_xxh64", "header_xxh64"):  # sent as signed int64: the unsigned value back
@@ -365,26 +399,22 @@ class Committer(QueueThread):
                     map(
                         RankRecord,
                         range(first, first + n),
-                        map(name, range(first, first + n)),
+                        ticket.file_names(range(first, first + n)),
                         *(mine[f].tolist() for f in _RECORD),
                     )
                 ),
                 layout=self._layout,
                 metadata=ticket.metadata,
                 commit_seq=self._commit_seq,
-                tier=self.tier.name,
-                run_id=self.tier.run_id,
+                tier=self.spec.name,
+                run_id=self.spec.run_id,
             )
-            if self.guard is not None:  # the directory is still ours (its lock file is the one we locked)
-                self.guard()
-            _refuse_newer_format(self.root, ticket.iteration)
+            if self.calls.guard is not None:  # the directory is still ours (its lock file is the one we locked)
+                self.calls.guard()
+            self.calls.refuse_newer_format(ticket.iteration)
             self._write_index(manifest, cols)
             crash_point("before_manifest", self.rank)
-            if self._objects is not None:
-                self._objects.write_manifest(manifest)
-            else:
-                write_manifest(self.root, manifest)
-            self.tier.manifest_written(manifest)
+            self.calls.write_manifest(manifest)
         except CommitError as e:  # a newer format's checkpoint is there
             self._errors.append(e)
             return False
@@ -396,7 +426,7 @@ class Committer(QueueThread):
         except Exception as e:  # noqa: BLE001 - an OSError, or metadata that is not JSON: every rank must hear it
             # (a writer that raised here would leave every other rank waiting for the outcome)
             err = CommitError(
-                f"rank {self.rank}: iteration {ticket.iteration}: writing the {self.tier.name} manifest in {self.root} failed: {e}"
+                f"rank {self.rank}: iteration {ticket.iteration}: writing the {self.spec.name} manifest in {self.root} failed: {e}"
             )
             err.__cause__ = e
             self._errors.append(err)
@@ -410,10 +440,8 @@ class Committer(QueueThread):
             return
         try:
             body = self._summaries.update(cols["summary_sum"], lambda ranks: self._chan.fetch("summary", ranks))
-            if body is not None and self._objects is not None:
-                self._objects.write_index(manifest, body)
-            elif body is not None:
-                write_index(self.root, manifest, body)
+            if body is not None:
+                self.calls.write_index(manifest, body)
         except Exception as e:  # noqa: BLE001 - a reshard then reads every rank file's metadata
             log.warning(
                 "rank %d: iteration %d: no global index written (%r); a reshard of it reads every rank file",
@@ -439,7 +467,7 @@ class Committer(QueueThread):
                 "rank %d: iteration %d abandoned (%s tier): rank(s) %s skipped it",
                 self.rank,
                 ticket.iteration,
-                self.tier.name,
+                self.spec.name,
                 _shown(outcome["skipped"], outcome["n_skipped"]),
             )
             return
@@ -453,47 +481,19 @@ class Committer(QueueThread):
         if self.rank in outcome["unwritten"]:
             return  # this writer's error is stored
         raise CommitError(
-            f"rank {self.rank}: iteration {ticket.iteration}: a {self.tier.name} manifest could not be written "
+            f"rank {self.rank}: iteration {ticket.iteration}: a {self.spec.name} manifest could not be written "
             f"(by rank(s) {_shown(outcome['unwritten'], outcome['n_unwritten'])}); nothing committed"
         )
 
     def _discard(self, ticket: Ticket) -> None:
         """Remove the files of a save that was not committed (and its directory if nothing else is there)."""
-        if self._objects is not None:
-            names = [rank_file_name(r, ticket.token or self._token, ticket.seq) for r in self._writes]
-            self._objects.discard(ticket.iteration, names)
-            return
-        d = iter_dir(self.root, ticket.iteration)
-        for r in self._writes:
-            unlink_ours(os.path.join(d, rank_file_name(r, ticket.token or self._token, ticket.seq)))
         others = [t for t in self.outstanding() if t.iteration == ticket.iteration and t.seq != ticket.seq]
-        if not others:
-            try:
-                os.rmdir(d)  # only succeeds when empty: a committed manifest keeps it
-            except OSError:
-                pass
+        self.calls.discard(ticket.iteration, [ticket.file_name(r) for r in self._writes], not others)
 
     def outstanding(self) -> list[Ticket]:
         """The tickets submitted and not processed yet (any thread)."""
         with self._lock:
             return list(self._outstanding.values())
-
-
-def _refuse_newer_format(root: str, iteration: int) -> None:
-    """Raise :class:`CommitError` when ``iteration`` already holds a checkpoint in a newer format
-    than this version writes: a re-save must never replace its manifest (nor, then, let retention
-    take its files for strays).  A damaged manifest there is replaced, as before; none costs one
-    failed open."""
-    d = iter_dir(root, iteration)
-    try:
-        read_manifest(d)
-    except FormatVersionError as e:
-        raise CommitError(
-            f"{d}: holds a checkpoint in a newer format ({e}); it is left as it is and this save of iteration "
-            f"{iteration} is not committed (save another iteration, or load it with a newer datastates-megatron)"
-        ) from None
-    except (CorruptCheckpointError, OSError):  # none there (NoCheckpointError is one), or damaged
-        pass
 
 
 def _shown(ranks: list, n: int) -> str:

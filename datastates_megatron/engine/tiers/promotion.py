@@ -20,136 +20,23 @@ Thread-safety: ``offer``/``schedule`` may be called from any thread (the local c
 from __future__ import annotations
 
 import concurrent.futures as cf
-import errno
 import logging
 import os
 import threading
 import time
 
-import numpy as np
-
 from .commit import Ticket
-from ..errors import FlushError, NoCheckpointError
-from ..runtime.faults import crash_point
-from ..format.file_format import HEADER_BYTES, FileReceipt, RankFile
+from ..errors import FlushError
 from ..format.manifest import read_manifest
-from ..names import iter_dir, parse_rank_file_name, rank_file_name
-from ..names import PROMOTING_SUFFIX
+from ..names import iter_dir, parse_rank_file_name
 from .promote_throttle import Pace, PromoteSlots, PromotionAbandoned
-from ..fs.safe_io import create_temp, make_dir, reopen_same
 from ..runtime.threads import QueueThread
-from .tier import Tier, survey
-from ..format.writer import ALIGN, pwrite_direct
-from ..fs.durable import fsync_dir
+from .tier import Tier
 
-__all__ = ["Promotion", "copy_verified"]
+__all__ = ["Promotion"]
 
 log = logging.getLogger(__name__)
-_COPY_BLOCK = 16 << 20
 _GRACE_S = 10.0  # how long close() waits for a copy it gave up on to stop (a slot wait stops in 0.25 s)
-
-
-def _copy_bytes(fd_in: int, fd_out: int, size: int, start: int = 0, pace=None) -> None:
-    """Copy bytes ``[start, size)`` in the kernel (``sendfile``: one page-cache-to-page-cache copy,
-    no user buffer); where the platform or file system refuses, through one reused buffer.
-    ``pace(n)`` is called after each block (:class:`.promote_throttle.Pace`)."""
-    done = start
-    try:
-        os.lseek(fd_out, start, os.SEEK_SET)  # sendfile writes at the output's file position
-        while done < size:
-            n = os.sendfile(fd_out, fd_in, done, min(_COPY_BLOCK, size - done))
-            if n == 0:
-                break
-            done += n
-            if pace is not None:
-                pace(n)
-    except OSError as e:
-        if e.errno not in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSOCK) or done > start:
-            raise
-    except AttributeError:  # pragma: no cover - no os.sendfile on this platform
-        pass
-    buf = memoryview(bytearray(_COPY_BLOCK)) if done < size else None
-    while done < size:
-        n = os.preadv(fd_in, [buf[: min(_COPY_BLOCK, size - done)]], done)
-        if n == 0:
-            break
-        written = 0
-        while written < n:
-            written += os.pwrite(fd_out, buf[written:n], done + written)
-        done += n
-        if pace is not None:
-            pace(n)
-    if done != size:
-        raise FlushError(f"copied {done} of {size} bytes: the source file is shorter than its header says")
-
-
-def _copy_direct(source: np.ndarray, path: str, fd_out: int, pace=None) -> int:
-    """Write the 4 KiB-aligned prefix of ``source`` (a page-aligned mapping of the local file) to
-    ``path`` (the inode ``fd_out`` has open) with O_DIRECT; returns the bytes written, 0 where
-    O_DIRECT is refused.
-
-    Why: a buffered copy (``sendfile``) fills the page cache with a checkpoint nobody reads back,
-    and the kernel's per-page work and dirty-page throttling cost more CPU than the O_DIRECT
-    write (docs/BENCHMARKS.md) -- CPU the training threads share on a busy node.  A write the file system refuses (EINVAL) stops here;
-    the caller copies the rest buffered."""
-    aligned = source.nbytes // ALIGN * ALIGN
-    if not aligned or not hasattr(os, "O_DIRECT"):
-        return 0
-    try:
-        fd = reopen_same(path, fd_out, os.O_WRONLY | os.O_DIRECT)
-    except OSError:
-        return 0
-    done = 0
-    try:
-        while done < aligned:  # in blocks of _COPY_BLOCK, like the buffered copy
-            block = min(_COPY_BLOCK, aligned - done)
-            n = pwrite_direct(fd, source[done : done + block], done, path)
-            done += n
-            if pace is not None:
-                pace(n)
-            if n < block:  # refused
-                break
-    finally:
-        os.close(fd)
-    return done
-
-
-def _copy_file(rf: RankFile, fd_out: int, path_out: str, size: int, pace=None) -> None:
-    """Copy the first ``size`` bytes of ``rf`` to ``fd_out`` (open on ``path_out``): O_DIRECT from
-    its mapping as far as the destination allows, the rest through ``_copy_bytes``."""
-    done = _copy_direct(rf.span(0, size), path_out, fd_out, pace)
-    if done < size:
-        _copy_bytes(rf.fileno(), fd_out, size, start=done, pace=pace)
-
-
-def copy_verified(src: str, dst: str, version: int, pace=None) -> FileReceipt:
-    """Verify every checksum of ``src`` then copy it to ``dst`` (temp name, fsync, rename), paced
-    by ``pace`` (:class:`.promote_throttle.Pace`) when given."""
-    t0 = time.perf_counter()
-    tmp = dst + PROMOTING_SUFFIX
-    with RankFile(src) as rf:
-        data_bytes = rf.verify_all()
-        header = rf.header
-        fd_tmp = create_temp(tmp)  # O_EXCL | O_NOFOLLOW: a link planted at the temp name is refused
-        try:
-            with os.fdopen(fd_tmp, "wb") as fout:  # copied from the file just verified, not the path again
-                _copy_file(rf, fout.fileno(), tmp, header.file_bytes, pace)
-                os.fsync(fout.fileno())
-            # a rewrite of the source in place (a recycled file) zeroes its header first: if the
-            # header is still the verified one, the bytes copied are the ones verified
-            if os.pread(rf.fileno(), HEADER_BYTES, 0) != header.pack():
-                raise FlushError(f"{src}: the local file was rewritten while it was promoted")
-        except BaseException:
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
-            raise
-    crash_point("promote")
-    os.replace(tmp, dst)
-    fsync_dir(os.path.dirname(dst))
-    dt = time.perf_counter() - t0
-    return FileReceipt.of(header, data_bytes, version, dst, copy_s=dt, flush_s=dt)
 
 
 class Promotion(QueueThread):
@@ -195,7 +82,7 @@ class Promotion(QueueThread):
         with self._lock:
             self._newest = None if due else ticket
         if due:
-            self.schedule(ticket.iteration, ticket.seq, ticket.metadata)
+            self.schedule(ticket.iteration, ticket.seq, ticket.metadata, summary=ticket.summary)
 
     def promote_newest(self) -> bool:
         """Schedule this run's newest local checkpoint unless it already was (collective, like every
@@ -206,7 +93,7 @@ class Promotion(QueueThread):
             ticket, self._newest = self._newest, None
         if ticket is None:
             return False
-        self.schedule(ticket.iteration, ticket.seq, ticket.metadata)
+        self.schedule(ticket.iteration, ticket.seq, ticket.metadata, summary=ticket.summary)
         return True
 
     def resume(self, newest_common: int | None) -> None:
@@ -214,13 +101,7 @@ class Promotion(QueueThread):
         every rank has -- if ``dst`` lacks it (a run killed before its end-of-run promotion)."""
         if newest_common is None:
             return
-        if getattr(self.dst, "objects", None) is not None:  # object storage (:mod:`.storage.object_tier`)
-            latest = self.dst.latest_committed()
-        else:
-            try:
-                latest = survey(self.dst.root).latest()  # a damaged manifest raises, as on a load
-            except NoCheckpointError:
-                latest = None
+        latest = self.dst.latest_committed()  # a damaged manifest raises, as on a load
         if latest is None or newest_common > latest:
             m = read_manifest(iter_dir(self.src.root, newest_common))
             _, token, seq = parse_rank_file_name(m.record(self.rank).file)
@@ -229,17 +110,22 @@ class Promotion(QueueThread):
             )
             self.schedule(newest_common, seq, dict(m.metadata), token=token)
 
-    def schedule(self, iteration: int, seq: int, metadata: dict, token: str | None = None) -> None:
+    def schedule(
+        self, iteration: int, seq: int, metadata: dict, token: str | None = None, summary: tuple | None = None
+    ) -> None:
         """Promote ``src`` checkpoint ``iteration`` (collective: every rank schedules the same ones, in
-        order).  ``token``: the run token in its file names, when an earlier run wrote it."""
+        order).  ``token``: the run token in its file names, when an earlier run wrote it (else this
+        run's); ``summary``: this rank's global-index summary of the save (its local ticket's)."""
         future: cf.Future = cf.Future()
-        ticket = Ticket(iteration, seq, future, dict(metadata), time.perf_counter(), token)
-        item = (iteration, seq, token or self.src.token, future)
+        ticket = Ticket(
+            iteration, seq, future, dict(metadata), time.perf_counter(), token or self.src.token, summary=summary
+        )
+        item = (iteration, ticket, future)
         with self._lock:
             self._in_flight.add(iteration)
             dropped, self._waiting = self._waiting, (item, ticket)
             if dropped is not None:
-                self._dropped.add(dropped[0][3])  # decided here, under the lock: never also copied
+                self._dropped.add(dropped[0][2])  # decided here, under the lock: never also copied
         self.dst.submit(ticket)
         self.put(item)
         if dropped is not None:
@@ -248,7 +134,7 @@ class Promotion(QueueThread):
     def _drop(self, item, ticket: Ticket, newer: int) -> None:
         """A waiting promotion replaced by ``newer``: its persistent commit is abandoned on every
         rank (a skip), and the local tier's retention may delete it; the copy thread passes it by."""
-        iteration, _seq, _token, future = item
+        iteration, _ticket, future = item
         self.skipped += 1
         ticket.skipped = True  # before the future settles: the committer reads it then
         future.set_exception(FlushError(f"rank {self.rank}: promotion of iteration {iteration} skipped for {newer}"))
@@ -267,30 +153,24 @@ class Promotion(QueueThread):
         )
 
     def _handle(self, item) -> None:
-        iteration, seq, token, future = item
+        iteration, ticket, future = item
         with self._lock:
             if future in self._dropped:  # replaced by a newer one (settled by _drop)
                 self._dropped.discard(future)
                 return
             if self._waiting is not None and self._waiting[0] is item:
                 self._waiting = None  # being copied now: no longer replaceable
-        name = rank_file_name(self.rank, token, seq)
+        name = ticket.file_name(self.rank)
         src = os.path.join(iter_dir(self.src.root, iteration), name)
         dst_dir = iter_dir(self.dst.root, iteration)
-        objects = getattr(self.dst, "objects", None)  # object storage: the tier uploads (streamed, verified)
         try:
             if self._stop.is_set():
                 raise PromotionAbandoned(f"rank {self.rank}: the promotion was closed before it started")
-            if objects is None:
-                make_dir(dst_dir)  # never into a directory reached through a symlink
             self._doing = f"promoting iteration {iteration} (waiting for a promotion slot)"
             with self._slots.held(self._stop):  # at most ``slots`` of the node's ranks copy at once
                 self._doing = f"promoting iteration {iteration} (copying {src})"
                 pace = Pace(self._mbps, self._stop) if self._mbps > 0 else None  # no cap: no pacing at all
-                if objects is not None:
-                    receipt = objects.promote_file(src, iteration, name, pace)
-                else:
-                    receipt = copy_verified(src, os.path.join(dst_dir, name), iteration, pace)
+                receipt = self.dst.promote_file(src, iteration, name, pace)  # verified, then stored
             future.set_result(receipt)
             with self._lock:
                 self._warned = False

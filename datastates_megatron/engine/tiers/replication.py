@@ -38,70 +38,29 @@ import os
 import threading
 import time
 
-import numpy as np
 import torch
 
 from ..dist.collective import Collective
-from ..errors import CacheTimeoutError, CheckpointError, CorruptCheckpointError, OptionsError
+from ..errors import CacheTimeoutError, CheckpointError
 from ..runtime.faults import crash_point
-from ..format.file_format import FileReceipt, RankFile
-from ..format.manifest import Manifest, read_manifest, write_manifest
+from ..format.file_format import RankFile
+from ..format.manifest import read_manifest
 from ..names import (
-    PROMOTING_SUFFIX,
     REPLICAS_DIR,
     iter_dir,
     parse_rank_file_name,
-    rank_file_name,
     replica_store_name,
     replica_store_rank,
 )
-from .retention import delete_checkpoint, remove_ours, select_deletions, unlink_ours
-from ..fs.safe_io import create_temp, make_dir, real_dir
-from .tier import Tier, committed_saves, list_iterations, survey
-from ..fs.durable import fsync_dir
+from .replica_strategy import replica_policy
+from .replica_transport import HDR, PairTransport, ReplicaReceiver
+from .retention import delete_checkpoint, remove_ours
+from ..fs.safe_io import make_dir, real_dir
+from .tier import Tier, committed_saves, list_iterations
 
-__all__ = ["Replication", "clique_of", "replication_plan", "ReplicaStats"]
+__all__ = ["Replication", "ReplicaStats"]
 
 log = logging.getLogger(__name__)
-_CHUNK = 16 << 20  # one receive buffer of this size (sends go from the file's mapping): replication's memory
-_HDR = ("ok", "iteration", "seq", "token", "file_bytes", "manifest_bytes")
-
-
-def replication_plan(world_size: int, per_node: int, replicas: int | None, jump: int | None) -> tuple[int, int]:
-    """``(jump, factor)`` for ``replicas`` partners per rank (None: 1 when there is more than one
-    node and the node count is even, else 0) ``jump`` ranks apart (None: ranks per node); factor 1
-    is off.  An explicit setting that does not tile the world raises :class:`OptionsError`."""
-    nodes = max(1, world_size // max(1, per_node))
-    jump = per_node if jump is None else jump
-    if replicas is None:
-        replicas = 1 if nodes > 1 and nodes % 2 == 0 else 0
-        if nodes > 1 and nodes % 2:
-            log.warning(
-                "node-local checkpoints are not replicated: %d nodes do not pair up (set --lazy-ckpt-replicas "
-                "K so that K+1 divides the node count)",
-                nodes,
-            )
-    factor = replicas + 1
-    if factor == 1:
-        return jump, 1
-    if jump < 1 or world_size % (jump * factor):
-        raise OptionsError(
-            "replication",
-            [
-                (
-                    "replicas",
-                    f"{replicas} partner(s) {jump} ranks apart do not tile {world_size} ranks "
-                    f"(world size must be a multiple of jump*(replicas+1) = {jump * factor})",
-                )
-            ],
-        )
-    return jump, factor
-
-
-def clique_of(rank: int, jump: int, factor: int) -> list[int]:
-    """The ranks of ``rank``'s clique, ascending (O(factor): no list of every clique is built)."""
-    block = rank // (jump * factor) * (jump * factor)
-    return [block + rank % jump + k * jump for k in range(factor)]
 
 
 @dataclasses.dataclass
@@ -129,7 +88,7 @@ class Replication:
         self.me = clique.index(self.rank)
         # at least 2 (0: all): a node lost while the newest is replicated -- some cliques done, some
         # not -- still finds the one before it on every partner
-        self.keep_last = max(keep_last, 2) if keep_last else 0
+        self.keep = replica_policy(keep_last)  # each replica store's retention (:mod:`.replica_strategy`)
         self.stats = ReplicaStats()
         self.timeout_s = timeout_s
         # the newest local checkpoint whose exchange completed here: local retention keeps it
@@ -147,7 +106,7 @@ class Replication:
         )
         self._coll = Collective(self.group)
         self._stores = {src: self._store(src) for src in clique}  # its own too: a fetched copy
-        self._recv_buf = torch.empty(_CHUNK, dtype=torch.uint8)
+        self._io = PairTransport(self.group)  # how the bytes move (:mod:`.replica_transport`)
 
     def open_stores(self, node_sources: set[int] | None) -> None:
         """Start-up: make this rank's replica directories (never through a link: each level is
@@ -173,7 +132,15 @@ class Replication:
 
     def _store(self, src: int) -> Tier:
         root = os.path.join(self.local.root, REPLICAS_DIR, replica_store_name(src))
-        return Tier("replica", root, rank=self.rank, token=self.local.token, writes=[src], run_id=self.local.run_id)
+        return Tier(
+            "replica",
+            root,
+            rank=self.rank,
+            token=self.local.token,
+            writes=[src],
+            run_id=self.local.run_id,
+            retention=self.keep,
+        )
 
     # ------------------------------------------------------------------ after each local commit
     def follow(self) -> None:
@@ -269,8 +236,7 @@ class Replication:
         calls it for the same commits, in order).  A failure is logged; the local checkpoint stays committed."""
         t0 = time.perf_counter()
         crash_point("replicate", self.rank)
-        token = ticket.token or self.local.token
-        name = rank_file_name(self.rank, token, ticket.seq)
+        name = ticket.file_name(self.rank)
         src_path = os.path.join(iter_dir(self.local.root, ticket.iteration), name)
         try:
             manifest = read_manifest(iter_dir(self.local.root, ticket.iteration))
@@ -311,61 +277,23 @@ class Replication:
                 "file_bytes": out_file.header.file_bytes if out_file is not None else 0,
                 "manifest_bytes": len(body),
             }
-            theirs = self._swap_ints(hdr, dst, src)
-            their_body = self._swap_bytes(body, theirs["manifest_bytes"], dst, src)
-            receiver = _ReplicaReceiver(self._stores[src], src, theirs, their_body, self.rank)
+            theirs = self._io.swap_ints(hdr, dst, src)
+            their_body = self._io.swap_bytes(body, theirs["manifest_bytes"], dst, src)
+            receiver = ReplicaReceiver(self._stores[src], src, theirs, their_body, self.rank)
             try:
-                self._swap_file(out_file, hdr["file_bytes"], receiver, theirs["file_bytes"], dst, src)
+                self._io.swap_file(out_file, hdr["file_bytes"], receiver, theirs["file_bytes"], dst, src)
             except BaseException:
                 receiver.abort()  # no descriptor nor temp file left behind
                 raise
         finally:
             if out_file is not None:
                 out_file.close()
-        committed = receiver.commit(self.keep_last)
+        committed = receiver.commit()
         if committed:
             self.stats.bytes_received += theirs["file_bytes"]
         return hdr["file_bytes"], committed
 
     # ------------------------------------------------------------------ point to point, in step
-    def _p2p(self, out: torch.Tensor | None, dst: int, into: torch.Tensor | None, src: int) -> None:
-        import torch.distributed as dist
-
-        req = dist.isend(out, dst, group=self.group) if out is not None else None
-        if into is not None:
-            dist.recv(into, src, group=self.group)
-        if req is not None:
-            req.wait()
-
-    def _swap_ints(self, mine: dict, dst: int, src: int) -> dict:
-        out = torch.tensor([mine[f] for f in _HDR], dtype=torch.int64)
-        into = torch.empty(len(_HDR), dtype=torch.int64)
-        self._p2p(out, dst, into, src)
-        return dict(zip(_HDR, into.tolist()))
-
-    def _swap_bytes(self, mine: bytes, theirs: int, dst: int, src: int) -> bytes:
-        out = torch.frombuffer(bytearray(mine), dtype=torch.uint8) if mine else None
-        into = torch.empty(theirs, dtype=torch.uint8) if theirs else None
-        self._p2p(out, dst, into, src)
-        return into.numpy().tobytes() if into is not None else b""
-
-    def _swap_file(self, out_file, out_bytes: int, receiver, in_bytes: int, dst: int, src: int) -> None:
-        """Stream both files in chunks of ``_CHUNK`` (sent from the mapping, received into one buffer:
-        bounded host memory)."""
-        done_out = done_in = 0
-        while done_out < out_bytes or done_in < in_bytes:
-            n_out, n_in = min(_CHUNK, out_bytes - done_out), min(_CHUNK, in_bytes - done_in)
-            out = into = None
-            if n_out:  # straight from the file's (copy-on-write) mapping: no copy into a buffer
-                out = torch.from_numpy(out_file.span(done_out, done_out + n_out))
-            if n_in:
-                into = self._recv_buf[:n_in]
-            self._p2p(out, dst, into, src)
-            if n_in:
-                receiver.write(into.numpy(), done_in)
-            done_out += n_out
-            done_in += n_in
-
     # ------------------------------------------------------------------ restore
     def holdings(self, local: dict[int, tuple[int, int]]) -> tuple[dict[int, tuple[int, int]], dict, dict[int, int]]:
         """Collective of the clique (at restore): the checkpoints this rank can restore from a
@@ -439,7 +367,7 @@ class Replication:
             log.error("rank %d: cannot send rank %d its replica of iteration %d: %s", self.rank, member, iteration, e)
             if rf is not None:
                 rf.close()
-            self._send_ints(dict.fromkeys(_HDR, 0), member)
+            self._io.send_ints(dict.fromkeys(HDR, 0), member)
             return
         with rf:
             body = m.to_json()
@@ -451,31 +379,28 @@ class Replication:
                 "file_bytes": rf.header.file_bytes,
                 "manifest_bytes": len(body),
             }
-            self._send_ints(hdr, member)
-            self._p2p(torch.frombuffer(bytearray(body), dtype=torch.uint8), member, None, member)
-            self._swap_file(rf, hdr["file_bytes"], None, 0, member, member)
+            self._io.send_ints(hdr, member)
+            self._io.p2p(torch.frombuffer(bytearray(body), dtype=torch.uint8), member, None, member)
+            self._io.swap_file(rf, hdr["file_bytes"], None, 0, member, member)
         log.info(
             "rank %d: sent rank %d its file of iteration %d from the replica held here", self.rank, member, iteration
         )
 
-    def _send_ints(self, hdr: dict, dst: int) -> None:
-        self._p2p(torch.tensor([hdr[f] for f in _HDR], dtype=torch.int64), dst, None, dst)
-
     def _receive_own(self, holder: int, iteration: int) -> str | None:
-        into = torch.empty(len(_HDR), dtype=torch.int64)
-        self._p2p(None, holder, into, holder)
-        theirs = dict(zip(_HDR, into.tolist()))
+        into = torch.empty(len(HDR), dtype=torch.int64)
+        self._io.p2p(None, holder, into, holder)
+        theirs = dict(zip(HDR, into.tolist()))
         if not theirs["ok"]:
             log.error("rank %d: rank %d could not send the replica of iteration %d", self.rank, holder, iteration)
             return None
-        body = self._swap_bytes(b"", theirs["manifest_bytes"], holder, holder)
-        receiver = _ReplicaReceiver(self._stores[self.rank], self.rank, theirs, body, self.rank)
+        body = self._io.swap_bytes(b"", theirs["manifest_bytes"], holder, holder)
+        receiver = ReplicaReceiver(self._stores[self.rank], self.rank, theirs, body, self.rank)
         try:
-            self._swap_file(None, 0, receiver, theirs["file_bytes"], holder, holder)
+            self._io.swap_file(None, 0, receiver, theirs["file_bytes"], holder, holder)
         except BaseException:
             receiver.abort()
             raise
-        if not receiver.commit(self.keep_last):
+        if not receiver.commit():
             return None
         self.stats.bytes_fetched += theirs["file_bytes"]
         return self._stores[self.rank].root
@@ -498,99 +423,3 @@ class Replication:
                 self._offered,
                 self.clique,
             )
-
-
-class _ReplicaReceiver:
-    """One incoming replica: written to a temp name, verified, then committed by its manifest."""
-
-    def __init__(self, store: Tier, src: int, hdr: dict, body: bytes, rank: int) -> None:
-        self.store, self.src, self.hdr, self.rank = store, src, hdr, rank
-        self.error: str | None = None if hdr["ok"] else f"rank {src} had no file to send"
-        self.fd = None
-        self.manifest = self.record = None
-        if self.error is None:
-            try:
-                self.manifest = Manifest.from_json(body, f"<manifest sent by rank {src}>")
-                self.record = self.manifest.record(src)
-                if self.record is None or self.record.file_bytes != hdr["file_bytes"]:
-                    raise CorruptCheckpointError(f"rank {src}'s manifest does not describe the file it sends")
-                d = iter_dir(store.root, self.manifest.iteration)
-                make_dir(d)
-                self.path = os.path.join(d, self.record.file)
-                self.tmp = self.path + PROMOTING_SUFFIX
-                self.fd = create_temp(self.tmp)
-            except (CheckpointError, OSError) as e:
-                self.error = str(e)
-
-    def write(self, data: np.ndarray, offset: int) -> None:
-        if self.fd is None:
-            return
-        try:
-            view = memoryview(data)
-            while view:
-                n = os.pwrite(self.fd, view, offset)
-                view, offset = view[n:], offset + n
-        except OSError as e:
-            self.error = f"writing {self.tmp}: {e}"
-            self._drop()
-
-    def abort(self) -> None:
-        """The transfer broke off: close and remove the temp file (ours, created ``O_EXCL``)."""
-        self._drop()
-        if getattr(self, "tmp", None):
-            unlink_ours(self.tmp)
-
-    def _drop(self) -> None:
-        """Stop writing (the rest of the transfer is still received, to stay in step)."""
-        if self.fd is not None:
-            os.close(self.fd)
-            self.fd = None
-
-    def commit(self, keep_last: int) -> bool:
-        """Verify and commit the replica; then the store keeps its ``keep_last`` newest."""
-        if self.error is None:
-            try:
-                os.fsync(self.fd)
-                os.close(self.fd)
-                self.fd = None
-                self._verify()
-                os.replace(self.tmp, self.path)
-                fsync_dir(os.path.dirname(self.path))
-                # ordered in this store by arrival (= the source's commit order), not by the source
-                # node's commit count, which restarts on a replaced node
-                newest = max((m.commit_seq for m in survey(self.store.root).committed.values()), default=-1)
-                m = dataclasses.replace(self.manifest, ranks=(self.record,), tier="local", commit_seq=newest + 1)
-                write_manifest(self.store.root, m)
-            except (CheckpointError, OSError) as e:
-                self.error = str(e)
-        if self.error is not None:
-            if self.fd is not None:
-                os.close(self.fd)
-                self.fd = None
-            if getattr(self, "tmp", None):
-                unlink_ours(self.tmp)  # ours (created O_EXCL above); a planted link is left alone
-            log.error("rank %d: replica of rank %d not committed: %s", self.rank, self.src, self.error)
-            return False
-        self._retain(keep_last)
-        return True
-
-    def _verify(self) -> None:
-        with RankFile(self.tmp) as rf:
-            got = FileReceipt.of(rf.header, rf.verify_all(), 0, self.tmp)
-        r = self.record
-        if (got.file_bytes, got.n_tensors, got.index_xxh64, got.header_xxh64, got.data_bytes) != (
-            r.file_bytes,
-            r.n_tensors,
-            r.index_xxh64,
-            r.header_xxh64,
-            r.data_bytes,
-        ):
-            raise CorruptCheckpointError(f"{self.tmp}: received file does not match rank {self.src}'s manifest record")
-
-    def _retain(self, keep_last: int) -> None:
-        found = survey(self.store.root)
-        for it in select_deletions(found.order, keep_last, 0, {self.manifest.iteration}):
-            try:
-                delete_checkpoint(self.store.root, it)
-            except OSError as e:
-                log.warning("rank %d: could not delete replica %s: %s", self.rank, iter_dir(self.store.root, it), e)

@@ -17,6 +17,7 @@ and a symlink is never followed nor removed (``lstat`` first; skipped with a log
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import stat
@@ -35,6 +36,7 @@ from ..fs.safe_io import make_dir, real_dir
 from ..fs.durable import fsync_dir
 
 __all__ = [
+    "KeepPolicy",
     "select_deletions",
     "delete_checkpoint",
     "deletion_failed",
@@ -139,6 +141,21 @@ def remove_ours(d: str, rank: int | None = None) -> bool:
     except OSError as e:
         log.warning("%s: could not remove the directory: %s", d, e)
         return False
+
+
+@dataclasses.dataclass(frozen=True)
+class KeepPolicy:
+    """Which committed checkpoints a tier's retention keeps (as Orbax's preservation policies): the
+    newest commit and the ``protected`` ones always; with ``keep_last`` > 0 the ``keep_last`` newest
+    commits and, with ``keep_every`` > 0, every iteration that is a multiple of it; ``keep_last=0``
+    keeps everything.  One per tier: the tier applies it, nothing else re-implements it."""
+
+    keep_last: int = 0
+    keep_every: int = 0
+
+    def deletions(self, commit_order: list[int], protected: set[int]) -> list[int]:
+        """Iterations to delete of ``commit_order`` (committed iterations, oldest commit first)."""
+        return select_deletions(commit_order, self.keep_last, self.keep_every, protected)
 
 
 def select_deletions(commit_order: list[int], keep_last: int, keep_every: int, protected: set[int]) -> list[int]:

@@ -1,16 +1,53 @@
 """A tier: one checkpoint directory and its one owner -- its lock, the refusal of a newer checkpoint we
 did not write, commit, retention, recycle pool, start-up cleanup.
 
-``persistent`` is the save directory; ``local`` a node-local one (per-node manifests), linked to the
-persistent tier by a :class:`.promotion.Promotion`, which subscribes to the local tier's commits
-(:meth:`Tier.on_commit`).  The manager and the promotion use a tier through its methods
-(``submit``/``poll``/``drain``/``latest``/``outstanding``, ``acquire``/``release``, ``recycled``)
-and two plain data fields the manager sets (``run_id``, ``summary``): its committer, lock and pool
-are its own.  What a tier directory holds is decided in one
-place, :func:`survey`: an ``iter_*`` directory whose manifest reads back is committed; one whose
-manifest exists but does not read is damaged (never loaded, never removed); one without a manifest
-holding only names we write (:mod:`.names`) is our leftover; anything else is not ours and is left
-alone (:mod:`.foreign` reports it).  Deleting and recycling follow :mod:`.retention`'s rules.
+``persistent`` is the save directory; ``local`` a node-local one (``node_local``: per-node
+manifests), linked to the persistent tier by a :class:`.promotion.Promotion`, which subscribes to
+the local tier's commits (:meth:`Tier.on_commit`).  A tier's name is for logs and manifests only:
+what it does follows its flags (``node_local``, ``first``, ``writes``).  The object tier
+(:class:`..storage.object_tier.ObjectTier`) is a :class:`Tier` over object storage: it overrides
+the storage steps below (marked *storage*) and shares the rest.  What a tier directory holds is
+decided in one place, :func:`survey`: an ``iter_*`` directory whose manifest reads back is
+committed; one whose manifest exists but does not read is damaged (never loaded, never removed);
+one without a manifest holding only names we write (:mod:`.names`) is our leftover; anything else
+is not ours and is left alone (:mod:`.foreign` reports it).  Deleting and recycling follow
+:mod:`.retention`'s rules.
+
+The tier contract -- the order in which a tier is called (as PyTorch DCP's ``storage.py`` numbers
+a writer's), each step on the thread named:
+
+1. ``Tier(...)`` (training thread): plain data, nothing touched; ``run_id`` may be set until step 3.
+2. Start-up, the writer only (training thread): ``survey()`` (*storage*, read only), then
+   ``refuse_foreign(found)`` (*storage*, read only: before the lock), ``acquire()`` (*storage*:
+   the one-writer lock, checked before each commit and deletion from now on), ``clean(found)``
+   (*storage*: our leftovers only), and for the save location ``ensure_run_id()`` (*storage*).
+3. ``open(channel, world_size, layout, timeout_s)`` (training thread): starts the commit thread.
+   The committer is given a :class:`.commit.CommitSpec` (this tier's plain data) and
+   :class:`.commit.CommitCalls` (the tier's storage steps 6 and 7) -- never the tier itself.
+4. ``on_commit(callback, keep)`` (training thread, before the first save): the subscribers (the
+   promotion, replication); ``keep()`` names iterations retention must not delete yet.
+5. Each save, in save order (training thread): ``submit(ticket)``; the ticket names the save's
+   files (:meth:`.commit.Ticket.file_name`, the one place a rank file's name is made) and carries
+   this rank's global-index summary.  Just before a save opens its file (a flush thread),
+   ``recycled(path)`` may move a retired file into place.  A promotion's copy is
+   ``promote_file(src, iteration, name, pace)`` (*storage*, the promotion's thread), whose
+   receipt the ticket waits on.
+6. Commit thread, the writer, once every rank's file is durable: ``refuse_newer_format(iteration)``
+   (*storage*), ``write_index(manifest, body)`` (*storage*, a tier that is not ``node_local``),
+   ``write_manifest(manifest)`` (*storage*: the commit point), then ``write_tracker(iteration)``
+   (*storage*, may lag).
+7. Commit thread, the writer, when a save was not committed: ``discard(iteration, names, last)``
+   (*storage*): its files go, nothing committed is touched.
+8. Commit thread, every rank, after a commit: the writer's retention is handed to its deleter
+   thread (the tier's :class:`.retention.KeepPolicy`; *storage*), then each subscriber is
+   called, in subscription order.  A tier written outside a committer (a replica store) calls
+   ``write_manifest`` itself and then ``retain(protected)``: the same policy, applied now.
+9. Any time after step 3 (training thread): ``poll()`` (commits completed; one stored error
+   raised once), ``drain(timeout)``, ``outstanding()`` (any thread), ``latest``,
+   ``abandoned_skips``, ``latest_committed()`` (*storage*, a fresh survey).
+10. End (training thread): ``drain_deletions(timeout)``, then ``close(timeout)`` (joins the
+    threads; *storage*: empties the recycle pool) -- or ``abandon(timeout)`` for a start-up that
+    failed -- and last ``release()`` (*storage*: the lock).
 
 Thread-safety: :meth:`Tier.clean` runs at start-up, before the commit thread exists;
 what follows a commit (:meth:`Tier.on_commit` callbacks) runs on the tier's commit thread; the
@@ -27,13 +64,22 @@ import os
 import threading
 import time
 
-from .commit import Committer
+from .commit import CommitCalls, Committer, CommitSpec
 from .deleter import Deleter
 from ..fs.dirlock import SaveDirLock
-from ..errors import CheckpointError, CorruptCheckpointError, LockLostError, NoCheckpointError
+from ..errors import (
+    CheckpointError,
+    CommitError,
+    CorruptCheckpointError,
+    FormatVersionError,
+    LockLostError,
+    NoCheckpointError,
+)
 from ..runtime.faults import crash_point
 from .foreign import refuse_newer_foreign
-from ..format.manifest import Manifest, read_manifest
+from ..format import verified_copy
+from ..format.global_index import write_index
+from ..format.manifest import Manifest, read_manifest, write_manifest, write_tracker
 from ..names import (
     INDEX_NAME,
     MANIFEST_NAME,
@@ -42,20 +88,20 @@ from ..names import (
     iter_dir,
     iteration_of,
     parse_rank_file_name,
-    rank_file_name,
     save_id,
 )
 from .retention import (
+    KeepPolicy,
     delete_checkpoint,
     deletion_failed,
     remove_ours,
     remove_stale_tracker_temps,
-    select_deletions,
     take_recycled,
     trim_recycled,
     unlink_ours,
 )
-from ..fs.safe_io import make_root, real_dir
+from .run_id import ensure_run_id
+from ..fs.safe_io import make_dir, make_root, real_dir
 
 __all__ = [
     "Tier",
@@ -176,7 +222,7 @@ def survey(root: str) -> Survey:
     """The one answer to "what is committed, ours, not ours" in the tier directory ``root``.
     Incremental: a manifest whose file is unchanged since it was last read here (same inode,
     size, mtime and ctime; :class:`_ManifestCache`) is not read again, nor one this process wrote
-    itself (:meth:`Tier.manifest_written`) -- loads and ``ls`` survey a tier again; a tier's own
+    itself (:meth:`Tier.write_manifest`) -- loads and ``ls`` survey a tier again; a tier's own
     retention does not: it knows what it committed."""
     iterations = list_iterations(root)
     committed, damaged = {}, {}
@@ -360,24 +406,26 @@ class Tier:
         recycle_files: str = "off",
         first: bool = True,
         run_id: str = "",
+        node_local: bool = False,
+        retention: KeepPolicy | None = None,
     ) -> None:
-        self.name = name
+        self.name = name  # in logs, records and manifests only: behaviour follows the flags
+        # node-local (``node_local``): each node's leader writes a manifest of its node's ranks, no
+        # global index is written, and ``recycle_files="local"`` applies
+        self.node_local = node_local
         self.run_id = run_id  # the run this tier's manifests belong to (:mod:`.run_id`)
-        self.root = os.path.abspath(root)
+        self.root = self._location(root)
         self.rank = rank
         self.token = token  # this run's token, in the names of the files it writes
         self.writes = writes
-        self.keep_last = keep_last
-        self.keep_every = keep_every
+        # which committed checkpoints the writer's retention keeps (``keep_last``/``keep_every``: its short form)
+        self.retention = retention or KeepPolicy(keep_last, keep_every)
         # retention moves rank files to the pool that the next saves overwrite: where saves write
         # first, on the node-local tier unless "off", on a persistent tier alone only with "all"
-        self._recycle = first and recycle_files in (("local", "all") if name == "local" else ("all",))
+        self._recycle = first and recycle_files in (("local", "all") if node_local else ("all",))
         self._committer: Committer | None = None
         self._dirlock: SaveDirLock | None = None
         self._followers: list[tuple] = []  # (callback, keep) of :meth:`on_commit`, in subscription order
-        # this rank's global-index summary (:mod:`.global_index`): ``(bytes, checksum)``, set by the
-        # manager; its commits send it (once per change) for the checkpoint's global index
-        self.summary: tuple[bytes, int] | None = None
         self._deleter: Deleter | None = None  # the writer's retention thread (:meth:`_deletions`)
         self._deleter_lock = threading.Lock()  # also guards _written and _kept
         self._written: dict[int, Manifest] = {}  # iteration -> the manifests this writer wrote last
@@ -386,11 +434,31 @@ class Tier:
         self._kept: dict[int, int] | None = None
         self._next_seq = 0
 
+    @staticmethod
+    def _location(root: str) -> str:
+        """``root`` as this tier names it: an absolute directory."""
+        return os.path.abspath(root)
+
     @property
     def is_writer(self) -> bool:
         return bool(self.writes)
 
     # ------------------------------------------------------------------ start-up (the writer)
+    def survey(self) -> Survey:
+        """What the tier holds now (:func:`survey`)."""
+        return survey(self.root)
+
+    def latest_committed(self) -> int | None:
+        """The newest committed iteration here (``None``: none); a damaged newer manifest raises."""
+        try:
+            return self.survey().latest()
+        except NoCheckpointError:
+            return None
+
+    def ensure_run_id(self) -> str:
+        """The id of the run this save location belongs to (:func:`.run_id.ensure_run_id`)."""
+        return ensure_run_id(self.root)
+
     def refuse_foreign(self, found: Survey, option: str = "--save") -> None:
         """Raise ``ForeignCheckpointError`` when the directory holds a checkpoint we did not write
         that is newer than our newest in ``found``: a resume would silently skip it.  Read-only:
@@ -442,10 +510,25 @@ class Tier:
     def open(self, collective, world_size: int, layout: dict, timeout_s: float) -> None:
         """Start the tier's commit thread (:class:`.commit.Committer`, on its own ``collective``),
         guarded by the lock when this rank holds it."""
-        guard = self._dirlock.check if self._dirlock is not None else None
-        self._committer = Committer(
-            self, collective, world_size, layout, self._next_seq, timeout_s, after_commit=self._committed, guard=guard
+        spec = CommitSpec(
+            name=self.name,
+            root=self.root,
+            rank=self.rank,
+            token=self.token,
+            writes=tuple(self.writes),
+            run_id=self.run_id,
+            node_local=self.node_local,
         )
+        calls = CommitCalls(
+            write_manifest=self.write_manifest,
+            write_tracker=self.write_tracker,
+            write_index=self.write_index,
+            discard=self.discard,
+            refuse_newer_format=self.refuse_newer_format,
+            after_commit=self._committed,
+            guard=self._dirlock.check if self._dirlock is not None else None,
+        )
+        self._committer = Committer(spec, calls, collective, world_size, layout, self._next_seq, timeout_s)
 
     def submit(self, ticket) -> None:
         """Queue ``ticket`` (a save's, or a promotion's copy) for commit, in save order."""
@@ -461,7 +544,7 @@ class Tier:
 
     def outstanding(self) -> list:
         """The tickets submitted and not yet committed (nor failed)."""
-        return self._committer.outstanding()
+        return self._committer.outstanding() if self._committer is not None else []
 
     @property
     def latest(self) -> int | None:
@@ -496,11 +579,67 @@ class Tier:
         for callback, _ in self._followers:
             callback(ticket)
 
-    def manifest_written(self, manifest: Manifest) -> None:
+    # ------------------------------------------------------------------ the storage (commit thread, promotion)
+    def promote_file(self, src: str, iteration: int, name: str, pace=None):
+        """Store the rank file ``src`` (another tier's) as ``name`` of ``iteration`` here, verified
+        first (:func:`.verified_copy.copy_verified`): its receipt, for this tier's commit."""
+        d = iter_dir(self.root, iteration)
+        make_dir(d)  # never into a directory reached through a symlink
+        return verified_copy.copy_verified(src, os.path.join(d, name), iteration, pace)
+
+    def refuse_newer_format(self, iteration: int) -> None:
+        """Raise :class:`CommitError` when ``iteration`` already holds a checkpoint in a newer format
+        than this version writes: a re-save must never replace its manifest (nor, then, let retention
+        take its files for strays).  A damaged manifest there is replaced, as before; none costs one
+        failed open."""
+        d = iter_dir(self.root, iteration)
+        try:
+            read_manifest(d)
+        except FormatVersionError as e:
+            raise CommitError(
+                f"{d}: holds a checkpoint in a newer format ({e}); it is left as it is and this save of iteration "
+                f"{iteration} is not committed (save another iteration, or load it with a newer datastates-megatron)"
+            ) from None
+        except (CorruptCheckpointError, OSError):  # none there (NoCheckpointError is one), or damaged
+            pass
+
+    def write_index(self, manifest: Manifest, body: bytes) -> None:
+        """The checkpoint's global index (:mod:`.global_index`), before its manifest."""
+        write_index(self.root, manifest, body)
+
+    def write_manifest(self, manifest: Manifest) -> None:
+        """The commit point: ``manifest`` replaces the iteration's atomically; then remembered
+        (:meth:`_manifest_written`)."""
+        write_manifest(self.root, manifest)
+        self._manifest_written(manifest)
+
+    def write_tracker(self, iteration: int) -> None:
+        """Megatron's tracker: informative, may lag the manifest."""
+        write_tracker(self.root, iteration)
+
+    def discard(self, iteration: int, names: list[str], last: bool) -> None:
+        """A save that was not committed: remove its files ``names`` of ``iteration``; ``last`` (no
+        other save of that iteration is pending): its directory too when nothing else is there."""
+        d = iter_dir(self.root, iteration)
+        for name in names:
+            unlink_ours(os.path.join(d, name))
+        if last:
+            try:
+                os.rmdir(d)  # only succeeds when empty: a committed manifest keeps it
+            except OSError:
+                pass
+
+    def _manifest_written(self, manifest: Manifest) -> None:
         """The commit thread wrote ``manifest`` (the writer): this tier's retention counts it among the
         checkpoints kept and never reads it back (14 MB at 64k ranks) -- the tier knows what it
         wrote, so a commit's metadata work does not grow with the checkpoints kept.  The newest few
         manifests are kept for their rank-file names (the superseded files of a re-save)."""
+        self._count_written(manifest)
+        # the process's one manifest cache: no survey (a load, ``ls``) reads it back either
+        _MANIFESTS.remember(iter_dir(self.root, manifest.iteration), manifest)
+
+    def _count_written(self, manifest: Manifest) -> None:
+        """``manifest`` (just written) among the checkpoints kept, and among the last few written."""
         with self._deleter_lock:
             if self._kept is not None:
                 self._kept[manifest.iteration] = manifest.commit_seq
@@ -508,8 +647,6 @@ class Tier:
             self._written[manifest.iteration] = manifest
             while len(self._written) > 4:
                 self._written.pop(next(iter(self._written)))
-        # the process's one manifest cache: no survey (a load, ``ls``) reads it back either
-        _MANIFESTS.remember(iter_dir(self.root, manifest.iteration), manifest)
 
     def _deletions(self) -> Deleter:
         """The writer's deleter, started on first use (a tier that never commits starts no thread)."""
@@ -544,8 +681,30 @@ class Tier:
         for _, keep in self._followers:  # still being copied elsewhere (the next tier, partners)
             if keep is not None:
                 protected |= keep()
-        order, manifest = self._commit_order(just)
-        for it in select_deletions(order, self.keep_last, self.keep_every, protected):
+        self._delete_by_policy(protected)
+        with self._deleter_lock:
+            manifest = self._written.get(just.iteration)
+        if self._recycle:
+            trim_recycled(self.root, keep=2 * len(self.writes))  # two checkpoints' worth
+        # files of older saves of this iteration, superseded by its manifest -- not those of a save
+        # still pending, nor of a later save of this run another rank may have started before this
+        # (writer) rank submitted it: it supersedes
+        keep = {t.file_name(r) for t in (just, *outstanding) for r in self.writes}
+        d = iter_dir(self.root, just.iteration)
+        for name in _strays(d, manifest) if manifest is not None else ():
+            parsed = parse_rank_file_name(name)
+            if parsed and name not in keep and not (parsed[1] == self.token and parsed[2] > just.seq):
+                unlink_ours(os.path.join(d, name))
+
+    def retain(self, protected: set[int]) -> None:
+        """Apply this tier's :class:`.retention.KeepPolicy` now, on the calling thread, keeping
+        ``protected``: for a tier written outside a committer (a replica store, whose receiver
+        commits with :meth:`write_manifest`)."""
+        self._delete_by_policy(protected)
+
+    def _delete_by_policy(self, protected: set[int]) -> None:
+        """Delete what the policy does not keep (a refused deletion is logged, tried again next time)."""
+        for it in self.retention.deletions(self._commit_order(), protected):
             crash_point("retention", self.rank)
             try:
                 delete_checkpoint(self.root, it, recycle=self._recycle, rank=self.rank)
@@ -556,34 +715,26 @@ class Tier:
                 self._kept.pop(it, None)
                 self._written.pop(it, None)
             log.info("rank %d: retention deleted %s (%s tier)", self.rank, iter_dir(self.root, it), self.name)
-        if self._recycle:
-            trim_recycled(self.root, keep=2 * len(self.writes))  # two checkpoints' worth
-        # files of older saves of this iteration, superseded by its manifest -- not those of a save
-        # still pending, nor of a later save of this run another rank may have started before this
-        # (writer) rank submitted it: it supersedes
-        keep = {rank_file_name(r, t.token or self.token, t.seq) for t in (just, *outstanding) for r in self.writes}
-        d = iter_dir(self.root, just.iteration)
-        for name in _strays(d, manifest) if manifest is not None else ():
-            parsed = parse_rank_file_name(name)
-            if parsed and name not in keep and not (parsed[1] == self.token and parsed[2] > just.seq):
-                unlink_ours(os.path.join(d, name))
 
-    def _commit_order(self, just) -> tuple[list[int], Manifest | None]:
-        """The checkpoints committed here, oldest commit first, and the manifest of ``just``'s
-        iteration (``None``: not committed, or not by this writer).  From what the tier knows; only a
+    def _commit_order(self) -> list[int]:
+        """The checkpoints committed here, oldest commit first.  From what the tier knows; only a
         tier whose start-up survey was never taken (:meth:`clean`) surveys, once."""
         with self._deleter_lock:
             kept = self._kept
         if kept is None:
-            found = survey(self.root)
+            surveyed = self._surveyed_commits()
             with self._deleter_lock:
                 if self._kept is None:
-                    self._kept = {it: m.commit_seq for it, m in found.committed.items()}
+                    self._kept = surveyed
                     for it, m in self._written.items():  # written while the survey ran
                         self._kept.setdefault(it, m.commit_seq)
         with self._deleter_lock:
-            order = sorted(self._kept, key=lambda it: (self._kept[it], it))
-            return order, self._written.get(just.iteration)
+            return sorted(self._kept, key=lambda it: (self._kept[it], it))
+
+    def _surveyed_commits(self) -> dict[int, int]:
+        """``{iteration: commit_seq}`` of what is committed here, surveyed (the one fallback of
+        :meth:`_commit_order`)."""
+        return {it: m.commit_seq for it, m in survey(self.root).committed.items()}
 
     def _still_owned(self) -> bool:
         """Whether this job still owns the directory (its lock file is the one it locked): once not,
