@@ -5,7 +5,8 @@ from the bucket alone:
 - DP=2 -> DP=1: right after the load every parameter, main param and Adam state equals, element for
   element, what the saving run held, as the same restore from a directory gives
   (tests/integration/test_reshard.py); the restore fetched by ranged GETs only the byte ranges its
-  plan reads (each verified against its chunk checksums) -- fewer bytes than the rank objects hold;
+  plan reads (each verified against its chunk checksums) -- fewer bytes than the rank objects hold,
+  and for the model alone (``--model-only``) under half of them;
 - ``datastates-ckpt export s3://... --format torch``: every element equal to what the run held."""
 
 from __future__ import annotations
@@ -59,8 +60,22 @@ def test_dp2_to_dp1_from_the_bucket_fetches_only_what_it_reads(dp2_in_bucket, bu
     )
     assert one["mismatches"] == [], one["mismatches"]
     (restore,) = one["restore"].values()
-    assert 0 < restore["fetched_bytes"] < stored, (restore, stored)
+    # DP=1 reads nearly all of both objects (every Adam state), each byte once
+    assert restore["bytes"] < restore["fetched_bytes"] < stored, (restore, stored)
     assert not any(p.name.endswith(".dsck") for p in (tmp_path / "fresh-node").rglob("*"))  # nothing left
+    # the model alone: the parameters' chunks and each object's metadata, well under half the bytes
+    (model,) = _ok(
+        run_ranks(
+            WORKER,
+            1,
+            ["run", *TOTAL, "--load", url, "--load-at", "3", "--ref-in", str(ref), "--save", url, "--model-only"]
+            + ["--local", str(tmp_path / "fresh-node-2")],
+            timeout=300,
+        )
+    )
+    assert model["mismatches"] == [], model["mismatches"]
+    (restore,) = model["restore"].values()
+    assert restore["bytes"] < restore["fetched_bytes"] < stored // 2, (restore, stored)
 
 
 def test_export_torch_of_a_bucket_checkpoint(dp2_in_bucket, tmp_path, capsys):
