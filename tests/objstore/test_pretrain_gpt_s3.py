@@ -4,7 +4,8 @@ saves through its node-local tier, the promotion uploads to the bucket, the run 
 ``kill -9`` once a checkpoint is committed in the bucket, the node-local directory is wiped, and the
 restart restores from the bucket and trains on exactly as a run that was never interrupted
 (tests/integration/test_pretrain_gpt.py's comparison, to the bit).  No local directory named after
-the URL is ever made."""
+the URL is ever made.  Then (s3://) ``datastates-ckpt export`` of the bucket's latest checkpoint to
+``torch_dist`` runs Megatron-LM's own conversion on it."""
 
 from __future__ import annotations
 
@@ -13,12 +14,16 @@ import json
 import os
 import re
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from datastates_megatron.megatron.megatron_lm import versions
-from tests.integration.megatron_lm_runs import LAZY, MEGATRON_LM_DIR, assert_same_training, launch
+from datastates_megatron.engine.format.manifest import read_tracker_text
+from datastates_megatron.engine.tiers.foreign import foreign_format
+from tests.integration.megatron_lm_runs import CPU_ONLY, LAZY, MEGATRON_LM_DIR, TINY, assert_same_training, launch
 
 from .conftest import DUMMY_KEY_ID, DUMMY_SECRET
 
@@ -139,3 +144,14 @@ def test_kill_9_then_resume_from_the_bucket_is_bit_exact(tmp_path, s3_env, bucke
     assert_same_training(resumed, reference, range(resume_from + 1, ITERS + 1))
     assert max(_committed(client, bucket, "run")) == ITERS  # the last save reached the bucket
     assert not any(p.name.startswith(("s3:", "msc:")) for p in tmp_path.rglob("*")), sorted(tmp_path.rglob("*"))
+    if scheme == "s3":  # the bucket's latest checkpoint, exported to torch_dist by Megatron-LM's own code
+        out = tmp_path / "exported"
+        cli = [sys.executable, "-m", "datastates_megatron.cli", "export", url, str(out), "--json"]
+        cli += ["--megatron-lm", MEGATRON_LM_DIR, "--timeout-s", "240", "--", *CPU_ONLY, *TINY]
+        cli += ["--train-iters", str(ITERS), "--bf16", "--save-interval", "2", *LAZY]
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+        done = subprocess.run(cli, env=env, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-6000:]
+        target = out / f"iter_{ITERS:07d}"
+        assert json.loads(done.stdout) == {"path": str(target), "format": "torch_dist", "iteration": ITERS}
+        assert foreign_format(str(target)) == "torch_dist" and read_tracker_text(str(out)) == str(ITERS)
