@@ -282,3 +282,10 @@ def test_a_promoted_checkpoint_has_its_global_index(tmp_path):
         mgr.wait()
     d = iter_dir(persistent, 4)
     assert read_index(d, read_manifest(d)) is not None, os.listdir(d)
+
+
+def test_the_object_tier_applies_its_policy_itself():
+    """Every deleting step a :class:`Tier` has, the object tier overrides: none of the directory's
+    would act on a URL as if it were a path."""
+    for name in ("_delete_by_policy", "_retain", "_retain_after", "clean", "close", "release", "acquire", "discard"):
+        assert name in ObjectTier.__dict__, name

@@ -234,16 +234,9 @@ class ObjectTier(Tier):
         for _, keep in self._followers:
             if keep is not None:
                 protected |= keep()
-        order = self._commit_order()
+        self._delete_by_policy(protected)
         with self._deleter_lock:
             manifest = self._written.get(just.iteration)
-        for it in self.retention.deletions(order, protected):
-            crash_point("retention", self.rank)
-            self._delete_checkpoint(self._with_objects(_EMPTY, it), it)  # one listing of that prefix
-            with self._deleter_lock:
-                self._kept.pop(it, None)
-                self._written.pop(it, None)
-            log.info("rank %d: retention deleted %s", self.rank, self.storage.url(iter_prefix(it)))
         if manifest is not None:  # superseded objects of this iteration's earlier saves
             found = self._with_objects(
                 dataclasses.replace(_EMPTY, committed={just.iteration: manifest}), just.iteration
@@ -252,6 +245,18 @@ class ObjectTier(Tier):
             for name in found.strays(just.iteration):
                 if name not in keep:
                     self.storage.delete(iter_prefix(just.iteration) + name)
+
+    def _delete_by_policy(self, protected: set[int]) -> None:
+        """Delete what the tier's :class:`..tiers.retention.KeepPolicy` does not keep, deciding on
+        what the tier knows (:meth:`_commit_order`: no survey per commit); each iteration deleted
+        is listed once (manifest first, then its objects)."""
+        for it in self.retention.deletions(self._commit_order(), protected):
+            crash_point("retention", self.rank)
+            self._delete_checkpoint(self._with_objects(_EMPTY, it), it)  # one listing of that prefix
+            with self._deleter_lock:
+                self._kept.pop(it, None)
+                self._written.pop(it, None)
+            log.info("rank %d: retention deleted %s", self.rank, self.storage.url(iter_prefix(it)))
 
     def _surveyed_commits(self) -> dict[int, int]:
         """The fallback of :meth:`_commit_order` for a tier never cleaned: the ``iter_*`` prefixes

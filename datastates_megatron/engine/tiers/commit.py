@@ -14,7 +14,7 @@ Then the committer's ``after_commit`` runs: the tier hands its retention to its 
 
 The committer never sees its tier: it is given a :class:`CommitSpec` (what it must know: the
 tier's name, root, rank, token, the ranks it describes, whether its manifests are per node) and
-:class:`CommitCalls` (what it may ask the tier to write) -- steps 5 to 9 of the tier contract
+:class:`CommitCalls` (what it may ask the tier to write) -- steps 6 to 8 of the tier contract
 (:mod:`.tier`).
 
 Thread-safety: ``submit``/``poll``/``drain``/``close`` are called from the training thread; the

@@ -591,17 +591,16 @@ class Tier:
         """Raise :class:`CommitError` when ``iteration`` already holds a checkpoint in a newer format
         than this version writes: a re-save must never replace its manifest (nor, then, let retention
         take its files for strays).  A damaged manifest there is replaced, as before; none costs one
-        failed open."""
+        ``lstat``, and one this process wrote or read unchanged is not read again (the manifest cache)."""
         d = iter_dir(self.root, iteration)
-        try:
-            read_manifest(d)
-        except FormatVersionError as e:
+        if not os.path.lexists(os.path.join(d, MANIFEST_NAME)):
+            return
+        got = _MANIFESTS.read(d)  # a damaged one (or a linked directory's) is replaced, as before
+        if isinstance(got, FormatVersionError):
             raise CommitError(
-                f"{d}: holds a checkpoint in a newer format ({e}); it is left as it is and this save of iteration "
+                f"{d}: holds a checkpoint in a newer format ({got}); it is left as it is and this save of iteration "
                 f"{iteration} is not committed (save another iteration, or load it with a newer datastates-megatron)"
-            ) from None
-        except (CorruptCheckpointError, OSError):  # none there (NoCheckpointError is one), or damaged
-            pass
+            )
 
     def write_index(self, manifest: Manifest, body: bytes) -> None:
         """The checkpoint's global index (:mod:`.global_index`), before its manifest."""
