@@ -40,7 +40,7 @@ from .errors import (
 from .runtime.faults import hold_point
 from .format.global_index import encode_summary
 from .format.manifest import Manifest, RankRecord, read_manifest
-from .names import LONGEST_RANK_FILE_NAME, REPLICAS_DIR, RUN_SUBDIR_PREFIX, iter_dir
+from .names import INDEX_NAME, LONGEST_RANK_FILE_NAME, REPLICAS_DIR, RUN_SUBDIR_PREFIX, iter_dir
 from .options import EngineOptions, ManagerOptions
 from .load.load_plan import LoadPlanner, SameLayoutPlanner
 from .load.reader import CheckpointReader, RestoreStats, open_checkpoint
@@ -73,6 +73,22 @@ log = logging.getLogger(__name__)
 _LONGEST_NAME = os.path.join("iter_0000000000", LONGEST_RANK_FILE_NAME + ".tmp-4194304")
 # ... and under a node-local root: in this run's directory, a replica held for another rank
 _LONGEST_LOCAL = os.path.join(RUN_SUBDIR_PREFIX + "f" * 16, REPLICAS_DIR, "r99999", _LONGEST_NAME)
+
+
+def _fetch_global_index(storage, iteration: int, d: str) -> None:
+    """Copy checkpoint ``iteration``'s global index object, if it has one within the index's size
+    cap, into ``d`` (the planner checks it against the manifest, and against the rank files it opens)."""
+    from .format.global_index import INDEX_MAX_BYTES
+    from .fs.durable import atomic_write
+    from .storage.survey import iter_prefix
+
+    info = storage.head(iter_prefix(iteration) + INDEX_NAME)
+    if info is None:
+        return
+    if info.size > INDEX_MAX_BYTES:
+        log.warning("%s: %d bytes, over the index cap; planning without it", storage.url(info.key), info.size)
+        return
+    atomic_write(os.path.join(d, INDEX_NAME), storage.get(info.key))
 
 
 def _no_check(manifest, ckpt) -> bool:
@@ -956,8 +972,10 @@ class CheckpointManager(ClosingContext):
         (agreed: every rank reads object storage alike, never a node's copy beside it)."""
         if view is not None and is_object_url(root):  # this rank's object, its record from rank 0
             view = self._fetch_own(view)
+        elif is_object_url(root) and planner is not None:  # the byte ranges the plan reads, of any rank
+            return self._load_ranges(iteration, verify, planner)
         elif is_object_url(root):  # every rank's objects (and the whole manifest) fetched, read locally
-            root, iteration = self._fetched(iteration, every_rank=planner is not None)
+            root, iteration = self._fetched(iteration, every_rank=False)
         if view is not None:
             ckpt, manifest, partial = view.ckpt, view.manifest, True
         else:
@@ -982,6 +1000,59 @@ class CheckpointManager(ClosingContext):
             stats.bytes,
         )
         return LoadResult(iteration, plan.objects, manifest.metadata, stats, root, plan.kind)
+
+    def _load_ranges(self, iteration: int, verify: bool | None, planner: LoadPlanner) -> LoadResult:
+        """Collective: restore ``iteration`` of the persistent tier on object storage as ``planner``
+        plans it (a reshard: parts of other ranks' objects), fetching by ranged GETs only the rank
+        objects' metadata and the chunks the plan reads (:mod:`.storage.ranges`), into
+        ``<local tier>/fetched/ranges-r<rank>/`` -- this rank's, emptied before and removed after."""
+        from .storage.fetch import fetch_manifest
+        from .storage.ranges import RangeFetcher
+        from .tiers.retention import remove_ours
+
+        from .names import iteration_of
+
+        storage = self.persistent.storage
+        err, manifest, work, d = None, None, "", ""
+        try:
+            work = os.path.join(self._fetch_root(iteration), f"ranges-r{self.rank}")
+            d = iter_dir(work, iteration)
+            for name in os.listdir(work) if os.path.isdir(work) else ():  # a killed load's leftovers (ours)
+                if iteration_of(name) is not None:
+                    remove_ours(os.path.join(work, name), self.rank)
+            make_dir(d)
+            manifest = fetch_manifest(storage, iteration)
+            _fetch_global_index(storage, iteration, d)  # the plan then opens only the objects it reads
+        except Exception as e:  # noqa: BLE001 - every rank must hear it
+            err = e
+        if err is not None:
+            self._agree_error(err)  # the reader's agreement is then never reached on any rank
+            raise err
+        fetcher = RangeFetcher(storage, manifest, d, threads=self.restore_threads)
+        planner = planner or SameLayoutPlanner(self.engine.registered, self.world_size, self.layout)
+        verify = self.verify_on_load if verify is None else verify
+        try:
+            with CheckpointReader(
+                d, manifest, rank=self.rank, verify=verify, threads=self.restore_threads, fetcher=fetcher
+            ) as reader:
+                plan, stats = reader.load(planner, agree=self._agree_error)
+        finally:
+            remove_ours(d, self.rank)
+            try:
+                os.rmdir(work)
+            except OSError:
+                pass  # another entry there: not ours to remove
+        log.info(
+            "rank %d: loaded iteration %d from %s (%s plan, %d bytes; %d fetched by %d ranged GETs)",
+            self.rank,
+            iteration,
+            storage.url(f"iter_{iteration:07d}"),
+            plan.kind,
+            stats.bytes,
+            fetcher.fetched_bytes,
+            fetcher.requests,
+        )
+        return LoadResult(iteration, plan.objects, manifest.metadata, stats, self.root, plan.kind)
 
     def _resolve(self, root: str, iteration: int | None) -> Resolved:
         """:func:`.load.resolve.resolve` of ``root`` for this world (collective): rank 0 reads, each rank

@@ -51,6 +51,7 @@ def _args():
     p.add_argument("--no-verify", action="store_true")
     p.add_argument("--warm", type=int, default=0, help="iterations trained before the load")
     p.add_argument("--model-only", action="store_true", help="load(optimizer=False, rng=False)")
+    p.add_argument("--local", default=None, help="the node-local tier (needed with an s3:// --save)")
     return p.parse_args()
 
 
@@ -198,8 +199,9 @@ def main():
     chunks, opt = _build(a, a.seed if a.load is None else a.seed + 1)
     sched = gpt.make_scheduler(opt, lr=1e-3, warmup_steps=2, decay_steps=100)
     save_dir = a.save or f"{os.path.normpath(a.load)}-scratch-dp{gpt.dp_size()}"
+    tier = {"local_dir": a.local, "persist_interval": 1} if a.local else {}
     cfg = LazyCkptConfig(
-        save_dir=save_dir, load_dir=a.load, host_cache_gb=0.05, keep_last=0, verify_on_load=not a.no_verify
+        save_dir=save_dir, load_dir=a.load, host_cache_gb=0.05, keep_last=0, verify_on_load=not a.no_verify, **tier
     )
     losses = {}
     with LazyCheckpointer(chunks, opt, cfg, opt_param_scheduler=sched) as ckpt:
@@ -261,6 +263,7 @@ def _timed(fn, out: dict):
             "verify_s": res.stats.verify_s,
             "copy_s": res.stats.copy_s,
             "files_opened": res.stats.files_opened,
+            "fetched_bytes": res.stats.fetched_bytes,
         }
         return res
 

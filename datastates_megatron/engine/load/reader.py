@@ -71,6 +71,7 @@ class RestoreStats:
     plan_s: float = 0.0  # making and validating the plan (opens the files it names)
     agree_s: float = 0.0  # the cross-rank agreement (waits for the slowest rank)
     files_opened: int = 0  # rank files the reader opened (a reshard with a global index: only those it reads)
+    fetched_bytes: int = 0  # bytes fetched from object storage for the plan's chunks (a ``fetcher``'s)
 
 
 def open_checkpoint(root: str, iteration: int) -> tuple[str, Manifest]:
@@ -178,9 +179,14 @@ class CheckpointReader:
         threads: int = 4,
         max_open: int = MAX_OPEN_FILES,
         partial: bool = False,
+        fetcher=None,
     ) -> None:
         """``partial``: ``manifest`` holds this rank's record only (:func:`.source.resolve`); a plan
-        that reads another rank's file makes the reader read the whole manifest then, once."""
+        that reads another rank's file makes the reader read the whole manifest then, once.
+        ``fetcher``: the rank files are fetched piecewise from object storage into ``ckpt``
+        (:class:`..storage.ranges.RangeFetcher`): each when first opened (its metadata), and the
+        chunks a read or a plan uses before they are verified and copied."""
+        self.fetcher = fetcher
         self.ckpt = ckpt
         self.manifest = manifest
         self._partial = partial
@@ -234,6 +240,8 @@ class CheckpointReader:
             self._evict(self.max_open - 1)
             rec = record or self.manifest.record(rank)
             self._reading = os.path.join(self.ckpt, rec.file) if rec is not None else self.ckpt
+            if self.fetcher is not None:
+                self.fetcher.open(rank)
             rf = self._files[rank] = open_rank(self.ckpt, self.manifest, rank, record)
             self.opened.add(rank)
             self._tick()
@@ -348,10 +356,29 @@ class CheckpointReader:
 
     def read(self, r: ElementRange) -> torch.Tensor:
         """A 1-D zero-copy view of ``r``, after verifying the chunks it touches."""
+        self.fetch([r])
         self.verify([r])
         return self._view(r)
 
+    def fetch(self, ranges) -> int:
+        """With a ``fetcher``: fetch the chunks covering ``ranges`` not fetched yet (whole chunks:
+        what verification hashes); the bytes moved.  Without one: 0."""
+        if self.fetcher is None:
+            return 0
+        spans: dict[int, list[tuple[int, int]]] = {}
+        for rank, name, c in sorted({k for r in ranges for k in self.chunks_of(r)}):
+            e = self.entry(rank, name)
+            cb = self.rank_file(rank).header.chunk_bytes
+            lo = e.offset + c * cb
+            spans.setdefault(rank, []).append((lo, min(e.offset + e.nbytes, lo + cb)))
+        return sum(self.fetcher.fetch(rank, s) for rank, s in sorted(spans.items()))
+
     # ------------------------------------------------------------------ verification
+    @property
+    def _source(self) -> str:
+        """Where the checkpoint's bytes come from: its directory, or the object storage prefix."""
+        return self.ckpt if self.fetcher is None else f"{self.ckpt} (fetched from {self.fetcher.source})"
+
     def _verify_chunk(self, key: tuple[int, str, int]) -> tuple[str | None, int]:
         rank, name, c = key
         try:
@@ -382,7 +409,7 @@ class CheckpointReader:
         bad = [msg for msg, _ in results if msg]
         if bad:
             raise CorruptCheckpointError(
-                f"rank {self.rank}: {len(bad)} corrupt chunk(s) in {self.ckpt}: " + "; ".join(bad[:5])
+                f"rank {self.rank}: {len(bad)} corrupt chunk(s) in {self._source}: " + "; ".join(bad[:5])
             )
         return sum(n for _, n in results)
 
@@ -477,7 +504,11 @@ class CheckpointReader:
             self.validate(plan)
             stats.plan_s = time.perf_counter() - t0
             t0 = time.perf_counter()
-            stats.read_bytes = self._warm(plan, pool)
+            if self.fetcher is not None:  # the chunks the plan reads, by ranged GETs (no read-ahead)
+                self.fetch([it.source for it in plan.items])
+                stats.fetched_bytes = self.fetcher.fetched_bytes  # metadata and chunks
+            else:
+                stats.read_bytes = self._warm(plan, pool)
             if stats.read_bytes:
                 stats.read_ahead_s = time.perf_counter() - t0
             t0 = time.perf_counter()

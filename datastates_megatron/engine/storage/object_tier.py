@@ -14,7 +14,11 @@ lag).  S3's strong read-after-write consistency makes a manifest visible to ever
 PUT returns.  The one-writer lock is a lease object (:mod:`.lock`), checked before each manifest
 and each deletion.  Retention (the writer's deleter thread, as on POSIX) deletes a checkpoint
 manifest first, then the objects we wrote under it; nothing we did not write is deleted, and
-nothing outside the prefix is touched.
+nothing outside the prefix is touched.  As the POSIX tier, the writer knows what it committed: the
+checkpoints kept come from the start-up survey (:meth:`ObjectTier.clean`) and the manifests it wrote
+since, so a commit and its retention send the same requests whatever the number of checkpoints
+kept (a listing of the iteration deleted and of the one committed, never one of every prefix nor a
+HEAD of every kept manifest).
 
 Thread-safety: as :class:`..tiers.tier.Tier`.
 """
@@ -145,6 +149,9 @@ class ObjectTier(Tier):
         if removed:
             log.info("rank %d: removed %d leftover object(s) of ours under %s", self.rank, removed, self.root)
         self._next_seq = max((m.commit_seq for m in found.committed.values()), default=-1) + 1
+        with self._deleter_lock:
+            kept = {it: m.commit_seq for it, m in found.committed.items()}
+            self._kept = {**kept, **(self._kept or {})}
 
     def ensure_run_id(self) -> str:
         """The id of this save location's run (``.datastates.run``, :mod:`..tiers.run_id`), created
@@ -188,6 +195,7 @@ class ObjectTier(Tier):
         old = self.storage.head(key)
         receipt = self.storage.create(key, body) if old is None else self.storage.replace_if(key, body, old.etag)
         self._manifests.remember(key, receipt.etag, manifest)
+        self._count_written(manifest)  # retention counts it, never reads it back
 
     def write_tracker(self, iteration: int) -> None:
         self.storage.put_bytes(TRACKER_NAME, f"{iteration}".encode())
@@ -226,24 +234,34 @@ class ObjectTier(Tier):
         for _, keep in self._followers:
             if keep is not None:
                 protected |= keep()
-        found = self._delete_by_policy(protected)
-        if just.iteration in found.committed:  # superseded objects of this iteration's earlier saves
-            found = self._with_objects(found, just.iteration)
+        self._delete_by_policy(protected)
+        with self._deleter_lock:
+            manifest = self._written.get(just.iteration)
+        if manifest is not None:  # superseded objects of this iteration's earlier saves
+            found = self._with_objects(
+                dataclasses.replace(_EMPTY, committed={just.iteration: manifest}), just.iteration
+            )
             keep = {t.file_name(r) for t in (just, *outstanding) for r in self.writes}
             for name in found.strays(just.iteration):
                 if name not in keep:
                     self.storage.delete(iter_prefix(just.iteration) + name)
 
-    def _delete_by_policy(self, protected: set[int]) -> ObjectSurvey:
-        """Delete what the tier's :class:`..tiers.retention.KeepPolicy` does not keep; the survey
-        it decided on.  Only the iterations and their manifests are surveyed (O(checkpoints kept)
-        requests); the objects of an iteration are listed when it is deleted."""
-        found = survey_committed(self.storage, self._manifests)
-        for it in self.retention.deletions(found.order, protected):
+    def _delete_by_policy(self, protected: set[int]) -> None:
+        """Delete what the tier's :class:`..tiers.retention.KeepPolicy` does not keep, deciding on
+        what the tier knows (:meth:`_commit_order`: no survey per commit); each iteration deleted
+        is listed once (manifest first, then its objects)."""
+        for it in self.retention.deletions(self._commit_order(), protected):
             crash_point("retention", self.rank)
-            self._delete_checkpoint(self._with_objects(found, it), it)
+            self._delete_checkpoint(self._with_objects(_EMPTY, it), it)  # one listing of that prefix
+            with self._deleter_lock:
+                self._kept.pop(it, None)
+                self._written.pop(it, None)
             log.info("rank %d: retention deleted %s", self.rank, self.storage.url(iter_prefix(it)))
-        return found
+
+    def _surveyed_commits(self) -> dict[int, int]:
+        """The fallback of :meth:`_commit_order` for a tier never cleaned: the ``iter_*`` prefixes
+        and their manifests (O(checkpoints kept) requests, once)."""
+        return {it: m.commit_seq for it, m in survey_committed(self.storage, self._manifests).committed.items()}
 
     def _with_objects(self, found: ObjectSurvey, iteration: int) -> ObjectSurvey:
         """``found`` with every object of ``iteration`` listed (one listing of that prefix)."""
@@ -252,8 +270,9 @@ class ObjectTier(Tier):
         return dataclasses.replace(found, objects={**found.objects, iteration: names})
 
     def _delete_checkpoint(self, found: ObjectSurvey, iteration: int) -> None:
-        """Manifest first (only the one surveyed: a manifest rewritten since is not ours to delete),
-        then every object we wrote under the iteration; others stay."""
+        """Manifest first (only the one listed: a manifest rewritten since is not ours to delete),
+        then every object we wrote under the iteration; others stay.  A manifest already gone (an
+        operator's deletion) leaves the objects to delete."""
         names = found.objects.get(iteration, {})
         manifest = names.get(MANIFEST_NAME)
         if manifest is not None:
@@ -262,6 +281,8 @@ class ObjectTier(Tier):
             except ObjectExistsError:
                 log.warning("%s: rewritten since it was surveyed; not deleted", self.storage.url(manifest.key))
                 return
+            except ObjectMissingError:
+                log.info("%s: already deleted", self.storage.url(manifest.key))
         crash_point("retention_files")
         for name, info in names.items():
             if name != MANIFEST_NAME and is_ours_in_iteration(name):
@@ -273,6 +294,9 @@ class ObjectTier(Tier):
 
     def __repr__(self) -> str:  # pragma: no cover - for logs
         return f"ObjectTier({self.root!r}, rank={self.rank}, pid={os.getpid()})"
+
+
+_EMPTY = ObjectSurvey("", {}, {}, {}, ())
 
 
 def _is_our_key(key: str) -> bool:

@@ -633,6 +633,12 @@ class Tier:
         checkpoints kept and never reads it back (14 MB at 64k ranks) -- the tier knows what it
         wrote, so a commit's metadata work does not grow with the checkpoints kept.  The newest few
         manifests are kept for their rank-file names (the superseded files of a re-save)."""
+        self._count_written(manifest)
+        # the process's one manifest cache: no survey (a load, ``ls``) reads it back either
+        _MANIFESTS.remember(iter_dir(self.root, manifest.iteration), manifest)
+
+    def _count_written(self, manifest: Manifest) -> None:
+        """``manifest`` (just written) among the checkpoints kept, and among the last few written."""
         with self._deleter_lock:
             if self._kept is not None:
                 self._kept[manifest.iteration] = manifest.commit_seq
@@ -640,8 +646,6 @@ class Tier:
             self._written[manifest.iteration] = manifest
             while len(self._written) > 4:
                 self._written.pop(next(iter(self._written)))
-        # the process's one manifest cache: no survey (a load, ``ls``) reads it back either
-        _MANIFESTS.remember(iter_dir(self.root, manifest.iteration), manifest)
 
     def _deletions(self) -> Deleter:
         """The writer's deleter, started on first use (a tier that never commits starts no thread)."""
@@ -717,14 +721,19 @@ class Tier:
         with self._deleter_lock:
             kept = self._kept
         if kept is None:
-            found = survey(self.root)
+            surveyed = self._surveyed_commits()
             with self._deleter_lock:
                 if self._kept is None:
-                    self._kept = {it: m.commit_seq for it, m in found.committed.items()}
+                    self._kept = surveyed
                     for it, m in self._written.items():  # written while the survey ran
                         self._kept.setdefault(it, m.commit_seq)
         with self._deleter_lock:
             return sorted(self._kept, key=lambda it: (self._kept[it], it))
+
+    def _surveyed_commits(self) -> dict[int, int]:
+        """``{iteration: commit_seq}`` of what is committed here, surveyed (the one fallback of
+        :meth:`_commit_order`)."""
+        return {it: m.commit_seq for it, m in survey(self.root).committed.items()}
 
     def _still_owned(self) -> bool:
         """Whether this job still owns the directory (its lock file is the one it locked): once not,

@@ -14,7 +14,10 @@ DEFAULT_SCRIPT = "pretrain_gpt.py"
 def add_export_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """The ``datastates-ckpt export`` arguments (the training flags after ``--`` are split off by the
     CLI before parsing: ``args.training_flags``)."""
-    parser.add_argument("ckpt_dir", help="checkpoint root (its latest committed iteration) or an iter_* directory")
+    parser.add_argument(
+        "ckpt_dir",
+        help="checkpoint root (its latest committed iteration) or an iter_* directory; or an s3:// or msc:// URL of either",
+    )
     parser.add_argument(
         "out_dir", help="output directory (torch: OUT_DIR/iter_N.pt; torch_dist: OUT_DIR/iter_N/ + tracker)"
     )

@@ -23,12 +23,19 @@ rank that fails ends the export with its output; at ``timeout_s`` or on SIGTERM 
 killed and the staging directory removed; the output appears whole (staged in ``out/.export-*``,
 then renamed) or not at all.
 
+A checkpoint on object storage (``s3://bucket/prefix[/iter_NNNNNNN]``, ``msc://profile/path``) is
+fetched first, every rank object by ranged GETs verified against its chunk checksums
+(:func:`...engine.storage.fetch.fetch_checkpoint`), into a temporary directory (``TMPDIR``: room
+for the checkpoint; removed after), and exported from there by the one path above: the export
+reads every byte of the checkpoint anyway.
+
 Thread-safety: plain functions; ``export`` blocks the calling thread.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import math
@@ -45,6 +52,7 @@ from ..._deps import require
 from ...engine.errors import CheckpointError, FlushError, LayoutMismatchError, NoCheckpointError
 from ...engine.format.manifest import read_manifest, write_tracker
 from ...engine.names import MANIFEST_NAME, iter_dir, iteration_of
+from ...engine.storage.url import is_object_url
 from ...engine.tiers.tier import latest_committed
 from ...engine.load.load_plan import LoadPlan, ReadItem
 from ...engine.load.reader import CheckpointReader
@@ -88,6 +96,33 @@ def _locate(ckpt_dir: str, iteration: int | None) -> tuple[str, int]:
         raise NoCheckpointError(f"{ckpt_dir}: no such directory")
     it = latest_committed(ckpt_dir) if iteration is None else int(iteration)
     return iter_dir(ckpt_dir, it), it
+
+
+@contextlib.contextmanager
+def _local_copy(location: str, iteration: int | None, verify: bool):
+    """``location`` itself when it is a path; for an object-storage URL (a save location: its latest
+    committed or ``iteration``; or ``SAVE_URL/iter_NNNNNNN``), a verified copy of the checkpoint in a
+    temporary directory, removed when the block ends."""
+    if not is_object_url(location):
+        yield location
+        return
+    from ...engine.storage import ObjectMissingError, open_storage
+    from ...engine.storage.fetch import fetch_checkpoint
+    from ...engine.storage.survey import survey_objects
+
+    head, _, last = location.rstrip("/").rpartition("/")
+    named = iteration_of(last) if "://" in head else None
+    save_url = head if named is not None else location.rstrip("/")
+    if named is not None and iteration is not None and iteration != named:
+        raise NoCheckpointError(f"{location} is iteration {named}, not {iteration}")
+    with open_storage(save_url) as st, tempfile.TemporaryDirectory(prefix="dsm-export-") as tmp:
+        it = named if named is not None else iteration if iteration is not None else survey_objects(st).latest()
+        try:
+            d, _ = fetch_checkpoint(st, it, tmp, verify=verify)
+        except ObjectMissingError as e:
+            raise NoCheckpointError(f"{st.url(f'iter_{it:07d}')}: not a committed checkpoint ({e})") from e
+        log.info("fetched iteration %d of %s for the export", it, save_url)
+        yield d
 
 
 # ---------------------------------------------------------------------------------------------- torch
@@ -293,18 +328,19 @@ def export(
         raise ExportError(
             f"--format torch runs no Megatron-LM: training flags are not used ({' '.join(flags[:3])} ...)"
         )
-    path, it = _locate(ckpt_dir, iteration)
-    if fmt == "torch":
-        target = iter_dir(os.path.abspath(out_dir), it) + ".pt"
-        if os.path.exists(target):
-            raise OutputExistsError(f"{target} exists; nothing was overwritten")
-        state = consolidate(path, it, verify=verify)
-        os.makedirs(os.path.dirname(target), exist_ok=True)
-        _write_new(target, lambda f: torch.save(state, f))
-        log.info("exported iteration %d of %s to %s", it, path, target)
-        return target
-    target = _export_torch_dist(path, it, os.path.abspath(out_dir), script_path, list(flags), timeout_s, verify)
-    log.info("exported iteration %d of %s to %s (torch_dist)", it, path, target)
+    with _local_copy(ckpt_dir, iteration, verify) as local:
+        path, it = _locate(local, iteration)
+        if fmt == "torch":
+            target = iter_dir(os.path.abspath(out_dir), it) + ".pt"
+            if os.path.exists(target):
+                raise OutputExistsError(f"{target} exists; nothing was overwritten")
+            state = consolidate(path, it, verify=verify)
+            os.makedirs(os.path.dirname(target), exist_ok=True)
+            _write_new(target, lambda f: torch.save(state, f))
+            log.info("exported iteration %d of %s to %s", it, ckpt_dir, target)
+            return target
+        target = _export_torch_dist(path, it, os.path.abspath(out_dir), script_path, list(flags), timeout_s, verify)
+    log.info("exported iteration %d of %s to %s (torch_dist)", it, ckpt_dir, target)
     return target
 
 
