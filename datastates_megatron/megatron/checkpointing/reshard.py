@@ -1,4 +1,4 @@
-"""Load a lazy checkpoint written at another data-parallel size (any TP, PP, VPP, EP and CP; same model).
+"""Load a lazy checkpoint written at another data-, tensor- or pipeline-parallel size (same model).
 
 Tensor names in a rank file are positional (``model0.buf0.bucket0.param_shard``, ``opt0.g1.p7.exp_avg``)
 and only fit the DP size that wrote them.  Each tensor's metadata also carries its *global identity*
@@ -13,10 +13,24 @@ zero-copy ``mmap`` views of the old files on shared storage, every checksum chun
 once, before anything is copied in place).  No rank gathers the full state.  The caller
 (``LazyCheckpointer.load``) then all-gathers the param buffers across the new DP groups.
 
-Only the data-parallel size may differ: a change of TP, PP, VPP or EP, or another model, is refused
-before anything is written, in one line naming a parameter, its shapes in the checkpoint and in this
-run, and both layouts (:func:`check_layout`, :func:`plan_restore`); so is a checkpoint whose identity
-predates the model-parallel slice, naming the conversion that still works.
+A TP or PP change goes through megatron-core's *global* coordinates.  Identity 3 records, once per
+run at registration, each parameter's sharded key, global shape and global offset as the model's own
+``sharded_state_dict`` declares them (:func:`.shards.global_blocks`); at load the new layout's
+``sharded_state_dict`` gives each live parameter's block, and :func:`block_segments` maps every new
+shard's element range onto the old blocks of the same key.  Why recorded at save rather than
+derived at load from the new layout's partition dims with the old TP size: at TP1 nothing is
+fragmented, so a TP1 layout cannot tell which axis a TP2 checkpoint split; the recorded offsets also
+carry the global layer number (pipeline stages and virtual chunks map by it, never by local index)
+and the vocabulary padding, and they cost one ``sharded_state_dict`` call per registration.  Rows
+that another padding adds are zeroed after the verified copy (``ReshardPlanner.zeros``), as
+megatron-core's load of an ``allow_shape_mismatch`` tensor does.  Across a TP or PP change the RNG
+is not restored (Megatron-LM ignores it there); model buffers and extra state other than ``None``,
+named by local module path, are refused.
+
+A change of VPP, EP or CP, or another model, is refused before anything is written, in one line naming
+a parameter, its shapes in the checkpoint and in this run, and both layouts (:func:`check_layout`,
+:func:`plan_restore`); so is a checkpoint whose identity predates the model-parallel slice, or (for
+a TP or PP change) the global coordinates, naming the conversion that still works.
 
 Non-tensor state comes from one old rank of this rank's model-parallel slices (the ranks its plan
 reads): the old rank with this rank's number when it is one of them, else the lowest.  That covers
@@ -124,8 +138,8 @@ def _refusal(ckpt: str, old: dict, new: dict, what: str, convert: bool = False) 
 
 def check_layout(manifest: Manifest, ckpt: str, world_size: int, layout: dict) -> bool:
     """``False``: the checkpoint has this run's layout (plain restore).  ``True``: restore by
-    parameter identity with :class:`ReshardPlanner` -- a data-parallel change, or a change of TP, PP,
-    VPP or EP, which the planner refuses naming a parameter and its shapes.  A change it can tell
+    parameter identity with :class:`ReshardPlanner` -- a data-, tensor- or pipeline-parallel change,
+    or a change of VPP or EP, which the planner refuses naming a parameter and its shapes.  A change it can tell
     from the manifest alone (the context-parallel size, a world size that does not follow from the
     data-parallel size) raises :class:`LayoutMismatchError` here, naming both layouts."""
     old = manifest.layout
@@ -291,7 +305,7 @@ def _described(where: str, rank: int, name: str, meta, zero_dim: bool, legacy: b
     if meta.get("identity") not in IDENTITY_VERSIONS_READ and not (legacy and meta.get("identity") == 1):
         raise LayoutMismatchError(
             f"{where}: rank {rank} tensor {name!r} has global identity version {meta.get('identity')!r}, not "
-            f"{IDENTITY_VERSION} (written by an older datastates-megatron, without its model-parallel slice): it "
+            f"{' or '.join(map(str, IDENTITY_VERSIONS_READ))} (written by an older datastates-megatron, without its model-parallel slice): it "
             f"restores only in the layout that wrote it; to load it in another layout, {_conversion(where)}"
         )
     c, sl = int(meta["chunk"]), str(meta.get("slice", ""))
@@ -705,11 +719,10 @@ def _remap_training(
 
 
 class ReshardPlanner(LoadPlanner):
-    """This rank's shards of ``model``/``optimizer`` from a checkpoint of another DP size (or of the
-    same DP size with another bucket layout), by parameter identity: only the element ranges this
-    rank needs, from whichever old rank files of its model-parallel slices hold them.  ``layout``:
-    this run's (the checkpoint's is its manifest's); any difference but the data-parallel size is
-    refused, naming a parameter.  The plan's objects are the source rank's non-tensor state with
+    """This rank's shards of ``model``/``optimizer`` from a checkpoint of another DP, TP or PP size
+    (or of the same layout with another bucket layout), by parameter identity: only the element
+    ranges this rank needs, from whichever old rank files hold them.  ``layout``: this run's (the
+    checkpoint's is its manifest's); a VPP, EP or CP change is refused, naming a parameter.  The plan's objects are the source rank's non-tensor state with
     ``training`` re-keyed for this rank (ready for ``training_state.restore``); the caller
     all-gathers the param buffers afterwards."""
 
