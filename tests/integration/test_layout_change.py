@@ -27,6 +27,7 @@ TP2 = ["--tensor-model-parallel-size", "2"]
 PP2 = ["--pipeline-model-parallel-size", "2"]
 # interleaved schedule: 2 model chunks per rank (4 layers over PP=2 x VP=2)
 VP2 = [*PP2, "--num-layers", "4", "--num-layers-per-virtual-pipeline-stage", "1"]
+VOCAB600 = ["--vocab-size", "600"]
 MOE = ["--num-experts", "4", "--expert-model-parallel-size", "2", "--moe-router-topk", "2", "--no-bias-gelu-fusion"]
 # name: (layout flags, ranks before, ranks after, what rank 0 logs, flags of the reference import[,
 # layout flags after: a TP or PP change])
@@ -43,6 +44,8 @@ CASES = {
     "pp2_dp1_to_pp1_dp2": (PP2, 2, 2, "TP1×PP2×DP1 → TP1×PP1×DP2", [], []),
     "tp2_pp2_to_tp1_pp2_dp2": ([*TP2, *PP2], 4, 4, "TP2×PP2×DP1 → TP1×PP2×DP2", [], PP2),
     "pp2_dp2_to_dp4": (PP2, 4, 4, "TP1×PP2×DP2 → TP1×PP1×DP4", [], []),
+    # 600 tokens padded to a multiple of 128 x TP: 640 rows at TP1, 768 at TP2 (zero, as megatron-core)
+    "tp1_dp2_to_tp2_dp1_vocab_padding": (VOCAB600, 2, 2, "TP1×PP1×DP2 → TP2×PP1×DP1", [], [*VOCAB600, *TP2]),
 }
 DEFAULT = "tp2_dp2_to_tp2_dp1"
 DEFAULTS = (DEFAULT, "tp1_dp2_to_tp2_dp1", "pp2_dp1_to_pp1_dp2")  # what CI runs: DP under TP, a TP and a PP change
@@ -106,12 +109,15 @@ def test_layout_change_on_a_plain_load_equals_the_torch_dist_conversion(tmp_path
     assert_same_training(resumed, imported, range(SAVED + 1, ITERS + 1), ranks=after)
 
 
-def test_finetune_from_a_lazy_checkpoint_at_another_dp_size_equals_the_torch_dist_path(tmp_path, saved):
-    """``--finetune`` from the TP2 × DP2 lazy checkpoint at TP2 × DP1: the model only, from iteration
-    0, a fresh optimizer and scheduler -- every iteration's norms and the final digest equal to
-    Megatron-LM's own ``--finetune`` load of the same checkpoint converted to torch_dist."""
-    flags, _, after, change, _, *_then = CASES[DEFAULT]
-    lazy, exported = saved(DEFAULT)
+@pytest.mark.parametrize("case", [DEFAULT, pytest.param("tp1_dp2_to_tp2_dp1", marks=pytest.mark.slow)])
+def test_finetune_from_a_lazy_checkpoint_at_another_layout_equals_the_torch_dist_path(tmp_path, saved, case):
+    """``--finetune`` from the TP2 × DP2 lazy checkpoint at TP2 × DP1 (and from TP1 × DP2 at TP2):
+    the model only, from iteration 0, a fresh optimizer and scheduler -- every iteration's norms and
+    the final digest equal to Megatron-LM's own ``--finetune`` load of the same checkpoint converted
+    to torch_dist."""
+    flags, _, after, change, _, *then = CASES[case]
+    flags = then[0] if then else flags
+    lazy, exported = saved(case)
     common = ["--train-iters", str(SAVED), *flags, "--save-interval", str(SAVED), *LAZY, "--finetune"]
     imported = launch(
         tmp_path,
