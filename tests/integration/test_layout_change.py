@@ -29,6 +29,7 @@ PP2 = ["--pipeline-model-parallel-size", "2"]
 VP2 = [*PP2, "--num-layers", "4", "--num-layers-per-virtual-pipeline-stage", "1"]
 VOCAB600 = ["--vocab-size", "600"]
 MOE = ["--num-experts", "4", "--expert-model-parallel-size", "2", "--moe-router-topk", "2", "--no-bias-gelu-fusion"]
+EP4 = [*MOE[:3], "4", *MOE[4:]]
 # name: (layout flags, ranks before, ranks after, what rank 0 logs, flags of the reference import[,
 # layout flags after: a TP or PP change])
 CASES = {
@@ -44,6 +45,8 @@ CASES = {
     "pp2_dp1_to_pp1_dp2": (PP2, 2, 2, "TP1×PP2×DP1 → TP1×PP1×DP2", [], []),
     "tp2_pp2_to_tp1_pp2_dp2": ([*TP2, *PP2], 4, 4, "TP2×PP2×DP1 → TP1×PP2×DP2", [], PP2),
     "pp2_dp2_to_dp4": (PP2, 4, 4, "TP1×PP2×DP2 → TP1×PP1×DP4", [], []),
+    # an expert-parallel change: experts mapped by global expert index (megatron-core's offsets)
+    "ep2_dp4_to_ep4_dp4": (MOE, 4, 4, "TP1×PP1×DP4×EP2 → TP1×PP1×DP4×EP4", ["--no-load-rng"], EP4),
     # 600 tokens padded to a multiple of 128 x TP: 640 rows at TP1, 768 at TP2 (zero, as megatron-core)
     "tp1_dp2_to_tp2_dp1_vocab_padding": (VOCAB600, 2, 2, "TP1×PP1×DP2 → TP2×PP1×DP1", [], [*VOCAB600, *TP2]),
 }

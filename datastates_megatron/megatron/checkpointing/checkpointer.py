@@ -292,8 +292,8 @@ class LazyCheckpointer:
         ``--finetune``): the model only; main params are refreshed from it, optimizer state and
         scheduler are left as they are.  ``rng=False`` (``--no-load-rng``): the RNG states too.
 
-        A checkpoint written at another data-parallel, tensor- or pipeline-parallel size (same model,
-        VPP, CP and EP) is resharded on the fly (:mod:`.reshard`); any other layout change raises
+        A checkpoint written at another data-, tensor-, pipeline- or expert-parallel size (same
+        model, VPP and CP) is resharded on the fly (:mod:`.reshard`); any other layout change raises
         ``LayoutMismatchError`` on every rank before a live tensor changes, naming a parameter, its
         shapes, both layouts and the conversion (``--lazy-ckpt-convert-to``, :mod:`..megatron_lm.torch_dist`).
         Returns ``(iteration, extra_state)``; raises ``NoCheckpointError`` when there is none."""

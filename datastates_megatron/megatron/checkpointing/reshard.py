@@ -1,4 +1,4 @@
-"""Load a lazy checkpoint written at another data-, tensor- or pipeline-parallel size (same model).
+"""Load a lazy checkpoint written at another data-, tensor-, pipeline- or expert-parallel size (same model).
 
 Tensor names in a rank file are positional (``model0.buf0.bucket0.param_shard``, ``opt0.g1.p7.exp_avg``)
 and only fit the DP size that wrote them.  Each tensor's metadata also carries its *global identity*
@@ -13,24 +13,25 @@ zero-copy ``mmap`` views of the old files on shared storage, every checksum chun
 once, before anything is copied in place).  No rank gathers the full state.  The caller
 (``LazyCheckpointer.load``) then all-gathers the param buffers across the new DP groups.
 
-A TP or PP change goes through megatron-core's *global* coordinates.  Identity 3 records, once per
+A TP, PP or EP change goes through megatron-core's *global* coordinates.  Identity 3 records, once per
 run at registration, each parameter's sharded key, global shape and global offset as the model's own
 ``sharded_state_dict`` declares them (:func:`.shards.global_blocks`); at load the new layout's
 ``sharded_state_dict`` gives each live parameter's block, and :func:`block_segments` maps every new
 shard's element range onto the old blocks of the same key.  Why recorded at save rather than
 derived at load from the new layout's partition dims with the old TP size: at TP1 nothing is
 fragmented, so a TP1 layout cannot tell which axis a TP2 checkpoint split; the recorded offsets also
-carry the global layer number (pipeline stages and virtual chunks map by it, never by local index)
+carry the global layer number (pipeline stages and virtual chunks map by it, never by local index),
+the global expert index
 and the vocabulary padding, and they cost one ``sharded_state_dict`` call per registration.  Rows
 that another padding adds are zeroed after the verified copy (``ReshardPlanner.zeros``), as
 megatron-core's load of an ``allow_shape_mismatch`` tensor does.  Across a TP or PP change the RNG
 is not restored (Megatron-LM ignores it there); model buffers and extra state other than ``None``,
 named by local module path, are refused.
 
-A change of VPP, EP or CP, or another model, is refused before anything is written, in one line naming
+A change of VPP or CP, or another model, is refused before anything is written, in one line naming
 a parameter, its shapes in the checkpoint and in this run, and both layouts (:func:`check_layout`,
 :func:`plan_restore`); so is a checkpoint whose identity predates the model-parallel slice, or (for
-a TP or PP change) the global coordinates, naming the conversion that still works.
+a TP, PP or EP change) the global coordinates, naming the conversion that still works.
 
 Non-tensor state comes from one old rank of this rank's model-parallel slices (the ranks its plan
 reads): the old rank with this rank's number when it is one of them, else the lowest.  That covers
@@ -91,7 +92,8 @@ log = logging.getLogger(__name__)
 EXPORT_HINT = "datastates-ckpt export {ckpt} OUT_DIR --megatron-lm DIR -- TRAINING_FLAGS"  # the same, on CPU ranks
 CONVERT_HINT = "--load {ckpt} --lazy-ckpt-convert-to OUT_DIR"  # in a Megatron-LM run with the checkpoint's layout
 _MODEL_PARALLEL = ("tp", "pp", "model_chunks", "ep")  # a change of these is refused naming a parameter
-_GLOBAL = ("tp", "pp")  # ... except of these: mapped through megatron-core's global coordinates
+_GLOBAL = ("tp", "pp", "ep")  # ... except of these: mapped through megatron-core's global coordinates
+_TP_PP = ("tp", "pp")  # across a change of these Megatron-LM ignores the RNG state
 _OPT_NAME = re.compile(r"^opt(\d+)\.g(\d+)\.p(\d+)\.")
 _TEXT = (("tp", "TP", True), ("pp", "PP", True), ("model_chunks", "VPP", False), ("dp", "DP", True))
 _TEXT += (("cp", "CP", False), ("ep", "EP", False))
@@ -125,7 +127,7 @@ def _refusal(ckpt: str, old: dict, new: dict, what: str, convert: bool = False) 
     hint = ""
     if unmapped:
         hint = (
-            f"; only the data-parallel, tensor- and pipeline-parallel sizes may change on load "
+            f"; only the data-parallel, tensor-, pipeline- and expert-parallel sizes may change on load "
             f"({', '.join(unmapped)} differ): {_conversion(ckpt)}"
         )
     elif convert:
@@ -138,8 +140,8 @@ def _refusal(ckpt: str, old: dict, new: dict, what: str, convert: bool = False) 
 
 def check_layout(manifest: Manifest, ckpt: str, world_size: int, layout: dict) -> bool:
     """``False``: the checkpoint has this run's layout (plain restore).  ``True``: restore by
-    parameter identity with :class:`ReshardPlanner` -- a data-, tensor- or pipeline-parallel change,
-    or a change of VPP or EP, which the planner refuses naming a parameter and its shapes.  A change it can tell
+    parameter identity with :class:`ReshardPlanner` -- a data-, tensor-, pipeline- or expert-parallel
+    change, or a change of VPP, which the planner refuses naming a parameter and its shapes.  A change it can tell
     from the manifest alone (the context-parallel size, a world size that does not follow from the
     data-parallel size) raises :class:`LayoutMismatchError` here, naming both layouts."""
     old = manifest.layout
@@ -585,13 +587,13 @@ def plan_restore(
     """``(source range, destination view)`` for every element this rank must restore: its shard of
     each DDP bucket, its non-view main params and every tensor of their optimizer state (those two
     only with ``optimizer_state``).  ``old``, ``new``: the checkpoint's and this run's layouts (named
-    in a refusal; a change of the data-parallel size is mapped by parameter, of TP and PP through
+    in a refusal; a change of the data-parallel size is mapped by parameter, of TP, PP and EP through
     megatron-core's global coordinates, any other refused).  ``by_slice``, when given, is filled with
     ``{slice: old ranks}``: the old rank files the plan reads per model-parallel slice.  ``zeros``,
     when given, gets the destination views no old element covers (rows added by another vocabulary
     padding: zero, as megatron-core's own load of a tensor with ``allow_shape_mismatch``); without it
     such rows are refused.  ``rekey``, when given, gets ``{parameter key: the old parameter key
-    read for its scalar state}`` (a TP or PP change)."""
+    read for its scalar state}`` (a TP, PP or EP change)."""
     old, new = dict(old or {}), dict(new or old or {})
     keys = parameter_keys(model)
     moved = [k for k in (*_MODEL_PARALLEL, "cp") if old.get(k) != new.get(k)]
@@ -719,10 +721,10 @@ def _remap_training(
 
 
 class ReshardPlanner(LoadPlanner):
-    """This rank's shards of ``model``/``optimizer`` from a checkpoint of another DP, TP or PP size
+    """This rank's shards of ``model``/``optimizer`` from a checkpoint of another DP, TP, PP or EP size
     (or of the same layout with another bucket layout), by parameter identity: only the element
     ranges this rank needs, from whichever old rank files hold them.  ``layout``: this run's (the
-    checkpoint's is its manifest's); a VPP, EP or CP change is refused, naming a parameter.  The plan's objects are the source rank's non-tensor state with
+    checkpoint's is its manifest's); a VPP or CP change is refused, naming a parameter.  The plan's objects are the source rank's non-tensor state with
     ``training`` re-keyed for this rank (ready for ``training_state.restore``); the caller
     all-gathers the param buffers afterwards."""
 
@@ -770,7 +772,7 @@ class ReshardPlanner(LoadPlanner):
         moved = [k for k in _GLOBAL if old.get(k) != new.get(k)]
         if moved:
             objects = dict(objects)
-            training = self._across_model_parallel(reader, objects, training, old, new)
+            training = self._across_model_parallel(reader, objects, training, old, new, set(moved) & set(_TP_PP))
         self.zeros = tuple(zeros)
         files = sorted({r.rank for r, _ in pairs})
         if reader.rank == 0 and old != new:
@@ -789,9 +791,12 @@ class ReshardPlanner(LoadPlanner):
         items = tuple(ReadItem(r, dst) for r, dst in pairs)
         return LoadPlan(self.kind, items, {**objects, "training": training})
 
-    def _across_model_parallel(self, reader: CheckpointReader, objects: dict, training: dict, old, new) -> dict:
-        """Non-tensor state across a TP or PP change, by Megatron-LM's rules: the RNG states are
-        ignored (this process keeps its own, as Megatron-LM's load does at another (TP, PP)); model
+    def _across_model_parallel(
+        self, reader: CheckpointReader, objects: dict, training: dict, old, new, tp_pp: bool
+    ) -> dict:
+        """Non-tensor state across a TP, PP or EP change, by Megatron-LM's rules: across a TP or PP
+        change (``tp_pp``) the RNG states are ignored (this process keeps its own, as Megatron-LM's
+        load does at another (TP, PP)); model
         buffers and extra state, named by local module path, are refused (before anything is written)
         unless there are none (extra state ``None``: megatron-core's own layers without TE)."""
         saved = objects.get("model_state") or {}
@@ -804,16 +809,18 @@ class ReshardPlanner(LoadPlanner):
                 old,
                 new,
                 f"model buffers or extra state ({', '.join(held[:3])}) are kept per local module and cannot be "
-                "mapped to another tensor- or pipeline-parallel layout",
+                "mapped to another tensor-, pipeline- or expert-parallel layout",
                 convert=True,
             )
+        objects["model_state"] = model_state.capture(self.model)  # no buffers, no extra state but None: as built
+        if not tp_pp:
+            return training
         if reader.rank == 0:
             log.info(
                 "(TP, PP) changed (%s → %s): RNG state ignored, as Megatron-LM does",
                 layout_text(old),
                 layout_text(new),
             )
-        objects["model_state"] = model_state.capture(self.model)  # no buffers, no extra state but None: as built
         return {**training, "rng": training_state.capture_rng()}
 
 
