@@ -1,4 +1,5 @@
-"""A lazy checkpoint resumed at another data-parallel size under TP, PP and EP, by Megatron-LM's own
+"""A lazy checkpoint resumed at another data-parallel size under TP, PP and EP, and at another TP or PP
+size, by Megatron-LM's own
 ``pretrain_gpt.py`` on CPU ranks with a plain ``--lazy-ckpt --load`` (no flag, no conversion), against
 the reference path: the same checkpoint converted at the old layout with ``--lazy-ckpt-convert-to``
 (Megatron's ``torch_dist``) and imported by Megatron-LM's own loader at the new one.  Both continue
@@ -26,8 +27,11 @@ TP2 = ["--tensor-model-parallel-size", "2"]
 PP2 = ["--pipeline-model-parallel-size", "2"]
 # interleaved schedule: 2 model chunks per rank (4 layers over PP=2 x VP=2)
 VP2 = [*PP2, "--num-layers", "4", "--num-layers-per-virtual-pipeline-stage", "1"]
+VOCAB600 = ["--vocab-size", "600"]
 MOE = ["--num-experts", "4", "--expert-model-parallel-size", "2", "--moe-router-topk", "2", "--no-bias-gelu-fusion"]
-# name: (layout flags, ranks before, ranks after, what rank 0 logs, flags of the reference import)
+EP4 = [*MOE[:3], "4", *MOE[4:]]
+# name: (layout flags, ranks before, ranks after, what rank 0 logs, flags of the reference import[,
+# layout flags after: a TP or PP change])
 CASES = {
     "tp2_dp2_to_tp2_dp1": (TP2, 4, 2, "TP2×PP1×DP2 → TP2×PP1×DP1", []),
     "tp2_pp2_dp2_to_tp2_pp2_dp1": ([*TP2, *PP2], 8, 4, "TP2×PP2×DP2 → TP2×PP2×DP1", []),
@@ -35,8 +39,19 @@ CASES = {
     # fails on it ("Missing key in checkpoint state_dict: rng_state/..."): the reference leaves the
     # RNG out (these runs draw nothing from it: no dropout, top-k routing)
     "ep2_dp4_to_ep2_dp2": (MOE, 4, 2, "TP1×PP1×DP4×EP2 → TP1×PP1×DP2×EP2", ["--no-load-rng"]),
+    # tensor- and pipeline-parallel changes (model and optimizer through megatron-core's global
+    # coordinates; Megatron-LM ignores the RNG across a (TP, PP) change, and so do we)
+    "tp1_dp2_to_tp2_dp1": ([], 2, 2, "TP1×PP1×DP2 → TP2×PP1×DP1", [], TP2),
+    "pp2_dp1_to_pp1_dp2": (PP2, 2, 2, "TP1×PP2×DP1 → TP1×PP1×DP2", [], []),
+    "tp2_pp2_to_tp1_pp2_dp2": ([*TP2, *PP2], 4, 4, "TP2×PP2×DP1 → TP1×PP2×DP2", [], PP2),
+    "pp2_dp2_to_dp4": (PP2, 4, 4, "TP1×PP2×DP2 → TP1×PP1×DP4", [], []),
+    # an expert-parallel change: experts mapped by global expert index (megatron-core's offsets)
+    "ep2_dp4_to_ep4_dp4": (MOE, 4, 4, "TP1×PP1×DP4×EP2 → TP1×PP1×DP4×EP4", ["--no-load-rng"], EP4),
+    # 600 tokens padded to a multiple of 128 x TP: 640 rows at TP1, 768 at TP2 (zero, as megatron-core)
+    "tp1_dp2_to_tp2_dp1_vocab_padding": (VOCAB600, 2, 2, "TP1×PP1×DP2 → TP2×PP1×DP1", [], [*VOCAB600, *TP2]),
 }
 DEFAULT = "tp2_dp2_to_tp2_dp1"
+DEFAULTS = (DEFAULT, "tp1_dp2_to_tp2_dp1", "pp2_dp1_to_pp1_dp2")  # what CI runs: DP under TP, a TP and a PP change
 
 
 @pytest.fixture(scope="module")
@@ -69,10 +84,11 @@ def saved(tmp_path_factory):
 
 
 @pytest.mark.parametrize(
-    "case", [pytest.param(name, marks=() if name == DEFAULT else pytest.mark.slow) for name in CASES]
+    "case", [pytest.param(name, marks=() if name in DEFAULTS else pytest.mark.slow) for name in CASES]
 )
-def test_data_parallel_change_on_a_plain_load_equals_the_torch_dist_conversion(tmp_path, saved, case):
-    flags, _, after, change, reference = CASES[case]
+def test_layout_change_on_a_plain_load_equals_the_torch_dist_conversion(tmp_path, saved, case):
+    flags, _, after, change, reference, *then = CASES[case]
+    flags = then[0] if then else flags
     original, exported = saved(case)
     lazy = tmp_path / "lazy"
     shutil.copytree(original, lazy, ignore=shutil.ignore_patterns(".datastates.lock"))  # the resumed run saves on in it
@@ -96,12 +112,15 @@ def test_data_parallel_change_on_a_plain_load_equals_the_torch_dist_conversion(t
     assert_same_training(resumed, imported, range(SAVED + 1, ITERS + 1), ranks=after)
 
 
-def test_finetune_from_a_lazy_checkpoint_at_another_dp_size_equals_the_torch_dist_path(tmp_path, saved):
-    """``--finetune`` from the TP2 × DP2 lazy checkpoint at TP2 × DP1: the model only, from iteration
-    0, a fresh optimizer and scheduler -- every iteration's norms and the final digest equal to
-    Megatron-LM's own ``--finetune`` load of the same checkpoint converted to torch_dist."""
-    flags, _, after, change, _ = CASES[DEFAULT]
-    lazy, exported = saved(DEFAULT)
+@pytest.mark.parametrize("case", [DEFAULT, pytest.param("tp1_dp2_to_tp2_dp1", marks=pytest.mark.slow)])
+def test_finetune_from_a_lazy_checkpoint_at_another_layout_equals_the_torch_dist_path(tmp_path, saved, case):
+    """``--finetune`` from the TP2 × DP2 lazy checkpoint at TP2 × DP1 (and from TP1 × DP2 at TP2):
+    the model only, from iteration 0, a fresh optimizer and scheduler -- every iteration's norms and
+    the final digest equal to Megatron-LM's own ``--finetune`` load of the same checkpoint converted
+    to torch_dist."""
+    flags, _, after, change, _, *then = CASES[case]
+    flags = then[0] if then else flags
+    lazy, exported = saved(case)
     common = ["--train-iters", str(SAVED), *flags, "--save-interval", str(SAVED), *LAZY, "--finetune"]
     imported = launch(
         tmp_path,

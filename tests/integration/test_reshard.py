@@ -216,17 +216,47 @@ def _refused(results):
 
 
 @needs_megatron
-def test_changed_tensor_parallel_size_is_refused_naming_a_parameter_and_the_conversions(dp2):
+def test_tensor_parallel_change_continues_the_training(dp2):
+    """DP2 -> TP2 x DP1 from a plain load (model and optimizer through megatron-core's global
+    coordinates): the losses after it follow the saving run's own continuation up to the reduction
+    order of the other TP size (bit-exactness against megatron-core's own resharding is
+    tests/integration/test_layout_change.py)."""
+    d, reference = dp2
+    (r0, _r1) = _ok(run_ranks(WORKER, 2, ["tp2", *TOTAL, "--load", str(d / "ckpt"), "--load-at", "3"], timeout=240))
+    assert "error" not in r0, r0
+    resumed = _losses(r0)
+    assert sorted(resumed) == [4, 5, 6], resumed
+    _close(resumed, reference, 1e-3)
+
+
+@needs_megatron
+def test_tensor_parallel_change_into_another_model_is_refused_before_any_live_tensor_changes(dp2):
     d, _ = dp2
-    args = ["tp2", "--warm", "1", "--load", str(d / "ckpt"), "--load-at", "3"]
+    args = ["tp2", "--warm", "1", "--hidden", "96", "--load", str(d / "ckpt"), "--load-at", "3"]
     for err in _refused(run_ranks(WORKER, 2, args, timeout=240)):
         assert err.startswith("LayoutMismatchError") and "(TP1×PP1×DP2) in this run (TP2×PP1×DP1)" in err, err
-        # rank 0 (slice pp0.tp0) holds the same parameters at other shapes; rank 1's slice is not in the checkpoint
-        assert "(slice pp0.tp0, chunk 0) is float32 [" in err and "in the checkpoint, float32 [" in err, err
-        assert "(slice pp0.tp1, chunk 0) is absent in the checkpoint, float32 [" in err, err
-        assert "only the data-parallel size may change on load (tp differ)" in err, err
-        assert f"--load {d / 'ckpt'} --lazy-ckpt-convert-to OUT_DIR" in err, err
-        assert f"datastates-ckpt export {d / 'ckpt'} OUT_DIR --megatron-lm DIR -- TRAINING_FLAGS" in err, err
+        assert "(slice pp0.tp" in err and "globally in the checkpoint, float32 [" in err and "96" in err, err
+        assert "only the data-parallel" not in err, err
+
+
+@needs_megatron
+def test_tensor_parallel_change_of_a_checkpoint_without_global_coordinates_is_refused_naming_the_conversions(
+    tmp_path,
+):
+    """A checkpoint written before identity 3 (no global coordinates) still restores at another DP
+    size only: a TP change is refused on every rank, every live tensor as it was, naming the conversion."""
+    ckpt = tmp_path / "ckpt"
+    _ok(
+        run_ranks(
+            WORKER, 2, ["run", "--total", "3", "--old-identity", "--save", str(ckpt), "--save-at", "3"], timeout=240
+        )
+    )
+    args = ["tp2", "--warm", "1", "--load", str(ckpt), "--load-at", "3"]
+    for err in _refused(run_ranks(WORKER, 2, args, timeout=240)):
+        assert err.startswith("LayoutMismatchError") and "(TP1×PP1×DP2) in this run (TP2×PP1×DP1)" in err, err
+        assert "no global coordinates (identity version 2" in err, err
+        assert f"--load {ckpt} --lazy-ckpt-convert-to OUT_DIR" in err, err
+        assert f"datastates-ckpt export {ckpt} OUT_DIR --megatron-lm DIR -- TRAINING_FLAGS" in err, err
 
 
 @needs_megatron

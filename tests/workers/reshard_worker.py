@@ -11,7 +11,10 @@ Scenarios (each prints ``RESULT <json>`` on every rank):
   ``--total``, optionally checkpointing iteration ``--save-at`` under ``--save`` and dumping, right
   after it, a reference of every full parameter and of this rank's main params / Adam states (taken
   with megatron-core's own accessors, not our metadata) to ``--ref-out``.  Reports every loss.
-* ``tp2``: the same model with tensor-parallel size 2; ``load()`` must refuse.
+* ``tp2``: the same model with tensor-parallel size 2 (``load()`` reshards it through megatron-core's
+  global coordinates, or refuses: another model, or a checkpoint without them).
+
+``--old-identity`` saves as a datastates-megatron before identity 3 did: no global coordinates.
 
 With ``--warm N`` the model first trains N iterations (so the optimizer holds state).  When
 ``load()`` raises, the result has the error and a digest of every live tensor (parameters, buffers,
@@ -52,6 +55,7 @@ def _args():
     p.add_argument("--warm", type=int, default=0, help="iterations trained before the load")
     p.add_argument("--model-only", action="store_true", help="load(optimizer=False, rng=False)")
     p.add_argument("--local", default=None, help="the node-local tier (needed with an s3:// --save)")
+    p.add_argument("--old-identity", action="store_true", help="save identity 2 (no global coordinates)")
     return p.parse_args()
 
 
@@ -184,6 +188,12 @@ def live_digest(chunks, opt, sched) -> str:
 def main():
     a = _args()
     from datastates_megatron import LazyCheckpointer, LazyCkptConfig
+
+    if a.old_identity:  # what a writer before identity 3 recorded
+        from datastates_megatron.megatron.checkpointing import shards
+
+        shards.IDENTITY_VERSION = 2
+        shards.global_blocks = lambda model: {}
     from datastates_megatron.demo import gpt
 
     if a.scenario == "tp2":

@@ -185,6 +185,9 @@ class GlobalIndex:
     def unsliced(self) -> bool:
         return any(slice_of(k) is None for k in self.params)
 
+    def slices(self) -> list:
+        return list({slice_of(k): None for k in self.params})
+
     def params_of(self, slices) -> dict:
         wanted = set(slices)
         return {k: v for k, v in self.params.items() if slice_of(k) in wanted}

@@ -292,8 +292,8 @@ class LazyCheckpointer:
         ``--finetune``): the model only; main params are refreshed from it, optimizer state and
         scheduler are left as they are.  ``rng=False`` (``--no-load-rng``): the RNG states too.
 
-        A checkpoint written at another data-parallel size (same model, TP, PP, VPP, CP and EP) is
-        resharded on the fly (:mod:`.reshard`); any other layout change raises
+        A checkpoint written at another data-, tensor-, pipeline- or expert-parallel size (same
+        model, VPP and CP) is resharded on the fly (:mod:`.reshard`); any other layout change raises
         ``LayoutMismatchError`` on every rank before a live tensor changes, naming a parameter, its
         shapes, both layouts and the conversion (``--lazy-ckpt-convert-to``, :mod:`..megatron_lm.torch_dist`).
         Returns ``(iteration, extra_state)``; raises ``NoCheckpointError`` when there is none."""
@@ -315,6 +315,9 @@ class LazyCheckpointer:
                 inner.state.clear()
             self._refresh()
             raise
+        with torch.no_grad():
+            for view in getattr(planner, "zeros", ()):  # rows a vocabulary padding adds: zero, as megatron-core
+                view.zero_()
         self._gather_params()
         where = f"rank {self.rank}: iteration {result.iteration}"
         model_state.restore(result.objects.get("model_state"), self.model, where=where)

@@ -1,4 +1,4 @@
-"""Load a lazy checkpoint written at another data-parallel size (any TP, PP, VPP, EP and CP; same model).
+"""Load a lazy checkpoint written at another data-, tensor-, pipeline- or expert-parallel size (same model).
 
 Tensor names in a rank file are positional (``model0.buf0.bucket0.param_shard``, ``opt0.g1.p7.exp_avg``)
 and only fit the DP size that wrote them.  Each tensor's metadata also carries its *global identity*
@@ -13,10 +13,25 @@ zero-copy ``mmap`` views of the old files on shared storage, every checksum chun
 once, before anything is copied in place).  No rank gathers the full state.  The caller
 (``LazyCheckpointer.load``) then all-gathers the param buffers across the new DP groups.
 
-Only the data-parallel size may differ: a change of TP, PP, VPP or EP, or another model, is refused
-before anything is written, in one line naming a parameter, its shapes in the checkpoint and in this
-run, and both layouts (:func:`check_layout`, :func:`plan_restore`); so is a checkpoint whose identity
-predates the model-parallel slice, naming the conversion that still works.
+A TP, PP or EP change goes through megatron-core's *global* coordinates.  Identity 3 records, once per
+run at registration, each parameter's sharded key, global shape and global offset as the model's own
+``sharded_state_dict`` declares them (:func:`.shards.global_blocks`); at load the new layout's
+``sharded_state_dict`` gives each live parameter's block, and :func:`block_segments` maps every new
+shard's element range onto the old blocks of the same key.  Why recorded at save rather than
+derived at load from the new layout's partition dims with the old TP size: at TP1 nothing is
+fragmented, so a TP1 layout cannot tell which axis a TP2 checkpoint split; the recorded offsets also
+carry the global layer number (pipeline stages and virtual chunks map by it, never by local index),
+the global expert index
+and the vocabulary padding, and they cost one ``sharded_state_dict`` call per registration.  Rows
+that another padding adds are zeroed after the verified copy (``ReshardPlanner.zeros``), as
+megatron-core's load of an ``allow_shape_mismatch`` tensor does.  Across a TP or PP change the RNG
+is not restored (Megatron-LM ignores it there); model buffers and extra state other than ``None``,
+named by local module path, are refused.
+
+A change of VPP or CP, or another model, is refused before anything is written, in one line naming
+a parameter, its shapes in the checkpoint and in this run, and both layouts (:func:`check_layout`,
+:func:`plan_restore`); so is a checkpoint whose identity predates the model-parallel slice, or (for
+a TP, PP or EP change) the global coordinates, naming the conversion that still works.
 
 Non-tensor state comes from one old rank of this rank's model-parallel slices (the ranks its plan
 reads): the old rank with this rank's number when it is one of them, else the lowest.  That covers
@@ -43,8 +58,11 @@ from ...engine.format.global_index import GlobalIndex, RangedIndex, read_index
 from ...engine.load.load_plan import ElementRange, LoadPlan, LoadPlanner, ReadItem
 from ...engine.format.manifest import Manifest
 from ...engine.load.reader import CheckpointReader
+from . import model_state, training_state
 from .shards import (
     IDENTITY_VERSION,
+    IDENTITY_VERSIONS_READ,
+    global_blocks,
     bucket_param_ranges,
     bucket_shards,
     bucket_slice,
@@ -74,6 +92,8 @@ log = logging.getLogger(__name__)
 EXPORT_HINT = "datastates-ckpt export {ckpt} OUT_DIR --megatron-lm DIR -- TRAINING_FLAGS"  # the same, on CPU ranks
 CONVERT_HINT = "--load {ckpt} --lazy-ckpt-convert-to OUT_DIR"  # in a Megatron-LM run with the checkpoint's layout
 _MODEL_PARALLEL = ("tp", "pp", "model_chunks", "ep")  # a change of these is refused naming a parameter
+_GLOBAL = ("tp", "pp", "ep")  # ... except of these: mapped through megatron-core's global coordinates
+_TP_PP = ("tp", "pp")  # across a change of these Megatron-LM ignores the RNG state
 _OPT_NAME = re.compile(r"^opt(\d+)\.g(\d+)\.p(\d+)\.")
 _TEXT = (("tp", "TP", True), ("pp", "PP", True), ("model_chunks", "VPP", False), ("dp", "DP", True))
 _TEXT += (("cp", "CP", False), ("ep", "EP", False))
@@ -99,14 +119,20 @@ def _conversion(ckpt: str) -> str:
     )
 
 
-def _refusal(ckpt: str, old: dict, new: dict, what: str) -> LayoutMismatchError:
-    """One line: what cannot be restored, both layouts and, for a layout change, the conversion."""
+def _refusal(ckpt: str, old: dict, new: dict, what: str, convert: bool = False) -> LayoutMismatchError:
+    """One line: what cannot be restored, both layouts and, for a layout change this module does not
+    map (or ``convert``: a checkpoint too old for it), the conversion."""
     moved = [k for k in (*_MODEL_PARALLEL, "cp") if old.get(k) != new.get(k)]
-    hint = (
-        f"; only the data-parallel size may change on load ({', '.join(moved)} differ): {_conversion(ckpt)}"
-        if moved
-        else ""
-    )
+    unmapped = [k for k in moved if k not in _GLOBAL]
+    hint = ""
+    if unmapped:
+        hint = (
+            f"; only the data-parallel, tensor-, pipeline- and expert-parallel sizes may change on load "
+            f"({', '.join(unmapped)} differ): {_conversion(ckpt)}"
+        )
+    elif convert:
+        hint = f"; {_conversion(ckpt)}"
+
     return LayoutMismatchError(
         f"{ckpt}: cannot restore the checkpoint ({layout_text(old)}) in this run ({layout_text(new)}): {what}{hint}"
     )
@@ -114,8 +140,8 @@ def _refusal(ckpt: str, old: dict, new: dict, what: str) -> LayoutMismatchError:
 
 def check_layout(manifest: Manifest, ckpt: str, world_size: int, layout: dict) -> bool:
     """``False``: the checkpoint has this run's layout (plain restore).  ``True``: restore by
-    parameter identity with :class:`ReshardPlanner` -- a data-parallel change, or a change of TP, PP,
-    VPP or EP, which the planner refuses naming a parameter and its shapes.  A change it can tell
+    parameter identity with :class:`ReshardPlanner` -- a data-, tensor-, pipeline- or expert-parallel
+    change, or a change of VPP, which the planner refuses naming a parameter and its shapes.  A change it can tell
     from the manifest alone (the context-parallel size, a world size that does not follow from the
     data-parallel size) raises :class:`LayoutMismatchError` here, naming both layouts."""
     old = manifest.layout
@@ -149,6 +175,115 @@ def _root_of(ckpt: str) -> str:
     return parent if os.path.basename(os.path.normpath(ckpt)).startswith("iter_") else ckpt
 
 
+# ---------------------------------------------------------------------------------------------- global coordinates
+@dataclasses.dataclass(frozen=True)
+class Block:
+    """Where one parameter sits in megatron-core's global tensor ``key`` (identity 3 ``global``):
+    the parameter, flattened, is the flattened block ``[offset, offset + shape)`` of ``global_shape``."""
+
+    key: str
+    global_shape: tuple[int, ...]
+    offset: tuple[int, ...]
+    shape: tuple[int, ...]
+    mismatch: bool  # allow_shape_mismatch: the global shape follows the vocabulary padding
+
+    @classmethod
+    def of(cls, value) -> "Block":
+        key, global_shape, offset, shape, *rest = value
+        t = lambda xs: tuple(int(x) for x in xs)  # noqa: E731
+        return cls(str(key), t(global_shape), t(offset), t(shape), bool(rest[0]) if rest else False)
+
+
+def _ravel(index: tuple[int, ...], shape: tuple[int, ...]) -> int:
+    out = 0
+    for i, n in zip(index, shape):
+        out = out * n + i
+    return out
+
+
+def _unravel(flat: int, shape: tuple[int, ...]) -> tuple[int, ...]:
+    out = []
+    for n in reversed(shape):
+        out.append(flat % n)
+        flat //= n
+    return tuple(reversed(out))
+
+
+def block_segments(new: Block, olds: list, start: int, end: int) -> tuple[list, list]:
+    """How elements ``[start, end)`` of the flattened block ``new`` come from the flattened old
+    blocks ``olds`` (``[(name, Block)]``, same global key): ``(segments, gaps)``, ``segments``
+    ``[(name, old start, old end, position relative to start)]`` in order, ``gaps`` ``[(a, b)]``
+    (relative positions) that no old block holds -- rows past the old vocabulary padding.  Where old
+    blocks overlap (a tied embedding's copies) the first by name is read.  Every block is split on
+    at most the axes megatron-core fragments; the walk goes by runs of the last axis any block
+    splits, so its cost is the number of such runs in ``[start, end)``, not of elements."""
+    nd = len(new.shape)
+    split = [ax for ax in range(nd) if new.shape[ax] != new.global_shape[ax]]
+    split += [ax for _, ob in olds for ax in range(nd) if ob.shape[ax] != new.global_shape[ax]]
+    f = max(split, default=0)
+    inner = 1
+    for n in new.shape[f + 1 :]:
+        inner *= n
+    # the old blocks that meet the new one on every axis before f, in name order
+    cands = sorted(
+        (
+            (name, ob)
+            for name, ob in olds
+            if all(
+                ob.offset[ax] < new.offset[ax] + new.shape[ax] and new.offset[ax] < ob.offset[ax] + ob.shape[ax]
+                for ax in range(f)
+            )
+        ),
+        key=lambda c: c[0],
+    )
+    row_len = new.shape[f] * inner
+    segments, gaps = [], []
+    if start >= end:
+        return segments, gaps
+    n0, n1 = new.offset[f], new.offset[f] + new.shape[f]
+    for row in range(start // row_len, (end - 1) // row_len + 1):
+        outer = tuple(o + i for o, i in zip(new.offset[:f], _unravel(row, new.shape[:f])))
+        spans = []
+        for name, ob in cands:
+            if not all(ob.offset[ax] <= outer[ax] < ob.offset[ax] + ob.shape[ax] for ax in range(f)):
+                continue
+            lo, hi = max(n0, ob.offset[f]), min(n1, ob.offset[f] + ob.shape[f])
+            if lo < hi:
+                spans.append((lo, -hi, name, ob))
+        spans.sort(key=lambda s: (s[0], s[1]))
+        pos = n0
+        pieces = []
+        for lo, neg_hi, name, ob in spans:
+            hi = -neg_hi
+            if hi <= pos:
+                continue
+            if lo > pos:
+                pieces.append((None, pos, lo))
+            lo = max(lo, pos)
+            pieces.append(((name, ob), lo, hi))
+            pos = hi
+        if pos < n1:
+            pieces.append((None, pos, n1))
+        for src, lo, hi in pieces:
+            na = (row * new.shape[f] + lo - n0) * inner
+            nb = na + (hi - lo) * inner
+            a, b = max(na, start), min(nb, end)
+            if a >= b:
+                continue
+            if src is None:
+                gaps.append((a - start, b - start))
+                continue
+            name, ob = src
+            old_row = _ravel(tuple(g - o for g, o in zip(outer, ob.offset[:f])), ob.shape[:f])
+            oa = (old_row * ob.shape[f] + lo - ob.offset[f]) * inner + (a - na)
+            last = segments[-1] if segments else None
+            if last and last[0] == name and last[2] == oa and last[3] + last[2] - last[1] == a - start:
+                segments[-1] = (name, last[1], oa + b - a, last[3])
+            else:
+                segments.append((name, oa, oa + b - a, a - start))
+    return segments, gaps
+
+
 # ---------------------------------------------------------------------------------------------- index
 @dataclasses.dataclass(frozen=True)
 class _Piece:
@@ -169,22 +304,23 @@ def _described(where: str, rank: int, name: str, meta, zero_dim: bool, legacy: b
     kind = meta.get("kind") if isinstance(meta, dict) else None
     if kind not in ("param_shard", "main_param", "optimizer_state"):
         return None
-    if meta.get("identity") != IDENTITY_VERSION and not (legacy and meta.get("identity") == 1):
+    if meta.get("identity") not in IDENTITY_VERSIONS_READ and not (legacy and meta.get("identity") == 1):
         raise LayoutMismatchError(
             f"{where}: rank {rank} tensor {name!r} has global identity version {meta.get('identity')!r}, not "
-            f"{IDENTITY_VERSION} (written by an older datastates-megatron, without its model-parallel slice): it "
+            f"{' or '.join(map(str, IDENTITY_VERSIONS_READ))} (written by an older datastates-megatron, without its model-parallel slice): it "
             f"restores only in the layout that wrote it; to load it in another layout, {_conversion(where)}"
         )
     c, sl = int(meta["chunk"]), str(meta.get("slice", ""))
     if kind == "param_shard":
         params, pieces = [], []
+        blocks = meta.get("global") or {}
         for pname, shape, dtype, start, end, offset in meta["params"]:
-            params.append(((sl, c, pname), shape, dtype))
+            params.append(((sl, c, pname), shape, dtype, blocks.get(pname)))
             pieces.append(((sl, c, pname, "param"), int(offset), int(start), int(end)))
         return params, pieces, None
     key = (sl, c, meta["param"])
     what = "main" if kind == "main_param" else meta["key"]
-    params = [(key, meta["shape"], meta["dtype"])]
+    params = [(key, meta["shape"], meta["dtype"], meta.get("global"))]
     if kind == "optimizer_state" and zero_dim:  # 0-d, e.g. torch Adam's step
         return params, [], (*key, what)
     return params, [((*key, what), 0, int(meta["start"]), int(meta["end"]))], None
@@ -204,8 +340,9 @@ def index_summary(tensors: dict, metas: dict) -> dict | None:
             return None
         if got is None:
             continue
-        for key, shape, dtype in got[0]:
-            params[json.dumps(list(key))] = [[int(x) for x in shape], str(dtype)]
+        for key, shape, dtype, block in got[0]:
+            value = [[int(x) for x in shape], str(dtype)]
+            params[json.dumps(list(key))] = value if block is None else [*value, block]
         for key, offset, start, end in got[1]:
             pieces.append([json.dumps(list(key)), start, end, name, offset])
         if got[2] is not None:
@@ -226,6 +363,8 @@ class CheckpointIndex:
         self.scalars: dict[tuple[str, int, str, str], ElementRange] = {}
         self.holders: dict[tuple[str, int, str, str], set[tuple[int, str]]] = collections.defaultdict(set)
         self.positions: dict[tuple[int, int, int, int], tuple[str, int, str]] = {}  # (rank, opt, group, pos) -> param
+        self.blocks: dict[tuple[str, int, str], Block] = {}  # param -> where it sits in megatron's global tensor
+        self.by_global: dict[str, list[tuple[str, int, str]]] = collections.defaultdict(list)  # sharded key -> params
 
     @classmethod
     def from_reader(cls, reader: CheckpointReader, ranks=None, legacy: bool = False) -> "CheckpointIndex":
@@ -246,6 +385,9 @@ class CheckpointIndex:
         """The parameters of model-parallel ``slices``: ``{(slice, chunk, name): (shape, dtype)}``."""
         return {key: value for key, value in self.params.items() if key[0] in slices}
 
+    def all_params(self) -> None:
+        """Make :attr:`params` and :attr:`blocks` hold every slice's parameters (here: already)."""
+
     def _add(self, reader: CheckpointReader, rank: int, name: str, meta, legacy: bool = False) -> None:
         zero_dim = (
             isinstance(meta, dict) and meta.get("kind") == "optimizer_state" and not reader.entry(rank, name).shape
@@ -254,8 +396,9 @@ class CheckpointIndex:
         if got is None:
             return
         params, pieces, scalar = got
-        for key, shape, dtype in params:
+        for key, shape, dtype, block in params:
             self._param(reader, key, shape, dtype)
+            self._block(key, block)
         for key, offset, start, end in pieces:
             self.pieces[key].append(_Piece(rank, name, offset, start, end))
         m = _OPT_NAME.match(name)
@@ -264,6 +407,11 @@ class CheckpointIndex:
         if scalar is not None:
             self.scalars.setdefault(scalar, ElementRange(rank, name, 0, 1))
             self.holders[scalar].add((rank, name))
+
+    def _block(self, key, block) -> None:
+        if block is not None and key not in self.blocks:
+            self.blocks[key] = Block.of(block)
+            self.by_global[self.blocks[key].key].append(key)
 
     def _param(self, reader, key, shape, dtype) -> None:
         value = (tuple(int(s) for s in shape), str(dtype))
@@ -321,9 +469,15 @@ class GlobalIndexView(CheckpointIndex):
             if not (isinstance(parsed, list) and len(parsed) == 3):
                 raise StaleIndexError(f"{self.gi.path}: parameter key {key!r} is not [slice, chunk, parameter]")
             sl, c, pname = parsed
-            shape, dtype = value
+            shape, dtype = value[:2]
             self.params[(str(sl), int(c), pname)] = (tuple(int(x) for x in shape), str(dtype))
+            self._block((str(sl), int(c), pname), value[2] if len(value) > 2 else None)
         return super().params_of(slices)
+
+    def all_params(self) -> None:
+        """Every slice's parameter tables (a TP, PP or EP change maps this rank's parameters onto old
+        slices other than its own; the tables grow with the model, not with the ranks)."""
+        self.params_of(self.gi.slices())
 
     def ranges(self, key: tuple[str, int, str, str], start: int, end: int) -> list[tuple[ElementRange, int]]:
         found = [_Piece(r, t, o, s, e) for r, t, o, s, e in self.gi.pieces(json.dumps(list(key)), start, end)]
@@ -392,6 +546,54 @@ def _check_params(index: CheckpointIndex, keys: dict, ckpt: str, old: dict, new:
     )
 
 
+def _global_mapping(model, keys: dict, index: CheckpointIndex, ckpt: str, old: dict, new: dict) -> dict:
+    """``{live parameter key: (its Block, [(old parameter key, old Block)])}`` for a TP/PP change;
+    raises one :class:`LayoutMismatchError` line naming the first parameter that cannot be mapped
+    (no global coordinates on either side, absent from the checkpoint, another global shape or dtype)."""
+    index.all_params()
+    if not index.blocks:
+        raise _refusal(
+            ckpt,
+            old,
+            new,
+            f"its tensors carry no global coordinates (identity version 2, before {IDENTITY_VERSION}: written by "
+            "an older datastates-megatron)",
+            convert=True,
+        )
+    blocks = global_blocks(model)
+    out = {}
+    for p, key in sorted(keys.items(), key=lambda kv: kv[1]):
+        live = (tuple(p.shape), str(p.dtype).removeprefix("torch."))
+        if p not in blocks:
+            raise _refusal(
+                ckpt,
+                old,
+                new,
+                f"parameter {_named(key)} has no global coordinates in megatron-core's sharded_state_dict",
+            )
+        b = Block.of(blocks[p])
+        olds = [(k, index.blocks[k]) for k in index.by_global.get(b.key, ())]
+        if not olds:
+            raise _refusal(
+                ckpt,
+                old,
+                new,
+                f"parameter {_named(key)} ({b.key}) is absent in the checkpoint, {_shape_text(live)} in this run",
+            )
+        shape = olds[0][1].global_shape
+        dtype = index.params[olds[0][0]][1]
+        if (shape != b.global_shape and not (b.mismatch and len(shape) == len(b.global_shape))) or dtype != live[1]:
+            raise _refusal(
+                ckpt,
+                old,
+                new,
+                f"parameter {_named(key)} ({b.key}) is {dtype} {list(shape)} globally in the checkpoint, "
+                f"{live[1]} {list(b.global_shape)} in this run",
+            )
+        out[key] = (b, olds)
+    return out
+
+
 def plan_restore(
     model,
     optimizer,
@@ -401,26 +603,60 @@ def plan_restore(
     new: dict | None = None,
     by_slice: dict | None = None,
     optimizer_state: bool = True,
+    zeros: list | None = None,
+    rekey: dict | None = None,
 ) -> list[tuple[ElementRange, torch.Tensor]]:
     """``(source range, destination view)`` for every element this rank must restore: its shard of
     each DDP bucket, its non-view main params and every tensor of their optimizer state (those two
     only with ``optimizer_state``).  ``old``, ``new``: the checkpoint's and this run's layouts (named
-    in a refusal; any change but the data-parallel size is refused).  ``by_slice``, when given, is
-    filled with ``{slice: old ranks}``: the old rank files the plan reads per model-parallel slice."""
+    in a refusal; a change of the data-parallel size is mapped by parameter, of TP, PP and EP through
+    megatron-core's global coordinates, any other refused).  ``by_slice``, when given, is filled with
+    ``{slice: old ranks}``: the old rank files the plan reads per model-parallel slice.  ``zeros``,
+    when given, gets the destination views no old element covers (rows added by another vocabulary
+    padding: zero, as megatron-core's own load of a tensor with ``allow_shape_mismatch``); without it
+    such rows are refused.  ``rekey``, when given, gets ``{parameter key: the old parameter key
+    read for its scalar state}`` (a TP, PP or EP change)."""
     old, new = dict(old or {}), dict(new or old or {})
     keys = parameter_keys(model)
-    _check_params(index, keys, ckpt, old, new)
     moved = [k for k in (*_MODEL_PARALLEL, "cp") if old.get(k) != new.get(k)]
-    if moved:  # the parameters matched, yet the model-parallel layout differs: no reshard of that here
-        raise _refusal(ckpt, old, new, "the parameters of this rank's slices match, but the layout differs")
+    mapping = None
+    if moved and not set(moved) - set(_GLOBAL):
+        mapping = _global_mapping(model, keys, index, ckpt, old, new)
+        if rekey is not None:
+            rekey.update({key: olds[0][0] for key, (_b, olds) in mapping.items()})
+    else:
+        _check_params(index, keys, ckpt, old, new)
+        if moved:  # the parameters matched, yet the model-parallel layout differs: no reshard of that here
+            raise _refusal(ckpt, old, new, "the parameters of this rank's slices match, but the layout differs")
     names = parameter_names(model)
     plan: list[tuple[ElementRange, torch.Tensor]] = []
     found = by_slice if by_slice is not None else {}
 
-    def add(key, start, end, dst):
+    def add_old(key, start, end, dst):
         for r, at in index.ranges(key, start, end):
             plan.append((r, dst[at : at + r.count]))
             found.setdefault(key[0], set()).add(r.rank)
+
+    def add(key, start, end, dst):
+        if mapping is None:
+            return add_old(key, start, end, dst)
+        b, olds = mapping[key[:3]]
+        segments, gaps = block_segments(b, olds, start, end)
+        for name, oa, ob, pos in segments:
+            add_old((*name, key[3]), oa, ob, dst[pos : pos + ob - oa])
+        if gaps and (zeros is None or not b.mismatch):
+            a, _ = gaps[0]
+            raise _refusal(
+                ckpt,
+                old,
+                new,
+                f"the checkpoint holds no element {start + a} of {key[3]} of parameter {_named(key)} ({b.key})",
+            )
+        if gaps:
+            zeros.extend(dst[a:e] for a, e in gaps)
+
+    def scalar_key(pkey, key):
+        return (*(mapping[pkey][1][0][0] if mapping is not None else pkey), key)
 
     buckets = bucket_shards(model)
     for b in buckets:
@@ -441,11 +677,11 @@ def plan_restore(
             add((*pkey, "main"), start, end, m.param.detach().view(-1))
         for key, value in m.state.items():
             if value.dim() == 0:
-                src = index.scalar((*pkey, key), start, end)
+                src = index.scalar(scalar_key(pkey, key), start, end)
                 if src is None:
                     raise LayoutMismatchError(f"{ckpt}: no {key!r} for parameter {_named(pkey)} in the checkpoint")
                 plan.append((src, value))
-                found.setdefault(pkey[0], set()).add(src.rank)
+                found.setdefault(scalar_key(pkey, key)[0], set()).add(src.rank)
                 continue
             if value.numel() != end - start:
                 raise LayoutMismatchError(
@@ -469,7 +705,7 @@ def source_rank(rank: int, world_size: int, by_slice: dict) -> int:
 
 
 def _remap_training(
-    reader: CheckpointReader, index: CheckpointIndex, optimizer, model, source_rank: int, ranks
+    reader: CheckpointReader, index: CheckpointIndex, optimizer, model, source_rank: int, ranks, rekey=None
 ) -> dict:
     """The source rank's non-tensor state, with per-parameter plain optimizer state re-keyed to this
     rank's positions by parameter identity (found in the files of ``ranks``: those holding this
@@ -497,7 +733,9 @@ def _remap_training(
     plain: list[dict] = [{} for _ in inner_optimizers(optimizer)]
     for m in main_params(optimizer):
         owner = owners[m.opt][m.group][m.index]
-        found = by_param.get((m.opt, keys[owner[0]])) if owner is not None else None
+        key = keys[owner[0]] if owner is not None else None
+        key = (rekey or {}).get(key, key)
+        found = by_param.get((m.opt, key)) if key is not None else None
         if found:
             plain[m.opt][f"g{m.group}.p{m.index}"] = found
     training["optimizers"] = [{**o, "plain_state": p} for o, p in zip(training["optimizers"], plain)]
@@ -505,11 +743,10 @@ def _remap_training(
 
 
 class ReshardPlanner(LoadPlanner):
-    """This rank's shards of ``model``/``optimizer`` from a checkpoint of another DP size (or of the
-    same DP size with another bucket layout), by parameter identity: only the element ranges this
-    rank needs, from whichever old rank files of its model-parallel slices hold them.  ``layout``:
-    this run's (the checkpoint's is its manifest's); any difference but the data-parallel size is
-    refused, naming a parameter.  The plan's objects are the source rank's non-tensor state with
+    """This rank's shards of ``model``/``optimizer`` from a checkpoint of another DP, TP, PP or EP size
+    (or of the same layout with another bucket layout), by parameter identity: only the element
+    ranges this rank needs, from whichever old rank files hold them.  ``layout``: this run's (the
+    checkpoint's is its manifest's); a VPP or CP change is refused, naming a parameter.  The plan's objects are the source rank's non-tensor state with
     ``training`` re-keyed for this rank (ready for ``training_state.restore``); the caller
     all-gathers the param buffers afterwards."""
 
@@ -523,6 +760,7 @@ class ReshardPlanner(LoadPlanner):
         self.optimizer = optimizer
         self.layout = dict(layout) if layout is not None else None
         self.optimizer_state = optimizer_state
+        self.zeros: tuple[torch.Tensor, ...] = ()  # views the last plan leaves to zero (vocabulary padding)
 
     def plan(self, reader: CheckpointReader) -> LoadPlan:
         t0 = time.perf_counter()
@@ -530,11 +768,15 @@ class ReshardPlanner(LoadPlanner):
         old = dict(manifest.layout)
         new = self.layout if self.layout is not None else old
         by_slice: dict[str, set[int]] = {}
+        zeros: list[torch.Tensor] = []
+        rekey: dict = {}
 
         def plan_fn(index):
             by_slice.clear()
+            zeros.clear()
+            rekey.clear()
             return plan_restore(
-                self.model, self.optimizer, index, reader.ckpt, old, new, by_slice, self.optimizer_state
+                self.model, self.optimizer, index, reader.ckpt, old, new, by_slice, self.optimizer_state, zeros, rekey
             )
 
         planned = plan_by_global_index(reader, plan_fn, None)
@@ -546,7 +788,14 @@ class ReshardPlanner(LoadPlanner):
         objects = reader.objects(source)
         training = objects["training"]
         if self.optimizer_state:
-            training = _remap_training(reader, index, self.optimizer, self.model, source, sorted({*ranks, source}))
+            training = _remap_training(
+                reader, index, self.optimizer, self.model, source, sorted({*ranks, source}), rekey
+            )
+        moved = [k for k in _GLOBAL if old.get(k) != new.get(k)]
+        if moved:
+            objects = dict(objects)
+            training = self._across_model_parallel(reader, objects, training, old, new, set(moved) & set(_TP_PP))
+        self.zeros = tuple(zeros)
         files = sorted({r.rank for r, _ in pairs})
         if reader.rank == 0 and old != new:
             log.info("resharding iteration %d: %s → %s", manifest.iteration, layout_text(old), layout_text(new))
@@ -563,6 +812,38 @@ class ReshardPlanner(LoadPlanner):
         )
         items = tuple(ReadItem(r, dst) for r, dst in pairs)
         return LoadPlan(self.kind, items, {**objects, "training": training})
+
+    def _across_model_parallel(
+        self, reader: CheckpointReader, objects: dict, training: dict, old, new, tp_pp: bool
+    ) -> dict:
+        """Non-tensor state across a TP, PP or EP change, by Megatron-LM's rules: across a TP or PP
+        change (``tp_pp``) the RNG states are ignored (this process keeps its own, as Megatron-LM's
+        load does at another (TP, PP)); model
+        buffers and extra state, named by local module path, are refused (before anything is written)
+        unless there are none (extra state ``None``: megatron-core's own layers without TE)."""
+        saved = objects.get("model_state") or {}
+        held = sorted(
+            [*saved.get("buffers", {}), *(k for k, v in saved.get("extra_state", {}).items() if v is not None)]
+        )
+        if held:
+            raise _refusal(
+                reader.ckpt,
+                old,
+                new,
+                f"model buffers or extra state ({', '.join(held[:3])}) are kept per local module and cannot be "
+                "mapped to another tensor-, pipeline- or expert-parallel layout",
+                convert=True,
+            )
+        objects["model_state"] = model_state.capture(self.model)  # no buffers, no extra state but None: as built
+        if not tp_pp:
+            return training
+        if reader.rank == 0:
+            log.info(
+                "(TP, PP) changed (%s → %s): RNG state ignored, as Megatron-LM does",
+                layout_text(old),
+                layout_text(new),
+            )
+        return {**training, "rng": training_state.capture_rng()}
 
 
 def plan_by_global_index(reader: CheckpointReader, plan_fn, source: int | None):

@@ -34,6 +34,15 @@ model parameter's; element ranges index the flattened parameter:
   DistributedOptimizer's ``_get_model_param_range_map(p)["param"]``).  Torch Adam's ``step`` is a
   0-d scalar per parameter with the same identity.
 
+Identity 3 adds ``global``: where the parameter sits in megatron-core's *global* tensor, as the
+model's own ``sharded_state_dict`` declares it (:func:`global_blocks`): ``[sharded key, global shape,
+global offset, block shape, allow_shape_mismatch]`` (``block shape`` is the local shape with
+megatron's prepended axes, such as the layer number, as leading 1s: the flattened parameter is the
+flattened block).  ``param_shard`` holds it per parameter name (``global: {name: [...]}``),
+``main_param`` / ``optimizer_state`` as one list.  A parameter megatron-core declares otherwise (a
+``ShardedTensorFactory``, e.g. fused GLU weights) has none; it reshards at another data-parallel
+size only.
+
 Checked against megatron-core 0.16.1 (docs/megatron.md, "Where megatron-core keeps what we capture").
 """
 
@@ -69,11 +78,13 @@ __all__ = [
     "slice_of",
     "bucket_slice",
     "model_description",
+    "global_blocks",
 ]
 
 log = logging.getLogger(__name__)
 
-IDENTITY_VERSION = 2  # bumped if the meaning of the identity fields below changes (2: ``slice``)
+IDENTITY_VERSION = 3  # bumped if the meaning of the identity fields below changes (2: ``slice``; 3: ``global``)
+IDENTITY_VERSIONS_READ = (2, 3)  # 2 reshards a data-parallel change only (no ``global``)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -334,6 +345,41 @@ def parameter_keys(model, coords: dict | None = None) -> dict:
     return {p: (slice_of(coords, p in experts), c, name) for p, (c, name) in names.items()}
 
 
+def global_blocks(model) -> dict:
+    """``{param: [sharded key, global shape, global offset, block shape, allow_shape_mismatch]}``
+    for every parameter that megatron-core's ``sharded_state_dict`` of its model chunk declares as a
+    plain ``ShardedTensor`` of the parameter itself (``{}`` for a model without one).  Keys and
+    offsets carry the global layer number and the tensor-parallel partition, so pipeline stages,
+    virtual chunks and TP ranks of another layout map onto the same coordinates."""
+    try:
+        from megatron.core.dist_checkpointing.mapping import ShardedTensor
+        from megatron.core.dist_checkpointing.dict_utils import nested_values
+    except ImportError:
+        return {}
+    out: dict = {}
+    for chunk in model_chunks_of(model):
+        if not hasattr(chunk, "sharded_state_dict"):
+            continue
+        params = {id(p): p for p in chunk.parameters()}
+        for sh in nested_values(chunk.sharded_state_dict()):
+            if not isinstance(sh, ShardedTensor) or id(sh.data) not in params or sh.flattened_range is not None:
+                continue
+            block = [1] * int(sh.prepend_axis_num) + [int(x) for x in sh.data.shape]
+            if len(block) != len(sh.global_shape):
+                continue
+            out.setdefault(
+                params[id(sh.data)],
+                [
+                    str(sh.key),
+                    [int(x) for x in sh.global_shape],
+                    [int(x) for x in sh.global_offset],
+                    block,
+                    bool(getattr(sh, "allow_shape_mismatch", False)),
+                ],
+            )
+    return out
+
+
 def storage_span(t: torch.Tensor) -> tuple[int, int]:
     start = t.untyped_storage().data_ptr() + t.storage_offset() * t.element_size()
     return start, start + t.numel() * t.element_size()
@@ -348,6 +394,7 @@ def collect_shards(model, optimizer) -> list[ShardRef]:
             owner[id(buf)] = i
     names = parameter_names(model)
     keys = parameter_keys(model) if names else {}
+    blocks = global_blocks(model) if names else {}
     refs: list[ShardRef] = []
     buckets = bucket_shards(model)
     for b in buckets:
@@ -364,6 +411,9 @@ def collect_shards(model, optimizer) -> list[ShardRef]:
                 dp_size=b.dp_size,
                 params=bucket_param_ranges(b.buf, b.bucket, b.dp_rank, b.dp_size, names),
             )
+            listed = {row[0] for row in meta["params"]}
+            bucket_params = getattr(b.bucket, "params_list", None) or list(b.bucket.params)
+            meta["global"] = {names[p][1]: blocks[p] for p in bucket_params if p in blocks and names[p][1] in listed}
         refs.append(ShardRef(b.name, b.shard, group, meta))
     for shard in main_shards(optimizer, buckets):
         m = shard.main
@@ -381,6 +431,8 @@ def collect_shards(model, optimizer) -> list[ShardRef]:
                 "start": start,
                 "end": end,
             }
+            if mp in blocks:
+                ident["global"] = blocks[mp]
         group = f"opt{m.opt}"
         if not shard.in_bucket:
             refs.append(ShardRef(f"{m.name}.main", m.param.detach(), group, {"kind": "main_param", **ident}))
