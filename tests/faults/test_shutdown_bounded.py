@@ -114,7 +114,7 @@ def test_a_queue_thread_close_is_bounded_and_names_what_it_gave_up(what, caplog)
         release.wait(BOUND_S)
 
     if what == "deleter":
-        t = Deleter("persistent", 0, stuck)
+        t = Deleter(0, stuck)
         name = "dsm-delete-r0"
     else:
 

@@ -292,3 +292,39 @@ def test_the_object_tier_applies_its_policy_itself():
     would act on a URL as if it were a path."""
     for name in ("_delete_by_policy", "_retain", "_retain_after", "clean", "close", "release", "acquire", "discard"):
         assert name in ObjectTier.__dict__, name
+
+
+# ------------------------------------------------------------------ one drain machinery
+def test_the_queue_threads_share_one_outstanding_and_drain_machinery():
+    """Issue 42: ``Deleter.drain`` repeated the committer's idle/drain machinery (a lock, a
+    condition and a count or dict of its own). :class:`QueueThread` keeps the outstanding items and
+    drains them; a subclass makes no condition of its own to wait for them."""
+    bad = []
+    for rel, tree in _sources().items():
+        for cls in (n for n in ast.walk(tree) if isinstance(n, ast.ClassDef)):
+            if "QueueThread" not in {ast.unparse(b) for b in cls.bases}:
+                continue
+            for call in (n for n in ast.walk(cls) if isinstance(n, ast.Call)):
+                if ast.unparse(call.func).split(".")[-1] == "Condition":
+                    bad.append(f"{rel}: {cls.name}: {ast.unparse(call)}")
+    assert not bad, bad
+
+
+def test_drain_waits_for_every_item_put_and_reports_a_timeout():
+    import threading
+
+    from datastates_megatron.engine.runtime.threads import QueueThread
+
+    gate = threading.Event()
+
+    class Held(QueueThread):
+        def _handle(self, item) -> None:
+            gate.wait(30)
+
+    q = Held("dsm-test-drain", daemon=True)
+    q.put("a")
+    q.put("b", key=7)
+    assert not q.drain(0.2) and q._outstanding_items() == ["a", "b"]
+    gate.set()
+    assert q.drain(30) and q._outstanding_items() == []
+    assert q.close(30)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import concurrent.futures as cf
+import itertools
 import logging
 import queue
 import threading
@@ -61,19 +62,38 @@ class QueueThread:
 
     Subclasses implement ``_handle(item)``; ``close()`` is idempotent and joins the thread after the
     items queued before it are handled -- for at most ``timeout`` seconds when given, after which it
-    logs what it gave up on (:meth:`_busy_with`) and returns.  ``put`` may be called from any thread."""
+    logs what it gave up on (:meth:`_busy_with`) and returns.  ``put`` may be called from any thread.
+    Every item put is *outstanding* until its ``_handle`` returns or raises: :meth:`drain` waits for
+    none to be left (the commit thread's and the deleter's ``wait()``), :meth:`_outstanding_items`
+    lists them, keyed as ``put`` was given (or in order)."""
 
     def __init__(self, name: str, daemon: bool = False) -> None:
         """``daemon``: only for work that a process exit may cut short at any point (idempotent,
         restart-safe); ``close()`` still joins it."""
         self._queue: queue.Queue = queue.Queue()
+        self._idle = threading.Condition()  # guards _outstanding; notified as each item is done
+        self._outstanding: dict = {}  # key -> item put and not yet handled, in order of putting
+        self._keys = itertools.count()
         self._closed = False
         self._current: tuple | None = None  # (item, time.monotonic() it started): what close() gives up on
         self._thread = threading.Thread(target=self._run, name=name, daemon=daemon)
         self._thread.start()
 
-    def put(self, item) -> None:
-        self._queue.put(item)
+    def put(self, item, key=None) -> None:
+        """Queue ``item``; ``key`` names it among the outstanding items (default: its order)."""
+        with self._idle:
+            key = ("put", next(self._keys)) if key is None else key
+            self._outstanding[key] = item
+        self._queue.put((key, item))
+
+    def drain(self, timeout: float | None) -> bool:
+        """Wait until every item put so far is handled; whether that happened within ``timeout``."""
+        with self._idle:
+            return self._idle.wait_for(lambda: not self._outstanding, timeout)
+
+    def _outstanding_items(self) -> list:
+        with self._idle:
+            return list(self._outstanding.values())
 
     def close(self, timeout: float | None = None) -> bool:
         """Stop after the items queued so far; returns whether the thread ended (within ``timeout``
@@ -97,12 +117,16 @@ class QueueThread:
         return f"{self._queue.qsize()} item(s) still queued"
 
     def _run(self) -> None:
-        while (item := self._queue.get()) is not None:
+        while (entry := self._queue.get()) is not None:
+            key, item = entry
             self._current = (item, time.monotonic())
             try:
                 self._handle(item)
             finally:
                 self._current = None
+                with self._idle:
+                    self._outstanding.pop(key, None)
+                    self._idle.notify_all()
 
     def _busy_for(self) -> tuple[object, float] | None:
         """The item being handled and for how many seconds (``None``: idle)."""

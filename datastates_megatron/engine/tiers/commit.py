@@ -33,7 +33,6 @@ import collections
 import dataclasses
 import logging
 import os
-import threading
 import time
 
 import numpy as np
@@ -191,9 +190,6 @@ class Committer(QueueThread):
         self._indexed = not spec.node_local
         self._published = 0  # the summary checksum this rank last sent
         self._summaries = Summaries(world_size) if self._indexed and channel.is_root else None
-        self._lock = threading.Lock()
-        self._idle = threading.Condition(self._lock)
-        self._outstanding: dict[int, Ticket] = {}  # seq -> ticket not yet processed
         self._records: collections.deque[CommitRecord] = collections.deque()
         self._errors: collections.deque[BaseException] = collections.deque()
         self.latest: int | None = None
@@ -217,9 +213,7 @@ class Committer(QueueThread):
         return f"iteration {ticket.iteration} ({path}), in a storage call not returned for {seconds:.0f} s; {queued}"
 
     def submit(self, ticket: Ticket) -> None:
-        with self._lock:
-            self._outstanding[ticket.seq] = ticket
-        self.put(ticket)
+        self.put(ticket, key=ticket.seq)  # outstanding by sequence number (:meth:`_skipped_run`)
 
     def poll(self) -> list[CommitRecord]:
         """Commits completed since the last call; re-raises one stored error (once)."""
@@ -232,19 +226,15 @@ class Committer(QueueThread):
 
     def drain(self, timeout: float | None = None) -> None:
         timeout = self._timeout if timeout is None else timeout
-        with self._idle:
-            if not self._idle.wait_for(lambda: not self._outstanding, timeout):
-                raise CacheTimeoutError(
-                    f"rank {self.rank}: {len(self._outstanding)} checkpoint(s) not committed after {timeout:.0f}s"
-                )
+        if not super().drain(timeout):
+            raise CacheTimeoutError(
+                f"rank {self.rank}: {len(self.outstanding())} checkpoint(s) not committed after {timeout:.0f}s"
+            )
 
     # ------------------------------------------------------------------ commit thread
     def _handle(self, ticket: Ticket) -> None:
         committed = False
         if ticket.seq <= self._absorb_to:  # every rank skipped it: abandoned in an earlier round
-            with self._idle:
-                self._outstanding.pop(ticket.seq, None)
-                self._idle.notify_all()
             return
         try:
             committed = self._commit(ticket)
@@ -262,13 +252,8 @@ class Committer(QueueThread):
             # on_error=warn line)
             log.info("%s", err)
             self._errors.append(err)
-        try:
-            if committed:
-                self._after_commit(ticket)
-        finally:
-            with self._idle:
-                self._outstanding.pop(ticket.seq, None)
-                self._idle.notify_all()
+        if committed:
+            self._after_commit(ticket)
 
     def _after_commit(self, ticket: Ticket) -> None:
         """Retention and promotion of a committed checkpoint (``after_commit``): outside the
@@ -325,7 +310,7 @@ class Committer(QueueThread):
     def _skipped_run(self, seq: int) -> int:
         """The last sequence number of the run of this rank's submitted tickets, from ``seq`` on,
         that are all skipped."""
-        with self._lock:
+        with self._idle:
             while (nxt := self._outstanding.get(seq + 1)) is not None and nxt.skipped:
                 seq += 1
         return seq
@@ -541,8 +526,7 @@ class Committer(QueueThread):
 
     def outstanding(self) -> list[Ticket]:
         """The tickets submitted and not processed yet (any thread)."""
-        with self._lock:
-            return list(self._outstanding.values())
+        return self._outstanding_items()
 
 
 def _shown(ranks: list, n: int) -> str:

@@ -22,7 +22,6 @@ Thread-safety: ``submit``/``drain``/``close`` from any thread; the work runs on 
 from __future__ import annotations
 
 import logging
-import threading
 from collections.abc import Callable
 
 from ..errors import CacheTimeoutError
@@ -37,31 +36,21 @@ class Deleter(QueueThread):
     """Runs ``work(item)`` for each submitted item on its own daemon thread; ``close()`` is
     idempotent.  An exception from ``work`` is logged (a deletion never stops the next ones)."""
 
-    def __init__(self, tier: str, rank: int, work: Callable[[object], None]) -> None:
+    def __init__(self, rank: int, work: Callable[[object], None], node_local: bool = False) -> None:
         self.rank = rank
         self._work = work
-        self._lock = threading.Lock()
-        self._idle = threading.Condition(self._lock)
-        self._pending = 0
-        super().__init__(f"dsm-delete-r{rank}" + ("-local" if tier == "local" else ""), daemon=True)
+        super().__init__(f"dsm-delete-r{rank}" + ("-local" if node_local else ""), daemon=True)
 
     def submit(self, item) -> None:
-        with self._lock:
-            self._pending += 1
         self.put(item)
 
     def drain(self, timeout: float) -> None:
         """Block until everything submitted so far is done (or has failed)."""
-        with self._idle:
-            if not self._idle.wait_for(lambda: not self._pending, timeout):
-                raise CacheTimeoutError(f"rank {self.rank}: retention not done after {timeout:.0f}s")
+        if not super().drain(timeout):
+            raise CacheTimeoutError(f"rank {self.rank}: retention not done after {timeout:.0f}s")
 
     def _handle(self, item) -> None:
         try:
             self._work(item)
         except Exception as e:  # noqa: BLE001 - what is left is retried by the next retention
             log.error("rank %d: retention failed: %r", self.rank, e)
-        finally:
-            with self._idle:
-                self._pending -= 1
-                self._idle.notify_all()

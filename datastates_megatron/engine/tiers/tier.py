@@ -651,7 +651,7 @@ class Tier:
         """The writer's deleter, started on first use (a tier that never commits starts no thread)."""
         with self._deleter_lock:
             if self._deleter is None:
-                self._deleter = Deleter(self.name, self.rank, self._retain_after)
+                self._deleter = Deleter(self.rank, self._retain_after, node_local=self.node_local)
             return self._deleter
 
     def drain_deletions(self, timeout: float) -> None:
