@@ -245,21 +245,21 @@ def _status_rows(receipts, summaries) -> list[dict]:
     return rows
 
 
-def _tier(root: str, rank: int, world: int, channel, summary, layout: dict | None = None):
+def _tier(root: str, rank: int, world: int, channel, layout: dict | None = None):
     from datastates_megatron.engine.tiers.tier import Tier
 
     tier = Tier("persistent", root, rank=rank, token=TOKEN, writes=list(range(world)) if rank == 0 else [])
-    tier.summary = summary
     tier.open(channel, world, dict(layout or {"dp": world}), 60.0)
     return tier
 
 
-def _ticket(receipt):
+def _ticket(receipt, summary):
+    """A save's ticket, carrying its rank's global-index summary as the manager puts it there."""
     from datastates_megatron.engine.tiers.commit import Ticket
 
     done: cf.Future = cf.Future()
     done.set_result(receipt)
-    return Ticket(ITERATION, 1, done, {}, time.perf_counter(), token=TOKEN)
+    return Ticket(ITERATION, 1, done, {}, time.perf_counter(), token=TOKEN, summary=summary)
 
 
 def commit(root: str, world: int, receipts, repeats: int, layout: dict | None = None) -> dict:
@@ -281,7 +281,7 @@ def commit(root: str, world: int, receipts, repeats: int, layout: dict | None = 
     for ch in others:
         ch.publish("summary", summaries[ch.rank][0])
     chans = {r: StoreChannel(store, r, world, prefix, 60.0) for r in (0, 1)}
-    tiers = {r: _tier(root, r, world, chans[r], summaries[r], layout) for r in (0, 1)}
+    tiers = {r: _tier(root, r, world, chans[r], layout) for r in (0, 1)}
     runs = []
     try:
         for _ in range(1 + repeats):
@@ -289,9 +289,9 @@ def commit(root: str, world: int, receipts, repeats: int, layout: dict | None = 
                 ch._round = chans[1]._round  # past the outcome they would have read, as rank 1 is
                 ch.gather(rows[ch.rank], _STATUS)
             bytes0 = {r: c.sent + c.received for r, c in chans.items()}
-            ticket = _ticket(receipts[0])
+            ticket = _ticket(receipts[0], summaries[0])
             with cf.ThreadPoolExecutor(1) as pool:
-                other = pool.submit(tiers[1]._committer._commit, _ticket(receipts[1]))
+                other = pool.submit(tiers[1]._committer._commit, _ticket(receipts[1], summaries[1]))
                 m = measure(tiers[0]._committer._commit, ticket)
                 other.result(timeout=120)
             if tiers[0].latest != ITERATION or tiers[1].latest != ITERATION:

@@ -25,7 +25,8 @@ EXPECT = {
     "manifest_not_json": r"iter_0000002/manifest\.json: manifest is not valid JSON",
     "manifest_version": r"iter_0000002/manifest\.json: written by datastates-megatron \S+ \(manifest format 99\)",
     "manifest_path_outside": r"rank 0 file '\.\./iter_0000001/.*' is not a plain file name inside the checkpoint",
-    "manifest_layout": r"cannot restore the checkpoint \(TP2×PP1×DP2\) in this run \(TP1×PP1×DP2\): .*\(tp differ\)",
+    "manifest_layout": r"cannot restore the checkpoint \(TP2×PP1×DP2, world size 2\) in this run \(TP1×PP1×DP2, world "
+    r"size 2\): the checkpoint's layout does not multiply to its world size",
     "data_flip_rank1": r"rank 1\b|rank\(s\) \[1\]|r00001-",
 }
 

@@ -48,6 +48,7 @@ import collections
 import dataclasses
 import json
 import logging
+import math
 import re
 import time
 
@@ -147,6 +148,13 @@ def check_layout(manifest: Manifest, ckpt: str, world_size: int, layout: dict) -
     old = manifest.layout
     if manifest.world_size == world_size and dict(old) == dict(layout):
         return False
+    sizes = [old.get(k, 1) for k in ("tp", "pp", "cp", "dp")]
+    if all(isinstance(n, int) and n > 0 for n in sizes) and math.prod(sizes) != manifest.world_size:
+        raise LayoutMismatchError(  # a manifest that contradicts itself: nothing is mapped from it
+            f"{ckpt}: cannot restore the checkpoint ({layout_text(old)}, world size {manifest.world_size}) in this "
+            f"run ({layout_text(layout)}, world size {world_size}): the checkpoint's layout does not multiply to its "
+            "world size (TP×PP×CP×DP); its manifest is damaged"
+        )
     if any(old.get(k) != layout.get(k) for k in _MODEL_PARALLEL):
         return True
     old_dp, new_dp = old.get("dp"), layout.get("dp")
