@@ -21,8 +21,8 @@ this process only are counted: ``dcp_async`` runs with its thread checkpointer h
 one's writer process would not be counted), megatron-core's async save forks a writer whose pages
 are not counted either.  Ours reports its host cache's size and high-water use (``cache``).
 
-Our bound: peak growth <= host cache + a constant, whatever the model size; the report prints the
-constant each run needs (``over_base`` minus the cache) so two sizes can be compared.
+Our bound: peak growth <= host cache + a constant, whatever the model size (the constant each run
+needs is ``over_base`` minus the cache size; docs/BENCHMARKS.md states it for two sizes).
 """
 
 from __future__ import annotations
