@@ -24,8 +24,9 @@ CASES = {
     "no tree": ([], "pass --megatron-lm DIR (a Megatron-LM checkout) or set MEGATRON_LM_DIR"),
     "not a checkout": (["--megatron-lm", "{tmp}"], "not a Megatron-LM checkout (no megatron/)"),
     "no script": (["--megatron-lm", "{tree}", "--script", "pretrain_t5.py"], "no training script"),
-    "no flags": (["--megatron-lm", "{tree}"], "needs the training flags of the run that wrote the checkpoint"),
+    "no processes": (["--nproc", "0"], "export --nproc must be at least 1, got 0"),
     "torch with flags": (["--format", "torch", "--", "--num-layers", "2"], "runs no Megatron-LM"),
+    "safetensors with flags": (["--format", "safetensors", "--", "--num-layers", "2"], "runs no Megatron-LM"),
 }
 
 
