@@ -116,6 +116,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-verify", action="store_true")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
+    from ..cpu import cuda_on_cpu
+
+    cuda_on_cpu.install()  # without a GPU: megatron-core's writer synchronizes CUDA (a no-op then)
     dist.init_process_group("gloo")
     try:
         n = write(args.path, args.iteration, args.out, verify=not args.no_verify)
