@@ -285,6 +285,10 @@ def _export_torch_dist_global(path: str, it: int, out_dir: str, nproc: int, time
     """megatron-core's writer on ``nproc`` processes, from the recorded global coordinates
     (:mod:`.dist_export`)."""
     from . import dist_export
+    from .global_tensors import count_blocks
+
+    blocks = count_blocks(path)  # a checkpoint without global coordinates is refused before anything starts
+    log.info("iteration %d of %s: %d global blocks over %d processes", it, path, blocks, nproc)
 
     def starter(staging: str) -> list[str]:
         converted = iter_dir(os.path.join(staging, "converted"), it)

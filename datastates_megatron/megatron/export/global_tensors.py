@@ -39,6 +39,7 @@ __all__ = [
     "GlobalBlock",
     "assemble",
     "close_index",
+    "count_blocks",
     "exported_names",
     "global_blocks",
     "megatron_key",
@@ -49,7 +50,8 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 IDENTITY_2_HINT = (
-    "it was written before each tensor's global coordinates were recorded (identity 2): export it with "
+    "it was written before each tensor's global coordinates were recorded (identity 2, an older "
+    "datastates-megatron): export it with "
     "Megatron-LM instead (`datastates-ckpt export CKPT OUT --format torch_dist --megatron-lm DIR -- TRAINING_FLAGS`, "
     "on as many CPU ranks as the checkpoint has)"
 )
@@ -114,7 +116,10 @@ def global_blocks(index: CheckpointIndex, ckpt: str) -> dict[str, list[GlobalBlo
     :class:`LayoutMismatchError` naming a parameter without global coordinates."""
     index.all_params()
     if not index.params:
-        raise LayoutMismatchError(f"{ckpt}: no parameter with a global identity in this checkpoint: nothing to export")
+        raise LayoutMismatchError(
+            f"{ckpt}: no parameter with a global identity in this checkpoint: nothing to export from global "
+            f"coordinates; if {IDENTITY_2_HINT.replace(': export it', ', export it', 1)}"
+        )
     seen: dict[tuple[str, tuple[int, ...]], GlobalBlock] = {}
     for pkey in sorted(index.params):
         block = index.blocks.get(pkey)
@@ -142,6 +147,19 @@ def global_blocks(index: CheckpointIndex, ckpt: str) -> dict[str, list[GlobalBlo
                 f"{sum(b.numel for b in blocks)} elements recorded)"
             )
     return out
+
+
+def count_blocks(path: str) -> int:
+    """The number of distinct global blocks of checkpoint ``path`` (an ``iter_*`` directory); raises
+    what :func:`global_blocks` raises, before anything is started or written."""
+    from ...engine.format.manifest import read_manifest
+
+    with CheckpointReader(path, read_manifest(path), verify=False, threads=1) as reader:
+        index = open_index(reader)
+        try:
+            return sum(len(b) for b in global_blocks(index, path).values())
+        finally:
+            close_index(index)
 
 
 def read_blocks(reader: CheckpointReader, index: CheckpointIndex, blocks: list[GlobalBlock]) -> list[torch.Tensor]:
