@@ -6,7 +6,8 @@ Megatron-LM and without its world size,
   tensors of megatron-core's own consolidation (the same checkpoint converted by Megatron-LM at
   TP2 x PP2 with ``--lazy-ckpt-convert-to``, read whole), one tensor per global layer;
 * ``--format torch_dist --nproc 2``: 2 processes, whose output megatron-core's
-  ``dist_checkpointing.load_plain_tensors`` loads equal to the same full tensors.
+  ``dist_checkpointing.load_plain_tensors`` loads equal to the same full tensors, and from which
+  Megatron-LM's ``pretrain_gpt.py`` fine-tunes at TP1 x PP1.
 """
 
 from __future__ import annotations
@@ -91,17 +92,40 @@ torch.save(dist_checkpointing.load_plain_tensors(sys.argv[1]), sys.argv[2])
 """
 
 
-def test_torch_dist_export_of_a_4_rank_checkpoint_runs_on_2_processes_and_megatron_core_loads_it(saved, tmp_path):
-    lazy, want = saved
-    out = tmp_path / "td"
+@pytest.fixture(scope="module")
+def exported(saved, tmp_path_factory):
+    """The lazy TP2 x PP2 checkpoint exported to torch_dist on 2 processes."""
+    lazy, _ = saved
+    out = tmp_path_factory.mktemp("td") / "td"
     doc = _cli(str(lazy), str(out), "--format", "torch_dist", "--nproc", "2")
     assert doc["path"] == str(out / "iter_0000004") and (out / "latest_checkpointed_iteration.txt").read_text() == "4"
+    assert not any(p.name.startswith(".export-") for p in out.iterdir())  # the staging directory is gone
+    return out
+
+
+def test_torch_dist_export_of_a_4_rank_checkpoint_runs_on_2_processes_and_megatron_core_loads_it(
+    saved, exported, tmp_path
+):
+    _, want = saved
     loaded = tmp_path / "loaded.pt"
-    done = subprocess.run([sys.executable, "-c", _LOAD, doc["path"], str(loaded)], capture_output=True, text=True)
+    done = subprocess.run(
+        [sys.executable, "-c", _LOAD, str(exported / "iter_0000004"), str(loaded)], capture_output=True, text=True
+    )
     assert done.returncode == 0, done.stderr[-4000:]
     got = torch.load(loaded, weights_only=False)
     assert (got.pop("iteration"), got.pop("checkpoint_version")) == (4, 3.0)
     assert sorted(got) == sorted(want)
     differ = [k for k in want if got[k].dtype != want[k].dtype or not torch.equal(got[k], want[k])]
     assert not differ, differ
-    assert not any(p.name.startswith(".export-") for p in out.iterdir())  # the staging directory is gone
+
+
+def test_megatron_lm_fine_tunes_from_the_torch_dist_export_at_tp1_pp1(exported, tmp_path):
+    """The export holds the model weights only, without the layers' ``_extra_state`` objects
+    (``None`` for megatron-core's local layers): Megatron-LM loads it with ``--finetune`` and a
+    strictness that logs the keys it lacks."""
+    flags = ["--train-iters", "2", "--vocab-size", "600", "--load", str(exported), "--finetune"]
+    flags += ["--no-load-optim", "--no-load-rng", "--ckpt-format", "torch_dist", "--dist-ckpt-strictness", "log_all"]
+    run = launch(tmp_path, "finetune", flags, nproc=2, timeout=TIMEOUT_S)
+    assert run.returncode == 0, run.describe()
+    assert f"successfully loaded checkpoint from {exported} [ t 1/1, p 1/1 ]" in run.log, run.describe()
+    assert sorted(run.iterations()) == [1, 2]

@@ -1,4 +1,10 @@
-"""Export a lazy checkpoint: one consolidated ``torch`` file, or Megatron-LM's ``torch_dist`` checkpoint.
+"""Export a lazy checkpoint: one consolidated ``torch`` or ``safetensors`` file, or Megatron-LM's ``torch_dist`` checkpoint.
+
+``export(ckpt, out, "safetensors")`` writes ``out/iter_NNNNNNN.safetensors``, the full model of any
+layout from the recorded global coordinates (:mod:`.consolidated`); ``export(ckpt, out,
+"torch_dist", nproc=N)`` (no ``flags``) writes ``out/iter_NNNNNNN/`` and the tracker with
+megatron-core's own writer on N processes, whatever the old world size (:mod:`.dist_export`).  Both
+need a checkpoint of identity 3 and no Megatron-LM.
 
 ``export(ckpt, out, "torch")`` needs no megatron: it reads every rank file through the global
 identity metadata (:class:`..checkpointing.reshard.CheckpointIndex`) and writes ``out/iter_NNNNNNN.pt``, a
@@ -11,7 +17,8 @@ identity metadata (:class:`..checkpointing.reshard.CheckpointIndex`) and writes 
 (``main`` is the fp32 master copy: for an fp32 model it is the parameter itself.)  It needs a
 checkpoint written with TP=PP=CP=EP=1 (any DP).
 
-``export(ckpt, out, "torch_dist", megatron_lm=DIR, flags=[...])`` writes ``out/iter_NNNNNNN/`` and
+``export(ckpt, out, "torch_dist", megatron_lm=DIR, flags=[...])`` (the fallback for identity 2, and the
+export of the optimizer state) writes ``out/iter_NNNNNNN/`` and
 ``out/latest_checkpointed_iteration.txt`` by the one conversion there is: Megatron-LM's own training
 script (``DIR/pretrain_gpt.py`` by default) with the training flags of the run that wrote the
 checkpoint, plus ``--load --ckpt-step --lazy-ckpt --lazy-ckpt-convert-to`` (:mod:`..megatron_lm.torch_dist`'s
