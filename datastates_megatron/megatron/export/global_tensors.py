@@ -135,10 +135,11 @@ def global_blocks(index: CheckpointIndex, ckpt: str) -> dict[str, list[GlobalBlo
                 f"{ckpt}: parameter {pkey[2]!r} (slice {pkey[0]}) has shape {list(shape)} but its global block "
                 f"{list(block.shape)} of {block.key!r}"
             )
-        seen.setdefault((block.key, block.offset), GlobalBlock(pkey, block, dtype, len(block.shape) - len(shape)))
+        gb = GlobalBlock(pkey, block, dtype, len(block.shape) - len(shape))
+        seen.setdefault((megatron_key(block.key), block.offset), gb)  # one per block, however wrapped
     out: dict[str, list[GlobalBlock]] = {}
     for (key, _), gb in sorted(seen.items()):
-        out.setdefault(megatron_key(key), []).append(gb)
+        out.setdefault(key, []).append(gb)
     for key, blocks in out.items():
         shapes = {b.block.global_shape for b in blocks}
         if len(shapes) != 1 or sum(b.numel for b in blocks) != math.prod(blocks[0].block.global_shape):
