@@ -15,23 +15,22 @@ def _check_export(args: argparse.Namespace, flags: list[str]) -> None:
     from ..megatron.export.export_args import locate_script
 
     args.training_flags = flags
-    if args.format == "torch":
+    if getattr(args, "nproc", 1) < 1:
+        raise CliUsageError(f"export --nproc must be at least 1, got {args.nproc}")
+    if args.format != "torch_dist":
         if flags:
-            raise CliUsageError("export --format torch runs no Megatron-LM: give no training flags after --")
+            raise CliUsageError(f"export --format {args.format} runs no Megatron-LM: give no training flags after --")
         return
-    try:
+    if not flags:  # megatron-core's writer from the recorded global coordinates, on --nproc processes
+        return
+    try:  # Megatron-LM's own conversion (the fallback for checkpoints without global coordinates)
         locate_script(args.megatron_lm, args.script)
     except ValueError as e:
         raise CliUsageError(str(e)) from None
-    if not flags:
-        raise CliUsageError(
-            "export --format torch_dist needs the training flags of the run that wrote the checkpoint after "
-            "`--` (model shape, parallel layout, precision, tokenizer)"
-        )
 
 
 def run(args: argparse.Namespace, flags: list[str]) -> int:
-    """``flags``: the training flags given after ``--`` (torch_dist only)."""
+    """``flags``: the training flags given after ``--`` (torch_dist through Megatron-LM only)."""
     _check_export(args, flags)
     from ..megatron.export.exporter import run_export
 

@@ -178,13 +178,18 @@ def _add_export(sub, fmt) -> None:
         epilog=_EPILOG,
         help="write a checkpoint in another format",
         description=(
-            "Convert a committed checkpoint: --format torch writes one consolidated torch.save file (full\n"
-            "parameters, per-parameter optimizer state, non-tensor state) for inspection or conversion,\n"
-            "without Megatron-LM (TP=PP=1 checkpoints); --format torch_dist writes Megatron-LM's own\n"
-            "dist_checkpointing checkpoint, which megatron-core loads at any TP/PP/DP (the path for a\n"
-            "changed TP or PP size), by running Megatron-LM itself with --lazy-ckpt-convert-to on CPU\n"
-            "ranks: any model and layout Megatron-LM saves.  Every byte read is checksum-verified unless\n"
-            "--no-verify.  Prints the path written.\n\n"
+            "Convert a committed checkpoint, any layout, on a few CPU processes, without Megatron-LM:\n"
+            "--format torch_dist (default) writes Megatron-LM's own dist_checkpointing checkpoint of the\n"
+            "model weights with megatron-core's writer on --nproc processes, whatever the checkpoint's\n"
+            "world size (megatron-core loads it at any TP/PP/DP); --format safetensors writes the full\n"
+            "model as one safetensors file.  Both read the global coordinates recorded since identity 3.\n"
+            "For an older checkpoint, or to export the optimizer state, give the training flags after\n"
+            "`--`: torch_dist then runs Megatron-LM itself with --lazy-ckpt-convert-to on as many CPU\n"
+            "ranks as the checkpoint has.  --format torch writes one consolidated torch.save file (full\n"
+            "parameters, per-parameter optimizer state, non-tensor state; TP=PP=1 checkpoints).  Every\n"
+            "byte read is checksum-verified unless --no-verify.  Prints the path written.\n\n"
+            "  datastates-ckpt export SAVE_DIR OUT_DIR --nproc 2\n"
+            "  datastates-ckpt export SAVE_DIR OUT_DIR --format safetensors\n"
             "  datastates-ckpt export SAVE_DIR OUT_DIR --megatron-lm ~/Megatron-LM -- \\\n"
             "      --num-layers 2 --hidden-size 64 ... --transformer-impl local --tensor-model-parallel-size 2"
         ),

@@ -24,8 +24,9 @@ CASES = {
     "no tree": ([], "pass --megatron-lm DIR (a Megatron-LM checkout) or set MEGATRON_LM_DIR"),
     "not a checkout": (["--megatron-lm", "{tmp}"], "not a Megatron-LM checkout (no megatron/)"),
     "no script": (["--megatron-lm", "{tree}", "--script", "pretrain_t5.py"], "no training script"),
-    "no flags": (["--megatron-lm", "{tree}"], "needs the training flags of the run that wrote the checkpoint"),
+    "no processes": (["--nproc", "0"], "export --nproc must be at least 1, got 0"),
     "torch with flags": (["--format", "torch", "--", "--num-layers", "2"], "runs no Megatron-LM"),
+    "safetensors with flags": (["--format", "safetensors", "--", "--num-layers", "2"], "runs no Megatron-LM"),
 }
 
 
@@ -64,3 +65,14 @@ def test_the_conversion_flags_come_after_the_runs_own(tmp_path):
     assert last == {"--load": "/ckpt", "--save": str(tmp_path / "scratch"), "--ckpt-step": "7"}
     assert flags[-2:] == ["--lazy-ckpt-convert-to", str(tmp_path / "converted")] and "--lazy-ckpt" in flags
     assert flags[flags.index("--distributed-backend") + 1] == "gloo"
+
+
+@pytest.mark.parametrize("fmt", ["safetensors", "torch_dist"])
+def test_a_checkpoint_without_global_coordinates_is_refused_naming_the_fallback(fmt, saved, tmp_path, capsys):
+    """Not a Megatron checkpoint (no parameter identity): refused in one line, before any process starts."""
+    out = tmp_path / "out"
+    assert main(["export", str(saved), str(out), "--format", fmt]) != 0
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "no parameter with a global identity in this checkpoint" in err, err
+    assert "--format torch_dist --megatron-lm DIR -- TRAINING_FLAGS" in err, err
+    assert not out.exists() or not any(out.iterdir())

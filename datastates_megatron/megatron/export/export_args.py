@@ -5,9 +5,10 @@ from __future__ import annotations
 import argparse
 import os
 
-__all__ = ["DEFAULT_SCRIPT", "FORMATS", "add_export_arguments", "locate_script"]
+__all__ = ["DEFAULT_NPROC", "DEFAULT_SCRIPT", "FORMATS", "add_export_arguments", "locate_script"]
 
-FORMATS = ("torch", "torch_dist")
+FORMATS = ("torch", "torch_dist", "safetensors")
+DEFAULT_NPROC = 2  # processes of the torch_dist export from global coordinates
 DEFAULT_SCRIPT = "pretrain_gpt.py"
 
 
@@ -19,15 +20,29 @@ def add_export_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
         help="checkpoint root (its latest committed iteration) or an iter_* directory; or an s3:// or msc:// URL of either",
     )
     parser.add_argument(
-        "out_dir", help="output directory (torch: OUT_DIR/iter_N.pt; torch_dist: OUT_DIR/iter_N/ + tracker)"
+        "out_dir",
+        help="output directory (torch: OUT_DIR/iter_N.pt; safetensors: OUT_DIR/iter_N.safetensors; "
+        "torch_dist: OUT_DIR/iter_N/ + tracker)",
     )
     parser.add_argument(
         "--format",
         dest="format",
         choices=FORMATS,
         default="torch_dist",
-        help="torch: one consolidated torch.save file (needs no Megatron-LM; TP=PP=1 checkpoints); "
-        "torch_dist: Megatron-LM's own dist_checkpointing format, any layout (default)",
+        help="torch_dist (default): Megatron-LM's own dist_checkpointing format of the model weights, any "
+        "layout, written by megatron-core on --nproc processes (needs megatron-core, not Megatron-LM); with "
+        "training flags after `--`, Megatron-LM's own conversion instead (model and optimizer; see below). "
+        "safetensors: the full model as one consolidated safetensors file (a single-rank model's parameter "
+        "names; any layout; needs neither). torch: one consolidated torch.save file of model and optimizer "
+        "(TP=PP=1 checkpoints). safetensors and torch_dist without flags need a checkpoint that records "
+        "global coordinates (written since identity 3); older ones: the Megatron-LM path",
+    )
+    parser.add_argument(
+        "--nproc",
+        type=int,
+        default=DEFAULT_NPROC,
+        help="torch_dist without training flags: this many gloo CPU processes share the checkpoint's "
+        "tensors, whatever its world size (default: %(default)s)",
     )
     parser.add_argument(
         "--iteration", type=int, default=None, help="export this iteration instead of the latest committed"
@@ -37,8 +52,9 @@ def add_export_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
         "--json", action="store_true", help='print {"path", "format", "iteration"} as JSON instead of the path'
     )
     g = parser.add_argument_group(
-        "torch_dist (Megatron-LM's own --lazy-ckpt-convert-to, run on CPU ranks)",
-        "Runs SCRIPT of the Megatron-LM checkout with the training flags given after `--` (those of the run\n"
+        "torch_dist with training flags after `--` (Megatron-LM's own --lazy-ckpt-convert-to, run on CPU ranks)",
+        "The fallback for a checkpoint without global coordinates (identity 2), and the way to export the\n"
+        "optimizer state too. Runs SCRIPT of the Megatron-LM checkout with the training flags given after `--` (those of the run\n"
         "that wrote the checkpoint; on CPU its model needs --transformer-impl local) on as many gloo CPU\n"
         "ranks as the checkpoint's world size, with --load, --ckpt-step, --save (a scratch directory),\n"
         "--lazy-ckpt and --lazy-ckpt-convert-to set by the export.  No GPU is used.",

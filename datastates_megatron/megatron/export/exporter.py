@@ -1,4 +1,10 @@
-"""Export a lazy checkpoint: one consolidated ``torch`` file, or Megatron-LM's ``torch_dist`` checkpoint.
+"""Export a lazy checkpoint: one consolidated ``torch`` or ``safetensors`` file, or Megatron-LM's ``torch_dist`` checkpoint.
+
+``export(ckpt, out, "safetensors")`` writes ``out/iter_NNNNNNN.safetensors``, the full model of any
+layout from the recorded global coordinates (:mod:`.consolidated`); ``export(ckpt, out,
+"torch_dist", nproc=N)`` (no ``flags``) writes ``out/iter_NNNNNNN/`` and the tracker with
+megatron-core's own writer on N processes, whatever the old world size (:mod:`.dist_export`).  Both
+need a checkpoint of identity 3 and no Megatron-LM.
 
 ``export(ckpt, out, "torch")`` needs no megatron: it reads every rank file through the global
 identity metadata (:class:`..checkpointing.reshard.CheckpointIndex`) and writes ``out/iter_NNNNNNN.pt``, a
@@ -11,7 +17,8 @@ identity metadata (:class:`..checkpointing.reshard.CheckpointIndex`) and writes 
 (``main`` is the fp32 master copy: for an fp32 model it is the parameter itself.)  It needs a
 checkpoint written with TP=PP=CP=EP=1 (any DP).
 
-``export(ckpt, out, "torch_dist", megatron_lm=DIR, flags=[...])`` writes ``out/iter_NNNNNNN/`` and
+``export(ckpt, out, "torch_dist", megatron_lm=DIR, flags=[...])`` (the fallback for identity 2, and the
+export of the optimizer state) writes ``out/iter_NNNNNNN/`` and
 ``out/latest_checkpointed_iteration.txt`` by the one conversion there is: Megatron-LM's own training
 script (``DIR/pretrain_gpt.py`` by default) with the training flags of the run that wrote the
 checkpoint, plus ``--load --ckpt-step --lazy-ckpt --lazy-ckpt-convert-to`` (:mod:`..megatron_lm.torch_dist`'s
@@ -58,7 +65,7 @@ from ...engine.load.load_plan import LoadPlan, ReadItem
 from ...engine.load.reader import CheckpointReader
 from ...engine.fs.safe_io import create_temp
 from . import export_ranks
-from .export_args import DEFAULT_SCRIPT, FORMATS, locate_script
+from .export_args import DEFAULT_NPROC, DEFAULT_SCRIPT, FORMATS, locate_script
 from .worker_process import run_worker, sigterm_raises
 
 __all__ = [
@@ -72,6 +79,9 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
+
+
+SUFFIXES = {"torch": ".pt", "safetensors": ".safetensors"}  # one-file formats: OUT_DIR/iter_N<suffix>
 
 
 class ExportError(CheckpointError, RuntimeError):
@@ -238,35 +248,64 @@ def _failure(outcome) -> str:
     return lines[ended[-1]].split(": ending")[0] + cause
 
 
-def _export_torch_dist(
-    path: str, it: int, out_dir: str, script: str, flags: list[str], timeout_s: float, verify: bool
-) -> str:
-    world = read_manifest(path).world_size
+def _staged_torch_dist(path: str, it: int, out_dir: str, starter_for, timeout_s: float, what: str) -> str:
+    """Run the ranks ``starter_for(staging)`` starts, which write ``staging/converted/iter_N``; rename
+    it to ``out_dir/iter_N`` (whole, or not at all) and write the tracker."""
     target = iter_dir(out_dir, it)
     if os.path.lexists(target):
         raise OutputExistsError(f"{target} exists; nothing was overwritten")
     os.makedirs(out_dir, exist_ok=True)
-    what = f"torch_dist export of iteration {it} of {path}"
     # SIGTERM: the ranks are killed and the staging directory removed, then the signal acts
     with sigterm_raises(what):
         staging = tempfile.mkdtemp(prefix=f".export-{it}-", dir=out_dir)
         try:
-            command = rank_command(script, flags, os.path.dirname(path), it, staging, verify)
-            starter = [sys.executable, "-m", export_ranks.__name__, "start", "--nproc", str(world), "--", *command]
             env = dict(os.environ, CUDA_VISIBLE_DEVICES="", PYTHONUNBUFFERED="1")
-            outcome = run_worker(starter, env, timeout_s, marker=export_ranks.DONE, prefix="export: ")
+            outcome = run_worker(starter_for(staging), env, timeout_s, marker=export_ranks.DONE, prefix="export: ")
             if outcome.returncode is None:
                 raise ExportError(f"{what} did not finish within {timeout_s:.0f} s (killed)")
             if outcome.returncode != 0 or not outcome.done:
                 raise ExportError(f"{what} failed ({_failure(outcome)}); the ranks' output is above")
             written = iter_dir(os.path.join(staging, "converted"), it)
             if not os.path.isdir(written):
-                raise ExportError(f"{what}: Megatron-LM ended without writing {os.path.basename(written)}")
+                raise ExportError(f"{what}: the ranks ended without writing {os.path.basename(written)}")
             os.replace(written, target)  # the directory appears whole, or not at all
         finally:
             shutil.rmtree(staging, ignore_errors=True)  # ours (mkdtemp); rmtree follows no link
     write_tracker(out_dir, it)
     return target
+
+
+def _export_torch_dist(
+    path: str, it: int, out_dir: str, script: str, flags: list[str], timeout_s: float, verify: bool
+) -> str:
+    """Megatron-LM's own conversion on as many ranks as the checkpoint has (the fallback)."""
+    world = read_manifest(path).world_size
+
+    def starter(staging: str) -> list[str]:
+        command = rank_command(script, flags, os.path.dirname(path), it, staging, verify)
+        return [sys.executable, "-m", export_ranks.__name__, "start", "--nproc", str(world), "--", *command]
+
+    return _staged_torch_dist(path, it, out_dir, starter, timeout_s, f"torch_dist export of iteration {it} of {path}")
+
+
+def _export_torch_dist_global(path: str, it: int, out_dir: str, nproc: int, timeout_s: float, verify: bool) -> str:
+    """megatron-core's writer on ``nproc`` processes, from the recorded global coordinates
+    (:mod:`.dist_export`)."""
+    from . import dist_export
+    from .global_tensors import count_blocks
+
+    blocks = count_blocks(path)  # a checkpoint without global coordinates is refused before anything starts
+    log.info("iteration %d of %s: %d global blocks over %d processes", it, path, blocks, nproc)
+
+    def starter(staging: str) -> list[str]:
+        converted = iter_dir(os.path.join(staging, "converted"), it)
+        os.makedirs(converted)  # megatron-core writes into an existing directory
+        command = [sys.executable, "-m", dist_export.__name__, path, str(it), converted]
+        command += ["--no-verify"] if not verify else []
+        return [sys.executable, "-m", export_ranks.__name__, "start", "--nproc", str(nproc), "--", *command]
+
+    what = f"torch_dist export of iteration {it} of {path} on {nproc} processes"
+    return _staged_torch_dist(path, it, out_dir, starter, timeout_s, what)
 
 
 def _write_new(target: str, write) -> None:
@@ -311,35 +350,53 @@ def export(
     flags: list[str] | tuple[str, ...] = (),
     timeout_s: float = 600.0,
     verify: bool = True,
+    nproc: int = DEFAULT_NPROC,
 ) -> str:
     """Export checkpoint ``ckpt_dir`` (a root: its latest committed or ``iteration``; or an
-    ``iter_*`` directory) to ``out_dir`` in ``fmt`` (``torch`` or ``torch_dist``); returns the path
-    written.  ``torch_dist``: ``script`` of the Megatron-LM checkout ``megatron_lm`` (else
-    ``$MEGATRON_LM_DIR``) runs with ``flags``, the training flags of the run that wrote it."""
+    ``iter_*`` directory) to ``out_dir`` in ``fmt`` (:data:`FORMATS`); returns the path written.
+    ``torch_dist`` without ``flags``: megatron-core's writer on ``nproc`` processes from the
+    recorded global coordinates (:mod:`.dist_export`); with ``flags`` (the training flags of the run
+    that wrote it): ``script`` of the Megatron-LM checkout ``megatron_lm`` (else ``$MEGATRON_LM_DIR``)
+    on as many ranks as the checkpoint has -- the fallback for checkpoints without global coordinates."""
     if fmt not in FORMATS:
         raise ValueError(f"format must be one of {FORMATS}, got {fmt!r}")
+    if not (isinstance(nproc, int) and nproc >= 1):
+        raise ExportError(f"--nproc must be a positive number of processes, got {nproc!r}")
+    script_path = None
     if fmt == "torch_dist":  # megatron-core's writer needs psutil: without it, its processes die
         require(["psutil"], "the torch_dist export", extra="megatron")
-        try:
-            script_path = locate_script(megatron_lm, script)
-        except ValueError as e:
-            raise ExportError(str(e)) from None
+        if flags:
+            try:
+                script_path = locate_script(megatron_lm, script)
+            except ValueError as e:
+                raise ExportError(str(e)) from None
+        else:
+            require(["megatron.core"], "the torch_dist export", extra="megatron")
     elif flags:
         raise ExportError(
-            f"--format torch runs no Megatron-LM: training flags are not used ({' '.join(flags[:3])} ...)"
+            f"--format {fmt} runs no Megatron-LM: training flags are not used ({' '.join(flags[:3])} ...)"
         )
     with _local_copy(ckpt_dir, iteration, verify) as local:
         path, it = _locate(local, iteration)
-        if fmt == "torch":
-            target = iter_dir(os.path.abspath(out_dir), it) + ".pt"
+        if fmt in ("torch", "safetensors"):
+            target = iter_dir(os.path.abspath(out_dir), it) + SUFFIXES[fmt]
             if os.path.exists(target):
                 raise OutputExistsError(f"{target} exists; nothing was overwritten")
-            state = consolidate(path, it, verify=verify)
+            if fmt == "torch":
+                state = consolidate(path, it, verify=verify)
+                write = lambda f: torch.save(state, f)  # noqa: E731
+            else:
+                from .consolidated import write_consolidated
+
+                write = lambda f: write_consolidated(path, it, f, verify=verify)  # noqa: E731
             os.makedirs(os.path.dirname(target), exist_ok=True)
-            _write_new(target, lambda f: torch.save(state, f))
+            _write_new(target, write)
             log.info("exported iteration %d of %s to %s", it, ckpt_dir, target)
             return target
-        target = _export_torch_dist(path, it, os.path.abspath(out_dir), script_path, list(flags), timeout_s, verify)
+        if flags:
+            target = _export_torch_dist(path, it, os.path.abspath(out_dir), script_path, list(flags), timeout_s, verify)
+        else:
+            target = _export_torch_dist_global(path, it, os.path.abspath(out_dir), nproc, timeout_s, verify)
     log.info("exported iteration %d of %s to %s (torch_dist)", it, ckpt_dir, target)
     return target
 
@@ -357,9 +414,10 @@ def run_export(args: argparse.Namespace) -> int:
         flags=getattr(args, "training_flags", None) or [],
         timeout_s=args.timeout_s,
         verify=not args.no_verify,
+        nproc=args.nproc,
     )
     if getattr(args, "json", False):
-        iteration = iteration_of(path.removesuffix(".pt"))
+        iteration = iteration_of(os.path.splitext(path)[0] if path.endswith(tuple(SUFFIXES.values())) else path)
         write_line(json.dumps({"path": path, "format": args.format, "iteration": iteration}, sort_keys=True))
     else:
         write_line(path)
