@@ -30,6 +30,7 @@ import json
 import logging
 import os
 import secrets
+import threading
 import time
 
 from ..errors import CorruptCheckpointError, ForeignCheckpointError, LockLostError
@@ -115,10 +116,30 @@ class ObjectTier(Tier):
             self._dirlock = ObjectLock(self.storage, lease_s=self._lease_s).acquire()
         return self
 
-    def release(self) -> None:
+    def release(self, timeout: float | None = None) -> None:
         """Release the lock (idempotent), then the storage's connections and threads: the last call
-        on a tier, after :meth:`close`."""
+        on a tier, after :meth:`close`.  ``timeout``: a store that does not answer would hold the
+        caller for every retry of the lock's deletion and every part in flight; past ``timeout``
+        seconds this gives up, logs it and returns (the lease runs out by itself, the requests left
+        end with their own timeouts on a daemon thread)."""
         lock, self._dirlock = self._dirlock, None
+        if timeout is None:
+            self._release(lock)
+            return
+        done = threading.Thread(target=self._release, args=(lock,), name=f"dsm-release-r{self.rank}", daemon=True)
+        done.start()
+        done.join(timeout)
+        if done.is_alive():
+            log.warning(
+                "rank %d: %s: gave up after %.0f s releasing the lock and closing the storage (the store does not "
+                "answer); the lock's lease runs out by itself in at most %.0f s",
+                self.rank,
+                self.root,
+                timeout,
+                self._lease_s,
+            )
+
+    def _release(self, lock: ObjectLock | None) -> None:
         try:
             if lock is not None:
                 lock.release()
