@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from datastates_megatron.engine import EngineOptions
+from datastates_megatron.engine.errors import CorruptCheckpointError
 from datastates_megatron.engine.manager import CheckpointManager
 
 from .conftest import _answers, _free_port
@@ -192,3 +193,19 @@ def test_retention_finds_a_manifest_already_deleted_and_deletes_only_our_objects
         f"{URL_PREFIX}/iter_0000001/README"
     ]
     assert f"retention deleted {url}/iter_0000001" in caplog.text
+
+
+def test_a_rank_object_deleted_after_the_listing_fails_the_load_whole_naming_it(proxy, s3_env, tmp_path):
+    url = f"s3://{proxy.bucket}/{URL_PREFIX}"
+    _save_three(url, str(tmp_path / "node-a"))
+    c = s3_env.client()
+    rank_key = next(k for k in _keys(c, proxy.bucket) if k.startswith(f"{URL_PREFIX}/iter_0000003/r"))
+    proxy.rules(vanish_after_list={"prefix": f"{URL_PREFIX}/", "delete": [rank_key]})
+    w = torch.full((1000,), -1.0)
+    with _manager(url, str(tmp_path / "node-b")) as mgr:  # a fresh node: it must fetch the object
+        mgr.register("w", w)
+        with pytest.raises(CorruptCheckpointError, match="rank 0 object is missing") as e:
+            mgr.load()  # the newest, committed, lost an object: refused, not silently an older one
+    assert f"s3://{proxy.bucket}/{rank_key}" in str(e.value), e.value
+    assert torch.equal(w, torch.full((1000,), -1.0))  # no tensor written: never a partial restore
+    assert rank_key not in _keys(c, proxy.bucket)  # the rule fired
