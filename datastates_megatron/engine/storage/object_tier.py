@@ -38,6 +38,7 @@ from ..runtime.faults import crash_point
 from ..format.manifest import Manifest
 from ..names import (
     INDEX_NAME,
+    LOCK_NAME,
     MANIFEST_NAME,
     RUN_ID_NAME,
     TRACKER_NAME,
@@ -87,6 +88,7 @@ class ObjectTier(Tier):
         self.storage = storage
         self._lease_s = lease_s
         self._manifests = ManifestCache()
+        self._released = False  # the lock was released: a commit thread close() gave up on commits nothing
 
     @staticmethod
     def _location(root: str) -> str:
@@ -123,6 +125,7 @@ class ObjectTier(Tier):
         seconds this gives up, logs it and returns (the lease runs out by itself, the requests left
         end with their own timeouts on a daemon thread)."""
         lock, self._dirlock = self._dirlock, None
+        self._released = self._released or lock is not None
         if timeout is None:
             self._release(lock)
             return
@@ -211,6 +214,11 @@ class ObjectTier(Tier):
 
     def write_manifest(self, manifest: Manifest) -> None:
         """The commit point: one conditional PUT of the manifest."""
+        if self._released:  # a thread close() gave up on, answered late: the lock is no longer ours
+            raise LockLostError(
+                f"{self.storage.url(LOCK_NAME)}: released when the job closed, before iteration "
+                f"{manifest.iteration}'s manifest; not committed"
+            )
         key = manifest_key(manifest.iteration)
         body = manifest.to_json()
         old = self.storage.head(key)
