@@ -462,10 +462,11 @@ class CheckpointManager(ClosingContext):
         rank and tensor, under their common error class.  One process: ``err`` itself."""
         self._world.raise_agreed(err, "load", report=4, own=False)
 
-    def _release_lock(self) -> None:
+    def _release_lock(self, timeout: float | None = None) -> None:
+        """``timeout``: at most this long on each tier (a bucket that does not answer)."""
         for tier in (self.local, self.persistent):
             if tier is not None:
-                tier.release()
+                tier.release(timeout)
 
     def _agree_token(self) -> str:
         """The run token: rank 0's random 62-bit number, on every rank."""
@@ -1161,7 +1162,7 @@ class CheckpointManager(ClosingContext):
                     if ended and self.local is not None and self.local.is_writer:
                         self._mark_ended()
                 finally:
-                    self._release_lock()
+                    self._release_lock(bound)
 
     def _mark_ended(self) -> None:
         """The run ended cleanly on this node: the next run here may reclaim its directory once

@@ -15,16 +15,17 @@ from datastates_megatron.engine.tiers.tier import Tier
 TOKEN, WORLD = "00000000000000dd", 2
 
 
-def storage(bucket: str, prefix: str = "job/save"):
-    return open_storage(f"s3://{bucket}/{prefix}", part_bytes=5 << 20, concurrency=2)
+def storage(bucket: str, prefix: str = "job/save", **options):
+    return open_storage(f"s3://{bucket}/{prefix}", **{"part_bytes": 5 << 20, "concurrency": 2, **options})
 
 
 class Job:
     """WORLD ranks (threads standing for them, one in-process c10d store): each a local tier over a
     committed local checkpoint directory, a promotion, and the persistent tier on S3."""
 
-    def __init__(self, bucket: str, local: str, keep_last: int = 0) -> None:
-        self.storages = [storage(bucket) for _ in range(WORLD)]
+    def __init__(self, bucket: str, local: str, keep_last: int = 0, **storage_options) -> None:
+        """``storage_options``: :class:`...storage.s3.S3Storage`'s (timeouts, retry policy)."""
+        self.storages = [storage(bucket, **storage_options) for _ in range(WORLD)]
         self.dst = [
             ObjectTier(st, rank=r, token=TOKEN, writes=list(range(WORLD)) if r == 0 else [], keep_last=keep_last)
             for r, st in enumerate(self.storages)

@@ -30,6 +30,7 @@ import json
 import logging
 import os
 import secrets
+import threading
 import time
 
 from ..errors import CorruptCheckpointError, ForeignCheckpointError, LockLostError
@@ -37,6 +38,7 @@ from ..runtime.faults import crash_point
 from ..format.manifest import Manifest
 from ..names import (
     INDEX_NAME,
+    LOCK_NAME,
     MANIFEST_NAME,
     RUN_ID_NAME,
     TRACKER_NAME,
@@ -86,6 +88,7 @@ class ObjectTier(Tier):
         self.storage = storage
         self._lease_s = lease_s
         self._manifests = ManifestCache()
+        self._released = False  # the lock was released: a commit thread close() gave up on commits nothing
 
     @staticmethod
     def _location(root: str) -> str:
@@ -115,10 +118,31 @@ class ObjectTier(Tier):
             self._dirlock = ObjectLock(self.storage, lease_s=self._lease_s).acquire()
         return self
 
-    def release(self) -> None:
+    def release(self, timeout: float | None = None) -> None:
         """Release the lock (idempotent), then the storage's connections and threads: the last call
-        on a tier, after :meth:`close`."""
+        on a tier, after :meth:`close`.  ``timeout``: a store that does not answer would hold the
+        caller for every retry of the lock's deletion and every part in flight; past ``timeout``
+        seconds this gives up, logs it and returns (the lease runs out by itself, the requests left
+        end with their own timeouts on a daemon thread)."""
         lock, self._dirlock = self._dirlock, None
+        self._released = self._released or lock is not None
+        if timeout is None:
+            self._release(lock)
+            return
+        done = threading.Thread(target=self._release, args=(lock,), name=f"dsm-release-r{self.rank}", daemon=True)
+        done.start()
+        done.join(timeout)
+        if done.is_alive():
+            log.warning(
+                "rank %d: %s: gave up after %.0f s releasing the lock and closing the storage (the store does not "
+                "answer); the lock's lease runs out by itself in at most %.0f s",
+                self.rank,
+                self.root,
+                timeout,
+                self._lease_s,
+            )
+
+    def _release(self, lock: ObjectLock | None) -> None:
         try:
             if lock is not None:
                 lock.release()
@@ -190,6 +214,11 @@ class ObjectTier(Tier):
 
     def write_manifest(self, manifest: Manifest) -> None:
         """The commit point: one conditional PUT of the manifest."""
+        if self._released:  # a thread close() gave up on, answered late: the lock is no longer ours
+            raise LockLostError(
+                f"{self.storage.url(LOCK_NAME)}: released when the job closed, before iteration "
+                f"{manifest.iteration}'s manifest; not committed"
+            )
         key = manifest_key(manifest.iteration)
         body = manifest.to_json()
         old = self.storage.head(key)

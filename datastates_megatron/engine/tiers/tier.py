@@ -473,8 +473,9 @@ class Tier:
             self._dirlock = SaveDirLock(self.root).acquire()
         return self
 
-    def release(self) -> None:
-        """Release the lock (idempotent); after :meth:`close`."""
+    def release(self, timeout: float | None = None) -> None:
+        """Release the lock (idempotent); after :meth:`close`.  ``timeout`` is for the object-storage
+        tier (:mod:`..storage.object_tier`): releasing a ``flock`` never waits on storage."""
         lock, self._dirlock = self._dirlock, None
         if lock is not None:
             lock.release()
