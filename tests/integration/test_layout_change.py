@@ -9,10 +9,13 @@ the digest of every model and optimizer tensor at the end, must be equal to the 
 
 from __future__ import annotations
 
+import os
 import shutil
+from pathlib import Path
 
 import pytest
 
+from datastates_megatron.megatron.megatron_lm import versions
 from tests.integration.megatron_lm_runs import LAZY, MEGATRON_LM_DIR, assert_same_training, latest, launch
 
 pytestmark = pytest.mark.skipif(
@@ -47,11 +50,22 @@ CASES = {
     "pp2_dp2_to_dp4": (PP2, 4, 4, "TP1×PP2×DP2 → TP1×PP1×DP4", [], []),
     # an expert-parallel change: experts mapped by global expert index (megatron-core's offsets)
     "ep2_dp4_to_ep4_dp4": (MOE, 4, 4, "TP1×PP1×DP4×EP2 → TP1×PP1×DP4×EP4", ["--no-load-rng"], EP4),
+    # a virtual-pipeline change: model chunks mapped by global layer number (megatron-core's keys and
+    # offsets); 4 layers, PP2 x VPP2 (interleaved, 1 layer per chunk) -> PP2 (2 layers per stage)
+    "pp2_vpp2_to_pp2": (VP2, 2, 2, "TP1×PP2×VPP2×DP1 → TP1×PP2×DP1", [], [*PP2, "--num-layers", "4"]),
     # 600 tokens padded to a multiple of 128 x TP: 640 rows at TP1, 768 at TP2 (zero, as megatron-core)
     "tp1_dp2_to_tp2_dp1_vocab_padding": (VOCAB600, 2, 2, "TP1×PP1×DP2 → TP2×PP1×DP1", [], [*VOCAB600, *TP2]),
 }
 DEFAULT = "tp2_dp2_to_tp2_dp1"
 DEFAULTS = (DEFAULT, "tp1_dp2_to_tp2_dp1", "pp2_dp1_to_pp1_dp2")  # what CI runs: DP under TP, a TP and a PP change
+# The other trees of MEGATRON_LM_DIRS that CI runs end to end (Megatron-LM main): the TP and the PP
+# change run on each of them too
+OTHER_TREES = [
+    d
+    for d in (os.environ.get("MEGATRON_LM_DIRS") or "").split(os.pathsep)
+    if d and d != MEGATRON_LM_DIR and any(r.end_to_end and r.source == Path(d).name for r in versions.TESTED)
+]
+ON_OTHER_TREES = ("tp1_dp2_to_tp2_dp1", "pp2_dp1_to_pp1_dp2")
 
 
 @pytest.fixture(scope="module")
@@ -60,10 +74,10 @@ def saved(tmp_path_factory):
     same converted there to torch_dist (``--lazy-ckpt-convert-to``)."""
     built = {}
 
-    def get(case: str):
-        if case not in built:
+    def get(case: str, tree: str | None = None):
+        if (case, tree) not in built:
             flags, before = CASES[case][0], CASES[case][1]
-            tmp = tmp_path_factory.mktemp(case)
+            tmp = tmp_path_factory.mktemp(case if tree is None else f"{case}-{Path(tree).name}")
             lazy, exported = tmp / "lazy", tmp / "exported"
             common = ["--train-iters", str(ITERS), *flags, "--save-interval", str(SAVED), *LAZY]
             first = launch(
@@ -72,24 +86,33 @@ def saved(tmp_path_factory):
                 [*common, "--exit-interval", str(SAVED), "--save", str(lazy)],
                 nproc=before,
                 timeout=TIMEOUT_S,
+                megatron_lm_dir=tree,
             )
             assert first.returncode == 0 and latest(lazy) == SAVED, first.describe()
             convert = [*common, "--load", str(lazy), "--save", str(lazy), "--lazy-ckpt-convert-to", str(exported)]
-            converted = launch(tmp, "export", convert, nproc=before, timeout=TIMEOUT_S)
+            converted = launch(tmp, "export", convert, nproc=before, timeout=TIMEOUT_S, megatron_lm_dir=tree)
             assert converted.returncode == 0, converted.describe()
-            built[case] = lazy, exported
-        return built[case]
+            built[case, tree] = lazy, exported
+        return built[case, tree]
 
     return get
 
 
 @pytest.mark.parametrize(
-    "case", [pytest.param(name, marks=() if name in DEFAULTS else pytest.mark.slow) for name in CASES]
+    "case, tree",
+    [
+        *(pytest.param(name, None, marks=() if name in DEFAULTS else pytest.mark.slow, id=name) for name in CASES),
+        *(
+            pytest.param(name, d, marks=pytest.mark.slow, id=f"{name}-{Path(d).name}")
+            for d in OTHER_TREES
+            for name in ON_OTHER_TREES
+        ),
+    ],
 )
-def test_layout_change_on_a_plain_load_equals_the_torch_dist_conversion(tmp_path, saved, case):
+def test_layout_change_on_a_plain_load_equals_the_torch_dist_conversion(tmp_path, saved, case, tree):
     flags, _, after, change, reference, *then = CASES[case]
     flags = then[0] if then else flags
-    original, exported = saved(case)
+    original, exported = saved(case, tree)
     lazy = tmp_path / "lazy"
     shutil.copytree(original, lazy, ignore=shutil.ignore_patterns(".datastates.lock"))  # the resumed run saves on in it
     common = ["--train-iters", str(ITERS), *flags, "--save-interval", str(SAVED), *LAZY]
@@ -99,12 +122,12 @@ def test_layout_change_on_a_plain_load_equals_the_torch_dist_conversion(tmp_path
         [*common, *reference, "--load", str(exported), "--save", str(tmp_path / "ref")],
         nproc=after,
         timeout=TIMEOUT_S,
+        megatron_lm_dir=tree,
     )
     assert imported.returncode == 0, imported.describe()
     assert f"imported Megatron torch_dist checkpoint of iteration {SAVED}" in imported.log
-    resumed = launch(
-        tmp_path, "resumed", [*common, "--load", str(lazy), "--save", str(lazy)], nproc=after, timeout=TIMEOUT_S
-    )
+    resume = [*common, "--load", str(lazy), "--save", str(lazy)]
+    resumed = launch(tmp_path, "resumed", resume, nproc=after, timeout=TIMEOUT_S, megatron_lm_dir=tree)
     assert resumed.returncode == 0, resumed.describe()
     assert f"resharding iteration {SAVED}: {change}" in resumed.log, resumed.describe()
     assert f"loaded lazy checkpoint of iteration {SAVED}" in resumed.log

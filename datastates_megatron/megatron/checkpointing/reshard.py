@@ -1,4 +1,4 @@
-"""Load a lazy checkpoint written at another data-, tensor-, pipeline- or expert-parallel size (same model).
+"""Load a lazy checkpoint written at another data-, tensor-, (virtual) pipeline- or expert-parallel size (same model).
 
 Tensor names in a rank file are positional (``model0.buf0.bucket0.param_shard``, ``opt0.g1.p7.exp_avg``)
 and only fit the DP size that wrote them.  Each tensor's metadata also carries its *global identity*
@@ -13,7 +13,7 @@ zero-copy ``mmap`` views of the old files on shared storage, every checksum chun
 once, before anything is copied in place).  No rank gathers the full state.  The caller
 (``LazyCheckpointer.load``) then all-gathers the param buffers across the new DP groups.
 
-A TP, PP or EP change goes through megatron-core's *global* coordinates.  Identity 3 records, once per
+A TP, PP, VPP or EP change goes through megatron-core's *global* coordinates.  Identity 3 records, once per
 run at registration, each parameter's sharded key, global shape and global offset as the model's own
 ``sharded_state_dict`` declares them (:func:`.shards.global_blocks`); at load the new layout's
 ``sharded_state_dict`` gives each live parameter's block, and :func:`block_segments` maps every new
@@ -25,13 +25,13 @@ the global expert index
 and the vocabulary padding, and they cost one ``sharded_state_dict`` call per registration.  Rows
 that another padding adds are zeroed after the verified copy (``ReshardPlanner.zeros``), as
 megatron-core's load of an ``allow_shape_mismatch`` tensor does.  Across a TP or PP change the RNG
-is not restored (Megatron-LM ignores it there); model buffers and extra state other than ``None``,
+is not restored (Megatron-LM ignores it there; across a VPP or EP change alone it is); model buffers and extra state other than ``None``,
 named by local module path, are refused.
 
-A change of VPP or CP, or another model, is refused before anything is written, in one line naming
+A change of CP, or another model, is refused before anything is written, in one line naming
 a parameter, its shapes in the checkpoint and in this run, and both layouts (:func:`check_layout`,
 :func:`plan_restore`); so is a checkpoint whose identity predates the model-parallel slice, or (for
-a TP, PP or EP change) the global coordinates, naming the conversion that still works.
+a TP, PP, VPP or EP change) the global coordinates, naming the conversion that still works.
 
 Non-tensor state comes from one old rank of this rank's model-parallel slices (the ranks its plan
 reads): the old rank with this rank's number when it is one of them, else the lowest.  That covers
@@ -92,7 +92,7 @@ log = logging.getLogger(__name__)
 EXPORT_HINT = "datastates-ckpt export {ckpt} OUT_DIR --megatron-lm DIR -- TRAINING_FLAGS"  # the same, on CPU ranks
 CONVERT_HINT = "--load {ckpt} --lazy-ckpt-convert-to OUT_DIR"  # in a Megatron-LM run with the checkpoint's layout
 _MODEL_PARALLEL = ("tp", "pp", "model_chunks", "ep")  # a change of these is refused naming a parameter
-_GLOBAL = ("tp", "pp", "ep")  # ... except of these: mapped through megatron-core's global coordinates
+_GLOBAL = ("tp", "pp", "model_chunks", "ep")  # ... except of these: mapped through megatron-core's global coordinates
 _TP_PP = ("tp", "pp")  # across a change of these Megatron-LM ignores the RNG state
 _OPT_NAME = re.compile(r"^opt(\d+)\.g(\d+)\.p(\d+)\.")
 _TEXT = (("tp", "TP", True), ("pp", "PP", True), ("model_chunks", "VPP", False), ("dp", "DP", True))
@@ -127,7 +127,7 @@ def _refusal(ckpt: str, old: dict, new: dict, what: str, convert: bool = False) 
     hint = ""
     if unmapped:
         hint = (
-            f"; only the data-parallel, tensor-, pipeline- and expert-parallel sizes may change on load "
+            f"; only the data-parallel, tensor-, (virtual) pipeline- and expert-parallel sizes may change on load "
             f"({', '.join(unmapped)} differ): {_conversion(ckpt)}"
         )
     elif convert:
@@ -140,8 +140,8 @@ def _refusal(ckpt: str, old: dict, new: dict, what: str, convert: bool = False) 
 
 def check_layout(manifest: Manifest, ckpt: str, world_size: int, layout: dict) -> bool:
     """``False``: the checkpoint has this run's layout (plain restore).  ``True``: restore by
-    parameter identity with :class:`ReshardPlanner` -- a data-, tensor-, pipeline- or expert-parallel
-    change, or a change of VPP, which the planner refuses naming a parameter and its shapes.  A change it can tell
+    parameter identity with :class:`ReshardPlanner` -- a data-, tensor-, (virtual) pipeline- or
+    expert-parallel change (another model the planner refuses, naming a parameter and its shapes).  A change it can tell
     from the manifest alone (the context-parallel size, a world size that does not follow from the
     data-parallel size) raises :class:`LayoutMismatchError` here, naming both layouts."""
     old = manifest.layout
@@ -746,7 +746,7 @@ class ReshardPlanner(LoadPlanner):
     """This rank's shards of ``model``/``optimizer`` from a checkpoint of another DP, TP, PP or EP size
     (or of the same layout with another bucket layout), by parameter identity: only the element
     ranges this rank needs, from whichever old rank files hold them.  ``layout``: this run's (the
-    checkpoint's is its manifest's); a VPP or CP change is refused, naming a parameter.  The plan's objects are the source rank's non-tensor state with
+    checkpoint's is its manifest's); a CP change is refused.  The plan's objects are the source rank's non-tensor state with
     ``training`` re-keyed for this rank (ready for ``training_state.restore``); the caller
     all-gathers the param buffers afterwards."""
 
