@@ -32,6 +32,7 @@ PP2 = ["--pipeline-model-parallel-size", "2"]
 VP2 = [*PP2, "--num-layers", "4", "--num-layers-per-virtual-pipeline-stage", "1"]
 VOCAB600 = ["--vocab-size", "600"]
 UNTIED = ["--untie-embeddings-and-output-weights"]
+SWIGLU = ["--swiglu"]
 UNTIED_PP2 = [*PP2, *UNTIED]
 MOE = ["--num-experts", "4", "--expert-model-parallel-size", "2", "--moe-router-topk", "2", "--no-bias-gelu-fusion"]
 EP4 = [*MOE[:3], "4", *MOE[4:]]
@@ -61,6 +62,8 @@ CASES = {
     # offsets); 4 layers, PP2 x VPP2 (interleaved, 1 layer per chunk) -> PP2 (2 layers per stage)
     "pp2_vpp2_to_pp2": (VP2, 2, 2, "TP1×PP2×VPP2×DP1 → TP1×PP2×DP1", [], [*PP2, "--num-layers", "4"]),
     "pp2_vpp2_dp1_to_pp2_dp2": (VP2, 2, 4, "TP1×PP2×VPP2×DP1 → TP1×PP2×DP2", [], [*PP2, "--num-layers", "4"]),
+    # a fused GLU weight (--swiglu: a ShardedTensorFactory, its w and v halves blocks of their own)
+    "tp1_dp2_to_tp2_dp1_swiglu": (SWIGLU, 2, 2, "TP1×PP1×DP2 → TP2×PP1×DP1", [], [*SWIGLU, *TP2]),
     # 600 tokens padded to a multiple of 128 x TP: 640 rows at TP1, 768 at TP2 (zero, as megatron-core)
     "tp1_dp2_to_tp2_dp1_vocab_padding": (VOCAB600, 2, 2, "TP1×PP1×DP2 → TP2×PP1×DP1", [], [*VOCAB600, *TP2]),
 }

@@ -179,19 +179,38 @@ def _root_of(ckpt: str) -> str:
 @dataclasses.dataclass(frozen=True)
 class Block:
     """Where one parameter sits in megatron-core's global tensor ``key`` (identity 3 ``global``):
-    the parameter, flattened, is the flattened block ``[offset, offset + shape)`` of ``global_shape``."""
+    the parameter's flattened elements ``[start, start + size)`` are the flattened block ``[offset,
+    offset + shape)`` of ``global_shape`` (``start`` 0 and the whole parameter, but for a piece of a
+    ``ShardedTensorFactory`` such as a fused GLU weight's ``w`` and ``v`` halves)."""
 
     key: str
     global_shape: tuple[int, ...]
     offset: tuple[int, ...]
     shape: tuple[int, ...]
     mismatch: bool  # allow_shape_mismatch: the global shape follows the vocabulary padding
+    start: int = 0
+
+    @property
+    def size(self) -> int:
+        n = 1
+        for x in self.shape:
+            n *= x
+        return n
 
     @classmethod
     def of(cls, value) -> "Block":
         key, global_shape, offset, shape, *rest = value
         t = lambda xs: tuple(int(x) for x in xs)  # noqa: E731
-        return cls(str(key), t(global_shape), t(offset), t(shape), bool(rest[0]) if rest else False)
+        mismatch = bool(rest[0]) if rest else False
+        return cls(str(key), t(global_shape), t(offset), t(shape), mismatch, int(rest[1]) if len(rest) > 1 else 0)
+
+
+def blocks_of(value) -> tuple[Block, ...]:
+    """The blocks of one parameter's recorded ``global``: one ``[key, ...]``, or a list of them (the
+    pieces of a ``ShardedTensorFactory``, each with the parameter element it starts at)."""
+    if value and isinstance(value[0], (list, tuple)):
+        return tuple(Block.of(v) for v in value)
+    return (Block.of(value),)
 
 
 def _ravel(index: tuple[int, ...], shape: tuple[int, ...]) -> int:
@@ -363,8 +382,11 @@ class CheckpointIndex:
         self.scalars: dict[tuple[str, int, str, str], ElementRange] = {}
         self.holders: dict[tuple[str, int, str, str], set[tuple[int, str]]] = collections.defaultdict(set)
         self.positions: dict[tuple[int, int, int, int], tuple[str, int, str]] = {}  # (rank, opt, group, pos) -> param
-        self.blocks: dict[tuple[str, int, str], Block] = {}  # param -> where it sits in megatron's global tensor
-        self.by_global: dict[str, list[tuple[str, int, str]]] = collections.defaultdict(list)  # sharded key -> params
+        self.blocks: dict[
+            tuple[str, int, str], tuple[Block, ...]
+        ] = {}  # param -> where it sits in megatron's global tensors
+        # sharded key -> (param, index of its block)
+        self.by_global: dict[str, list[tuple[tuple[str, int, str], int]]] = collections.defaultdict(list)
 
     @classmethod
     def from_reader(cls, reader: CheckpointReader, ranks=None, legacy: bool = False) -> "CheckpointIndex":
@@ -410,8 +432,9 @@ class CheckpointIndex:
 
     def _block(self, key, block) -> None:
         if block is not None and key not in self.blocks:
-            self.blocks[key] = Block.of(block)
-            self.by_global[self.blocks[key].key].append(key)
+            self.blocks[key] = blocks_of(block)
+            for i, b in enumerate(self.blocks[key]):
+                self.by_global[b.key].append((key, i))
 
     def _param(self, reader, key, shape, dtype) -> None:
         value = (tuple(int(s) for s in shape), str(dtype))
@@ -571,26 +594,28 @@ def _global_mapping(model, keys: dict, index: CheckpointIndex, ckpt: str, old: d
                 new,
                 f"parameter {_named(key)} has no global coordinates in megatron-core's sharded_state_dict",
             )
-        b = Block.of(blocks[p])
-        olds = [(k, index.blocks[k]) for k in index.by_global.get(b.key, ())]
-        if not olds:
-            raise _refusal(
-                ckpt,
-                old,
-                new,
-                f"parameter {_named(key)} ({b.key}) is absent in the checkpoint, {_shape_text(live)} in this run",
-            )
-        shape = olds[0][1].global_shape
-        dtype = index.params[olds[0][0]][1]
-        if (shape != b.global_shape and not (b.mismatch and len(shape) == len(b.global_shape))) or dtype != live[1]:
-            raise _refusal(
-                ckpt,
-                old,
-                new,
-                f"parameter {_named(key)} ({b.key}) is {dtype} {list(shape)} globally in the checkpoint, "
-                f"{live[1]} {list(b.global_shape)} in this run",
-            )
-        out[key] = (b, olds)
+        pieces = []
+        for b in blocks_of(blocks[p]):
+            olds = [(k, index.blocks[k[0]][k[1]]) for k in index.by_global.get(b.key, ())]
+            if not olds:
+                raise _refusal(
+                    ckpt,
+                    old,
+                    new,
+                    f"parameter {_named(key)} ({b.key}) is absent in the checkpoint, {_shape_text(live)} in this run",
+                )
+            shape = olds[0][1].global_shape
+            dtype = index.params[olds[0][0][0]][1]
+            if (shape != b.global_shape and not (b.mismatch and len(shape) == len(b.global_shape))) or dtype != live[1]:
+                raise _refusal(
+                    ckpt,
+                    old,
+                    new,
+                    f"parameter {_named(key)} ({b.key}) is {dtype} {list(shape)} globally in the checkpoint, "
+                    f"{live[1]} {list(b.global_shape)} in this run",
+                )
+            pieces.append((b, olds))
+        out[key] = pieces
     return out
 
 
@@ -623,7 +648,7 @@ def plan_restore(
     if moved and not set(moved) - set(_GLOBAL):
         mapping = _global_mapping(model, keys, index, ckpt, old, new)
         if rekey is not None:
-            rekey.update({key: olds[0][0] for key, (_b, olds) in mapping.items()})
+            rekey.update({key: pieces[0][1][0][0][0] for key, pieces in mapping.items()})
     else:
         _check_params(index, keys, ckpt, old, new)
         if moved:  # the parameters matched, yet the model-parallel layout differs: no reshard of that here
@@ -640,23 +665,28 @@ def plan_restore(
     def add(key, start, end, dst):
         if mapping is None:
             return add_old(key, start, end, dst)
-        b, olds = mapping[key[:3]]
-        segments, gaps = block_segments(b, olds, start, end)
-        for name, oa, ob, pos in segments:
-            add_old((*name, key[3]), oa, ob, dst[pos : pos + ob - oa])
-        if gaps and (zeros is None or not b.mismatch):
-            a, _ = gaps[0]
-            raise _refusal(
-                ckpt,
-                old,
-                new,
-                f"the checkpoint holds no element {start + a} of {key[3]} of parameter {_named(key)} ({b.key})",
-            )
-        if gaps:
-            zeros.extend(dst[a:e] for a, e in gaps)
+        for b, olds in mapping[key[:3]]:  # one block, or the pieces of a ShardedTensorFactory
+            lo, hi = max(start, b.start), min(end, b.start + b.size)
+            if lo >= hi:
+                continue
+            base = lo - start
+            segments, gaps = block_segments(b, olds, lo - b.start, hi - b.start)
+            for (okey, i), oa, ob, pos in segments:
+                at = index.blocks[okey][i].start
+                add_old((*okey, key[3]), at + oa, at + ob, dst[base + pos : base + pos + ob - oa])
+            if gaps and (zeros is None or not b.mismatch):
+                a, _ = gaps[0]
+                raise _refusal(
+                    ckpt,
+                    old,
+                    new,
+                    f"the checkpoint holds no element {lo + a} of {key[3]} of parameter {_named(key)} ({b.key})",
+                )
+            if gaps:
+                zeros.extend(dst[base + a : base + e] for a, e in gaps)
 
     def scalar_key(pkey, key):
-        return (*(mapping[pkey][1][0][0] if mapping is not None else pkey), key)
+        return (*(mapping[pkey][0][1][0][0][0] if mapping is not None else pkey), key)
 
     buckets = bucket_shards(model)
     for b in buckets:
