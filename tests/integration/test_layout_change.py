@@ -1,6 +1,7 @@
-"""A lazy checkpoint resumed at another data-parallel size under TP, PP and EP, and at another TP or PP
-size, by Megatron-LM's own
-``pretrain_gpt.py`` on CPU ranks with a plain ``--lazy-ckpt --load`` (no flag, no conversion), against
+"""A lazy checkpoint resumed at another data-parallel size under TP, PP and EP, and at another TP, PP,
+VPP or EP size, by Megatron-LM's own
+``pretrain_gpt.py`` on CPU ranks (MEGATRON_LM_DIR; the TP and the PP change also on the other trees
+of MEGATRON_LM_DIRS that CI runs end to end) with a plain ``--lazy-ckpt --load`` (no flag, no conversion), against
 the reference path: the same checkpoint converted at the old layout with ``--lazy-ckpt-convert-to``
 (Megatron's ``torch_dist``) and imported by Megatron-LM's own loader at the new one.  Both continue
 from iteration 4 in the new layout; every iteration's grad norm and params norm on every rank, and
