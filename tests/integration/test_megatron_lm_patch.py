@@ -308,9 +308,11 @@ def test_extra_state_layout_mismatch(tmp_path):
     saved = megatron_lm.build_extra_state(_args(tmp_path, num_layers=3), 30, 7)
     with pytest.raises(LayoutMismatchError, match="num_layers: checkpoint 3, run 2"):
         megatron_lm.apply_extra_state(_args(tmp_path), 30, saved)
-    # another TP or PP size was resharded by the load: the extra state applies
+    # another TP, PP or VPP size was resharded by the load: the extra state applies
     saved = megatron_lm.build_extra_state(_args(tmp_path, tensor_model_parallel_size=2), 30, 7)
     megatron_lm.apply_extra_state(_args(tmp_path, pipeline_model_parallel_size=2), 30, saved)
+    saved = megatron_lm.build_extra_state(_args(tmp_path, virtual_pipeline_model_parallel_size=2), 30, 7)
+    megatron_lm.apply_extra_state(_args(tmp_path, virtual_pipeline_model_parallel_size=None), 30, saved)
 
 
 def test_extra_state_from_a_newer_version(tmp_path):

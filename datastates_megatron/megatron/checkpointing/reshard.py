@@ -1,4 +1,4 @@
-"""Load a lazy checkpoint written at another data-, tensor-, pipeline- or expert-parallel size (same model).
+"""Load a lazy checkpoint written at another data-, tensor-, (virtual) pipeline- or expert-parallel size (same model).
 
 Tensor names in a rank file are positional (``model0.buf0.bucket0.param_shard``, ``opt0.g1.p7.exp_avg``)
 and only fit the DP size that wrote them.  Each tensor's metadata also carries its *global identity*
@@ -13,7 +13,7 @@ zero-copy ``mmap`` views of the old files on shared storage, every checksum chun
 once, before anything is copied in place).  No rank gathers the full state.  The caller
 (``LazyCheckpointer.load``) then all-gathers the param buffers across the new DP groups.
 
-A TP, PP or EP change goes through megatron-core's *global* coordinates.  Identity 3 records, once per
+A TP, PP, VPP or EP change goes through megatron-core's *global* coordinates.  Identity 3 records, once per
 run at registration, each parameter's sharded key, global shape and global offset as the model's own
 ``sharded_state_dict`` declares them (:func:`.shards.global_blocks`); at load the new layout's
 ``sharded_state_dict`` gives each live parameter's block, and :func:`block_segments` maps every new
@@ -25,13 +25,13 @@ the global expert index
 and the vocabulary padding, and they cost one ``sharded_state_dict`` call per registration.  Rows
 that another padding adds are zeroed after the verified copy (``ReshardPlanner.zeros``), as
 megatron-core's load of an ``allow_shape_mismatch`` tensor does.  Across a TP or PP change the RNG
-is not restored (Megatron-LM ignores it there); model buffers and extra state other than ``None``,
+is not restored (Megatron-LM ignores it there; across a VPP or EP change alone it is); model buffers and extra state other than ``None``,
 named by local module path, are refused.
 
-A change of VPP or CP, or another model, is refused before anything is written, in one line naming
+A change of CP, or another model, is refused before anything is written, in one line naming
 a parameter, its shapes in the checkpoint and in this run, and both layouts (:func:`check_layout`,
 :func:`plan_restore`); so is a checkpoint whose identity predates the model-parallel slice, or (for
-a TP, PP or EP change) the global coordinates, naming the conversion that still works.
+a TP, PP, VPP or EP change) the global coordinates, naming the conversion that still works.
 
 Non-tensor state comes from one old rank of this rank's model-parallel slices (the ranks its plan
 reads): the old rank with this rank's number when it is one of them, else the lowest.  That covers
@@ -93,7 +93,7 @@ log = logging.getLogger(__name__)
 EXPORT_HINT = "datastates-ckpt export {ckpt} OUT_DIR --megatron-lm DIR -- TRAINING_FLAGS"  # the same, on CPU ranks
 CONVERT_HINT = "--load {ckpt} --lazy-ckpt-convert-to OUT_DIR"  # in a Megatron-LM run with the checkpoint's layout
 _MODEL_PARALLEL = ("tp", "pp", "model_chunks", "ep")  # a change of these is refused naming a parameter
-_GLOBAL = ("tp", "pp", "ep")  # ... except of these: mapped through megatron-core's global coordinates
+_GLOBAL = ("tp", "pp", "model_chunks", "ep")  # ... except of these: mapped through megatron-core's global coordinates
 _TP_PP = ("tp", "pp")  # across a change of these Megatron-LM ignores the RNG state
 _OPT_NAME = re.compile(r"^opt(\d+)\.g(\d+)\.p(\d+)\.")
 _TEXT = (("tp", "TP", True), ("pp", "PP", True), ("model_chunks", "VPP", False), ("dp", "DP", True))
@@ -128,7 +128,7 @@ def _refusal(ckpt: str, old: dict, new: dict, what: str, convert: bool = False) 
     hint = ""
     if unmapped:
         hint = (
-            f"; only the data-parallel, tensor-, pipeline- and expert-parallel sizes may change on load "
+            f"; only the data-parallel, tensor-, (virtual) pipeline- and expert-parallel sizes may change on load "
             f"({', '.join(unmapped)} differ): {_conversion(ckpt)}"
         )
     elif convert:
@@ -141,8 +141,8 @@ def _refusal(ckpt: str, old: dict, new: dict, what: str, convert: bool = False) 
 
 def check_layout(manifest: Manifest, ckpt: str, world_size: int, layout: dict) -> bool:
     """``False``: the checkpoint has this run's layout (plain restore).  ``True``: restore by
-    parameter identity with :class:`ReshardPlanner` -- a data-, tensor-, pipeline- or expert-parallel
-    change, or a change of VPP, which the planner refuses naming a parameter and its shapes.  A change it can tell
+    parameter identity with :class:`ReshardPlanner` -- a data-, tensor-, (virtual) pipeline- or
+    expert-parallel change (another model the planner refuses, naming a parameter and its shapes).  A change it can tell
     from the manifest alone (the context-parallel size, a world size that does not follow from the
     data-parallel size) raises :class:`LayoutMismatchError` here, naming both layouts."""
     old = manifest.layout
@@ -187,19 +187,38 @@ def _root_of(ckpt: str) -> str:
 @dataclasses.dataclass(frozen=True)
 class Block:
     """Where one parameter sits in megatron-core's global tensor ``key`` (identity 3 ``global``):
-    the parameter, flattened, is the flattened block ``[offset, offset + shape)`` of ``global_shape``."""
+    the parameter's flattened elements ``[start, start + size)`` are the flattened block ``[offset,
+    offset + shape)`` of ``global_shape`` (``start`` 0 and the whole parameter, but for a piece of a
+    ``ShardedTensorFactory`` such as a fused GLU weight's ``w`` and ``v`` halves)."""
 
     key: str
     global_shape: tuple[int, ...]
     offset: tuple[int, ...]
     shape: tuple[int, ...]
     mismatch: bool  # allow_shape_mismatch: the global shape follows the vocabulary padding
+    start: int = 0
+
+    @property
+    def size(self) -> int:
+        n = 1
+        for x in self.shape:
+            n *= x
+        return n
 
     @classmethod
     def of(cls, value) -> "Block":
         key, global_shape, offset, shape, *rest = value
         t = lambda xs: tuple(int(x) for x in xs)  # noqa: E731
-        return cls(str(key), t(global_shape), t(offset), t(shape), bool(rest[0]) if rest else False)
+        mismatch = bool(rest[0]) if rest else False
+        return cls(str(key), t(global_shape), t(offset), t(shape), mismatch, int(rest[1]) if len(rest) > 1 else 0)
+
+
+def blocks_of(value) -> tuple[Block, ...]:
+    """The blocks of one parameter's recorded ``global``: one ``[key, ...]``, or a list of them (the
+    pieces of a ``ShardedTensorFactory``, each with the parameter element it starts at)."""
+    if value and isinstance(value[0], (list, tuple)):
+        return tuple(Block.of(v) for v in value)
+    return (Block.of(value),)
 
 
 def _ravel(index: tuple[int, ...], shape: tuple[int, ...]) -> int:
@@ -371,8 +390,11 @@ class CheckpointIndex:
         self.scalars: dict[tuple[str, int, str, str], ElementRange] = {}
         self.holders: dict[tuple[str, int, str, str], set[tuple[int, str]]] = collections.defaultdict(set)
         self.positions: dict[tuple[int, int, int, int], tuple[str, int, str]] = {}  # (rank, opt, group, pos) -> param
-        self.blocks: dict[tuple[str, int, str], Block] = {}  # param -> where it sits in megatron's global tensor
-        self.by_global: dict[str, list[tuple[str, int, str]]] = collections.defaultdict(list)  # sharded key -> params
+        self.blocks: dict[
+            tuple[str, int, str], tuple[Block, ...]
+        ] = {}  # param -> where it sits in megatron's global tensors
+        # sharded key -> (param, index of its block)
+        self.by_global: dict[str, list[tuple[tuple[str, int, str], int]]] = collections.defaultdict(list)
 
     @classmethod
     def from_reader(cls, reader: CheckpointReader, ranks=None, legacy: bool = False) -> "CheckpointIndex":
@@ -418,8 +440,9 @@ class CheckpointIndex:
 
     def _block(self, key, block) -> None:
         if block is not None and key not in self.blocks:
-            self.blocks[key] = Block.of(block)
-            self.by_global[self.blocks[key].key].append(key)
+            self.blocks[key] = blocks_of(block)
+            for i, b in enumerate(self.blocks[key]):
+                self.by_global[b.key].append((key, i))
 
     def _param(self, reader, key, shape, dtype) -> None:
         value = (tuple(int(s) for s in shape), str(dtype))
@@ -579,26 +602,28 @@ def _global_mapping(model, keys: dict, index: CheckpointIndex, ckpt: str, old: d
                 new,
                 f"parameter {_named(key)} has no global coordinates in megatron-core's sharded_state_dict",
             )
-        b = Block.of(blocks[p])
-        olds = [(k, index.blocks[k]) for k in index.by_global.get(b.key, ())]
-        if not olds:
-            raise _refusal(
-                ckpt,
-                old,
-                new,
-                f"parameter {_named(key)} ({b.key}) is absent in the checkpoint, {_shape_text(live)} in this run",
-            )
-        shape = olds[0][1].global_shape
-        dtype = index.params[olds[0][0]][1]
-        if (shape != b.global_shape and not (b.mismatch and len(shape) == len(b.global_shape))) or dtype != live[1]:
-            raise _refusal(
-                ckpt,
-                old,
-                new,
-                f"parameter {_named(key)} ({b.key}) is {dtype} {list(shape)} globally in the checkpoint, "
-                f"{live[1]} {list(b.global_shape)} in this run",
-            )
-        out[key] = (b, olds)
+        pieces = []
+        for b in blocks_of(blocks[p]):
+            olds = [(k, index.blocks[k[0]][k[1]]) for k in index.by_global.get(b.key, ())]
+            if not olds:
+                raise _refusal(
+                    ckpt,
+                    old,
+                    new,
+                    f"parameter {_named(key)} ({b.key}) is absent in the checkpoint, {_shape_text(live)} in this run",
+                )
+            shape = olds[0][1].global_shape
+            dtype = index.params[olds[0][0][0]][1]
+            if (shape != b.global_shape and not (b.mismatch and len(shape) == len(b.global_shape))) or dtype != live[1]:
+                raise _refusal(
+                    ckpt,
+                    old,
+                    new,
+                    f"parameter {_named(key)} ({b.key}) is {dtype} {list(shape)} globally in the checkpoint, "
+                    f"{live[1]} {list(b.global_shape)} in this run",
+                )
+            pieces.append((b, olds))
+        out[key] = pieces
     return out
 
 
@@ -631,7 +656,7 @@ def plan_restore(
     if moved and not set(moved) - set(_GLOBAL):
         mapping = _global_mapping(model, keys, index, ckpt, old, new)
         if rekey is not None:
-            rekey.update({key: olds[0][0] for key, (_b, olds) in mapping.items()})
+            rekey.update({key: pieces[0][1][0][0][0] for key, pieces in mapping.items()})
     else:
         _check_params(index, keys, ckpt, old, new)
         if moved:  # the parameters matched, yet the model-parallel layout differs: no reshard of that here
@@ -648,23 +673,28 @@ def plan_restore(
     def add(key, start, end, dst):
         if mapping is None:
             return add_old(key, start, end, dst)
-        b, olds = mapping[key[:3]]
-        segments, gaps = block_segments(b, olds, start, end)
-        for name, oa, ob, pos in segments:
-            add_old((*name, key[3]), oa, ob, dst[pos : pos + ob - oa])
-        if gaps and (zeros is None or not b.mismatch):
-            a, _ = gaps[0]
-            raise _refusal(
-                ckpt,
-                old,
-                new,
-                f"the checkpoint holds no element {start + a} of {key[3]} of parameter {_named(key)} ({b.key})",
-            )
-        if gaps:
-            zeros.extend(dst[a:e] for a, e in gaps)
+        for b, olds in mapping[key[:3]]:  # one block, or the pieces of a ShardedTensorFactory
+            lo, hi = max(start, b.start), min(end, b.start + b.size)
+            if lo >= hi:
+                continue
+            base = lo - start
+            segments, gaps = block_segments(b, olds, lo - b.start, hi - b.start)
+            for (okey, i), oa, ob, pos in segments:
+                at = index.blocks[okey][i].start
+                add_old((*okey, key[3]), at + oa, at + ob, dst[base + pos : base + pos + ob - oa])
+            if gaps and (zeros is None or not b.mismatch):
+                a, _ = gaps[0]
+                raise _refusal(
+                    ckpt,
+                    old,
+                    new,
+                    f"the checkpoint holds no element {lo + a} of {key[3]} of parameter {_named(key)} ({b.key})",
+                )
+            if gaps:
+                zeros.extend(dst[base + a : base + e] for a, e in gaps)
 
     def scalar_key(pkey, key):
-        return (*(mapping[pkey][1][0][0] if mapping is not None else pkey), key)
+        return (*(mapping[pkey][0][1][0][0][0] if mapping is not None else pkey), key)
 
     buckets = bucket_shards(model)
     for b in buckets:
@@ -754,7 +784,7 @@ class ReshardPlanner(LoadPlanner):
     """This rank's shards of ``model``/``optimizer`` from a checkpoint of another DP, TP, PP or EP size
     (or of the same layout with another bucket layout), by parameter identity: only the element
     ranges this rank needs, from whichever old rank files hold them.  ``layout``: this run's (the
-    checkpoint's is its manifest's); a VPP or CP change is refused, naming a parameter.  The plan's objects are the source rank's non-tensor state with
+    checkpoint's is its manifest's); a CP change is refused.  The plan's objects are the source rank's non-tensor state with
     ``training`` re-keyed for this rank (ready for ``training_state.restore``); the caller
     all-gathers the param buffers afterwards."""
 

@@ -39,9 +39,11 @@ model's own ``sharded_state_dict`` declares it (:func:`global_blocks`): ``[shard
 global offset, block shape, allow_shape_mismatch]`` (``block shape`` is the local shape with
 megatron's prepended axes, such as the layer number, as leading 1s: the flattened parameter is the
 flattened block).  ``param_shard`` holds it per parameter name (``global: {name: [...]}``),
-``main_param`` / ``optimizer_state`` as one list.  A parameter megatron-core declares otherwise (a
-``ShardedTensorFactory``, e.g. fused GLU weights) has none; it reshards at another data-parallel
-size only.
+``main_param`` / ``optimizer_state`` as one list.  A parameter megatron-core declares as a
+``ShardedTensorFactory`` (a fused GLU weight with ``--swiglu``: its ``w`` and ``v`` halves are
+blocks of their own) records a list of such lists, one per piece the factory builds, each with the
+parameter element it starts at appended; a factory whose pieces do not tile the parameter has none
+(it reshards at another data-parallel size only).
 
 Checked against megatron-core 0.16.1 (docs/megatron.md, "Where megatron-core keeps what we capture").
 """
@@ -352,7 +354,7 @@ def global_blocks(model) -> dict:
     offsets carry the global layer number and the tensor-parallel partition, so pipeline stages,
     virtual chunks and TP ranks of another layout map onto the same coordinates."""
     try:
-        from megatron.core.dist_checkpointing.mapping import ShardedTensor
+        from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
         from megatron.core.dist_checkpointing.dict_utils import nested_values
     except ImportError:
         return {}
@@ -362,22 +364,65 @@ def global_blocks(model) -> dict:
             continue
         params = {id(p): p for p in chunk.parameters()}
         for sh in nested_values(chunk.sharded_state_dict()):
-            if not isinstance(sh, ShardedTensor) or id(sh.data) not in params or sh.flattened_range is not None:
+            if id(getattr(sh, "data", None)) not in params or getattr(sh, "flattened_range", None) is not None:
                 continue
-            block = [1] * int(sh.prepend_axis_num) + [int(x) for x in sh.data.shape]
-            if len(block) != len(sh.global_shape):
-                continue
-            out.setdefault(
-                params[id(sh.data)],
-                [
-                    str(sh.key),
-                    [int(x) for x in sh.global_shape],
-                    [int(x) for x in sh.global_offset],
-                    block,
-                    bool(getattr(sh, "allow_shape_mismatch", False)),
-                ],
-            )
+            p = params[id(sh.data)]
+            if isinstance(sh, ShardedTensor):
+                block = _block_of(sh)
+                if block is not None:
+                    out.setdefault(p, block)
+            elif isinstance(sh, ShardedTensorFactory):
+                pieces = _factory_blocks(sh, p, ShardedTensor, nested_values)
+                if pieces is not None:
+                    out.setdefault(p, pieces)
     return out
+
+
+def _block_of(sh) -> list | None:
+    """``[key, global shape, global offset, block shape, allow_shape_mismatch]`` of a ``ShardedTensor``
+    (``None`` where its data and prepended axes do not make its global rank)."""
+    block = [1] * int(sh.prepend_axis_num) + [int(x) for x in sh.data.shape]
+    if len(block) != len(sh.global_shape):
+        return None
+    return [
+        str(sh.key),
+        [int(x) for x in sh.global_shape],
+        [int(x) for x in sh.global_offset],
+        block,
+        bool(getattr(sh, "allow_shape_mismatch", False)),
+    ]
+
+
+def _factory_blocks(factory, param, sharded_tensor, nested_values) -> list | None:
+    """The pieces a ``ShardedTensorFactory`` of ``param`` builds (a fused GLU weight: its ``w`` and
+    ``v`` halves, each a ``ShardedTensor`` of its own), as ``[*block, start]`` per piece in parameter
+    order, ``start`` the parameter element the piece begins at; ``None`` unless they are contiguous
+    views of ``param`` that tile it exactly (anything else has no global coordinates)."""
+    built = factory.build()
+    subs = (
+        list(nested_values(built)) if isinstance(built, dict) else list(built if isinstance(built, list) else [built])
+    )
+    if not param.is_contiguous():
+        return None
+    base, size = param.data_ptr(), param.element_size()
+    pieces = []
+    for sub in subs:
+        data = getattr(sub, "data", None)
+        if not isinstance(sub, sharded_tensor) or sub.flattened_range is not None or not data.is_contiguous():
+            return None
+        if data.untyped_storage().data_ptr() != param.untyped_storage().data_ptr():
+            return None
+        block = _block_of(sub)
+        if block is None:
+            return None
+        pieces.append([*block, (data.data_ptr() - base) // size, data.numel()])
+    pieces.sort(key=lambda piece: piece[5])
+    at = 0
+    for piece in pieces:
+        if piece[5] != at:
+            return None
+        at += piece.pop()
+    return pieces if pieces and at == param.numel() else None
 
 
 def storage_span(t: torch.Tensor) -> tuple[int, int]:

@@ -63,11 +63,10 @@ _MEGATRON_CHECKPOINT_VERSION = 3.0  # what Megatron-LM's generate_state_dict wri
 
 # Arguments that must match between the saving and the resuming run (Megatron's
 # check_checkpoint_args plus the parallel layout, which a lazy checkpoint cannot reshard).
-_MUST_MATCH = (  # the tensor-, pipeline- and expert-parallel sizes may differ: resharded by the load (reshard.py)
+_MUST_MATCH = (  # the tensor-, (virtual) pipeline- and expert-parallel sizes may differ: resharded by the load (reshard.py)
     "num_layers",
     "hidden_size",
     "num_attention_heads",
-    "virtual_pipeline_model_parallel_size",
     "num_experts",
 )
 
@@ -348,7 +347,7 @@ def apply_extra_state(args: Any, iteration: int, extra_state: Any, *, where: str
         raise LayoutMismatchError(
             f"rank {_rank()}: lazy checkpoint of iteration {iteration}{where} was saved by a run "
             f"with different arguments ({'; '.join(diffs)}); a lazy checkpoint is resharded to another data-, "
-            "tensor-, pipeline- or expert-parallel size only"
+            "tensor-, (virtual) pipeline- or expert-parallel size only"
         )
     args.consumed_train_samples = int(meg.get("consumed_train_samples", 0))
     args.skipped_train_samples = int(meg.get("skipped_train_samples", 0))
