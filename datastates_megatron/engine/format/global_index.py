@@ -36,8 +36,7 @@ import numpy as np
 
 from ..errors import CheckpointAccessError, CorruptCheckpointError
 from .hashing import xxh64
-from .index_sections import VERSION, RangedIndex, count_json, pack_body, pack_columns, pack_ranks, slice_of
-from .json_budget import VALUE_BYTES
+from .index_sections import VERSION, RangedIndex, check_bounds, pack_body, pack_columns, pack_ranks, slice_of
 from .manifest import Manifest
 from ..fs.durable import atomic_write
 from ..names import INDEX_NAME, iter_dir
@@ -51,14 +50,10 @@ MAGIC = b"DSGIDX01"  # both formats (the header's ``format_version`` tells them 
 # the manifest's bounds (:mod:`.json_budget`): a file of at most its size cap (64k ranks of two
 # tensors each: ~5 MiB), tables of at most one JSON value per 16 bytes -- and, since a dict costs
 # more than ``VALUE_BYTES``, at most a few objects (ours hold two: the top level and ``params``) and
-# at most ``_TABLE_MAX_VALUES`` values in all, so that a parse costs a bounded constant beyond the
+# at most 2^19 values in all (:func:`.index_sections.check_bounds`), so that a parse costs a bounded constant beyond the
 # text itself (docs/reliability.md: 64 MiB + 2x the file)
 INDEX_MAX_BYTES = MANIFEST_MAX_BYTES
 _HEADER_MAX = 4096
-_TABLE_BYTES_PER_VALUE = 16
-_TABLE_VALUE_ALLOWANCE = 1 << 16
-_TABLE_MAX_VALUES = 1 << 19  # ~50 MiB parsed (a key costs ~12 counted values: ~40k keys)
-_TABLE_MAX_OBJECTS = 64
 _COLS = 6  # key id, start, end, rank, tensor id, offset
 
 
@@ -286,15 +281,7 @@ def _split(path: str, body: memoryview) -> tuple[str, np.ndarray]:
     if tlen > len(body) - 8 or (len(body) - 8 - tlen) % (8 * _COLS):
         raise CorruptCheckpointError(f"{path}: global index tables of {tlen} bytes in a body of {len(body)}")
     raw = body[8 : 8 + tlen]
-    values, objects = count_json(raw)  # one pass, before anything is decoded or parsed
-    most = min(_TABLE_MAX_VALUES, len(raw) // _TABLE_BYTES_PER_VALUE + _TABLE_VALUE_ALLOWANCE)
-    if values > most or objects > _TABLE_MAX_OBJECTS:
-        raise CorruptCheckpointError(
-            f"{path}: global index tables hold up to {values} JSON values and {objects} objects in {len(raw)} "
-            f"bytes, more than the {most} and {_TABLE_MAX_OBJECTS} one we write could hold (one value per "
-            f"{_TABLE_BYTES_PER_VALUE} bytes, as a manifest); refusing to parse them "
-            f"(it would take ~{values * VALUE_BYTES >> 20} MiB)"
-        )
+    check_bounds(path, raw, "tables")  # one pass, before anything is decoded or parsed
     try:
         text = str(raw, "utf-8")
     except UnicodeDecodeError as e:

@@ -55,6 +55,7 @@ __all__ = [
     "pack_columns",
     "RangedIndex",
     "slice_of",
+    "check_bounds",
     "count_json",
 ]
 
@@ -184,9 +185,10 @@ def count_json(raw) -> tuple[int, int]:
     return values + objects, objects
 
 
-def _parse(path: str, raw: bytes, what: str):
-    """``raw`` parsed as JSON, after a count against the manifest's bounds (one value per 16 bytes,
-    at most 2^19 values and 64 objects)."""
+def check_bounds(path: str, raw, what: str) -> None:
+    """Refuse the index's JSON text ``raw`` (either format's) when it holds more values or objects
+    than the manifest's bounds allow (one value per 16 bytes, at most 2^19 values and 64 objects),
+    before it is decoded or parsed."""
     values, objects = count_json(raw)
     most = min(_MAX_VALUES, len(raw) // _BYTES_PER_VALUE + _VALUE_ALLOWANCE)
     if values > most or objects > _MAX_OBJECTS:
@@ -195,6 +197,11 @@ def _parse(path: str, raw: bytes, what: str):
             f"bytes, more than the {most} and {_MAX_OBJECTS} one we write could hold; refusing to parse them "
             f"(it would take ~{values * VALUE_BYTES >> 20} MiB)"
         )
+
+
+def _parse(path: str, raw: bytes, what: str):
+    """``raw`` parsed as JSON, after :func:`check_bounds`."""
+    check_bounds(path, raw, what)
     try:
         return json.loads(raw)
     except (ValueError, RecursionError) as e:
