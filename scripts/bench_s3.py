@@ -4,7 +4,7 @@ Starts moto's S3 server on a free localhost port (its own process), writes one r
 snapshot engine, then alternates, ``--repeat`` times each:
 
 * promotion -- :func:`datastates_megatron.engine.storage.upload.upload_verified` (verify every
-  chunk of the local file, then the FULL_OBJECT CRC32 multipart upload) -- against
+  chunk of the local file, then the CRC32 multipart upload, its composite checksum compared) -- against
   ``boto3``'s ``upload_file`` with a ``TransferConfig`` of the same part size and concurrency
   (what ``aws s3 cp`` does);
 * restore -- :func:`datastates_megatron.engine.storage.fetch.fetch_rank` (ranged GETs into a local

@@ -7,6 +7,8 @@ that it plays two other parties a real bucket has.
 * Another client deleting objects while we list: once a listing whose ``prefix`` parameter equals
   ``vanish_after_list.prefix`` has been answered, the keys of ``vanish_after_list.delete`` are
   deleted on the server (by a client of its own) before the listing is answered (once).
+* A network that damages data: the first ``UploadPart`` of a key under ``damage_part``'s prefix has
+  one byte of its body flipped on the way (its checksum header relayed unchanged), once.
 
 ``RULES`` is a JSON file, read again for each request, so a test changes the rules as it goes."""
 
@@ -50,6 +52,15 @@ class _Proxy(http.server.BaseHTTPRequestHandler):
         if self.command == "DELETE" and key and any(key.startswith(p) for p in rules.get("refuse_delete", ())):
             self._answer(403, {"Content-Type": "application/xml"}, _DENIED)
             return
+        damage = rules.get("damage_part")
+        if damage and self.command == "PUT" and "partNumber=" in query and key.startswith(damage):
+            with self.lock:
+                fire = ("damage", damage) not in self.fired
+                self.fired.add(("damage", damage))
+            if fire and body:
+                flipped = bytearray(body)
+                flipped[len(body) // 2] ^= 0x01
+                body = bytes(flipped)
         status, headers, data = self._forward(self.command, self.path, body, dict(self.headers))
         vanish = rules.get("vanish_after_list")
         params = urllib.parse.parse_qs(query)

@@ -209,3 +209,22 @@ def test_a_rank_object_deleted_after_the_listing_fails_the_load_whole_naming_it(
     assert f"s3://{proxy.bucket}/{rank_key}" in str(e.value), e.value
     assert torch.equal(w, torch.full((1000,), -1.0))  # no tensor written: never a partial restore
     assert rank_key not in _keys(c, proxy.bucket)  # the rule fired
+
+
+def test_a_part_damaged_in_transit_never_becomes_the_object(proxy, s3_env):
+    """One byte of one part flipped between us and the store: the store's object is never taken for
+    the source -- the upload fails naming the object and leaves nothing, or it is re-sent whole."""
+    import numpy as np
+
+    from datastates_megatron.engine.storage import ObjectChecksumError, open_storage
+    from datastates_megatron.engine.storage.s3 import MIN_PART_BYTES
+
+    data = np.random.default_rng(1).integers(0, 256, 2 * MIN_PART_BYTES + 777, dtype=np.uint8)
+    proxy.rules(damage_part=f"{URL_PREFIX}/iter_0000001/")
+    key = "iter_0000001/r00000-x-000000.dsck"
+    c = s3_env.client()
+    with open_storage(f"s3://{proxy.bucket}/{URL_PREFIX}", part_bytes=MIN_PART_BYTES, concurrency=3) as st:
+        with pytest.raises(ObjectChecksumError, match="damaged in transit") as e:
+            st.put_file(key, data)
+    assert f"s3://{proxy.bucket}/{URL_PREFIX}/{key}" in str(e.value)
+    assert f"{URL_PREFIX}/{key}" not in _keys(c, proxy.bucket)  # nothing left that could be committed

@@ -1,12 +1,14 @@
 """S3 (and S3-compatible) storage through boto3: streamed multipart uploads checksummed end to end,
 ranged GETs, conditional creates, bounded retries.
 
-Uploads (:meth:`S3Storage.put_file`) are ``FULL_OBJECT`` CRC32 multipart uploads: each part is
-hashed (zlib's CRC32, several GB/s) on the thread that sends it and sent with its checksum, which
-S3 checks on receipt; the whole object's CRC32 is combined from the parts' (:mod:`.crc`), sent with
-the completion (S3 checks it against what it assembled) and compared with the checksum a ``HEAD``
-then reports -- so an object whose stored bytes differ from the source is refused even by a store
-that skips the checks on receipt.  Parts are sent ``concurrency`` at a time from slices of the
+Uploads (:meth:`S3Storage.put_file`) are CRC32 multipart uploads with S3's ``COMPOSITE`` checksum
+(what ``aws s3 cp`` sends, and what S3-compatible stores support most widely): each part is hashed
+(zlib's CRC32, several GB/s) on the thread that sends it and sent with its checksum, which S3 checks
+on receipt; the completion names every part's CRC32, and the object's checksum a ``HEAD`` then
+reports (the CRC32 of the parts' CRC32s, :mod:`.crc`) is compared with ours -- so an object whose
+stored bytes differ from the source is refused even by a store that skips the checks on receipt.
+(A ``FULL_OBJECT`` checksum would add nothing we use -- a restore verifies our own XXH64 chunks --
+and costs a store that recomputes it a second pass over the object at completion.)  Parts are sent ``concurrency`` at a time from slices of the
 source buffer (a mapped rank file): memory in flight is ``concurrency * part_bytes``, never a copy
 of the object.
 
@@ -37,7 +39,7 @@ from .base import (
     PutReceipt,
     Storage,
 )
-from .crc import crc32_b64, crc32_from_b64, crc32_of_parts
+from .crc import composite_crc32, crc32_b64, crc32_from_b64, crc32_of_parts
 from .retry import Retry
 from .url import StorageURL
 
@@ -200,12 +202,11 @@ class S3Storage(Storage):
             "create multipart upload",
             key,
             lambda: c.create_multipart_upload(
-                Bucket=self.bucket, Key=full, ChecksumAlgorithm="CRC32", ChecksumType="FULL_OBJECT"
+                Bucket=self.bucket, Key=full, ChecksumAlgorithm="CRC32", ChecksumType="COMPOSITE"
             ),
         )["UploadId"]
         try:
             parts = self._send_parts(key, full, upload, view, part, pace)
-            whole = crc32_of_parts([(p["crc"], p["size"]) for p in parts])
             done = self._call(
                 "complete multipart upload",
                 key,
@@ -213,8 +214,6 @@ class S3Storage(Storage):
                     Bucket=self.bucket,
                     Key=full,
                     UploadId=upload,
-                    ChecksumCRC32=crc32_b64(whole),
-                    ChecksumType="FULL_OBJECT",
                     MultipartUpload={
                         "Parts": [
                             {"PartNumber": p["n"], "ETag": p["etag"], "ChecksumCRC32": crc32_b64(p["crc"])}
@@ -226,7 +225,9 @@ class S3Storage(Storage):
         except BaseException:
             self._abort(key, full, upload)
             raise
-        etag = self._verify_stored(key, size, whole, done)
+        crcs = [(p["crc"], p["size"]) for p in parts]
+        whole = crc32_of_parts(crcs)
+        etag = self._verify_stored(key, size, whole, composite_crc32([c for c, _ in crcs]), len(parts), done)
         return PutReceipt(key, size, whole, etag)
 
     def _send_parts(self, key: str, full: str, upload: str, view, part: int, pace) -> list[dict]:
@@ -286,21 +287,24 @@ class S3Storage(Storage):
         except Exception as e:  # noqa: BLE001 - the bucket's lifecycle rule removes it otherwise
             log.warning("%s: could not abort an unfinished upload (%s)", self.url(key), safe_text(e, self._secrets))
 
-    def _verify_stored(self, key: str, size: int, crc: int, done: dict) -> str:
-        """Compare what the store reports holding (``HEAD``: size and full-object CRC32) with what was
-        sent; a mismatch removes the object (ours, never committed) and raises."""
+    def _verify_stored(self, key: str, size: int, whole: int, composite: int, n_parts: int, done: dict) -> str:
+        """Compare what the store reports holding (``HEAD``: size and CRC32 checksum, composite of
+        ``n_parts`` parts unless the store reports a full-object one) with what was sent; a mismatch
+        removes the object (ours, never committed) and raises."""
         full = self._key(key)
         h = self._call(
             "head", key, lambda: self._client.head_object(Bucket=self.bucket, Key=full, ChecksumMode="ENABLED")
         )
-        reported = h.get("ChecksumCRC32") if h.get("ChecksumType", "FULL_OBJECT") == "FULL_OBJECT" else None
+        reported = h.get("ChecksumCRC32")
+        expected = whole if h.get("ChecksumType") == "FULL_OBJECT" else composite
+        count = reported.rpartition("-")[2] if reported is not None and "-" in reported else str(n_parts)
         problem = None
         if int(h.get("ContentLength", -1)) != size:
             problem = f"holds {h.get('ContentLength')} bytes, {size} were sent"
-        elif reported is not None and crc32_from_b64(reported) != crc:
-            problem = f"holds CRC32 {reported}, the bytes sent have {crc32_b64(crc)}"
+        elif reported is not None and (crc32_from_b64(reported) != expected or count != str(n_parts)):
+            problem = f"holds CRC32 {reported}, the {n_parts} parts sent have {crc32_b64(expected)}"
         elif reported is None:
-            log.debug("%s: the store reports no full-object CRC32; relying on its checks on receipt", self.url(key))
+            log.debug("%s: the store reports no CRC32 checksum; relying on its checks on receipt", self.url(key))
         if problem is not None:
             try:
                 self._client.delete_object(Bucket=self.bucket, Key=full)
