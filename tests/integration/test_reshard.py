@@ -240,6 +240,22 @@ def test_tensor_parallel_change_into_another_model_is_refused_before_any_live_te
 
 
 @needs_megatron
+def test_tensor_parallel_change_takes_an_empty_extra_state_and_refuses_fp8_metadata(tmp_path):
+    """Transformer Engine's layers without FP8 write an empty ``_extra_state``: it holds nothing, so
+    a TP change goes on; FP8 metadata is kept per local module and refused, naming it, every live
+    tensor as it was."""
+    for kind in ("empty", "fp8"):
+        save = ["run", "--total", "2", "--extra-state", kind, "--save", str(tmp_path / kind), "--save-at", "2"]
+        _ok(run_ranks(WORKER, 2, save, timeout=240))
+    args = ["tp2", "--total", "3", "--extra-state", "empty", "--load", str(tmp_path / "empty"), "--load-at", "2"]
+    for r in _ok(run_ranks(WORKER, 2, args, timeout=240)):
+        assert "error" not in r and sorted(_losses(r)) == [3], r
+    args = ["tp2", "--warm", "1", "--extra-state", "fp8", "--load", str(tmp_path / "fp8"), "--load-at", "2"]
+    for err in _refused(run_ranks(WORKER, 2, args, timeout=240)):
+        assert err.startswith("LayoutMismatchError") and "(0.extra_probe._extra_state)" in err, err
+
+
+@needs_megatron
 def test_tensor_parallel_change_of_a_checkpoint_without_global_coordinates_is_refused_naming_the_conversions(
     tmp_path,
 ):

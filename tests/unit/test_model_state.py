@@ -74,3 +74,25 @@ def test_a_checkpoint_without_model_state_only_warns(caplog):
     b = Wrapper()
     model_state.restore(None, [b], where="rank 0: iteration 3")
     assert "no model buffers or extra state" in caplog.text
+
+
+class TELikeWithoutFP8(torch.nn.Module):
+    """As Transformer Engine's layers without FP8: the extra state is an empty uint8 tensor."""
+
+    def get_extra_state(self):
+        return torch.empty(0, dtype=torch.uint8)
+
+    def set_extra_state(self, state):
+        assert state is None or state.numel() == 0
+
+
+def test_held_state_is_what_another_layout_cannot_take():
+    """A layout change refuses the values that hold state (buffers, FP8 metadata) and takes the
+    extra state that holds nothing: ``None`` and TE's empty tensor, through the codec."""
+    plain = torch.nn.Sequential(torch.nn.Linear(2, 2), TELikeWithoutFP8())
+    saved = decode_objects(encode_objects(model_state.capture([plain])))
+    assert set(saved["extra_state"]) == {"0.1._extra_state"} and model_state.held_state(saved) == []
+    assert model_state.held_state({"extra_state": {"0.x._extra_state": None}}) == []
+    assert model_state.held_state(None) == []
+    fp8 = decode_objects(encode_objects(model_state.capture([Wrapper()])))
+    assert model_state.held_state(fp8) == ["0.1._extra_state", "0.1.bias_like"]

@@ -56,6 +56,13 @@ def _args():
     p.add_argument("--model-only", action="store_true", help="load(optimizer=False, rng=False)")
     p.add_argument("--local", default=None, help="the node-local tier (needed with an s3:// --save)")
     p.add_argument("--old-identity", action="store_true", help="save identity 2 (no global coordinates)")
+    p.add_argument(
+        "--extra-state",
+        choices=["empty", "fp8"],
+        default=None,
+        help="a module with a get_extra_state as Transformer Engine's layers have, without FP8 (an empty "
+        "tensor) or with FP8 metadata (bytes)",
+    )
     return p.parse_args()
 
 
@@ -73,6 +80,21 @@ def _build(a, seed):
         overlap_grad_reduce=a.bucket_size is not None,
         bucket_size=a.bucket_size,
     )
+
+
+class ExtraStateProbe(torch.nn.Module):
+    """A module's ``_extra_state`` as Transformer Engine writes it: an empty uint8 tensor for a layer
+    without FP8, else its scaling metadata pickled into a uint8 tensor (here fixed bytes)."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.kind = kind
+
+    def get_extra_state(self):
+        return torch.empty(0, dtype=torch.uint8) if self.kind == "empty" else torch.arange(16, dtype=torch.uint8)
+
+    def set_extra_state(self, state):
+        pass
 
 
 def _data(it):
@@ -207,6 +229,8 @@ def main():
     rank = torch.distributed.get_rank()
     result = {"rank": rank, "dp": gpt.dp_size()}
     chunks, opt = _build(a, a.seed if a.load is None else a.seed + 1)
+    if a.extra_state:
+        chunks[0].module.add_module("extra_probe", ExtraStateProbe(a.extra_state))
     sched = gpt.make_scheduler(opt, lr=1e-3, warmup_steps=2, decay_steps=100)
     save_dir = a.save or f"{os.path.normpath(a.load)}-scratch-dp{gpt.dp_size()}"
     tier = {"local_dir": a.local, "persist_interval": 1} if a.local else {}

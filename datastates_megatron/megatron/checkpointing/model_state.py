@@ -10,7 +10,9 @@ values when ``save()`` is called and stored with the checkpoint's objects (tagge
 copied to the host; a value the codec cannot store without pickle fails the save, naming it).
 
 Keys are ``"<chunk>.<name>"`` with the module path as in ``state_dict`` (leading ``module.``
-prefixes stripped, as for parameters).  Only meaningful for the layout that wrote them.
+prefixes stripped, as for parameters).  Only meaningful for the layout that wrote them, except an
+extra state that carries nothing (:func:`held_state`): ``None``, or the empty tensor Transformer
+Engine returns for a layer that runs without FP8 (its ``set_extra_state`` ignores one).
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import torch
 from ...engine.errors import LayoutMismatchError
 from .shards import model_chunks_of
 
-__all__ = ["capture", "restore"]
+__all__ = ["capture", "held_state", "restore"]
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +63,15 @@ def capture(model) -> dict:
         else:
             buffers[key] = module._buffers[name].detach()
     return {"buffers": buffers, "extra_state": extra}
+
+
+def held_state(saved: dict | None) -> list[str]:
+    """The keys of :func:`capture`'s values that hold state: every buffer, and every extra state
+    but ``None`` and empty tensors (a layer without FP8 metadata)."""
+    saved = saved or {}
+    extra = saved.get("extra_state", {})
+    empty = {k for k, v in extra.items() if v is None or (isinstance(v, torch.Tensor) and v.numel() == 0)}
+    return sorted([*saved.get("buffers", {}), *(k for k in extra if k not in empty)])
 
 
 def restore(saved: dict | None, model, *, where: str) -> None:

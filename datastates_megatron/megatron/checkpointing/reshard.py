@@ -25,8 +25,8 @@ the global expert index
 and the vocabulary padding, and they cost one ``sharded_state_dict`` call per registration.  Rows
 that another padding adds are zeroed after the verified copy (``ReshardPlanner.zeros``), as
 megatron-core's load of an ``allow_shape_mismatch`` tensor does.  Across a TP or PP change the RNG
-is not restored (Megatron-LM ignores it there; across a VPP or EP change alone it is); model buffers and extra state other than ``None``,
-named by local module path, are refused.
+is not restored (Megatron-LM ignores it there; across a VPP or EP change alone it is); model buffers and extra state that holds
+something (FP8 metadata: not ``None`` or empty), named by local module path, are refused.
 
 A change of CP, or another model, is refused before anything is written, in one line naming
 a parameter, its shapes in the checkpoint and in this run, and both layouts (:func:`check_layout`,
@@ -858,11 +858,9 @@ class ReshardPlanner(LoadPlanner):
         change (``tp_pp``) the RNG states are ignored (this process keeps its own, as Megatron-LM's
         load does at another (TP, PP)); model
         buffers and extra state, named by local module path, are refused (before anything is written)
-        unless there are none (extra state ``None``: megatron-core's own layers without TE)."""
-        saved = objects.get("model_state") or {}
-        held = sorted(
-            [*saved.get("buffers", {}), *(k for k, v in saved.get("extra_state", {}).items() if v is not None)]
-        )
+        unless they hold nothing (extra state ``None`` -- megatron-core's own layers -- or empty --
+        Transformer Engine's layers without FP8: :func:`.model_state.held_state`)."""
+        held = model_state.held_state(objects.get("model_state"))
         if held:
             raise _refusal(
                 reader.ckpt,
