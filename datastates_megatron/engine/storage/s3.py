@@ -201,9 +201,8 @@ class S3Storage(Storage):
         upload = self._call(
             "create multipart upload",
             key,
-            lambda: c.create_multipart_upload(
-                Bucket=self.bucket, Key=full, ChecksumAlgorithm="CRC32", ChecksumType="COMPOSITE"
-            ),
+            # CRC32 without a checksum type: COMPOSITE, the default, exactly the request of ``aws s3 cp``
+            lambda: c.create_multipart_upload(Bucket=self.bucket, Key=full, ChecksumAlgorithm="CRC32"),
         )["UploadId"]
         try:
             parts = self._send_parts(key, full, upload, view, part, pace)
