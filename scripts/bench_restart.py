@@ -171,6 +171,23 @@ class PhaseClock:
         self._wrap(ckpt, "_refresh", "prepare")
         self._wrap(ckpt, "_gather_params", "all_gather")
         self._wrap(mgr, "load", "manager_load", keep=True)
+        self.plan_items = 0
+        if hasattr(ckpt, "_planner"):  # the number of (range, destination) items of the plan
+            make = ckpt._planner
+
+            def counted(*a, **kw):
+                planner = make(*a, **kw)
+                plan = planner.plan
+
+                def plan_counted(*pa, **pkw):
+                    out = plan(*pa, **pkw)
+                    self.plan_items = len(out.items)
+                    return out
+
+                planner.plan = plan_counted
+                return planner
+
+            ckpt._planner = counted
 
     def _wrap(self, obj: Any, attr: str, phase: str, keep: bool = False) -> None:
         fn = getattr(obj, attr)
@@ -189,7 +206,7 @@ class PhaseClock:
         setattr(obj, attr, timed)
 
     def reset(self) -> None:
-        self.seconds, self.stats = {}, None
+        self.seconds, self.stats, self.plan_items = {}, None, 0
 
     def phases(self, total_s: float) -> dict[str, float]:
         """Seconds per phase of the last load (``PHASES``), and bytes read / verified."""
@@ -213,6 +230,8 @@ class PhaseClock:
         out["bytes_read"] = getattr(st, "read_bytes", st.bytes if st.read_ahead_s else 0)
         out["bytes_copied"] = st.bytes
         out["bytes_verified"] = st.verified_bytes
+        out["plan_s"] = getattr(st, "plan_s", 0.0)  # making and validating the plan, within open_plan
+        out["plan_items"] = self.plan_items
         return out
 
 
@@ -710,6 +729,11 @@ def render(doc: dict, summary: dict) -> str:
         lines.append(
             f"ours {what} / ours same layout: {o['s'] / ours:.2f}; "
             f"phases: " + "  ".join(f"{p} {o['phases'][p]:.3f}" for p in PHASES)
+        )
+        lines.append(
+            f"  ours' plan: {o['phases']['plan_items']:.0f} items (max over ranks), made and checked in "
+            f"{o['phases']['plan_s']:.3f} s; same layout: {same['ours']['phases']['plan_items']:.0f} items, "
+            f"{same['ours']['phases']['plan_s']:.3f} s"
         )
         if phase.get("tp", 1) > 1:
             lines.append(

@@ -67,5 +67,6 @@ def test_a_tiny_tensor_parallel_change_restores_bit_exact_with_both_engines(tmp_
         assert len(runs) == 2 and all(r["ok"] and r["mismatch"] == [] for r in runs), (name, runs)
     phases = doc["summary"]["tp2"]["ours"]["phases"]
     assert phases["bytes_copied"] > 0 and phases["bytes_verified"] >= phases["bytes_copied"]
+    assert phases["plan_items"] > 0 and "ours' plan: " in done.stdout
     assert "restore, TP 1 -> 2" in done.stdout and "ours TP 1 -> 2 / ours same layout" in done.stdout
     assert not (tmp_path / "ckpt").exists()
