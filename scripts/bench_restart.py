@@ -38,7 +38,9 @@ choice, opening the rank file, the plan and its validation; ``read`` -- reading 
 (bytes and GB/s beside the plain read's); ``verify`` -- XXH64 of every chunk the plan touches, once;
 ``agree`` -- the one cross-rank agreement; ``copy`` -- into the live tensors;
 ``all-gather`` -- the param buffers across data-parallel ranks; ``other`` -- the rest of ``load()``
-(non-tensor state, RNG, scheduler).
+(non-tensor state, RNG, scheduler).  Each reshard also reports the plan's size (its (range,
+destination) items, max over ranks) and the seconds making and checking it took (within
+``open+plan``): a TP change reads each row of a block split on its last axis as an item of its own.
 
 The machine's load matters: on a shared machine run it more than once and compare the medians.
 """
