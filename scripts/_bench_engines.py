@@ -14,6 +14,10 @@ driven the way its own framework drives it:
 ``mcore_async``  the same with ``async_sharded_save=True``; the request goes to an
                  ``AsyncCallsQueue`` and ``maybe_finalize_async_calls(blocking=False)`` runs once
                  per iteration, as Megatron-LM's training loop does
+``mcore_reshardable``
+                 ``mcore_sync`` with ``distrib_optim_sharding_type='fully_reshardable'`` (Megatron-LM's
+                 ``--dist-ckpt-optim-fully-reshardable``): optimizer state that megatron-core
+                 reshards at another TP, PP or EP size
 ``dcp_async``    ``torch.distributed.checkpoint.async_save`` of :func:`rank_state` with a
                  ``DefaultStager`` (TorchTitan's ``async_with_pinned_mem`` mode): the save call waits
                  for the previous upload, and a step pre-hook on every inner torch optimizer waits
@@ -34,6 +38,7 @@ methods except ``tick`` of the synchronous engines are collective (every rank, s
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import os
 import re
@@ -443,11 +448,13 @@ class TorchSaveEngine(Engine):
 
 class McoreEngine(Engine):
     """megatron-core ``dist_checkpointing`` (``torch_dist`` + fully parallel save), as Megatron-LM's
-    ``save_checkpoint`` / ``load_checkpoint`` drive it (one model chunk)."""
+    ``save_checkpoint`` / ``load_checkpoint`` drive it (one model chunk); the distributed optimizer's
+    state in ``sharding_type`` (Megatron-LM's default, ``dp_reshardable``: a DP change only)."""
 
     name = "mcore_sync"
     persists = True
     async_save = False
+    sharding_type = "dp_reshardable"
 
     def __init__(self, w: Workload, opts: BenchOptions) -> None:
         super().__init__(w, opts)
@@ -462,7 +469,7 @@ class McoreEngine(Engine):
         dp_group = parallel_state.get_data_parallel_group(with_context_parallel=True)
         # Megatron-LM 0.16.1 _build_sharded_state_dict_metadata with default args.
         self._content_metadata = {
-            "distrib_optim_sharding_type": "dp_reshardable",
+            "distrib_optim_sharding_type": self.sharding_type,
             "singleton_local_shards": False,
             "chained_optim_avoid_prefix": True,
         }
@@ -487,7 +494,8 @@ class McoreEngine(Engine):
         d = iter_dir(self.w.root, iteration)
         if self.w.rank == 0:
             d.mkdir(parents=True, exist_ok=True)
-        state = self._sharded_state_dict(is_loading=False)
+        with self._save_context():
+            state = self._sharded_state_dict(is_loading=False)
         state["iteration"] = iteration
         state["checkpoint_version"] = 3.0
         if self.w.scheduler is not None:
@@ -518,12 +526,21 @@ class McoreEngine(Engine):
 
         if self.last_iteration is None:
             return None
-        sharded = self._sharded_state_dict(is_loading=True)
-        loaded = dist_checkpointing.load(sharded, str(iter_dir(self.w.root, self.last_iteration)))
-        with torch.no_grad():
-            self.w.chunks[0].module.load_state_dict(loaded["model"])
-            self.w.optimizer.load_state_dict(loaded["optimizer"])
+        with self._load_context():
+            sharded = self._sharded_state_dict(is_loading=True)
+            loaded = dist_checkpointing.load(sharded, str(iter_dir(self.w.root, self.last_iteration)))
+            with torch.no_grad():
+                self.w.chunks[0].module.load_state_dict(loaded["model"])
+                self.w.optimizer.load_state_dict(loaded["optimizer"])
         return int(loaded["iteration"])
+
+    def _save_context(self) -> contextlib.AbstractContextManager:
+        """Around building the state to save."""
+        return contextlib.nullcontext()
+
+    def _load_context(self) -> contextlib.AbstractContextManager:
+        """Around building the state to load, the load and putting it into the live objects."""
+        return contextlib.nullcontext()
 
     def close(self) -> None:
         if self._queue is not None:
@@ -534,6 +551,31 @@ class McoreEngine(Engine):
 class McoreAsyncEngine(McoreEngine):
     name = "mcore_async"
     async_save = True
+
+
+class McoreReshardableEngine(McoreEngine):
+    """``mcore_sync`` with the optimizer state that megatron-core reshards at any TP/PP/EP size:
+    ``fully_reshardable``, what Megatron-LM 0.16.1 writes with ``--dist-ckpt-optim-fully-reshardable``
+    (the state gathered on DP rank 0 at save and laid out per parameter; each rank loads what it
+    needs of it).  ``fully_sharded_model_space`` is deprecated and refused by 0.16.1's
+    ``ShardedTensor`` ("flattened_range is not supported")."""
+
+    name = "mcore_reshardable"
+    sharding_type = "fully_reshardable"
+
+    # megatron-core 0.16.1's own fully_reshardable save and load need, as in Megatron-LM (and in our
+    # --lazy-ckpt-convert-to, which writes this format), two fixes: its save slices the gathered
+    # state at the wrong offsets after a padded bucket, and its load cannot copy into torch Adam's
+    # per-parameter ``step`` (KeyError: 'step'); the same as the conversion uses
+    def _save_context(self) -> contextlib.AbstractContextManager:
+        from datastates_megatron.megatron.megatron_lm.torch_dist import _fully_reshardable_save
+
+        return _fully_reshardable_save(self.w.optimizer)
+
+    def _load_context(self) -> contextlib.AbstractContextManager:
+        from datastates_megatron.megatron.megatron_lm.torch_dist import _torch_adam_load
+
+        return _torch_adam_load(self.w.optimizer)
 
 
 class DcpAsyncEngine(Engine):
@@ -781,6 +823,7 @@ ENGINES: dict[str, Callable[[Workload, BenchOptions], Engine]] = {
         TorchSaveEngine,
         McoreEngine,
         McoreAsyncEngine,
+        McoreReshardableEngine,
         DcpAsyncEngine,
         LazyEngine,
         LazyLocalEngine,

@@ -1,10 +1,11 @@
 #!/usr/bin/env python
 """Restart time of one training state, side by side: our restore by phase, the peers' restores,
-and a data-parallel change (ours against megatron-core's own ``torch_dist`` resharding load).
+and a data-parallel and a tensor-parallel change (ours against megatron-core's own ``torch_dist``
+resharding load).
 
-    python scripts/bench_restart.py [--repeats 5] [--vocab 131072] [--dir runs/bench-restart] [--json OUT]
+    python scripts/bench_restart.py [--repeats 5] [--vocab 131072] [--no-reshard] [--no-tp] [--dir runs/bench-restart] [--json OUT]
 
-One command, three launches of ``torchrun`` (this script under ``--phase``):
+One command, four launches of ``torchrun`` (this script under ``--phase``):
 
 1. ``same`` (2 ranks): the workload of ``scripts/bench_peers.py`` (megatron-core GPT 6x512 +
    DistributedOptimizer, here with ``--vocab 131072``: about 518 MB of state per rank) trains
@@ -19,16 +20,27 @@ One command, three launches of ``torchrun`` (this script under ``--phase``):
    data-parallel size: ours (``LazyCheckpointer.load()``, resharded by parameter identity) and
    megatron-core's ``dist_checkpointing.load`` of its ``dp_reshardable`` checkpoint, alternating,
    page cache evicted; the restored parameters compared with the saved ones.
-3. The driver prints one table: medians over the rounds (max over ranks per round), ratios.
+3. ``tp`` (2 ranks at TP 2, DP 1; not with ``--no-tp``): the checkpoints of (1) loaded at another
+   tensor-parallel size: ours (``LazyCheckpointer.load()``, resharded through megatron-core's
+   sharded keys and global offsets) and megatron-core's ``dist_checkpointing.load`` of a third
+   checkpoint (1) writes for it, ``mcore_reshardable`` (``fully_reshardable``, Megatron-LM's
+   ``--dist-ckpt-optim-fully-reshardable``: the optimizer state megatron-core reshards at another TP
+   size), alternating, page cache evicted.  Each rank's
+   parameters are compared with their slice of the saved full tensors (the offsets of megatron-core's
+   ``sharded_state_dict``), and ours' whole state (parameters, Adam moments, step) with what
+   megatron-core's load gave: both bit for bit.
+4. The driver prints one table: medians over the rounds (max over ranks per round), ratios.
 
 Our phases (seconds, max over ranks, median over rounds): ``decide`` -- rank 0 resolves the
-checkpoint and its layout, each rank gets its record (``view``); ``prepare`` -- Adam state and the
+checkpoint and its layout, each rank gets its record (``choose``); ``prepare`` -- Adam state and the
 registered shards (``_ensure_optimizer_state``, ``_refresh``); ``open+plan`` -- the manager's tier
 choice, opening the rank file, the plan and its validation; ``read`` -- reading the files into memory
 (bytes and GB/s beside the plain read's); ``verify`` -- XXH64 of every chunk the plan touches, once;
 ``agree`` -- the one cross-rank agreement; ``copy`` -- into the live tensors;
 ``all-gather`` -- the param buffers across data-parallel ranks; ``other`` -- the rest of ``load()``
-(non-tensor state, RNG, scheduler).
+(non-tensor state, RNG, scheduler).  Each reshard also reports the plan's size (its (range,
+destination) items, max over ranks) and the seconds making and checking it took (within
+``open+plan``): a TP change reads each row of a block split on its last axis as an item of its own.
 
 The machine's load matters: on a shared machine run it more than once and compare the medians.
 """
@@ -76,7 +88,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=Formatter)
     be.add_workload_args(p)
     p.set_defaults(vocab=131072)
-    p.add_argument("--phase", choices=("driver", "same", "reshard"), default="driver", help=argparse.SUPPRESS)
+    p.add_argument("--phase", choices=("driver", "same", "reshard", "tp"), default="driver", help=argparse.SUPPRESS)
     p.add_argument("--repeats", type=int, default=5, help="rounds of every comparison (ABBA order)")
     p.add_argument("--warmup", type=int, default=2, help="training iterations before the checkpoint")
     p.add_argument(
@@ -94,6 +106,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--no-reshard", action="store_true", help="skip the data-parallel change")
     p.add_argument("--with-dp4", action="store_true", help="also load at 4 ranks (2 -> 4)")
+    p.add_argument("--no-tp", action="store_true", help="skip the tensor-parallel change (TP 1 -> 2)")
     p.add_argument("--dir", default="./runs/bench-restart", help="checkpoint root (on the disk under test)")
     p.add_argument("--host-cache-gb", type=float, default=1.5, help="ours: host cache per rank")
     p.add_argument("--json", dest="json_out", default=None, help="write every figure here")
@@ -154,11 +167,29 @@ class PhaseClock:
         self.seconds: dict[str, float] = {}
         self.stats = None
         mgr = ckpt._mgr
-        self._wrap(mgr, "view", "decide")
+        # the restore decision: ``choose`` today, ``view`` in the packages before it (``--before``)
+        self._wrap(mgr, "choose" if hasattr(mgr, "choose") else "view", "decide")
         self._wrap(ckpt, "_ensure_optimizer_state", "prepare")
         self._wrap(ckpt, "_refresh", "prepare")
         self._wrap(ckpt, "_gather_params", "all_gather")
         self._wrap(mgr, "load", "manager_load", keep=True)
+        self.plan_items = 0
+        if hasattr(ckpt, "_planner"):  # the number of (range, destination) items of the plan
+            make = ckpt._planner
+
+            def counted(*a, **kw):
+                planner = make(*a, **kw)
+                plan = planner.plan
+
+                def plan_counted(*pa, **pkw):
+                    out = plan(*pa, **pkw)
+                    self.plan_items = len(out.items)
+                    return out
+
+                planner.plan = plan_counted
+                return planner
+
+            ckpt._planner = counted
 
     def _wrap(self, obj: Any, attr: str, phase: str, keep: bool = False) -> None:
         fn = getattr(obj, attr)
@@ -177,7 +208,7 @@ class PhaseClock:
         setattr(obj, attr, timed)
 
     def reset(self) -> None:
-        self.seconds, self.stats = {}, None
+        self.seconds, self.stats, self.plan_items = {}, None, 0
 
     def phases(self, total_s: float) -> dict[str, float]:
         """Seconds per phase of the last load (``PHASES``), and bytes read / verified."""
@@ -201,6 +232,8 @@ class PhaseClock:
         out["bytes_read"] = getattr(st, "read_bytes", st.bytes if st.read_ahead_s else 0)
         out["bytes_copied"] = st.bytes
         out["bytes_verified"] = st.verified_bytes
+        out["plan_s"] = getattr(st, "plan_s", 0.0)  # making and validating the plan, within open_plan
+        out["plan_items"] = self.plan_items
         return out
 
 
@@ -212,6 +245,60 @@ def _param_mismatches(chunks: list, ref: dict[str, torch.Tensor]) -> list[str]:
     live = _full_params(chunks)
     bad = sorted(set(ref) ^ set(live))
     return bad + [k for k, v in ref.items() if k in live and not torch.equal(live[k], v)]
+
+
+def saved_slice(
+    full: torch.Tensor, global_shape: tuple, global_offset: tuple, local_shape: tuple, prepend: int = 0
+) -> torch.Tensor:
+    """The part of ``full`` (a parameter as the 1-TP run held it) that a tensor-parallel shard of
+    ``local_shape`` at ``global_offset`` holds, in megatron-core's coordinates (``ShardedTensor``:
+    ``prepend`` leading axes that the tensor does not have, e.g. a layer number, and are the same at
+    any TP size).  Raises ``ValueError`` where the two do not describe the same tensor."""
+    global_shape, global_offset = tuple(global_shape), tuple(global_offset)
+    if len(global_shape) != len(global_offset) or len(global_shape) != prepend + len(local_shape):
+        raise ValueError(f"shard {tuple(local_shape)} +{prepend} axes does not fit global shape {global_shape}")
+    if tuple(full.shape) != global_shape[prepend:]:
+        raise ValueError(f"saved tensor {tuple(full.shape)} is not the global tensor {global_shape[prepend:]}")
+    index = []
+    for off, size, n in zip(global_offset[prepend:], local_shape, global_shape[prepend:]):
+        if off < 0 or off + size > n:
+            raise ValueError(f"shard {tuple(local_shape)} at {global_offset} is outside {global_shape}")
+        index.append(slice(off, off + size))
+    return full[tuple(index)]
+
+
+def _shard_coordinates(chunks: list) -> dict[int, tuple]:
+    """``{id(param): (global shape, global offset, prepend axes)}`` of every parameter that
+    megatron-core's ``sharded_state_dict`` declares as a plain ``ShardedTensor`` of itself."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    out: dict[int, tuple] = {}
+    for c in chunks:
+        params = {id(p) for p in c.module.parameters()}
+        for sh in nested_values(c.module.sharded_state_dict()):
+            if isinstance(sh, ShardedTensor) and id(sh.data) in params and sh.flattened_range is None:
+                out.setdefault(id(sh.data), (tuple(sh.global_shape), tuple(sh.global_offset), sh.prepend_axis_num))
+    return out
+
+
+def _tp_param_mismatches(chunks: list, ref: dict[str, torch.Tensor], coords: dict[int, tuple]) -> list[str]:
+    """Names of the live parameters (tensor-parallel shards) that differ from their slice of the saved
+    full tensors ``ref``; a parameter without coordinates must equal its saved tensor whole."""
+    live = {f"c{ci}.{n}": p for ci, c in enumerate(chunks) for n, p in c.module.named_parameters()}
+    bad = sorted(set(ref) ^ set(live))
+    for name, p in live.items():
+        if name not in ref:
+            continue
+        at = coords.get(id(p))
+        try:
+            want = ref[name] if at is None else saved_slice(ref[name], at[0], at[1], tuple(p.shape), at[2])
+        except ValueError as e:
+            bad.append(f"{name}: {e}")
+            continue
+        if not (want.shape == p.shape and torch.equal(p.detach(), want)):
+            bad.append(name)
+    return bad
 
 
 class OursFrom(be.Engine):
@@ -273,6 +360,16 @@ def phase_same(args: argparse.Namespace) -> dict:
         eng.save(args.warmup)
         eng.drain()
         engines[name] = eng
+        _barrier()
+    if not args.no_tp:  # the optimizer state megatron-core reshards at another TP size, for the tp phase
+        eroot = root / "mcore_reshardable"
+        if rank == 0:
+            shutil.rmtree(eroot, ignore_errors=True)
+            eroot.mkdir(parents=True)
+        _barrier()
+        eng = be.ENGINES["mcore_reshardable"](be.Workload(chunks, optimizer, scheduler, eroot, io_group), opts)
+        eng.save(args.warmup)
+        eng.close()
         _barrier()
     # a restart restores with a checkpointer that did not write the checkpoint: so does ours here, as
     # the --before package does (the one that saved keeps its cache and threads)
@@ -349,32 +446,51 @@ def _own_rank_file(ckpt_root: Path, iteration: int, rank: int) -> Path:
 
 
 # --------------------------------------------------------------------------- #
-# phase 2: another data-parallel size
+# phases 2 and 3: another data-parallel size, another tensor-parallel size
 # --------------------------------------------------------------------------- #
 def phase_reshard(args: argparse.Namespace) -> dict:
+    """The checkpoints of ``same`` restored at this launch's layout (another DP size, or TP 2 with
+    ``--phase tp``), ours against megatron-core's resharding load, alternating."""
     import datastates_megatron
+    from megatron.core import parallel_state
 
     rank = torch.distributed.get_rank()
     world = torch.distributed.get_world_size()
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    dp = parallel_state.get_data_parallel_world_size()
     root = Path(args.dir).resolve()
     io_group = torch.distributed.new_group(backend="gloo")
     chunks, optimizer, scheduler = be.build_workload(args)
     ref = torch.load(root / "ref_params.pt", weights_only=True)
-    scratch = root / f"scratch-dp{world}"
+    scratch = root / f"scratch-tp{tp}dp{dp}"
     if rank == 0:
         shutil.rmtree(scratch, ignore_errors=True)
     _barrier()
     w = be.Workload(chunks, optimizer, scheduler, root / "ours", io_group)
     ours = OursFrom(w, datastates_megatron, root / "ours", scratch, args.host_cache_gb)
     clock = PhaseClock(ours._ckpt)
-    mcore = be.ENGINES["mcore_sync"](
-        be.Workload(chunks, optimizer, scheduler, root / "mcore_sync", io_group), be.BenchOptions()
-    )
+    peer = "mcore_reshardable" if tp > 1 else "mcore_sync"  # dp_reshardable: a DP change only
+    mcore = be.ENGINES[peer](be.Workload(chunks, optimizer, scheduler, root / peer, io_group), be.BenchOptions())
     mcore.last_iteration = args.warmup
-    order = ["ours", "mcore_sync"]
+    if tp > 1:
+        coords = _shard_coordinates(chunks)
+
+        def mismatches() -> list[str]:
+            return _tp_param_mismatches(chunks, ref, coords)
+
+    else:
+
+        def mismatches() -> list[str]:
+            return _param_mismatches(chunks, ref)
+
+    order = ["ours", peer]
     rows: dict[str, list[dict]] = {k: [] for k in order}
     ours.restore()  # one unmeasured restore each: compilation, first-use imports, allocations
+    be.scramble_state(chunks, optimizer)  # as before every measured one (what a restore leaves as it is)
     mcore.restore()
+    # at another TP size the optimizer state has no saved full copy here: ours must equal, bit for
+    # bit, what megatron-core's own resharding load gives (checked against the saved parameters below)
+    mcore_state = be.snapshot_state(chunks, optimizer) if tp > 1 else None
     _barrier()
     for k in range(args.repeats):
         for name in order if k % 2 == 0 else order[::-1]:
@@ -392,12 +508,18 @@ def phase_reshard(args: argparse.Namespace) -> dict:
             if name == "ours":
                 row["phases"] = clock.phases(secs)
             _barrier()
-            row["mismatch"] = _param_mismatches(chunks, ref)[:5]
+            row["mismatch"] = mismatches()[:5]
+            if mcore_state is not None:
+                row["mismatch"] += [
+                    f"{n} (against {peer})" for n in be.compare_state(chunks, optimizer, mcore_state)[:5]
+                ]
             rows[name].append(row)
     ours.close()
     mcore.close()
+    del mcore_state
     per_rank = _gather(rows)
-    out = {"world": world, "engines": {}}
+    label = f"TP 1 -> {tp}" if tp > 1 else f"DP 2 -> {world}"
+    out = {"world": world, "tp": tp, "dp": dp, "label": label, "peer": peer, "engines": {}}
     for name in order:
         runs = []
         for k in range(args.repeats):
@@ -417,6 +539,26 @@ def phase_reshard(args: argparse.Namespace) -> dict:
     return out
 
 
+def _init_tensor_parallel(size: int, timeout_s: float) -> None:
+    """torch.distributed and megatron's parallel state at TP ``size`` (before ``gpt.init_distributed``,
+    which then only seeds), as the demo's TP tests start it."""
+    from datetime import timedelta
+
+    from datastates_megatron.megatron.cpu import cuda_on_cpu
+    from megatron.core import parallel_state
+
+    if not torch.cuda.is_available():
+        cuda_on_cpu.install()
+    torch.distributed.init_process_group(
+        backend="gloo" if not torch.cuda.is_available() else "nccl",
+        init_method="env://",
+        timeout=timedelta(seconds=timeout_s),
+    )
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=size, distributed_timeout_minutes=max(1, int(timeout_s // 60))
+    )
+
+
 # --------------------------------------------------------------------------- #
 # ranks and driver
 # --------------------------------------------------------------------------- #
@@ -426,6 +568,8 @@ def rank_main(args: argparse.Namespace) -> int:
     warnings.filterwarnings("ignore")
     rank = int(os.environ["RANK"])
     logging.basicConfig(level=logging.WARNING, format=f"[rank {rank}] %(levelname)s %(name)s: %(message)s")
+    if args.phase == "tp":
+        _init_tensor_parallel(2, max(600.0, args.timeout_s))
     gpt.init_distributed(seed=args.seed, timeout_s=max(600.0, args.timeout_s))
     try:
         out = phase_same(args) if args.phase == "same" else phase_reshard(args)
@@ -465,6 +609,7 @@ def _launch(args: argparse.Namespace, phase: str, nproc: int, out: Path, tree: s
         *(f"--{k.replace('_', '-')}={getattr(args, k)}" for k in ("micro_batch", "seed", "lr")),
         *(["--bf16"] if args.bf16 else []),
         *(["--keep"] if args.keep else []),
+        *(["--no-tp"] if args.no_tp else []),
         *(["--before", args.before] if args.before else []),
     ]
     tree = tree or str(_HERE.parent)
@@ -574,17 +719,29 @@ def render(doc: dict, summary: dict) -> str:
     for label, rows in summary.items():
         if label == "same":
             continue
-        world = doc["phases"][label]["world"]
-        o, m = rows["ours"], rows["mcore_sync"]
+        phase = doc["phases"][label]
+        world = phase["world"]
+        what = phase.get("label", f"DP 2 -> {world}")
+        o, m = rows["ours"], rows[phase.get("peer", "mcore_sync")]
         lines.append("")
-        lines.append(f"{'restore, DP 2 -> ' + str(world):34} {'s':>7} {'x mcore':>7}  restored bit-exact  runs")
+        lines.append(f"{'restore, ' + what:34} {'s':>7} {'x mcore':>7}  restored bit-exact  runs")
         for name, r in rows.items():
             runs = " ".join(f"{x:.3f}" for x in r["runs_s"])
             lines.append(f"{name:34} {r['s']:7.3f} {r['s'] / m['s']:7.2f}  {'yes' if r['ok'] else 'NO':>18}  {runs}")
         lines.append(
-            f"ours DP 2 -> {world} / ours same layout: {o['s'] / ours:.2f}; "
+            f"ours {what} / ours same layout: {o['s'] / ours:.2f}; "
             f"phases: " + "  ".join(f"{p} {o['phases'][p]:.3f}" for p in PHASES)
         )
+        lines.append(
+            f"  ours' plan: {o['phases']['plan_items']:.0f} items (max over ranks), made and checked in "
+            f"{o['phases']['plan_s']:.3f} s; same layout: {same['ours']['phases']['plan_items']:.0f} items, "
+            f"{same['ours']['phases']['plan_s']:.3f} s"
+        )
+        if phase.get("tp", 1) > 1:
+            lines.append(
+                f"  ({world} ranks, TP {phase['tp']} x DP {phase['dp']}; bit-exact: each rank's parameters against "
+                f"their slice of the saved full tensors, and ours' whole state against {phase['peer']}'s restore)"
+            )
     return "\n".join(lines)
 
 
@@ -599,6 +756,8 @@ def driver(args: argparse.Namespace) -> int:
             doc["phases"]["dp1"] = _launch(args, "reshard", 1, root / "dp1.json")
             if args.with_dp4:
                 doc["phases"]["dp4"] = _launch(args, "reshard", 4, root / "dp4.json")
+        if not args.no_tp:
+            doc["phases"]["tp2"] = _launch(args, "tp", 2, root / "tp2.json")
     finally:
         if not args.keep:
             shutil.rmtree(root, ignore_errors=True)
