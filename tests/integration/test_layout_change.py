@@ -59,6 +59,14 @@ CASES = {
     "pp2_dp1_to_pp1_dp2_untied": (UNTIED_PP2, 2, 2, "TP1×PP2×DP1 → TP1×PP1×DP2", [], UNTIED),
     # an expert-parallel change: experts mapped by global expert index (megatron-core's offsets)
     "ep2_dp4_to_ep4_dp4": (MOE, 4, 4, "TP1×PP1×DP4×EP2 → TP1×PP1×DP4×EP4", ["--no-load-rng"], EP4),
+    # a virtual-pipeline change: model chunks mapped by global layer number (megatron-core's keys and
+    # offsets); 4 layers, PP2 x VPP2 (interleaved, 1 layer per chunk) -> PP2 (2 layers per stage).
+    # The interleaved run that writes the checkpoint is reproducible on gloo CPU ranks only with
+    # launch's isend guard (megatron_lm_runs.INTERLEAVED): Megatron-LM's deallocate_output_tensor
+    # frees a chunk's output while gloo is still sending it (another loss from run to run, a NaN
+    # under load, without it)
+    "pp2_vpp2_to_pp2": (VP2, 2, 2, "TP1×PP2×VPP2×DP1 → TP1×PP2×DP1", [], [*PP2, "--num-layers", "4"]),
+    "pp2_vpp2_dp1_to_pp2_dp2": (VP2, 2, 4, "TP1×PP2×VPP2×DP1 → TP1×PP2×DP2", [], [*PP2, "--num-layers", "4"]),
     # a fused GLU weight (--swiglu: a ShardedTensorFactory, its w and v halves blocks of their own)
     "tp1_dp2_to_tp2_dp1_swiglu": (SWIGLU, 2, 2, "TP1×PP1×DP2 → TP2×PP1×DP1", [], [*SWIGLU, *TP2]),
     # 600 tokens padded to a multiple of 128 x TP: 640 rows at TP1, 768 at TP2 (zero, as megatron-core)
