@@ -8,8 +8,7 @@ choice at PP = 2) a chunk's output is sent with ``isend`` and, before that send 
 Gloo's send reads the tensor's memory from its own thread until it completes, so that memory is
 freed and reused by the next microbatch's tensors while it is being sent: the next stage receives
 a mix of activations and whatever was allocated there (another loss from run to run, a NaN under
-load). On a GPU the caching allocator keeps a block that NCCL's stream still uses; gloo has no such
-guard. Megatron-LM's sources are not changed; the values sent are the same.
+load). Megatron-LM's sources are not changed; the values sent are the same.
 """
 
 import torch.distributed as _dist
