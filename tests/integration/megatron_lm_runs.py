@@ -76,6 +76,12 @@ TINY = [
     "1234",
 ]
 LAZY = ["--lazy-ckpt", "--lazy-ckpt-host-cache-gb", "0.05"]
+# Megatron-LM's interleaved schedule frees a chunk's output (deallocate_output_tensor) while its
+# isend is in flight, which gloo reads from its own thread: on CPU ranks such a run sends a copy
+# (gloo_isend_copies/sitecustomize.py says why), or it is not reproducible (another loss at
+# iteration 1 from run to run, a NaN under load)
+INTERLEAVED = ("--num-layers-per-virtual-pipeline-stage", "--num-virtual-stages-per-pipeline-rank")
+ISEND_COPIES = Path(__file__).resolve().parent / "gloo_isend_copies"
 # a GPU without Transformer Engine (the device image): megatron-core's own layers, as on CPU
 NO_TE = [] if importlib.util.find_spec("transformer_engine") else ["--transformer-impl", "local"]
 
@@ -121,6 +127,22 @@ def command(
     ]
 
 
+def run_env(args: list[str], record: str) -> dict[str, str]:
+    """The environment of a launch: one thread per rank, the training record, and on CPU ranks
+    under the interleaved schedule ``ISEND_COPIES`` first on ``PYTHONPATH``."""
+    # Megatron-LM asserts CUDA_DEVICE_MAX_CONNECTIONS=1 at TP or CP > 1 (GPU launch scripts set it)
+    env = dict(
+        os.environ,
+        OMP_NUM_THREADS="1",
+        PYTHONWARNINGS="ignore",
+        CUDA_DEVICE_MAX_CONNECTIONS="1",
+        **{training_record.ENV: record},
+    )
+    if not CUDA and any(flag in args for flag in INTERLEAVED):
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ISEND_COPIES), env.get("PYTHONPATH")) if p)
+    return env
+
+
 def launch(
     tmp: Path,
     name: str,
@@ -139,14 +161,7 @@ def launch(
     many torchruns of ``nproc`` ranks each, one per "node" (the return code is the first non-zero one)."""
     record = str(tmp / f"{name}-record")  # see logged()
     log_path = tmp / f"{name}.log"
-    # Megatron-LM asserts CUDA_DEVICE_MAX_CONNECTIONS=1 at TP or CP > 1 (GPU launch scripts set it)
-    env = dict(
-        os.environ,
-        OMP_NUM_THREADS="1",
-        PYTHONWARNINGS="ignore",
-        CUDA_DEVICE_MAX_CONNECTIONS="1",
-        **{training_record.ENV: record},
-    )
+    env = run_env(args, record)
     port = free_port()
     cmds = [command(nproc, args, port, megatron_lm_dir, (k, nodes) if nodes > 1 else None) for k in range(nodes)]
     with open(log_path, "w") as log:
