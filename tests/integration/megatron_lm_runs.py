@@ -76,12 +76,6 @@ TINY = [
     "1234",
 ]
 LAZY = ["--lazy-ckpt", "--lazy-ckpt-host-cache-gb", "0.05"]
-# Megatron-LM's interleaved schedule frees a chunk's output (deallocate_output_tensor) while its
-# isend is in flight, which gloo reads from its own thread: on CPU ranks such a run sends a copy
-# (gloo_isend_copies/sitecustomize.py says why), or it is not reproducible (another loss at
-# iteration 1 from run to run, a NaN under load)
-INTERLEAVED = ("--num-layers-per-virtual-pipeline-stage", "--num-virtual-stages-per-pipeline-rank")
-ISEND_COPIES = Path(__file__).resolve().parent / "gloo_isend_copies"
 # a GPU without Transformer Engine (the device image): megatron-core's own layers, as on CPU
 NO_TE = [] if importlib.util.find_spec("transformer_engine") else ["--transformer-impl", "local"]
 
@@ -128,8 +122,7 @@ def command(
 
 
 def run_env(args: list[str], record: str) -> dict[str, str]:
-    """The environment of a launch: one thread per rank, the training record, and on CPU ranks
-    under the interleaved schedule ``ISEND_COPIES`` first on ``PYTHONPATH``."""
+    """The environment of a launch: one thread per rank and the training record."""
     # Megatron-LM asserts CUDA_DEVICE_MAX_CONNECTIONS=1 at TP or CP > 1 (GPU launch scripts set it)
     env = dict(
         os.environ,
@@ -138,8 +131,6 @@ def run_env(args: list[str], record: str) -> dict[str, str]:
         CUDA_DEVICE_MAX_CONNECTIONS="1",
         **{training_record.ENV: record},
     )
-    if not CUDA and any(flag in args for flag in INTERLEAVED):
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ISEND_COPIES), env.get("PYTHONPATH")) if p)
     return env
 
 

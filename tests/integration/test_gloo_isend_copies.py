@@ -1,7 +1,7 @@
 """The guard that makes Megatron-LM's interleaved schedule reproducible on gloo CPU ranks
-(gloo_isend_copies/sitecustomize.py): a tensor sent with ``isend`` whose storage is swapped before
-the send is waited on -- Megatron-LM's ``deallocate_output_tensor`` -- arrives as it was sent, and
-``launch`` puts the guard on the interleaved runs' ``PYTHONPATH``.
+(:mod:`datastates_megatron.megatron.cpu.gloo_sends`): a tensor sent with ``isend`` whose storage is
+swapped before the send is waited on -- Megatron-LM's ``deallocate_output_tensor`` -- arrives as it
+was sent, and the CPU launcher installs the guard.
 
 Without the guard the same script receives something else in most rounds (seen: 133 of 200), as
 gloo reads the freed memory from its own thread while the next tensors are allocated in it; that
@@ -12,8 +12,9 @@ from __future__ import annotations
 import os
 import sys
 
+import subprocess
+
 from tests.distributed.ranks import run_command
-from tests.integration.megatron_lm_runs import CUDA, ISEND_COPIES, run_env
 
 ROUNDS = 200
 
@@ -21,8 +22,10 @@ ROUNDS = 200
 # allocates as the next microbatch would; rank 1 checks each tensor it receives
 SCRIPT = """
 import sys, torch, torch.distributed as dist
+from datastates_megatron.megatron.cpu import gloo_sends
+gloo_sends.install()
+gloo_sends.install()  # idempotent
 dist.init_process_group("gloo")
-assert dist.isend.__name__ == "_isend_a_copy", "the sitecustomize was not imported"
 rounds, n, bad = int(sys.argv[1]), 64 * 2 * 64, 0
 for r in range(rounds):
     if dist.get_rank() == 0:
@@ -41,20 +44,21 @@ dist.destroy_process_group()
 """
 
 
-def test_launch_puts_the_guard_on_interleaved_cpu_runs_only(tmp_path):
-    interleaved = run_env(["--num-layers-per-virtual-pipeline-stage", "1"], str(tmp_path / "r"))
-    plain = run_env(["--pipeline-model-parallel-size", "2"], str(tmp_path / "r"))
-    assert plain.get("PYTHONPATH") == os.environ.get("PYTHONPATH")
-    if CUDA:  # NCCL's stream-ordered sends need no guard
-        assert interleaved.get("PYTHONPATH") == os.environ.get("PYTHONPATH")
-    else:
-        assert interleaved["PYTHONPATH"].split(os.pathsep)[0] == str(ISEND_COPIES)
+def test_the_cpu_launcher_installs_the_guard():
+    code = (
+        "import torch, torch.distributed as d; torch.cuda.is_available = lambda: False; "
+        "from datastates_megatron.megatron.cpu import launch; assert launch.prepare(); "
+        "from torch.distributed import distributed_c10d as c; "
+        "assert d.isend.__name__ == c.isend.__name__ == '_isend_a_copy', d.isend"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
 
 
 def test_a_tensor_freed_while_its_isend_is_in_flight_arrives_as_sent(tmp_path):
     script = tmp_path / "send_then_free.py"
     script.write_text(SCRIPT)
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ISEND_COPIES))
+    env = dict(os.environ, OMP_NUM_THREADS="1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(script)]
     done = run_command([[*cmd, str(ROUNDS)]], env=env, cwd=tmp_path, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr

@@ -62,7 +62,7 @@ CASES = {
     # a virtual-pipeline change: model chunks mapped by global layer number (megatron-core's keys and
     # offsets); 4 layers, PP2 x VPP2 (interleaved, 1 layer per chunk) -> PP2 (2 layers per stage).
     # The interleaved run that writes the checkpoint is reproducible on gloo CPU ranks only with
-    # launch's isend guard (megatron_lm_runs.INTERLEAVED): Megatron-LM's deallocate_output_tensor
+    # the CPU launcher's isend guard (datastates_megatron.megatron.cpu.gloo_sends): Megatron-LM's deallocate_output_tensor
     # frees a chunk's output while gloo is still sending it (another loss from run to run, a NaN
     # under load, without it)
     "pp2_vpp2_to_pp2": (VP2, 2, 2, "TP1×PP2×VPP2×DP1 → TP1×PP2×DP1", [], [*PP2, "--num-layers", "4"]),

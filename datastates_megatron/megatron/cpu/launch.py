@@ -18,6 +18,8 @@ before Megatron-LM is first imported, in this process only and without editing M
 * ``multiprocessing`` children started by *spawn* (Megatron's ``torch_dist`` writer starts a
   ``Manager``) import this module as their main module instead of re-running the script's imports,
   which would need triton again without the stand-in;
+* ``torch.distributed.isend`` of a CPU tensor sends a copy (:mod:`.gloo_sends`: Megatron-LM frees
+  a pipeline output while gloo may still be sending it);
 * on Python < 3.12, ``typing.override`` is ``typing_extensions.override``: core_v0.19 declares
   Python >= 3.12, and this decorator is the one thing it needs from 3.12 to run here.
 
@@ -133,9 +135,10 @@ def prepare() -> bool:
         return False
     stub_triton_modules()
     spawn_children_import_the_launcher()
-    from . import cuda_on_cpu
+    from . import cuda_on_cpu, gloo_sends
 
     cuda_on_cpu.install()
+    gloo_sends.install()
     torch.cuda.is_available = lambda: True  # Megatron's initialize asserts it
     try:  # core_v0.16 builds CUDA kernels at start-up; core_v0.19 has no megatron.legacy
         from megatron.legacy import fused_kernels
