@@ -226,3 +226,16 @@ def test_a_strided_destination_is_copied(ckpt):
     with CheckpointReader(d, m) as reader:
         reader.execute(_plan(("w", 0, 10_000, strided, "strided")))
     assert torch.equal(strided, W)
+
+
+def test_copies_go_in_batches_of_similar_bytes_in_plan_order():
+    """Many small items (a row-parallel tensor resharded row by row) cost a task per batch, not one
+    per item; a large item is a batch of its own; every item is copied once, in order."""
+    from datastates_megatron.engine.load.reader import copy_batches
+
+    pairs = [(torch.zeros(10), i) for i in range(1000)] + [(torch.zeros(100_000), "big")]
+    pairs += [(torch.zeros(10), 1000 + i) for i in range(1000)]
+    batches = copy_batches(pairs, 8)
+    assert [item for batch in batches for _, item in batch] == [item for _, item in pairs]
+    assert ["big"] in [[item for _, item in b] for b in batches] and len(batches) <= 9
+    assert copy_batches([], 8) == [] and len(copy_batches(pairs[:3], 8)) == 3

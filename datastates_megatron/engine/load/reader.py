@@ -161,6 +161,32 @@ def _copy_one(src: torch.Tensor, dst: torch.Tensor, rank: int) -> int:
     return src.numel() * src.element_size()
 
 
+def _copy_batch(pairs: list, rank: int) -> int:
+    return sum(_copy_one(src, item.dest, rank) for src, item in pairs)
+
+
+def copy_batches(pairs: list, tasks: int) -> list[list]:
+    """``pairs`` (source view, item) cut, in order, into about ``tasks`` batches of similar bytes: a
+    plan of many small items (a row-parallel tensor resharded row by row) costs one task per batch,
+    not a thread hand-off per item; a large item is a batch of its own."""
+    total = sum(src.numel() * src.element_size() for src, _ in pairs)
+    target = max(1, total // max(1, tasks))
+    batches, batch, size = [], [], 0
+    for src, item in pairs:
+        nbytes = src.numel() * src.element_size()
+        if batch and nbytes >= target:  # a large item goes alone: the batch before it is closed
+            batches.append(batch)
+            batch, size = [], 0
+        batch.append((src, item))
+        size += nbytes
+        if size >= target:
+            batches.append(batch)
+            batch, size = [], 0
+    if batch:
+        batches.append(batch)
+    return batches
+
+
 class CheckpointReader:
     """Reads checkpoint ``ckpt`` (its parsed ``manifest``) for rank ``rank``: executes load plans
     (:meth:`load`) and hands out verified element ranges (:meth:`read`).
@@ -354,6 +380,22 @@ class CheckpointReader:
                 return torch.empty(0, dtype=e.dtype)
             return torch.from_numpy(rf.raw(e)[lo:hi]).view(e.dtype)
 
+    def _views(self, rank: int, items: list[ReadItem]) -> list[tuple[torch.Tensor, ReadItem]]:
+        """``(source view, item)`` for validated items of rank ``rank``'s file: one typed view of each
+        tensor, sliced per item (a plan of many small items pays one slice each)."""
+        whole: dict[str, torch.Tensor] = {}
+        out = []
+        with self._mapped(rank) as rf:
+            for it in items:
+                r = it.source
+                t = whole.get(r.tensor)
+                if t is None:
+                    e = self.entry(rank, r.tensor)
+                    size = e.dtype.itemsize
+                    t = whole[r.tensor] = torch.from_numpy(rf.raw(e)[: e.nbytes // size * size]).view(e.dtype)
+                out.append((t[r.start : r.start + r.count], it))
+        return out
+
     def read(self, r: ElementRange) -> torch.Tensor:
         """A 1-D zero-copy view of ``r``, after verifying the chunks it touches."""
         self.fetch([r])
@@ -482,12 +524,10 @@ class CheckpointReader:
             by_rank: dict[int, list[ReadItem]] = {}
             for it in plan.items:
                 by_rank.setdefault(it.source.rank, []).append(it)
-            for items in (by_rank[r] for r in sorted(by_rank)):  # file by file: its views, then its copies
-                sources = [self._view(it.source) for it in items]
-                stats.bytes += sum(
-                    pool.map(lambda pair: _copy_one(pair[0], pair[1].dest, self.rank), zip(sources, items))
-                )
-                del sources
+            for r in sorted(by_rank):  # file by file: its views, then its copies
+                batches = copy_batches(self._views(r, by_rank[r]), 4 * self.threads)
+                stats.bytes += sum(pool.map(lambda batch: _copy_batch(batch, self.rank), batches))
+                del batches
             stats.copy_s = time.perf_counter() - t0
         finally:
             if not handed_off:

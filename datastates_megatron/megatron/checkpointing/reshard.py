@@ -418,6 +418,10 @@ class CheckpointIndex:
     def all_params(self) -> None:
         """Make :attr:`params` and :attr:`blocks` hold every slice's parameters (here: already)."""
 
+    def prefetch(self, key: tuple[str, int, str, str], start: int, end: int) -> None:
+        """Say that :meth:`ranges` of ``key`` will be asked, many times, within ``[start, end)`` (a
+        block resharded row by row); here every piece is in memory already."""
+
     def _add(self, reader: CheckpointReader, rank: int, name: str, meta, legacy: bool = False) -> None:
         zero_dim = (
             isinstance(meta, dict) and meta.get("kind") == "optimizer_state" and not reader.entry(rank, name).shape
@@ -487,6 +491,7 @@ class GlobalIndexView(CheckpointIndex):
         super().__init__()
         self.gi = gi
         self.used: list[tuple[tuple, _Piece]] = []
+        self.windows: dict[tuple, tuple[int, int, list[_Piece]]] = {}  # key -> (start, end, its pieces there)
         if gi.unsliced:  # an index of identity 1
             raise StaleIndexError(
                 f"{gi.path}: a parameter key is not [slice, chunk, parameter] (an index of identity 1: no "
@@ -510,8 +515,18 @@ class GlobalIndexView(CheckpointIndex):
         slices other than its own; the tables grow with the model, not with the ranks)."""
         self.params_of(self.gi.slices())
 
+    def prefetch(self, key: tuple[str, int, str, str], start: int, end: int) -> None:
+        """Read the pieces of ``key`` overlapping ``[start, end)`` once: the :meth:`ranges` calls
+        within it filter them (the same pieces, in the same order, as a query of their own)."""
+        pieces = [_Piece(r, t, o, s, e) for r, t, o, s, e in self.gi.pieces(json.dumps(list(key)), start, end)]
+        self.windows[key] = (start, end, pieces)
+
     def ranges(self, key: tuple[str, int, str, str], start: int, end: int) -> list[tuple[ElementRange, int]]:
-        found = [_Piece(r, t, o, s, e) for r, t, o, s, e in self.gi.pieces(json.dumps(list(key)), start, end)]
+        window = self.windows.get(key)
+        if window is not None and window[0] <= start and end <= window[1]:
+            found = [p for p in window[2] if p.end > start and p.start < end]
+        else:
+            found = [_Piece(r, t, o, s, e) for r, t, o, s, e in self.gi.pieces(json.dumps(list(key)), start, end)]
         self.pieces[key] = found  # the pieces overlapping [start, end): what the base class walks
         out = super().ranges(key, start, end)
         self.used += [(key, p) for p in found if any(r.rank == p.rank and r.tensor == p.tensor for r, _ in out)]
@@ -679,6 +694,13 @@ def plan_restore(
                 continue
             base = lo - start
             segments, gaps = block_segments(b, olds, lo - b.start, hi - b.start)
+            windows: dict = {}
+            for (okey, i), oa, ob, _pos in segments:  # the old range each old block is read in
+                at = index.blocks[okey][i].start
+                w = windows.get(okey)
+                windows[okey] = (min(w[0], at + oa), max(w[1], at + ob)) if w else (at + oa, at + ob)
+            for okey, (wa, wb) in windows.items():
+                index.prefetch((*okey, key[3]), wa, wb)
             for (okey, i), oa, ob, pos in segments:
                 at = index.blocks[okey][i].start
                 add_old((*okey, key[3]), at + oa, at + ob, dst[base + pos : base + pos + ob - oa])
