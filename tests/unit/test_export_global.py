@@ -105,3 +105,54 @@ def test_the_writer_refuses_what_the_header_did_not_declare(tmp_path):
             w.write("a", torch.zeros(3))
         with pytest.raises(ValueError, match="not written"):
             w.close()
+
+
+def _index(params: dict):
+    """A checkpoint index of ``{parameter name: (local shape, blocks)}`` (slice ``pp1.tp0``, chunk 0)."""
+    from datastates_megatron.megatron.checkpointing.reshard import CheckpointIndex
+
+    index = CheckpointIndex()
+    for name, (shape, blocks) in params.items():
+        index.params[("pp1.tp0", 0, name)] = (tuple(shape), "float32")
+        index.blocks[("pp1.tp0", 0, name)] = tuple(blocks)
+    return index
+
+
+def test_global_blocks_takes_a_parameter_of_one_block_and_a_factorys_pieces():
+    # a fused GLU weight (--swiglu) records its w and v halves, each a block of its own global key with
+    # the parameter element it starts at; a plain parameter records one block
+    from datastates_megatron.megatron.export.global_tensors import global_blocks
+
+    w = Block("decoder.layers.mlp.linear_fc1.weight_w", (1, 8, 4), (0, 0, 0), (1, 8, 4), False, 0)
+    v = Block("decoder.layers.mlp.linear_fc1.weight_v", (1, 8, 4), (0, 0, 0), (1, 8, 4), False, 32)
+    emb = Block("embedding.word_embeddings.weight", (16, 4), (0, 0), (16, 4), False)
+    index = _index(
+        {
+            "decoder.layers.0.mlp.linear_fc1.weight": ((16, 4), [v, w]),
+            "embedding.word_embeddings.weight": ((16, 4), [emb]),
+        }
+    )
+    got = global_blocks(index, "ckpt")
+    assert sorted(got) == sorted([emb.key, v.key, w.key])
+    assert got[v.key][0].block.start == 32 and got[v.key][0].prepended == 1
+
+
+@pytest.mark.parametrize(
+    "offset,shape,named",
+    [
+        ((4, 0), (8, 4), "overlap"),  # overlaps the first block, with the right element count
+        ((20, 0), (8, 4), "outside"),  # past the end of the tensor
+        ((8, 0), (-8, 4), "do not tile"),  # a negative extent
+    ],
+    ids=["overlap", "past_the_end", "negative_shape"],
+)
+def test_blocks_that_do_not_tile_the_tensor_exactly_are_refused_naming_it(offset, shape, named):
+    from datastates_megatron.engine.errors import LayoutMismatchError
+    from datastates_megatron.megatron.export.global_tensors import global_blocks
+
+    key = "embedding.word_embeddings.weight"
+    first = Block(key, (16, 4), (0, 0), (8, 4), False)
+    other = Block(key, (16, 4), offset, shape, False)
+    index = _index({"a.weight": ((8, 4), [first]), "b.weight": ((8, 4), [other])})
+    with pytest.raises(LayoutMismatchError, match=named):
+        global_blocks(index, "ckpt")

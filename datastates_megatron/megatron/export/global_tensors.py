@@ -38,6 +38,7 @@ from ..checkpointing.reshard import Block, CheckpointIndex, GlobalIndexView, Sta
 __all__ = [
     "GlobalBlock",
     "assemble",
+    "check_tiling",
     "close_index",
     "count_blocks",
     "exported_names",
@@ -122,32 +123,76 @@ def global_blocks(index: CheckpointIndex, ckpt: str) -> dict[str, list[GlobalBlo
         )
     seen: dict[tuple[str, tuple[int, ...]], GlobalBlock] = {}
     for pkey in sorted(index.params):
-        block = index.blocks.get(pkey)
-        if block is None:
+        pieces = index.blocks.get(pkey)
+        if not pieces:
             raise LayoutMismatchError(
                 f"{ckpt}: parameter {pkey[2]!r} (slice {pkey[0] or '-'}, chunk {pkey[1]}) has no global "
                 f"coordinates: {IDENTITY_2_HINT}; or megatron-core declares it otherwise than as a plain "
-                "ShardedTensor (e.g. a fused GLU weight), which only Megatron-LM's export rebuilds"
+                "ShardedTensor or a factory of contiguous pieces, which only Megatron-LM's export rebuilds"
             )
         shape, dtype = index.params[pkey]
-        if math.prod(shape) != math.prod(block.shape):
+        numel, at = math.prod(shape), 0
+        for block in sorted(pieces, key=lambda b: b.start):  # the pieces tile the parameter, in its order
+            if block.start != at or any(n <= 0 for n in block.shape):
+                raise LayoutMismatchError(
+                    f"{ckpt}: parameter {pkey[2]!r} (slice {pkey[0]}) has shape {list(shape)} but its global "
+                    f"blocks {[(b.key, list(b.shape), b.start) for b in pieces]} do not tile it"
+                )
+            at += block.size
+            gb = GlobalBlock(pkey, block, dtype, len(block.shape) - len(shape))
+            seen.setdefault((megatron_key(block.key), block.offset), gb)  # one per block, however wrapped
+        if at != numel:
             raise LayoutMismatchError(
-                f"{ckpt}: parameter {pkey[2]!r} (slice {pkey[0]}) has shape {list(shape)} but its global block "
-                f"{list(block.shape)} of {block.key!r}"
+                f"{ckpt}: parameter {pkey[2]!r} (slice {pkey[0]}) has shape {list(shape)} but its global "
+                f"blocks {[(b.key, list(b.shape)) for b in pieces]} hold {at} elements"
             )
-        gb = GlobalBlock(pkey, block, dtype, len(block.shape) - len(shape))
-        seen.setdefault((megatron_key(block.key), block.offset), gb)  # one per block, however wrapped
     out: dict[str, list[GlobalBlock]] = {}
     for (key, _), gb in sorted(seen.items()):
         out.setdefault(key, []).append(gb)
     for key, blocks in out.items():
-        shapes = {b.block.global_shape for b in blocks}
-        if len(shapes) != 1 or sum(b.numel for b in blocks) != math.prod(blocks[0].block.global_shape):
-            raise LayoutMismatchError(
-                f"{ckpt}: the blocks of {key!r} do not tile its global shape (global shapes {sorted(shapes)}, "
-                f"{sum(b.numel for b in blocks)} elements recorded)"
-            )
+        check_tiling(ckpt, key, blocks)
     return out
+
+
+def check_tiling(ckpt: str, key: str, blocks: list[GlobalBlock]) -> None:
+    """Raise :class:`LayoutMismatchError` unless ``blocks`` (one key's) share one global shape, lie
+    inside it, and cover every element exactly once: in bounds and disjoint, with as many elements as
+    the tensor has.  A tensor is only ever assembled from such blocks, so no element of the output is
+    left as it was allocated."""
+    shapes = {b.block.global_shape for b in blocks}
+    if len(shapes) != 1:
+        raise LayoutMismatchError(f"{ckpt}: the blocks of {key!r} disagree on its global shape: {sorted(shapes)}")
+    (gshape,) = shapes
+    for b in blocks:
+        bl = b.block
+        if (
+            len(bl.offset) != len(gshape)
+            or len(bl.shape) != len(gshape)
+            or not all(0 <= o and 0 < n and o + n <= g for o, n, g in zip(bl.offset, bl.shape, gshape))
+        ):
+            raise LayoutMismatchError(
+                f"{ckpt}: parameter {b.param[2]!r} (slice {b.param[0]}): its block of {key!r} at offset "
+                f"{list(bl.offset)} of shape {list(bl.shape)} lies outside the global shape {list(gshape)}"
+            )
+    # a sweep along the axis with the most distinct offsets: only blocks that start before a ends can meet it
+    ax = max(range(len(gshape)), key=lambda d: len({b.block.offset[d] for b in blocks}), default=0)
+    ordered = sorted(blocks, key=lambda b: b.block.offset[ax:] + b.block.offset[:ax]) if gshape else []
+    for i, a in enumerate(ordered):
+        ab = a.block
+        for b in ordered[i + 1 :]:
+            bb = b.block
+            if bb.offset[ax] >= ab.offset[ax] + ab.shape[ax]:
+                break
+            if all(bo < ao + an and ao < bo + bn for ao, an, bo, bn in zip(ab.offset, ab.shape, bb.offset, bb.shape)):
+                raise LayoutMismatchError(
+                    f"{ckpt}: the blocks of {key!r} at offsets {list(ab.offset)} (parameter {a.param[2]!r}, slice "
+                    f"{a.param[0]}) and {list(bb.offset)} (parameter {b.param[2]!r}, slice {b.param[0]}) overlap"
+                )
+    if sum(b.numel for b in blocks) != math.prod(gshape):
+        raise LayoutMismatchError(
+            f"{ckpt}: the blocks of {key!r} do not tile its global shape {list(gshape)} "
+            f"({sum(b.numel for b in blocks)} elements recorded)"
+        )
 
 
 def count_blocks(path: str) -> int:
@@ -172,7 +217,8 @@ def read_blocks(reader: CheckpointReader, index: CheckpointIndex, blocks: list[G
     for gb in blocks:
         t = torch.empty(gb.block.shape, dtype=getattr(torch, gb.dtype))
         flat = t.view(-1)
-        for r, at in index.ranges((*gb.param, "param"), 0, gb.numel):
+        start = gb.block.start  # a factory's piece starts inside its parameter
+        for r, at in index.ranges((*gb.param, "param"), start, start + gb.numel):
             items.append(ReadItem(r, flat[at : at + r.count], f"{gb.block.key} {list(gb.block.offset)}"))
         out.append(t)
     if isinstance(index, GlobalIndexView):  # the pieces the index named are those the files record
