@@ -95,6 +95,14 @@ def _load(prefix: str, nproc: int) -> list[dict]:
     return [json.load(open(f"{prefix}.rank{r}.json")) for r in range(nproc)]
 
 
+def _median_iteration_s(iterations: list[dict], warmup: int = 2) -> float:
+    """The median iteration time, leaving out the first ``warmup`` iterations after start-up when
+    more than that ran (a short ``--iters`` run keeps them); NaN when none ran."""
+    times = [x["iter_s"] for x in iterations]
+    times = times[warmup:] if len(times) > warmup else times
+    return statistics.median(times) if times else float("nan")
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--iters", type=int, default=30)
@@ -138,17 +146,17 @@ def main(argv=None) -> int:
     same_state = all(r["digest"] == q["digest"] for r, q in zip(ref, res))
     n_tensors = len(res[0]["digest"])
     write_line(f"\nresumed from iteration {start} (latest committed when killed: >= {a.kill_after})")
+    last = max(res_loss, default=None)
+    example = f", e.g. it {last}: {res_loss[last]!r} vs {ref_loss[last]!r}" if last is not None else ""
     write_line(
-        f"losses after resume equal the uninterrupted run to the bit: {same_loss} "
-        f"({len(res_loss)} iterations, e.g. it {max(res_loss)}: {res_loss[max(res_loss)]!r} vs {ref_loss[max(res_loss)]!r})"
+        f"losses after resume equal the uninterrupted run to the bit: {same_loss} ({len(res_loss)} iterations{example})"
     )
     write_line(
         f"final parameters + optimizer state equal to the bit on every rank: {same_state} ({n_tensors} tensors on rank 0)"
     )
 
-    skip = 2  # first iterations after start-up are warm-up
-    t_ref = statistics.median(x["iter_s"] for x in ref[0]["iterations"][skip:])
-    t_ckpt = statistics.median(x["iter_s"] for x in res[0]["iterations"][skip:])
+    t_ref = _median_iteration_s(ref[0]["iterations"])
+    t_ckpt = _median_iteration_s(res[0]["iterations"])
     commits = [c for r in res for c in r["commits"]]
     stall = statistics.median(c["stall_s"] for c in commits) if commits else float("nan")
     per_rank = res[0]["commits"][-1]["bytes_per_rank"] if res[0]["commits"] else []

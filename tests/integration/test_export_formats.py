@@ -254,3 +254,19 @@ def test_torch_export_of_a_tp2_checkpoint_is_refused_in_one_line_naming_the_layo
     assert code != 0 and err.count("\n") == 1, err
     assert "export needs a checkpoint written with TP=PP=CP=EP=1" in err and "'tp': 2" in err, err
     assert not (tmp_path / "pt").exists() or not any((tmp_path / "pt").iterdir())
+
+
+def test_iteration_picks_a_committed_one_and_refuses_another(saved, tmp_path):
+    """``--iteration N`` of a save directory exports that checkpoint; one that is not committed there,
+    or another than an ``iter_*`` directory holds, is one line and nothing is written."""
+    ckpt, dumps = saved("one_rank")
+    code, doc, err = _export(str(ckpt), str(tmp_path / "st"), "--format", "safetensors", "--iteration", "2")
+    assert code == 0 and doc["iteration"] == ITERATION, err
+    for where, iteration, says in [
+        (ckpt, "1", f"{ckpt / 'iter_0000001'}: no manifest.json: not a committed checkpoint"),
+        (ckpt / "iter_0000002", "3", f"{ckpt / 'iter_0000002'} holds iteration 2, not 3"),
+    ]:
+        out = tmp_path / f"refused-{iteration}"
+        code, _, err = _export(str(where), str(out), "--format", "safetensors", "--iteration", iteration)
+        assert code != 0 and err.count("\n") == 1 and says in err, err
+        assert not out.exists()
