@@ -23,11 +23,13 @@ COVERED: dict[str, tuple[str, ...]] = {
     "datastates-ckpt inspect": (UNIT + "test_cli.py::test_inspect_shows_manifest_ranks_dtypes_and_objects",),
     "datastates-ckpt verify": (UNIT + "test_cli.py::test_verify_clean_checkpoint",),
     "datastates-ckpt where": (UNIT + "test_cli_where.py::test_where_name_prints_one_path_and_json_the_map",),
-    "datastates-ckpt patch": (INTEGRATION + "test_megatron_lm_patch.py::test_apply_is_idempotent_and_checkable",),
-    "datastates-ckpt patch --check": (
+    "datastates-ckpt patch": (
+        UNIT + "test_deps.py::test_patching_needs_only_python",
         INTEGRATION + "test_megatron_lm_patch.py::test_apply_is_idempotent_and_checkable",
     ),
+    "datastates-ckpt patch --check": (UNIT + "test_deps.py::test_patching_needs_only_python",),
     "datastates-ckpt patch --revert": (
+        UNIT + "test_deps.py::test_patching_needs_only_python",
         INTEGRATION + "test_megatron_lm_patch.py::test_revert_restores_the_original_files",
     ),
     "datastates-ckpt patch --allow-untested": (
@@ -55,7 +57,9 @@ COVERED: dict[str, tuple[str, ...]] = {
         INTEGRATION + "test_demo_script.py::test_demo_sh_runs_the_demo_module_with_its_arguments",
         INTEGRATION + "test_demo_script.py::test_the_demo_passes_with_a_tiny_model",
     ),
-    "scripts/megatron_lm_tree.sh": (INTEGRATION + "test_megatron_lm_patch.py::test_apply_is_idempotent_and_checkable",),
+    "scripts/megatron_lm_tree.sh": (
+        INTEGRATION + "test_megatron_lm_tree.py::test_a_fresh_tree_patched_or_not_and_never_over_an_existing_one",
+    ),
     "scripts/bench_engine.py": (INTEGRATION + "test_bench_engine.py::test_bench_engine_prints_every_measure",),
     "scripts/bench_restore.py": (
         INTEGRATION + "test_bench_restore.py::test_bench_restore_prints_every_measure_and_checks_values",
@@ -81,6 +85,7 @@ COVERED: dict[str, tuple[str, ...]] = {
     # ------------------------------------------------------------------ modules run with -m
     "-m datastates_megatron.megatron.cpu.launch": (PRETRAIN_GPT,),
     "-m datastates_megatron.megatron.megatron_lm.run": (
+        UNIT + "test_cpu_launch.py::test_an_untested_megatron_is_refused_with_one_line_naming_the_tested_ones",
         INTEGRATION + "test_runtime_hook.py::test_pretrain_gpt_of_an_unpatched_tree_saves_and_resumes",
     ),
     "-m datastates_megatron.megatron.megatron_lm.flag_table": (
@@ -116,7 +121,9 @@ COVERED: dict[str, tuple[str, ...]] = {
     "--lazy-ckpt-source-writes": (EVERY_FLAG,),
     "--lazy-ckpt-timeout-s": (EVERY_FLAG,),
     "--lazy-ckpt-verify-on-load": (UNIT + "test_lazy_ckpt_args.py::test_verify_on_load_has_both_spellings",),
-    "--lazy-ckpt-when-behind": (UNIT + "test_final_save.py::test_the_last_save_before_the_run_ends_is_final",),
+    "--lazy-ckpt-when-behind": (
+        INTEGRATION + "test_pretrain_gpt.py::test_node_local_tier_promotes_and_a_lost_node_resumes_from_save",
+    ),
 }
 # documented, and run on every commit, but not by a test of the suite
 NOT_RUN_BY_A_TEST = {
