@@ -1,7 +1,8 @@
 """What README.md and docs/*.md tell a user to run, extracted from the text: every
 ``datastates-ckpt`` subcommand and each flag given to it, every script run with ``bash``, ``python``
 or ``torchrun`` (``scripts/...``), every module run with ``-m datastates_megatron...``, and every
-``--lazy-ckpt*`` flag named anywhere.  ``tests/unit/test_documented_paths.py`` keeps its table of
+``--lazy-ckpt*`` flag named anywhere, and every Python example (a ```` ```python ```` block: item
+``python example N of FILE``, :func:`python_examples` gives its code).  ``tests/unit/test_documented_paths.py`` keeps its table of
 the tests that run them in step with this; :func:`why_not_fast` is its check that a named test is
 there and is not ``slow``.
 
@@ -24,6 +25,7 @@ _SCRIPT = re.compile(r"\b(?:bash|python3?|torchrun)\b[^`\n|;&#]*?\b(scripts/[\w.
 _MODULE = re.compile(r"\b(?:python3?|torchrun)\b[^`\n|;&#]*?-m\s+(datastates_megatron[\w.]*)")
 _LAZY_FLAG = re.compile(r"(?<![\w-])--lazy-ckpt(?:-[a-z0-9]+)*(?![\w*-])")
 _FLAG = re.compile(r"^-{1,2}[a-zA-Z][\w-]*$")
+_PYTHON = re.compile(r"```python\n(.*?)```", re.S)
 
 
 def doc_files() -> list[Path]:
@@ -70,6 +72,8 @@ def documented_paths(subcommands: set[str]) -> dict[str, list[str]]:
             if where not in found[item]:
                 found[item].append(where)
 
+        for n, m in enumerate(_PYTHON.finditer(text), 1):
+            add(f"python example {n} of {rel}", m.start())
         for m in _LAZY_FLAG.finditer(text):
             add(m.group(0), m.start())
         for span in _CODE_SPAN.finditer(text):
@@ -81,6 +85,16 @@ def documented_paths(subcommands: set[str]) -> dict[str, list[str]]:
                 for m in _MODULE.finditer(command):
                     add(f"-m {m.group(1)}", span.start())
     return found
+
+
+def python_examples() -> dict[str, str]:
+    """``{"python example N of FILE": its code}`` for every ```` ```python ```` block of the docs."""
+    out = {}
+    for path in doc_files():
+        rel = path.relative_to(ROOT).as_posix()
+        for n, m in enumerate(_PYTHON.finditer(path.read_text(encoding="utf-8")), 1):
+            out[f"python example {n} of {rel}"] = m.group(1)
+    return out
 
 
 # ---------------------------------------------------------------------------------------------- named tests

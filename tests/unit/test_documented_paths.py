@@ -1,5 +1,5 @@
 """Every documented path runs on every commit: each ``datastates-ckpt`` subcommand and flag, script
-and ``-m datastates_megatron...`` module, and ``--lazy-ckpt*`` flag that README.md and docs/*.md
+and ``-m datastates_megatron...`` module, ``--lazy-ckpt*`` flag and Python example that README.md and docs/*.md
 name (:mod:`tests.doc_paths` extracts them) has an entry in :data:`COVERED` naming the fast tests
 (the default set, not ``slow``) that run it.  A newly documented command without an entry fails
 here, and so does an entry naming a test that is not there or is slow, or an entry the docs no
@@ -91,6 +91,9 @@ COVERED: dict[str, tuple[str, ...]] = {
     "-m datastates_megatron.megatron.megatron_lm.flag_table": (
         UNIT + "test_flag_declarations.py::test_check_fails_on_a_drifted_table",
     ),
+    # ------------------------------------------------------------------ Python examples
+    "python example 1 of README.md": (INTEGRATION + "test_doc_examples.py::test_the_python_examples_run_as_written",),
+    "python example 1 of docs/api.md": (INTEGRATION + "test_doc_examples.py::test_the_python_examples_run_as_written",),
     # ------------------------------------------------------------------ --lazy-ckpt flags
     "--lazy-ckpt": (PRETRAIN_GPT, EVERY_FLAG),
     "--lazy-ckpt-host-cache-gb": (PRETRAIN_GPT, EVERY_FLAG),
@@ -181,7 +184,7 @@ def test_the_check_finds_a_new_command_and_refuses_a_slow_or_missing_test(tmp_pa
     (tmp_path / "README.md").write_text(
         "Run `datastates-ckpt verify DIR --threads 4 -- --num-layers 2`, then\n"
         "```bash\ntorchrun --nproc-per-node 2 scripts/bench_new.py \\\n  --x 1\npython -m datastates_megatron.new\n```\n"
-        "and `--lazy-ckpt-new-flag`.\n"
+        "and `--lazy-ckpt-new-flag`.\n```python\nimport datastates_megatron\n```\n"
     )
     monkeypatch.setattr(doc_paths, "ROOT", tmp_path)
     found = doc_paths.documented_paths({"verify"})
@@ -190,8 +193,10 @@ def test_the_check_finds_a_new_command_and_refuses_a_slow_or_missing_test(tmp_pa
         "-m datastates_megatron.new",
         "datastates-ckpt verify",
         "datastates-ckpt verify --threads",
+        "python example 1 of README.md",
         "scripts/bench_new.py",
     ]
+    assert doc_paths.python_examples() == {"python example 1 of README.md": "import datastates_megatron\n"}
     assert found["scripts/bench_new.py"] == ["README.md:2"]
     tests = tmp_path / "tests"
     tests.mkdir()
