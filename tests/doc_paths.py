@@ -121,6 +121,16 @@ def _decorator_slow(d: ast.expr) -> bool:
     return _marks_slow(d)
 
 
+def _pytestmark_slow(body: list[ast.stmt]) -> bool:
+    """A ``pytestmark = ...slow...`` among these statements (a module's or a class's)."""
+    for node in body:
+        if isinstance(node, (ast.Assign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            if any(isinstance(t, ast.Name) and t.id == "pytestmark" for t in targets) and _marks_slow(node.value):
+                return True
+    return False
+
+
 def why_not_fast(name: str) -> str | None:
     """None when ``name`` (``tests/PATH.py::test_function`` or ``::Class::test_method``) is a test
     function of that file that runs in the default set (not marked ``slow``, for the module, the
@@ -130,11 +140,8 @@ def why_not_fast(name: str) -> str | None:
     if not qual or not path.startswith("tests/") or not file.is_file():
         return f"{name}: no such test file"
     tree = ast.parse(file.read_text(encoding="utf-8"))
-    for node in tree.body:
-        if isinstance(node, (ast.Assign, ast.AnnAssign)):
-            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
-            if any(isinstance(t, ast.Name) and t.id == "pytestmark" for t in targets) and _marks_slow(node.value):
-                return f"{name}: the module is marked slow"
+    if _pytestmark_slow(tree.body):
+        return f"{name}: the module is marked slow"
     scope, parts = tree.body, qual.split("::")
     for i, part in enumerate(parts):
         found = next((n for n in scope if isinstance(n, (ast.FunctionDef, ast.ClassDef)) and n.name == part), None)
@@ -142,6 +149,8 @@ def why_not_fast(name: str) -> str | None:
             return f"{name}: no such test"
         if any(_decorator_slow(d) for d in found.decorator_list):
             return f"{name}: marked slow (or every one of its parameters is)"
+        if isinstance(found, ast.ClassDef) and _pytestmark_slow(found.body):
+            return f"{name}: its class is marked slow"
         scope = found.body
     if not parts[-1].startswith("test"):
         return f"{name}: not a test function"

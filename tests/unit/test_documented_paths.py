@@ -208,6 +208,10 @@ def test_the_check_finds_a_new_command_and_refuses_a_slow_or_missing_test(tmp_pa
         "@pytest.mark.parametrize('a', [pytest.param(1, marks=pytest.mark.slow)])\ndef test_all_slow(a): pass\n"
     )
     (tests / "test_y.py").write_text("import pytest\npytestmark = [pytest.mark.slow]\ndef test_fast(): pass\n")
+    (tests / "test_w.py").write_text(
+        "import pytest\nclass TestW:\n    pytestmark = pytest.mark.slow\n    def test_a(self): pass\n"
+    )
+    assert "class is marked slow" in doc_paths.why_not_fast("tests/test_w.py::TestW::test_a")
     assert doc_paths.why_not_fast("tests/test_x.py::test_fast") is None
     assert doc_paths.why_not_fast("tests/test_x.py::test_partly") is None
     assert "marked slow" in doc_paths.why_not_fast("tests/test_x.py::test_slow")
