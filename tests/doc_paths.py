@@ -1,10 +1,11 @@
 """What README.md and docs/*.md tell a user to run, extracted from the text: every
-``datastates-ckpt`` subcommand and each flag given to it, every script run with ``bash``, ``python``
-or ``torchrun`` (``scripts/...``), every module run with ``-m datastates_megatron...``, and every
-``--lazy-ckpt*`` flag named anywhere, and every Python example (a ```` ```python ```` block: item
-``python example N of FILE``, :func:`python_examples` gives its code).  ``tests/unit/test_documented_paths.py`` keeps its table of
-the tests that run them in step with this; :func:`why_not_fast` is its check that a named test is
-there and is not ``slow``.
+``datastates-ckpt`` subcommand, each flag given to it (and a flag's value when it is a literal
+word: ``--format safetensors``), every script run with ``bash``, ``python`` or ``torchrun``
+(``scripts/...``), every module run with ``-m datastates_megatron...``, every ``--lazy-ckpt*``
+flag named anywhere, and every Python example (a ```` ```python ```` block: the item ``python
+example N of FILE``; :func:`python_examples` gives its code).  ``tests/unit/test_documented_paths.py``
+keeps its table of the tests that run them in step with this; :func:`why_not_fast` is its check
+that a named test is there and is not ``slow``.
 
 Commands are read from inline code spans and fenced code blocks (a line continued with ``\\``
 joined to the next); a ``datastates-ckpt`` command's flags end at `` -- `` (the training flags that
@@ -17,7 +18,6 @@ import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-DOCS = ("README.md", "docs")
 
 _CODE_SPAN = re.compile(r"```[^\n]*\n(.*?)```|`([^`]+)`", re.S)
 _CLI = re.compile(r"\bdatastates-ckpt\s+([a-z]+)([^`\n|;&#)]*)")
@@ -25,6 +25,7 @@ _SCRIPT = re.compile(r"\b(?:bash|python3?|torchrun)\b[^`\n|;&#]*?\b(scripts/[\w.
 _MODULE = re.compile(r"\b(?:python3?|torchrun)\b[^`\n|;&#]*?-m\s+(datastates_megatron[\w.]*)")
 _LAZY_FLAG = re.compile(r"(?<![\w-])--lazy-ckpt(?:-[a-z0-9]+)*(?![\w*-])")
 _FLAG = re.compile(r"^-{1,2}[a-zA-Z][\w-]*$")
+_WORD = re.compile(r"^[a-z][a-z_]*$")  # a literal value (not a PLACEHOLDER, path or number)
 _PYTHON = re.compile(r"```python\n(.*?)```", re.S)
 
 
@@ -50,12 +51,14 @@ def _cli_items(command: str, subcommands: set[str]) -> list[str]:
         if sub not in subcommands:
             continue
         items.append(f"datastates-ckpt {sub}")
-        for token in rest.split():
+        tokens = [t.strip("[]") for t in rest.split()]
+        for i, token in enumerate(tokens):
             if token == "--":
                 break  # the training flags of the run that wrote the checkpoint
-            token = token.strip("[]")
             if _FLAG.match(token):
                 items.append(f"datastates-ckpt {sub} {token}")
+                if i + 1 < len(tokens) and _WORD.match(tokens[i + 1]):
+                    items.append(f"datastates-ckpt {sub} {token} {tokens[i + 1]}")
     return items
 
 

@@ -42,6 +42,14 @@ COVERED: dict[str, tuple[str, ...]] = {
         EXPORT + "test_torch_dist_export_loads_in_megatron_core_as_what_the_run_held",
         EXPORT + "test_torch_export_is_what_the_run_held_model_and_optimizer",
     ),
+    "datastates-ckpt export --format safetensors": (EXPORT + "test_safetensors_export_is_what_the_run_held",),
+    "datastates-ckpt export --format torch_dist": (
+        EXPORT + "test_torch_dist_export_loads_in_megatron_core_as_what_the_run_held",
+    ),
+    "datastates-ckpt export --format torch": (
+        EXPORT + "test_torch_export_is_what_the_run_held_model_and_optimizer",
+        EXPORT + "test_torch_export_of_a_tp2_checkpoint_is_refused_in_one_line_naming_the_layout",
+    ),
     "datastates-ckpt export --nproc": (
         EXPORT + "test_torch_dist_export_loads_in_megatron_core_as_what_the_run_held",
         UNIT + "test_export_usage.py::test_export_usage_errors_are_one_line",
@@ -182,7 +190,7 @@ def test_the_check_finds_a_new_command_and_refuses_a_slow_or_missing_test(tmp_pa
     doc = tmp_path / "docs"
     doc.mkdir()
     (tmp_path / "README.md").write_text(
-        "Run `datastates-ckpt verify DIR --threads 4 -- --num-layers 2`, then\n"
+        "Run `datastates-ckpt verify DIR --threads 4 --mode fast X -- --num-layers 2`, then\n"
         "```bash\ntorchrun --nproc-per-node 2 scripts/bench_new.py \\\n  --x 1\npython -m datastates_megatron.new\n```\n"
         "and `--lazy-ckpt-new-flag`.\n```python\nimport datastates_megatron\n```\n"
     )
@@ -192,6 +200,8 @@ def test_the_check_finds_a_new_command_and_refuses_a_slow_or_missing_test(tmp_pa
         "--lazy-ckpt-new-flag",
         "-m datastates_megatron.new",
         "datastates-ckpt verify",
+        "datastates-ckpt verify --mode",
+        "datastates-ckpt verify --mode fast",
         "datastates-ckpt verify --threads",
         "python example 1 of README.md",
         "scripts/bench_new.py",
