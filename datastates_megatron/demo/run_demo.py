@@ -103,6 +103,27 @@ def _median_iteration_s(iterations: list[dict], warmup: int = 2) -> float:
     return statistics.median(times) if times else float("nan")
 
 
+MARK = ".datastates-demo"  # in a --workdir the demo made: what it may remove at the next run
+
+
+def _fresh_workdir(path: str) -> None:
+    """An empty ``path`` for this run: a new or empty directory is used as it is; one an earlier
+    demo run made (it holds :data:`MARK`) is emptied; anything else is someone else's and is
+    refused, nothing removed (``rmtree`` never follows a link inside it)."""
+    if os.path.islink(path) or (os.path.lexists(path) and not os.path.isdir(path)):
+        raise SystemExit(f"--workdir {path}: not a directory the demo made; give a new or empty directory")
+    if os.path.isdir(path) and os.listdir(path):
+        if not os.path.isfile(os.path.join(path, MARK)):
+            raise SystemExit(
+                f"--workdir {path}: not empty and not made by the demo (no {MARK}): nothing removed; "
+                "give a new or empty directory"
+            )
+        shutil.rmtree(path)
+    os.makedirs(path, exist_ok=True)
+    with open(os.path.join(path, MARK), "w") as f:
+        f.write("made by datastates_megatron.demo.run_demo: removed by its next run\n")
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--iters", type=int, default=30)
@@ -112,8 +133,7 @@ def main(argv=None) -> int:
     p.add_argument("--bf16", action="store_true")
     p.add_argument("--model", default="--num-layers 4 --hidden-size 256 --seq-length 128 --vocab-size 1024")
     a = p.parse_args(argv)
-    shutil.rmtree(a.workdir, ignore_errors=True)
-    os.makedirs(a.workdir)
+    _fresh_workdir(a.workdir)
     w = a.workdir
     common = [*a.model.split(), "--train-iters", str(a.iters), *(["--bf16"] if a.bf16 else [])]
     lazy = [
