@@ -24,7 +24,7 @@ import time
 
 from .._output import write_line
 
-__all__ = ["main"]
+__all__ = ["MARK", "fresh_workdir", "main"]
 
 
 def _signal_ranks(proc: subprocess.Popen, sig: int) -> list:
@@ -106,8 +106,8 @@ def _median_iteration_s(iterations: list[dict], warmup: int = 2) -> float:
 MARK = ".datastates-demo"  # in a --workdir the demo made: what it may remove at the next run
 
 
-def _fresh_workdir(path: str) -> None:
-    """An empty ``path`` for this run: a new or empty directory is used as it is; one an earlier
+def fresh_workdir(path: str) -> None:
+    """An empty ``path`` for this run (the demo's, and ``scripts/bench_stall.py``'s): a new or empty directory is used as it is; one an earlier
     demo run made (it holds :data:`MARK`) is emptied; anything else is someone else's and is
     refused, nothing removed (``rmtree`` never follows a link inside it)."""
     if os.path.islink(path) or (os.path.lexists(path) and not os.path.isdir(path)):
@@ -133,7 +133,7 @@ def main(argv=None) -> int:
     p.add_argument("--bf16", action="store_true")
     p.add_argument("--model", default="--num-layers 4 --hidden-size 256 --seq-length 128 --vocab-size 1024")
     a = p.parse_args(argv)
-    _fresh_workdir(a.workdir)
+    fresh_workdir(a.workdir)
     w = a.workdir
     common = [*a.model.split(), "--train-iters", str(a.iters), *(["--bf16"] if a.bf16 else [])]
     lazy = [

@@ -34,3 +34,19 @@ def test_bench_stall_reports_each_rank_and_the_worst_ratio(tmp_path):
         line = next((x for x in out.splitlines() if x.startswith(f"rank {rank}: median iteration")), None)
         assert line is not None and "during it" in line and "last iteration 30" in line, out
     assert re.search(r"^worst ratio during/before: [0-9.]+x \(target <= 1\.2x\)$", out, re.M), out
+
+
+def test_a_workdir_it_did_not_make_is_refused_and_left_alone(tmp_path):
+    """It emptied any ``--workdir`` with ``rmtree``; now one line and nothing removed."""
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("keep")
+    done = subprocess.run(
+        [sys.executable, str(REPO / "scripts" / "bench_stall.py"), "--workdir", str(mine)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+    )
+    assert done.returncode == 1 and f"--workdir {mine}: not empty and not made by the demo" in done.stderr
+    assert done.stderr.count("\n") == 1 and (mine / "notes.txt").read_text() == "keep"

@@ -62,20 +62,20 @@ def test_the_summary_of_a_short_run_keeps_its_warm_up_iterations():
 def test_a_workdir_the_demo_did_not_make_is_refused_and_left_alone(tmp_path):
     """``--workdir`` of a directory that holds someone's files: one line, nothing removed (it was
     emptied with ``rmtree`` before); a new one, or the one an earlier demo made, is used."""
-    from datastates_megatron.demo.run_demo import MARK, _fresh_workdir
+    from datastates_megatron.demo.run_demo import MARK, fresh_workdir
 
     mine = tmp_path / "mine"
     mine.mkdir()
     (mine / "notes.txt").write_text("keep")
     with pytest.raises(SystemExit) as e:
-        _fresh_workdir(str(mine))
+        fresh_workdir(str(mine))
     assert f"--workdir {mine}: not empty and not made by the demo (no {MARK}): nothing removed" in str(e.value)
     assert (mine / "notes.txt").read_text() == "keep" and sorted(p.name for p in mine.iterdir()) == ["notes.txt"]
     (tmp_path / "link").symlink_to(mine)
     with pytest.raises(SystemExit, match="not a directory the demo made"):
-        _fresh_workdir(str(tmp_path / "link"))
+        fresh_workdir(str(tmp_path / "link"))
     demo = tmp_path / "demo"
-    _fresh_workdir(str(demo))  # new: made, and marked
+    fresh_workdir(str(demo))  # new: made, and marked
     (demo / "reference.log").write_text("an earlier run")
-    _fresh_workdir(str(demo))  # ours: emptied
+    fresh_workdir(str(demo))  # ours: emptied
     assert sorted(p.name for p in demo.iterdir()) == [MARK]
