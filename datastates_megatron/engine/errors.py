@@ -22,6 +22,7 @@ __all__ = [
     "NoCheckpointError",
     "LayoutMismatchError",
     "CommitError",
+    "PromotionError",
     "EncodingError",
     "ForeignCheckpointError",
     "SaveDirBusyError",
@@ -123,6 +124,12 @@ class LayoutMismatchError(CheckpointError, ValueError):
 
 class CommitError(CheckpointError):
     """Ranks could not agree on a checkpoint, or writing its manifest failed: nothing was committed."""
+
+
+class PromotionError(CommitError):
+    """A checkpoint's promotion to the persistent tier failed on some rank (its copy to ``--save``,
+    a bucket): nothing of it is committed there; its node-local copy stays committed.  Raised once,
+    by ``wait(persist=True)`` or the next ``poll``/``save`` (logged instead with ``on_error="warn"``)."""
 
 
 class EncodingError(CheckpointError, TypeError):

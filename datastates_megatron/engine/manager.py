@@ -85,10 +85,12 @@ def _fetch_global_index(storage, iteration: int, d: str) -> None:
     info = storage.head(iter_prefix(iteration) + INDEX_NAME)
     if info is None:
         return
-    if info.size > INDEX_MAX_BYTES:
-        log.warning("%s: %d bytes, over the index cap; planning without it", storage.url(info.key), info.size)
+    try:
+        body = storage.read_capped(info.key, INDEX_MAX_BYTES, "global index", info.size)
+    except CheckpointError as e:  # over its cap: never fetched
+        log.warning("%s; planning without it", e)
         return
-    atomic_write(os.path.join(d, INDEX_NAME), storage.get(info.key))
+    atomic_write(os.path.join(d, INDEX_NAME), body)
 
 
 def _no_check(manifest, ckpt) -> bool:

@@ -28,7 +28,7 @@ import threading
 import time
 import uuid
 
-from ..errors import LockLostError, SaveDirBusyError
+from ..errors import CheckpointError, LockLostError, SaveDirBusyError
 from ..names import LOCK_NAME
 from .base import ObjectExistsError, ObjectMissingError, ObjectStorageError, Storage
 
@@ -36,6 +36,7 @@ __all__ = ["ObjectLock", "LOCK_NAME", "DEFAULT_LEASE_S"]
 
 log = logging.getLogger(__name__)
 DEFAULT_LEASE_S = 300.0
+LOCK_MAX_BYTES = 4096  # a lock body is ~250 bytes; a larger object is not ours and is never fetched
 
 
 def job_id() -> str:
@@ -95,8 +96,10 @@ class ObjectLock:
     def _take_over(self) -> None:
         info = self.storage.head(LOCK_NAME)
         try:
-            holder = json.loads(self.storage.get(LOCK_NAME)) if info is not None else None
-        except (ValueError, ObjectMissingError):
+            holder = (
+                json.loads(self.storage.read_capped(LOCK_NAME, LOCK_MAX_BYTES, "lock", info.size)) if info else None
+            )
+        except (ValueError, CheckpointError):  # unparsable, over its cap (never fetched), or gone
             holder = None
         if info is None:  # released meanwhile: try once more, as a first taker
             self._etag = self.storage.create(LOCK_NAME, self._body()).etag
