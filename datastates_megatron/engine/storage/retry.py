@@ -55,6 +55,8 @@ class Retry:
                 wait = self.delay(i)
                 if i + 1 == self.attempts or time.monotonic() + wait + try_s > end:
                     raise fail(e, i + 1) from None
-                log.warning("%s failed (%s); try %d of %d in %.2fs", what, type(e).__name__, i + 2, self.attempts, wait)
+                log.warning(
+                    "%s failed (%s); try %d of at most %d in %.2fs", what, type(e).__name__, i + 2, self.attempts, wait
+                )
                 time.sleep(wait)
         raise AssertionError("unreachable")  # pragma: no cover
