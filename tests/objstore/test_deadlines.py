@@ -80,3 +80,12 @@ def test_a_bad_timeout_setting_is_one_line_naming_the_variable(value, monkeypatc
     assert main(["ls", "s3://quiet/run"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "DSM_S3_DEADLINE_S" in err, err
+
+
+def test_the_cli_help_states_the_defaults_in_force(capsys):
+    with pytest.raises(SystemExit):
+        main(["ls", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    d = Timeouts()
+    assert f"DSM_S3_DEADLINE_S (default {d.deadline_s:g})" in text
+    assert f"DSM_S3_CONNECT_TIMEOUT_S ({d.connect_s:g})" in text and f"DSM_S3_READ_TIMEOUT_S ({d.read_s:g})" in text
