@@ -129,7 +129,16 @@ class CommitError(CheckpointError):
 class PromotionError(CommitError):
     """A checkpoint's promotion to the persistent tier failed on some rank (its copy to ``--save``,
     a bucket): nothing of it is committed there; its node-local copy stays committed.  Raised once,
-    by ``wait(persist=True)`` or the next ``poll``/``save`` (logged instead with ``on_error="warn"``)."""
+    by the next ``wait(persist=True)`` unless a newer promotion was committed since (logged instead
+    with ``on_error="warn"``); ``poll`` and ``save`` never raise it: an outage of the store does not
+    stop training.  ``iteration``: the checkpoint not promoted."""
+
+    def __init__(self, message: str, iteration: int | None = None) -> None:
+        super().__init__(message)
+        self.iteration = iteration
+
+    def __reduce__(self):
+        return type(self), (str(self), self.iteration)
 
 
 class EncodingError(CheckpointError, TypeError):

@@ -517,7 +517,8 @@ class Committer(QueueThread):
                 raise PromotionError(
                     f"{own if own is not None else f'rank {self.rank}: iteration {ticket.iteration}'}; "
                     f"not promoted: rank(s) {failed} failed to copy their files, nothing committed in "
-                    f"{self.root}, latest there stays {self.latest}"
+                    f"{self.root}, latest there stays {self.latest}",
+                    ticket.iteration,
                 )
             raise CommitError(
                 f"rank {self.rank}: iteration {ticket.iteration}: rank(s) {failed} "
