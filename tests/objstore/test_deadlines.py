@@ -89,3 +89,24 @@ def test_the_cli_help_states_the_defaults_in_force(capsys):
     d = Timeouts()
     assert f"DSM_S3_DEADLINE_S (default {d.deadline_s:g})" in text
     assert f"DSM_S3_CONNECT_TIMEOUT_S ({d.connect_s:g})" in text and f"DSM_S3_READ_TIMEOUT_S ({d.read_s:g})" in text
+
+
+def test_no_try_starts_that_could_outlast_the_deadline():
+    from datastates_megatron.engine.storage.retry import Retry
+
+    tries = []
+
+    def refused():
+        tries.append(time.monotonic())
+        raise ConnectionError("refused")
+
+    def fail(e, n):
+        return RuntimeError(f"{n} tries")
+
+    policy = Retry(attempts=5, base_s=0.01, cap_s=0.02)
+    with pytest.raises(RuntimeError, match="^1 tries$"):  # a try may last 10 s: none fits after the first
+        policy.call(refused, transient=lambda e: True, what="x", fail=fail, deadline_s=5, try_s=10)
+    tries.clear()
+    with pytest.raises(RuntimeError, match="^5 tries$"):  # no deadline: the attempts bound it
+        policy.call(refused, transient=lambda e: True, what="x", fail=fail)
+    assert len(tries) == 5
