@@ -1,0 +1,96 @@
+"""Megatron-LM's own ``pretrain_gpt.py --inprocess-restart --lazy-ckpt`` (nvidia-resiliency-ext's
+in-process restart) on 2 gloo CPU ranks: a fault in the forward pass of iteration 5, after the
+checkpoint of iteration 4 was scheduled; the wrapper aborts and runs ``pretrain`` again in the same
+processes, whose first load retires the aborted attempt's checkpointer (its commit of iteration 4
+ends on every rank) and restores iteration 4.  Losses, norms and the final state are bit-exact
+against a run that was never interrupted (:func:`.megatron_lm_runs.assert_same_training`).
+
+The faults come from ``DSM_FAULT_AT`` (:mod:`datastates_megatron.megatron.cpu.fault_injection`):
+on every rank; on rank 1 only (rank 0 is then blocked in the gradient all-reduce until the CPU
+launcher's abort shuts down its gloo connections); a hang on rank 1 (NVRx's soft timeout).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+
+from tests.integration.megatron_lm_runs import LAZY, MEGATRON_LM_DIR, assert_same_training, latest, launch
+
+pytestmark = [
+    pytest.mark.skipif(
+        not MEGATRON_LM_DIR,
+        reason="MEGATRON_LM_DIR is not set (scripts/test.sh unpacks and patches one from ../shared/megatron-lm)",
+    ),
+    pytest.mark.skipif(
+        importlib.util.find_spec("nvidia_resiliency_ext") is None,
+        reason="nvidia-resiliency-ext is not installed (pip install 'datastates-megatron[resiliency]')",
+    ),
+]
+
+ITERS = 8
+FAULT_AT = 5  # the checkpoint of iteration 4 is the newest one scheduled before it
+BASE = ["--train-iters", str(ITERS), "--bf16"]
+# the wrapper's timeouts scaled to a tiny model on a shared 2-core machine; at most 3 attempts
+INPROCESS = [
+    "--inprocess-restart",
+    "--inprocess-granularity",
+    "rank",
+    "--inprocess-max-iterations",
+    "3",
+    "--inprocess-heartbeat-interval",
+    "2",
+    "--inprocess-heartbeat-timeout",
+    "30",
+]  # NVRx requires soft < hard < barrier timeout (Megatron-LM's defaults: 60, 90, 120 s)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("reference")
+    run = launch(tmp, "reference", BASE)
+    assert run.returncode == 0, run.describe()
+    return run
+
+
+def _faulted(tmp_path, monkeypatch, fault: str, rank: int | None, timeouts: list[str]):
+    save = tmp_path / "ckpt"
+    args = [*BASE, "--save", str(save), "--load", str(save), "--save-interval", "2", *LAZY, *INPROCESS, *timeouts]
+    with monkeypatch.context() as m:
+        m.setenv("DSM_FAULT_AT", f"{fault}:{FAULT_AT}")
+        m.setenv("TORCH_CPP_LOG_LEVEL", "error")  # the wrapper's store polls warn each second otherwise
+        if rank is not None:
+            m.setenv("DSM_FAULT_RANK", str(rank))
+        run = launch(tmp_path, "faulted", args)
+    assert run.returncode == 0, run.describe()
+    return run, save
+
+
+def _restarted_once_from_4(run) -> None:
+    for rank in (0, 1):
+        assert f"rank {rank}: training attempt aborted" in run.log, run.describe()
+        assert (
+            f"rank {rank}: in-process restart: the aborted attempt's lazy checkpointer is closed "
+            "(its newest commit: iteration 4)" in run.log
+        ), run.describe()
+    assert "loaded lazy checkpoint of iteration 4" in run.log, run.describe()
+    assert run.log.count("state=initialize") <= 2 * 2, "more than one restart"  # NVRx logs it per rank
+
+
+@pytest.mark.parametrize("rank", [None, 1], ids=["every-rank", "rank-1"])
+def test_exception_in_forward_restarts_in_process_and_resumes_bit_exact(tmp_path, monkeypatch, reference, rank):
+    run, save = _faulted(tmp_path, monkeypatch, "raise", rank, [])
+    _restarted_once_from_4(run)
+    assert latest(save) == ITERS
+    assert_same_training(run, reference, range(1, ITERS + 1))
+
+
+def test_hang_in_forward_restarts_on_the_soft_timeout_and_resumes_bit_exact(tmp_path, monkeypatch, reference):
+    run, save = _faulted(
+        tmp_path, monkeypatch, "hang", 1, ["--inprocess-soft-timeout", "15", "--inprocess-hard-timeout", "45"]
+    )
+    assert "SOFT_TIMEOUT" in run.log, run.describe()
+    _restarted_once_from_4(run)
+    assert latest(save) == ITERS
+    assert_same_training(run, reference, range(1, ITERS + 1))
