@@ -13,10 +13,28 @@ launcher's abort shuts down its gloo connections); a hang on rank 1 (NVRx's soft
 from __future__ import annotations
 
 import importlib.util
+import os
+import re
+from pathlib import Path
 
 import pytest
 
+from datastates_megatron.engine.tiers.run_id import local_tier_dir
 from tests.integration.megatron_lm_runs import LAZY, MEGATRON_LM_DIR, assert_same_training, latest, launch
+
+# scripts/setup.sh installs NVRx 0.4.1 here, apart from .venv (core_v0.19 and main refuse it on import)
+APART = Path(__file__).resolve().parents[2] / ".venv-resiliency"
+NVRX = importlib.util.find_spec("nvidia_resiliency_ext") is not None or (APART / "nvidia_resiliency_ext").is_dir()
+
+
+def _nvrx_needed(tree: str | None) -> str | None:
+    """The NVRx version this Megatron-LM tree asserts at import, when above the tested 0.4.1."""
+    nvrx = Path(tree or "", "megatron/core/dist_checkpointing/strategies/nvrx.py")
+    found = re.search(r'^NVRX_MIN_VERSION = "([\d.]+)"', nvrx.read_text(), re.M) if nvrx.is_file() else None
+    if found and tuple(map(int, found[1].split("."))) > (0, 4, 1):
+        return found[1]
+    return None
+
 
 pytestmark = [
     pytest.mark.skipif(
@@ -24,8 +42,12 @@ pytestmark = [
         reason="MEGATRON_LM_DIR is not set (scripts/test.sh unpacks and patches one from ../shared/megatron-lm)",
     ),
     pytest.mark.skipif(
-        importlib.util.find_spec("nvidia_resiliency_ext") is None,
-        reason="nvidia-resiliency-ext is not installed (pip install 'datastates-megatron[resiliency]')",
+        not NVRX, reason="nvidia-resiliency-ext is not installed (scripts/setup.sh puts 0.4.1 in .venv-resiliency)"
+    ),
+    pytest.mark.skipif(
+        _nvrx_needed(MEGATRON_LM_DIR) is not None,
+        reason=f"this Megatron-LM asserts nvidia-resiliency-ext >= {_nvrx_needed(MEGATRON_LM_DIR)} on import; "
+        "the registry's newest is 0.4.1",
     ),
 ]
 
@@ -54,12 +76,14 @@ def reference(tmp_path_factory):
     return run
 
 
-def _faulted(tmp_path, monkeypatch, fault: str, rank: int | None, timeouts: list[str]):
+def _faulted(tmp_path, monkeypatch, fault: str, rank: int | None, extra: list[str]):
     save = tmp_path / "ckpt"
-    args = [*BASE, "--save", str(save), "--load", str(save), "--save-interval", "2", *LAZY, *INPROCESS, *timeouts]
+    args = [*BASE, "--save", str(save), "--load", str(save), "--save-interval", "2", *LAZY, *INPROCESS, *extra]
     with monkeypatch.context() as m:
         m.setenv("DSM_FAULT_AT", f"{fault}:{FAULT_AT}")
         m.setenv("TORCH_CPP_LOG_LEVEL", "error")  # the wrapper's store polls warn each second otherwise
+        if importlib.util.find_spec("nvidia_resiliency_ext") is None:  # the ranks import it from APART
+            m.setenv("PYTHONPATH", os.pathsep.join(p for p in (os.environ.get("PYTHONPATH"), str(APART)) if p))
         if rank is not None:
             m.setenv("DSM_FAULT_RANK", str(rank))
         run = launch(tmp_path, "faulted", args)
@@ -93,4 +117,18 @@ def test_hang_in_forward_restarts_on_the_soft_timeout_and_resumes_bit_exact(tmp_
     assert "SOFT_TIMEOUT" in run.log, run.describe()
     _restarted_once_from_4(run)
     assert latest(save) == ITERS
+    assert_same_training(run, reference, range(1, ITERS + 1))
+
+
+def test_with_a_node_local_tier_the_restart_reads_nothing_from_save(tmp_path, monkeypatch, reference):
+    """The node-local tier (``/dev/shm`` in production: host memory) holds iteration 4 on every
+    rank: each rank restores it from there, and reads no checkpoint data from ``--save``."""
+    local = tmp_path / "node-local"
+    run, save = _faulted(tmp_path, monkeypatch, "raise", None, ["--lazy-ckpt-local-dir", str(local)])
+    _restarted_once_from_4(run)
+    tier = local_tier_dir(str(local), str(save))
+    for rank in (0, 1):
+        assert f"rank {rank}: restoring iteration 4 from {tier}: " in run.log, run.describe()
+        assert f"rank {rank}: restoring iteration 4 from {save}" not in run.log, run.describe()
+    assert latest(save) == ITERS  # the end of the run is promoted to --save
     assert_same_training(run, reference, range(1, ITERS + 1))

@@ -72,13 +72,18 @@ def shut_down_gloo_connections() -> int:
     return count
 
 
-def install() -> None:
+def install() -> bool:
     """Adapt NVRx's ``ThreadedFinalize`` and ``AbortTorchDistributed`` to CPU ranks (see the module
-    docstring); idempotent.  Needs nvidia-resiliency-ext (``pip install 'datastates-megatron[resiliency]'``)."""
-    from nvidia_resiliency_ext.inprocess import abort, exception, finalize
-
+    docstring); idempotent.  False when nvidia-resiliency-ext is not installed
+    (``pip install 'datastates-megatron[resiliency]'``): nothing to adapt."""
+    try:
+        from nvidia_resiliency_ext.inprocess import abort, exception, finalize
+    except ModuleNotFoundError as e:
+        if not (e.name or "").startswith("nvidia_resiliency_ext"):
+            raise
+        return False
     if getattr(finalize.ThreadedFinalize, "_dsm_cpu", False):
-        return
+        return True
 
     def finalize_call(self, state):
         thread = threading.Thread(
@@ -103,3 +108,4 @@ def install() -> None:
     finalize.ThreadedFinalize.__call__ = finalize_call
     finalize.ThreadedFinalize._dsm_cpu = True
     abort.AbortTorchDistributed.__call__ = abort_call
+    return True

@@ -141,10 +141,10 @@ def prepare() -> bool:
 
     cuda_on_cpu.install()
     gloo_sends.install()
-    if "--inprocess-restart" in sys.argv and importlib.util.find_spec("nvidia_resiliency_ext") is not None:
+    if "--inprocess-restart" in sys.argv:
         from . import inprocess_cpu
 
-        inprocess_cpu.install()
+        inprocess_cpu.install()  # without NVRx: nothing (Megatron-LM then warns and runs unwrapped)
     torch.cuda.is_available = lambda: True  # Megatron's initialize asserts it
     try:  # core_v0.16 builds CUDA kernels at start-up; core_v0.19 has no megatron.legacy
         from megatron.legacy import fused_kernels
