@@ -99,6 +99,7 @@ def _restarted_once_from_4(run) -> None:
             "(its newest commit: iteration 4)" in run.log
         ), run.describe()
     assert "loaded lazy checkpoint of iteration 4" in run.log, run.describe()
+    assert "host cache 0.05 GiB reused from the aborted attempt" in run.log, run.describe()  # rank 0's line
     assert run.log.count("state=initialize") <= 2 * 2, "more than one restart"  # NVRx logs it per rank
 
 

@@ -19,8 +19,8 @@ same process after a fault, with a new model, optimizer and process groups.  The
 aborted attempt is retired by the first save or load of the next one (:func:`_session_for`), on the
 training thread: its pending checkpoints end as they would have (their commit goes through the
 job's store, which outlives the attempt: committed on every rank, or abandoned on every rank), its
-threads stop, its save-directory lock is released, and only then is the new attempt's checkpointer
-built.  An attempt is known to be over by :func:`abort` (the runtime hook calls it where Megatron's
+threads stop, its save-directory lock is released, its host cache's arena is kept for the next
+checkpointer (never allocated twice), and only then is the new attempt's checkpointer built.  An attempt is known to be over by :func:`abort` (the runtime hook calls it where Megatron's
 ``AbortCheckpoint`` resets its own async worker) or, without the hook, by the default process group
 having been rebuilt since the checkpointer was made.
 
@@ -273,7 +273,7 @@ def _retire(session: _Session) -> None:
     the old attempt's), never raised into the new one."""
     ckpt = session.ckpt
     try:
-        ckpt.close()
+        ckpt.close(keep_cache=True)  # the next attempt's checkpointer takes the arena
     except CheckpointError as e:
         logger.warning("rank %d: the aborted attempt's pending lazy checkpoints were not committed: %s", _rank(), e)
     last = ckpt.commits[-1].iteration if ckpt.commits else None
@@ -312,11 +312,12 @@ def _session_for(args: Any, model: Any, optimizer: Any, scheduler: Any) -> _Sess
             atexit.register(_finalize_atexit)
             _atexit_registered = True
         _info(
-            "rank %d: lazy checkpointer started (save=%s, load=%s, host cache %.2f GiB, %d flush threads)",
+            "rank %d: lazy checkpointer started (save=%s, load=%s, host cache %.2f GiB%s, %d flush threads)",
             _rank(),
             config.save_dir,
             config.effective_load_dir,
             config.host_cache_gb,
+            " reused from the aborted attempt" if ckpt.cache_reused else "",
             config.flush_threads,
         )
         return _session
