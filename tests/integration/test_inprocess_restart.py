@@ -7,7 +7,9 @@ against a run that was never interrupted (:func:`.megatron_lm_runs.assert_same_t
 
 The faults come from ``DSM_FAULT_AT`` (:mod:`datastates_megatron.megatron.cpu.fault_injection`):
 on every rank; on rank 1 only (rank 0 is then blocked in the gradient all-reduce until the CPU
-launcher's abort shuts down its gloo connections); a hang on rank 1 (NVRx's soft timeout).
+launcher's abort shuts down its gloo connections); a hang on rank 1 (NVRx's soft timeout); a
+second fault right after the restart's restore (``DSM_FAULT_AT_LOAD``).  With a node-local tier the
+restart reads nothing from ``--save``.  The restarted checkpointer reuses the host cache's arena.
 """
 
 from __future__ import annotations
@@ -76,7 +78,7 @@ def reference(tmp_path_factory):
     return run
 
 
-def _faulted(tmp_path, monkeypatch, fault: str, rank: int | None, extra: list[str]):
+def _faulted(tmp_path, monkeypatch, fault: str, rank: int | None, extra: list[str], load: int | None = None):
     save = tmp_path / "ckpt"
     args = [*BASE, "--save", str(save), "--load", str(save), "--save-interval", "2", *LAZY, *INPROCESS, *extra]
     with monkeypatch.context() as m:
@@ -86,6 +88,8 @@ def _faulted(tmp_path, monkeypatch, fault: str, rank: int | None, extra: list[st
             m.setenv("PYTHONPATH", os.pathsep.join(p for p in (os.environ.get("PYTHONPATH"), str(APART)) if p))
         if rank is not None:
             m.setenv("DSM_FAULT_RANK", str(rank))
+        if load is not None:
+            m.setenv("DSM_FAULT_AT_LOAD", str(load))
         run = launch(tmp_path, "faulted", args)
     assert run.returncode == 0, run.describe()
     return run, save
@@ -132,4 +136,24 @@ def test_with_a_node_local_tier_the_restart_reads_nothing_from_save(tmp_path, mo
         assert f"rank {rank}: restoring iteration 4 from {tier}: " in run.log, run.describe()
         assert f"rank {rank}: restoring iteration 4 from {save}" not in run.log, run.describe()
     assert latest(save) == ITERS  # the end of the run is promoted to --save
+    assert_same_training(run, reference, range(1, ITERS + 1))
+
+
+def test_a_second_fault_in_the_restarts_restore_restarts_again_consistently(tmp_path, monkeypatch, reference):
+    """The forward-pass fault on every rank, then a fault right after the restart's restore (the
+    process's 2nd load), both on every rank: a third attempt retires the second one's checkpointer
+    (nothing committed) and restores iteration 4 again; still bit-exact."""
+    run, save = _faulted(tmp_path, monkeypatch, "raise", None, [], load=2)
+    assert "rank 0: injected fault after load 2" in run.log, run.describe()
+    assert run.log.count("loaded lazy checkpoint of iteration 4") == 2, run.describe()  # rank 0's, per attempt
+    for rank in (0, 1):
+        assert (
+            f"rank {rank}: in-process restart: the aborted attempt's lazy checkpointer is closed (its newest "
+            "commit: iteration 4)" in run.log
+        ), run.describe()
+        assert (
+            f"rank {rank}: in-process restart: the aborted attempt's lazy checkpointer is closed (its newest "
+            "commit: none)" in run.log
+        ), run.describe()
+    assert latest(save) == ITERS
     assert_same_training(run, reference, range(1, ITERS + 1))

@@ -3,7 +3,9 @@
 ``DSM_FAULT_AT=<kind>:<iteration>`` (``raise`` or ``hang``) makes this process's forward pass of
 ``iteration`` (the step that makes it, as ``args.curr_iteration`` numbers it: the step after
 ``iteration - 1``) fail, once per process: a restarted attempt that reaches ``iteration`` again
-trains on.  ``DSM_FAULT_RANK=<rank>`` limits it to one rank.
+trains on.  ``DSM_FAULT_RANK=<rank>`` limits it to one rank.  ``DSM_FAULT_AT_LOAD=<n>`` also makes
+the ``n``-th ``load_checkpoint`` of this process raise once it has restored (a second fault, in the
+restart's own restore, before training resumes), on that rank too.
 
 * ``raise``: a :class:`InjectedFault` (a ``RuntimeError``), as a bad batch or a kernel error would;
 * ``hang``: the training thread stops making progress until an exception is raised in it (NVRx's
@@ -21,10 +23,11 @@ import logging
 import os
 import threading
 
-__all__ = ["ENV", "RANK_ENV", "InjectedFault", "install"]
+__all__ = ["ENV", "LOAD_ENV", "RANK_ENV", "InjectedFault", "install"]
 
 ENV = "DSM_FAULT_AT"
 RANK_ENV = "DSM_FAULT_RANK"
+LOAD_ENV = "DSM_FAULT_AT_LOAD"
 _KINDS = ("raise", "hang")
 
 log = logging.getLogger(__name__)
@@ -77,3 +80,27 @@ def install(spec: str) -> None:
         return original(forward_step, *args, **kwargs)
 
     training.train_step = train_step
+    if os.environ.get(LOAD_ENV):
+        _fail_a_load(int(os.environ[LOAD_ENV]), only_rank)
+
+
+def _fail_a_load(nth: int, only_rank: str | None) -> None:
+    """The ``nth`` ``load_checkpoint`` that ``setup_model_and_optimizer`` calls raises after it returns."""
+    from megatron.training import training
+
+    original = training.load_checkpoint
+    calls = [0]
+
+    @functools.wraps(original)
+    def load_checkpoint(*args, **kwargs):
+        import torch.distributed as dist
+
+        result = original(*args, **kwargs)
+        calls[0] += 1
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        if calls[0] == nth and (only_rank is None or int(only_rank) == rank):
+            log.warning("rank %d: injected fault after load %d", rank, nth)
+            raise InjectedFault(f"rank {rank}: injected fault after load {nth}")
+        return result
+
+    training.load_checkpoint = load_checkpoint

@@ -20,7 +20,8 @@ aborted attempt is retired by the first save or load of the next one (:func:`_se
 training thread: its pending checkpoints end as they would have (their commit goes through the
 job's store, which outlives the attempt: committed on every rank, or abandoned on every rank), its
 threads stop, its save-directory lock is released, its host cache's arena is kept for the next
-checkpointer (never allocated twice), and only then is the new attempt's checkpointer built.  An attempt is known to be over by :func:`abort` (the runtime hook calls it where Megatron's
+checkpointer (never allocated twice), and only then is the new attempt's checkpointer built.  An
+attempt is known to be over by :func:`abort` (the runtime hook calls it where Megatron's
 ``AbortCheckpoint`` resets its own async worker) or, without the hook, by the default process group
 having been rebuilt since the checkpointer was made.
 
