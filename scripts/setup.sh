@@ -35,5 +35,12 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ scripts/requirement
     "mfusepy==3.1.1" "boto3==1.44.18" "botocore==1.44.18" "moto[server]==5.2.6" "multi-storage-client==1.3.1" \
     "safetensors==0.8.0" \
     -r scripts/requirements-megatron-lm.txt
+  # nvidia-resiliency-ext (the [resiliency] extra: Megatron-LM's --inprocess-restart) in a folder of its own,
+  # not in .venv: core_v0.19 and main assert NVRx >= 0.6.0 when megatron.core is imported with NVRx present
+  # (megatron/core/dist_checkpointing/strategies/nvrx.py), and 0.4.1 (cp311) is the newest in the registry.
+  # tests/integration/test_inprocess_restart.py puts it on its core_v0.16.1 ranks' PYTHONPATH.
+  rm -rf .venv-resiliency
+  python -m pip install -q --no-deps --target .venv-resiliency \
+    "nvidia-resiliency-ext==0.4.1" "nvidia-ml-py==13.615.71" "defusedxml==0.7.1"
   touch "$stamp"
 fi

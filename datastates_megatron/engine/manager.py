@@ -1167,9 +1167,10 @@ class CheckpointManager(ClosingContext):
         return local is not None and local == persistent
 
     # ------------------------------------------------------------------ lifecycle
-    def close(self, timeout: float | None = None) -> None:
+    def close(self, timeout: float | None = None, *, keep_cache: bool = False) -> None:
         """Drain (commit what is pending and promote the newest local checkpoint), then stop every
-        thread; idempotent."""
+        thread; idempotent.  ``keep_cache``: the host cache's arena goes to the next manager of this
+        process (an in-process restart: :meth:`.SnapshotEngine.close`)."""
         if self._closed:
             return
         forget(self)
@@ -1181,7 +1182,7 @@ class CheckpointManager(ClosingContext):
         finally:
             self._closed = True
             try:
-                self.engine.close(timeout)
+                self.engine.close(timeout, keep_cache=keep_cache)
             finally:
                 try:
                     for part in (self.replication, self.local, self.promotion, self.persistent):

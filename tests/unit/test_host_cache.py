@@ -76,3 +76,21 @@ def test_fits_now_says_what_acquire_would_place_without_waiting():
         else:
             for r in got:
                 cache.release(r)
+
+
+def test_a_kept_arena_goes_to_the_next_cache_of_its_size_only():
+    """An in-process restart: the closed cache's arena is the next one's, never allocated twice."""
+    first = HostCache(3 * 4096, pin=False)
+    region = first.acquire(100, timeout=1.0)
+    address = region.tensor.data_ptr()
+    first.release(region)
+    with pytest.raises(RuntimeError, match="before close"):
+        first.keep()
+    first.close()
+    assert first.keep()
+    other = HostCache(2 * 4096, pin=False)  # another size: a fresh arena, the kept one stays
+    assert not other.reused
+    second = HostCache(3 * 4096, pin=False)
+    assert second.reused and second.acquire(100, timeout=1.0).tensor.data_ptr() == address
+    third = HostCache(3 * 4096, pin=False)  # kept once, taken once
+    assert not third.reused

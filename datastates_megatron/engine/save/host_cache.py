@@ -4,6 +4,11 @@ Regions are handed out in FIFO order and may be released in any order (several f
 space of a region becomes reusable once every older region is released too.  The arena is allocated
 once and reused by every checkpoint, so memory never grows past the budget; ``acquire`` blocks while
 the arena is full (backpressure) and raises :class:`CacheTimeoutError` rather than hanging forever.
+
+An in-process restart (Megatron-LM's ``--inprocess-restart``) closes one checkpointer and builds
+the next in the same process: :meth:`HostCache.keep` hands a closed cache's arena, once no thread
+can touch it, to the next cache of the same size and pinning in this process, so the restart neither
+allocates (and pins) the arena twice nor holds two.  At most one arena per size is kept.
 """
 
 from __future__ import annotations
@@ -20,6 +25,8 @@ from ..errors import CacheTimeoutError, EngineClosedError
 __all__ = ["HostCache", "Region"]
 
 _ALIGN = 4096
+_kept_lock = threading.Lock()
+_kept: dict[tuple[int, bool], torch.Tensor] = {}  # (capacity, pinned) -> an arena HostCache.keep left
 
 
 @dataclasses.dataclass(eq=False)
@@ -41,11 +48,16 @@ class HostCache:
             raise ValueError(f"host cache budget must be at least {_ALIGN} bytes, got {capacity}")
         if pin is None:
             pin = torch.cuda.is_available()
-        raw = torch.empty(capacity + _ALIGN, dtype=torch.uint8, pin_memory=pin)
-        skip = (-raw.data_ptr()) % _ALIGN
-        self._arena = raw[skip : skip + capacity]
+        with _kept_lock:
+            arena = _kept.pop((capacity, bool(pin)), None)
+        self.reused = arena is not None  # the arena a closed cache of this process kept
+        if arena is None:
+            raw = torch.empty(capacity + _ALIGN, dtype=torch.uint8, pin_memory=pin)
+            skip = (-raw.data_ptr()) % _ALIGN
+            arena = raw[skip : skip + capacity]
+        self._arena = arena
         self.capacity = capacity
-        self.pinned = pin
+        self.pinned = bool(pin)
         self._live: collections.deque[Region] = collections.deque()
         self._head = 0  # start of the oldest live region
         self._tail = 0  # first free byte after the newest live region
@@ -157,3 +169,17 @@ class HostCache:
         with self._cond:
             self._closed = True
             self._cond.notify_all()
+
+    def keep(self) -> bool:
+        """After :meth:`close`, and only once no thread can write a region any more (the caller
+        joined them): leave the arena to the next ``HostCache`` of this capacity and pinning in this
+        process; this cache holds it no more.  False (nothing kept) when one is already kept."""
+        with self._cond:
+            if not self._closed:
+                raise RuntimeError("HostCache.keep() before close()")
+            arena, self._arena = self._arena, None
+            self._live.clear()
+        if arena is None:
+            return False
+        with _kept_lock:
+            return _kept.setdefault((self.capacity, self.pinned), arena) is arena

@@ -382,8 +382,11 @@ class SnapshotEngine(ClosingContext):
             return [j.version for j in self._pending.values()]
 
     # ------------------------------------------------------------------ lifecycle
-    def close(self, timeout: float | None = None) -> None:
-        """Drain pending versions, stop and join every thread; idempotent.  Re-raises a stored error."""
+    def close(self, timeout: float | None = None, *, keep_cache: bool = False) -> None:
+        """Drain pending versions, stop and join every thread; idempotent.  Re-raises a stored error.
+        ``keep_cache`` (an in-process restart): once every thread is joined, the host cache's arena
+        is left to the next engine of this process (:meth:`.HostCache.keep`); never while a write
+        the storage has not returned may still touch it."""
         if self._closed:
             return
         forget(self)
@@ -398,6 +401,8 @@ class SnapshotEngine(ClosingContext):
                 self._thread.join()
                 self._flush_pool.shutdown(wait=True)
                 self.cache.close()
+                if keep_cache:
+                    self.cache.keep()
                 if self._mapped is not None:
                     self._mapped.close()
             else:  # storage is stuck: report instead of hanging on the blocked writes

@@ -413,9 +413,10 @@ class LazyCheckpointer:
                     bucket_group.param_gather_handle = None
 
     # ------------------------------------------------------------------ lifecycle
-    def close(self) -> None:
+    def close(self, *, keep_cache: bool = False) -> None:
         """Commit what is pending (the newest local checkpoint promoted), remove the optimizer hooks,
-        stop every thread; idempotent."""
+        stop every thread; idempotent.  ``keep_cache`` (an in-process restart): the host cache's
+        arena is left to the next checkpointer of this process instead of being freed."""
         if self._closed:
             return
         self._remove_hooks()
@@ -423,7 +424,12 @@ class LazyCheckpointer:
             self._report(self._mgr.wait(promote_newest=True))
         finally:
             self._closed = True
-            self._mgr.close()
+            self._mgr.close(keep_cache=keep_cache)
+
+    @property
+    def cache_reused(self) -> bool:
+        """Whether this checkpointer's host cache is the arena an earlier one of this process kept."""
+        return self._mgr.engine.cache.reused
 
     def _check_open(self) -> None:
         if self._closed:

@@ -20,6 +20,9 @@ before Megatron-LM is first imported, in this process only and without editing M
   which would need triton again without the stand-in;
 * ``torch.distributed.isend`` of a CPU tensor sends a copy (:mod:`.gloo_sends`: Megatron-LM frees
   a pipeline output while gloo may still be sending it);
+* with ``--inprocess-restart`` on the command line and nvidia-resiliency-ext installed, NVRx's
+  finalize and abort steps are adapted to CPU ranks (:mod:`.inprocess_cpu`: a plain finalize thread,
+  gloo connections shut down on an abort so that a rank blocked in a collective is released);
 * on Python < 3.12, ``typing.override`` is ``typing_extensions.override``: core_v0.19 declares
   Python >= 3.12, and this decorator is the one thing it needs from 3.12 to run here.
 
@@ -32,6 +35,7 @@ from __future__ import annotations
 import functools
 import importlib.abc
 import importlib.machinery
+import importlib.util
 import re
 import sys
 import types
@@ -94,8 +98,6 @@ def _needs_triton(module: str, name: str):
 
 
 def stub_triton_modules() -> None:
-    import importlib.util
-
     if importlib.util.find_spec("triton") is None and not any(isinstance(f, _TritonFreeStub) for f in sys.meta_path):
         sys.meta_path.insert(0, _TritonFreeStub())
 
@@ -139,6 +141,10 @@ def prepare() -> bool:
 
     cuda_on_cpu.install()
     gloo_sends.install()
+    if "--inprocess-restart" in sys.argv:
+        from . import inprocess_cpu
+
+        inprocess_cpu.install()  # without NVRx: nothing (Megatron-LM then warns and runs unwrapped)
     torch.cuda.is_available = lambda: True  # Megatron's initialize asserts it
     try:  # core_v0.16 builds CUDA kernels at start-up; core_v0.19 has no megatron.legacy
         from megatron.legacy import fused_kernels

@@ -14,6 +14,17 @@ One process-wide :class:`~datastates_megatron.megatron.checkpointing.checkpointe
 the first save or load from Megatron's global args, for the model/optimizer/scheduler of that call;
 an ``atexit`` hook commits what is still pending if the process exits without ``terminate``.
 
+Under ``--inprocess-restart`` (nvidia-resiliency-ext's ``Wrapper``) ``pretrain`` runs again in the
+same process after a fault, with a new model, optimizer and process groups.  The checkpointer of the
+aborted attempt is retired by the first save or load of the next one (:func:`_session_for`), on the
+training thread: its pending checkpoints end as they would have (their commit goes through the
+job's store, which outlives the attempt: committed on every rank, or abandoned on every rank), its
+threads stop, its save-directory lock is released, its host cache's arena is kept for the next
+checkpointer (never allocated twice), and only then is the new attempt's checkpointer built.  An
+attempt is known to be over by :func:`abort` (the runtime hook calls it where Megatron's
+``AbortCheckpoint`` resets its own async worker) or, without the hook, by the default process group
+having been rebuilt since the checkpointer was made.
+
 Megatron's per-run fields travel in ``extra_state["megatron_lm"]`` as plain JSON (no pickle):
 ``iteration``, ``num_floating_point_operations_so_far``, consumed/skipped train samples, consumed
 validation samples, Megatron's ``checkpoint_version`` and the JSON-representable subset of ``args``.
@@ -33,6 +44,7 @@ import sys
 import threading
 import time
 import types
+import weakref
 from typing import Any
 
 from ...engine.errors import CheckpointError, FormatVersionError, LayoutMismatchError, NoCheckpointError
@@ -49,6 +61,7 @@ __all__ = [
     "load_checkpoint",
     "maybe_finalize",
     "finalize_at_exit",
+    "abort",
     "build_extra_state",
     "apply_extra_state",
     "largest_tensor_bytes",
@@ -82,14 +95,33 @@ class _Session:
         self.ckpt = ckpt
         self._ids = (_ids(model), id(optimizer), id(scheduler))
         self.skips_reported = (0, 0)  # the skip counts last written to TensorBoard
+        group = _default_group()
+        self._group = None if group is None else weakref.ref(group)  # the attempt's process groups
+        self.aborted = threading.Event()  # set by abort(), from any thread
 
     def matches(self, model: Any, optimizer: Any, scheduler: Any) -> bool:
         return self._ids == (_ids(model), id(optimizer), id(scheduler))
+
+    def ended(self) -> bool:
+        """True once the training attempt this checkpointer was made in is over: aborted, or its
+        default process group destroyed or replaced (an in-process restart)."""
+        if self.aborted.is_set():
+            return True
+        return self._group is not None and self._group() is not _default_group()
 
 
 _lock = threading.Lock()
 _session: _Session | None = None
 _atexit_registered = False
+
+
+def _default_group() -> Any:
+    """torch.distributed's default process group, or None without one."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    return dist.distributed_c10d._get_default_group()
 
 
 def _ids(model: Any) -> tuple[int, ...]:
@@ -225,9 +257,41 @@ def largest_tensor_bytes(model: Any) -> int:
     return best
 
 
+def abort() -> None:
+    """The training attempt is being aborted (an in-process restart): mark the checkpointer so that
+    the next attempt's first save or load retires it.  Safe from any thread (NVRx calls its abort
+    steps from its monitor thread while the training thread may still be running); touches nothing
+    else: the pending checkpoints end on the training thread (see the module docstring)."""
+    session = _session
+    if session is not None:
+        session.aborted.set()
+        logger.warning("rank %d: training attempt aborted; the lazy checkpointer is retired at the next start", _rank())
+
+
+def _retire(session: _Session) -> None:
+    """Close the checkpointer of an ended attempt (caller holds ``_lock``): its pending checkpoints
+    end as they would have, committed or abandoned alike on every rank; an error is logged (it was
+    the old attempt's), never raised into the new one."""
+    ckpt = session.ckpt
+    try:
+        ckpt.close(keep_cache=True)  # the next attempt's checkpointer takes the arena
+    except CheckpointError as e:
+        logger.warning("rank %d: the aborted attempt's pending lazy checkpoints were not committed: %s", _rank(), e)
+    last = ckpt.commits[-1].iteration if ckpt.commits else None
+    logger.warning(
+        "rank %d: in-process restart: the aborted attempt's lazy checkpointer is closed (its newest commit: %s); "
+        "starting a new one",
+        _rank(),
+        "none" if last is None else f"iteration {last}",
+    )
+
+
 def _session_for(args: Any, model: Any, optimizer: Any, scheduler: Any) -> _Session:
     global _session, _atexit_registered
     with _lock:
+        if _session is not None and _session.ended():
+            _session, ended = None, _session
+            _retire(ended)
         if _session is not None:
             if not _session.matches(model, optimizer, scheduler):
                 raise MegatronIntegrationError(
@@ -249,11 +313,12 @@ def _session_for(args: Any, model: Any, optimizer: Any, scheduler: Any) -> _Sess
             atexit.register(_finalize_atexit)
             _atexit_registered = True
         _info(
-            "rank %d: lazy checkpointer started (save=%s, load=%s, host cache %.2f GiB, %d flush threads)",
+            "rank %d: lazy checkpointer started (save=%s, load=%s, host cache %.2f GiB%s, %d flush threads)",
             _rank(),
             config.save_dir,
             config.effective_load_dir,
             config.host_cache_gb,
+            " reused from the aborted attempt" if ckpt.cache_reused else "",
             config.flush_threads,
         )
         return _session

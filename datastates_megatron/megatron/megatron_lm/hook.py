@@ -29,6 +29,11 @@ it is given a value other than its default, never dropped. A tree that is alread
 functions import ``datastates_megatron``) is left alone, so nothing is routed twice; a partly
 patched one is refused.
 
+:func:`install_abort` (patched or not) makes Megatron-LM's in-process restart tell the glue that an
+attempt is aborted: ``megatron.training.async_utils.reset_persistent_async_worker``, which Megatron's
+``AbortCheckpoint`` (``--inprocess-restart``) calls in the wrapper's abort step, first calls
+:func:`.checkpointing.abort`.
+
 Not thread-safe: call it once, on the main thread, before the training script runs.
 """
 
@@ -45,7 +50,7 @@ from typing import Any
 from . import checkpointing as megatron_lm, versions
 from .args import add_lazy_ckpt_args, validate_lazy_ckpt_args
 
-__all__ = ["HookError", "ROUTED", "install", "megatron_lm_version"]
+__all__ = ["HookError", "ROUTED", "install", "install_abort", "megatron_lm_version"]
 
 logger = logging.getLogger(__name__)
 
@@ -275,3 +280,24 @@ def install() -> str:
         logger.debug("datastates_megatron runtime hook: %s", ", ".join(sites))
     logger.info("Megatron-LM %s: checkpointing routed by the datastates_megatron runtime hook", megatron_lm_version())
     return "hooked"
+
+
+def install_abort() -> bool:
+    """Make ``reset_persistent_async_worker`` (Megatron's ``AbortCheckpoint``) call
+    :func:`.checkpointing.abort` first, wherever a loaded ``megatron.*`` module holds it; idempotent.
+    Returns False when this Megatron-LM has no such function (no in-process restart to hook)."""
+    async_utils = importlib.import_module("megatron.training.async_utils")
+    original = getattr(async_utils, "reset_persistent_async_worker", None)
+    if original is None:
+        return False
+    if getattr(original, _MARK, False):
+        return True
+
+    @functools.wraps(original)
+    def reset_persistent_async_worker(*args: Any, **kwargs: Any) -> Any:
+        megatron_lm.abort()
+        return original(*args, **kwargs)
+
+    setattr(reset_persistent_async_worker, _MARK, True)
+    _rebind(original, reset_persistent_async_worker)
+    return True

@@ -12,12 +12,15 @@ In this process, before the script runs as ``__main__`` (as ``python SCRIPT ARGS
   ``maybe_finalize_async_save`` and ``parse_args`` to the glue, after checking the version against
   the table of tested ones (:mod:`.versions`; ``DSM_ALLOW_UNTESTED_MEGATRON=1`` overrides) and their
   signatures (a refusal exits with status 2 and one line naming the version, and the function or
-  the tested versions); a tree that carries our source patch is left as it is;
+  the tested versions); a tree that carries our source patch is left as it is; in either tree, an
+  in-process restart's abort reaches the glue (:func:`.hook.install_abort`);
 * ``python3`` and ``python3-config`` on ``PATH`` are this interpreter's, so that Megatron's
   ``compile_helpers`` (``make`` in ``megatron/core/datasets``) builds the dataset helpers for it
   (some GPU images have no ``python3-config``);
 * with ``DSM_TRAINING_RECORD=PREFIX`` each rank also writes an exact per-iteration record
-  (:mod:`..cpu.training_record`), which the end-to-end tests compare across runs.
+  (:mod:`..cpu.training_record`), which the end-to-end tests compare across runs;
+* with ``DSM_FAULT_AT=KIND:ITERATION`` the forward pass of that iteration fails once in this process
+  (:mod:`..cpu.fault_injection`: the in-process restart tests).
 
 :mod:`..cpu.launch` is this runner with a CUDA->CPU shim installed first.
 """
@@ -33,7 +36,7 @@ import sysconfig
 import tempfile
 from collections.abc import Callable
 
-from ..cpu import training_record
+from ..cpu import fault_injection, training_record
 
 __all__ = ["main", "run_script"]
 
@@ -69,12 +72,15 @@ def run_script(script: str, args: list[str], *, prepare: Callable[[], object] | 
         prepare()
     try:
         hook.install()
+        hook.install_abort()
     except hook.HookError as e:
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(2) from e
     tools = _python_on_path()
     if os.environ.get(training_record.ENV):
         training_record.install(os.environ[training_record.ENV])
+    if os.environ.get(fault_injection.ENV):
+        fault_injection.install(os.environ[fault_injection.ENV])
     sys.argv = [script, *args]
     try:
         runpy.run_path(script, run_name="__main__")

@@ -1,0 +1,106 @@
+"""A fault in the forward pass of one training iteration, for the in-process restart tests.
+
+``DSM_FAULT_AT=<kind>:<iteration>`` (``raise`` or ``hang``) makes this process's forward pass of
+``iteration`` (the step that makes it, as ``args.curr_iteration`` numbers it: the step after
+``iteration - 1``) fail, once per process: a restarted attempt that reaches ``iteration`` again
+trains on.  ``DSM_FAULT_RANK=<rank>`` limits it to one rank.  ``DSM_FAULT_AT_LOAD=<n>`` also makes
+the ``n``-th ``load_checkpoint`` of this process raise once it has restored (a second fault, in the
+restart's own restore, before training resumes), on that rank too.
+
+* ``raise``: a :class:`InjectedFault` (a ``RuntimeError``), as a bad batch or a kernel error would;
+* ``hang``: the training thread stops making progress until an exception is raised in it (NVRx's
+  monitor raises one into the main thread on a restart): a loop of short waits, so that the
+  asynchronous exception is delivered, standing for a hang in Python code.
+
+Installed by :mod:`..megatron_lm.run` when ``DSM_FAULT_AT`` is set (only there: a test's hook for
+*where* a fault happens, not a feature); it wraps ``megatron.training.training.train_step``.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import threading
+
+__all__ = ["ENV", "LOAD_ENV", "RANK_ENV", "InjectedFault", "install"]
+
+ENV = "DSM_FAULT_AT"
+RANK_ENV = "DSM_FAULT_RANK"
+LOAD_ENV = "DSM_FAULT_AT_LOAD"
+_KINDS = ("raise", "hang")
+
+log = logging.getLogger(__name__)
+
+
+class InjectedFault(RuntimeError):
+    """The fault ``DSM_FAULT_AT`` asked for."""
+
+
+def parse(spec: str) -> tuple[str, int]:
+    """``"raise:5"`` -> ``("raise", 5)``; a clear ``ValueError`` for anything else."""
+    kind, _, iteration = spec.partition(":")
+    if kind not in _KINDS or not iteration.isdigit() or int(iteration) < 1:
+        raise ValueError(f"{ENV}={spec!r}: expected <{'|'.join(_KINDS)}>:<iteration >= 1>")
+    return kind, int(iteration)
+
+
+def install(spec: str) -> None:
+    """Wrap ``train_step`` so that the forward pass of the iteration ``spec`` names fails once."""
+    from megatron.training import training
+    from megatron.training.global_vars import get_args
+
+    kind, iteration = parse(spec)
+    only_rank = os.environ.get(RANK_ENV)
+    fired = threading.Event()
+    original = training.train_step
+
+    def fault(rank: int) -> None:
+        fired.set()
+        log.warning("rank %d: injected fault (%s) in the forward pass of iteration %d", rank, kind, iteration)
+        if kind == "raise":
+            raise InjectedFault(f"rank {rank}: injected fault in the forward pass of iteration {iteration}")
+        stop = threading.Event()  # never set: only an asynchronous exception ends the wait
+        while True:
+            stop.wait(0.05)
+
+    @functools.wraps(original)
+    def train_step(forward_step_func, *args, **kwargs):
+        import torch.distributed as dist
+
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        step = getattr(get_args(), "curr_iteration", -1) + 1  # the iteration this step makes
+        if fired.is_set() or step != iteration or (only_rank is not None and int(only_rank) != rank):
+            return original(forward_step_func, *args, **kwargs)
+
+        def forward_step(*f_args, **f_kwargs):
+            fault(rank)
+            return forward_step_func(*f_args, **f_kwargs)
+
+        return original(forward_step, *args, **kwargs)
+
+    training.train_step = train_step
+    if os.environ.get(LOAD_ENV):
+        _fail_a_load(int(os.environ[LOAD_ENV]), only_rank)
+
+
+def _fail_a_load(nth: int, only_rank: str | None) -> None:
+    """The ``nth`` ``load_checkpoint`` that ``setup_model_and_optimizer`` calls raises after it returns."""
+    from megatron.training import training
+
+    original = training.load_checkpoint
+    calls = [0]
+
+    @functools.wraps(original)
+    def load_checkpoint(*args, **kwargs):
+        import torch.distributed as dist
+
+        result = original(*args, **kwargs)
+        calls[0] += 1
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        if calls[0] == nth and (only_rank is None or int(only_rank) == rank):
+            log.warning("rank %d: injected fault after load %d", rank, nth)
+            raise InjectedFault(f"rank {rank}: injected fault after load {nth}")
+        return result
+
+    training.load_checkpoint = load_checkpoint

@@ -1,0 +1,159 @@
+"""Megatron-LM's own ``pretrain_gpt.py --inprocess-restart --lazy-ckpt`` (nvidia-resiliency-ext's
+in-process restart) on 2 gloo CPU ranks: a fault in the forward pass of iteration 5, after the
+checkpoint of iteration 4 was scheduled; the wrapper aborts and runs ``pretrain`` again in the same
+processes, whose first load retires the aborted attempt's checkpointer (its commit of iteration 4
+ends on every rank) and restores iteration 4.  Losses, norms and the final state are bit-exact
+against a run that was never interrupted (:func:`.megatron_lm_runs.assert_same_training`).
+
+The faults come from ``DSM_FAULT_AT`` (:mod:`datastates_megatron.megatron.cpu.fault_injection`):
+on every rank; on rank 1 only (rank 0 is then blocked in the gradient all-reduce until the CPU
+launcher's abort shuts down its gloo connections); a hang on rank 1 (NVRx's soft timeout); a
+second fault right after the restart's restore (``DSM_FAULT_AT_LOAD``).  With a node-local tier the
+restart reads nothing from ``--save``.  The restarted checkpointer reuses the host cache's arena.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+from pathlib import Path
+
+import pytest
+
+from datastates_megatron.engine.tiers.run_id import local_tier_dir
+from tests.integration.megatron_lm_runs import LAZY, MEGATRON_LM_DIR, assert_same_training, latest, launch
+
+# scripts/setup.sh installs NVRx 0.4.1 here, apart from .venv (core_v0.19 and main refuse it on import)
+APART = Path(__file__).resolve().parents[2] / ".venv-resiliency"
+NVRX = importlib.util.find_spec("nvidia_resiliency_ext") is not None or (APART / "nvidia_resiliency_ext").is_dir()
+
+
+def _nvrx_needed(tree: str | None) -> str | None:
+    """The NVRx version this Megatron-LM tree asserts at import, when above the tested 0.4.1."""
+    nvrx = Path(tree or "", "megatron/core/dist_checkpointing/strategies/nvrx.py")
+    found = re.search(r'^NVRX_MIN_VERSION = "([\d.]+)"', nvrx.read_text(), re.M) if nvrx.is_file() else None
+    if found and tuple(map(int, found[1].split("."))) > (0, 4, 1):
+        return found[1]
+    return None
+
+
+pytestmark = [
+    pytest.mark.skipif(
+        not MEGATRON_LM_DIR,
+        reason="MEGATRON_LM_DIR is not set (scripts/test.sh unpacks and patches one from ../shared/megatron-lm)",
+    ),
+    pytest.mark.skipif(
+        not NVRX, reason="nvidia-resiliency-ext is not installed (scripts/setup.sh puts 0.4.1 in .venv-resiliency)"
+    ),
+    pytest.mark.skipif(
+        _nvrx_needed(MEGATRON_LM_DIR) is not None,
+        reason=f"this Megatron-LM asserts nvidia-resiliency-ext >= {_nvrx_needed(MEGATRON_LM_DIR)} on import; "
+        "the registry's newest is 0.4.1",
+    ),
+]
+
+ITERS = 8
+FAULT_AT = 5  # the checkpoint of iteration 4 is the newest one scheduled before it
+BASE = ["--train-iters", str(ITERS), "--bf16"]
+# the wrapper's timeouts scaled to a tiny model on a shared 2-core machine; at most 3 attempts
+INPROCESS = [
+    "--inprocess-restart",
+    "--inprocess-granularity",
+    "rank",
+    "--inprocess-max-iterations",
+    "3",
+    "--inprocess-heartbeat-interval",
+    "2",
+    "--inprocess-heartbeat-timeout",
+    "30",
+]  # NVRx requires soft < hard < barrier timeout (Megatron-LM's defaults: 60, 90, 120 s)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("reference")
+    run = launch(tmp, "reference", BASE)
+    assert run.returncode == 0, run.describe()
+    return run
+
+
+def _faulted(tmp_path, monkeypatch, fault: str, rank: int | None, extra: list[str], load: int | None = None):
+    save = tmp_path / "ckpt"
+    args = [*BASE, "--save", str(save), "--load", str(save), "--save-interval", "2", *LAZY, *INPROCESS, *extra]
+    with monkeypatch.context() as m:
+        m.setenv("DSM_FAULT_AT", f"{fault}:{FAULT_AT}")
+        m.setenv("TORCH_CPP_LOG_LEVEL", "error")  # the wrapper's store polls warn each second otherwise
+        if importlib.util.find_spec("nvidia_resiliency_ext") is None:  # the ranks import it from APART
+            m.setenv("PYTHONPATH", os.pathsep.join(p for p in (os.environ.get("PYTHONPATH"), str(APART)) if p))
+        if rank is not None:
+            m.setenv("DSM_FAULT_RANK", str(rank))
+        if load is not None:
+            m.setenv("DSM_FAULT_AT_LOAD", str(load))
+        run = launch(tmp_path, "faulted", args)
+    assert run.returncode == 0, run.describe()
+    return run, save
+
+
+def _restarted_once_from_4(run) -> None:
+    for rank in (0, 1):
+        assert f"rank {rank}: training attempt aborted" in run.log, run.describe()
+        assert (
+            f"rank {rank}: in-process restart: the aborted attempt's lazy checkpointer is closed "
+            "(its newest commit: iteration 4)" in run.log
+        ), run.describe()
+    assert "loaded lazy checkpoint of iteration 4" in run.log, run.describe()
+    assert "host cache 0.05 GiB reused from the aborted attempt" in run.log, run.describe()  # rank 0's line
+    assert run.log.count("state=initialize") <= 2 * 2, "more than one restart"  # NVRx logs it per rank
+
+
+@pytest.mark.parametrize("rank", [None, 1], ids=["every-rank", "rank-1"])
+def test_exception_in_forward_restarts_in_process_and_resumes_bit_exact(tmp_path, monkeypatch, reference, rank):
+    run, save = _faulted(tmp_path, monkeypatch, "raise", rank, [])
+    _restarted_once_from_4(run)
+    assert latest(save) == ITERS
+    assert_same_training(run, reference, range(1, ITERS + 1))
+
+
+def test_hang_in_forward_restarts_on_the_soft_timeout_and_resumes_bit_exact(tmp_path, monkeypatch, reference):
+    run, save = _faulted(
+        tmp_path, monkeypatch, "hang", 1, ["--inprocess-soft-timeout", "15", "--inprocess-hard-timeout", "45"]
+    )
+    assert "SOFT_TIMEOUT" in run.log, run.describe()
+    _restarted_once_from_4(run)
+    assert latest(save) == ITERS
+    assert_same_training(run, reference, range(1, ITERS + 1))
+
+
+def test_with_a_node_local_tier_the_restart_reads_nothing_from_save(tmp_path, monkeypatch, reference):
+    """The node-local tier (``/dev/shm`` in production: host memory) holds iteration 4 on every
+    rank: each rank restores it from there, and reads no checkpoint data from ``--save``."""
+    local = tmp_path / "node-local"
+    run, save = _faulted(tmp_path, monkeypatch, "raise", None, ["--lazy-ckpt-local-dir", str(local)])
+    _restarted_once_from_4(run)
+    tier = local_tier_dir(str(local), str(save))
+    for rank in (0, 1):
+        assert f"rank {rank}: restoring iteration 4 from {tier}: " in run.log, run.describe()
+        assert f"rank {rank}: restoring iteration 4 from {save}" not in run.log, run.describe()
+    assert latest(save) == ITERS  # the end of the run is promoted to --save
+    assert_same_training(run, reference, range(1, ITERS + 1))
+
+
+def test_a_second_fault_in_the_restarts_restore_restarts_again_consistently(tmp_path, monkeypatch, reference):
+    """The forward-pass fault on every rank, then a fault right after the restart's restore (the
+    process's 2nd load), both on every rank: a third attempt retires the second one's checkpointer
+    (nothing committed) and restores iteration 4 again; still bit-exact."""
+    run, save = _faulted(tmp_path, monkeypatch, "raise", None, [], load=2)
+    assert "rank 0: injected fault after load 2" in run.log, run.describe()
+    assert run.log.count("loaded lazy checkpoint of iteration 4") == 2, run.describe()  # rank 0's, per attempt
+    for rank in (0, 1):
+        assert (
+            f"rank {rank}: in-process restart: the aborted attempt's lazy checkpointer is closed (its newest "
+            "commit: iteration 4)" in run.log
+        ), run.describe()
+        assert (
+            f"rank {rank}: in-process restart: the aborted attempt's lazy checkpointer is closed (its newest "
+            "commit: none)" in run.log
+        ), run.describe()
+    assert latest(save) == ITERS
+    assert_same_training(run, reference, range(1, ITERS + 1))

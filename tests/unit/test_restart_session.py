@@ -1,0 +1,60 @@
+"""The glue's view of an in-process restart (megatron_lm/checkpointing.py): the checkpointer of an
+attempt counts as ended once ``abort()`` marked it (Megatron's AbortCheckpoint, through the runtime
+hook) or once the default process group it was made under is gone (a patched tree without the
+hook), and the next attempt's first save or load then retires it.  And the fault injection's spec."""
+
+from __future__ import annotations
+
+import pytest
+import torch.distributed as dist
+
+from datastates_megatron.megatron.cpu import fault_injection
+from datastates_megatron.megatron.megatron_lm import checkpointing as glue
+
+
+@pytest.fixture
+def one_rank(tmp_path):
+    """A world of one over a FileStore under tmp_path; ``restart()`` rebuilds it as NVRx does."""
+
+    def start(name: str) -> None:
+        dist.init_process_group("gloo", init_method=f"file://{tmp_path / name}", rank=0, world_size=1)
+
+    def restart() -> None:
+        dist.destroy_process_group()
+        start("attempt-1")
+
+    start("attempt-0")
+    yield restart
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def test_a_session_ends_when_aborted(one_rank, monkeypatch):
+    session = glue._Session(object(), [object()], object(), object())
+    monkeypatch.setattr(glue, "_session", session)
+    assert not session.ended()
+    glue.abort()
+    assert session.ended()
+
+
+def test_a_session_ends_when_the_process_groups_are_rebuilt(one_rank):
+    session = glue._Session(object(), [object()], object(), object())
+    assert not session.ended()
+    one_rank()
+    assert session.ended()
+
+
+def test_abort_without_a_checkpointer_does_nothing(monkeypatch):
+    monkeypatch.setattr(glue, "_session", None)
+    glue.abort()
+
+
+@pytest.mark.parametrize("spec, want", [("raise:5", ("raise", 5)), ("hang:1", ("hang", 1))])
+def test_fault_spec(spec, want):
+    assert fault_injection.parse(spec) == want
+
+
+@pytest.mark.parametrize("spec", ["raise", "raise:0", "boom:3", "hang:x", ""])
+def test_a_bad_fault_spec_is_named(spec):
+    with pytest.raises(ValueError, match="DSM_FAULT_AT"):
+        fault_injection.parse(spec)
