@@ -38,6 +38,7 @@ from ..checkpointing.reshard import Block, CheckpointIndex, GlobalIndexView, Sta
 __all__ = [
     "GlobalBlock",
     "assemble",
+    "assemble_at",
     "check_tiling",
     "close_index",
     "count_blocks",
@@ -237,6 +238,25 @@ def assemble(reader: CheckpointReader, index: CheckpointIndex, blocks: list[Glob
     full = torch.empty(first.block.global_shape, dtype=getattr(torch, first.dtype))
     for gb, values in zip(blocks, read_blocks(reader, index, blocks)):
         full[_where(gb.block)] = values
+    return full
+
+
+def assemble_at(
+    reader: CheckpointReader, index: CheckpointIndex, blocks: list[GlobalBlock], at: tuple[int, ...]
+) -> torch.Tensor:
+    """``global[at]`` for an index ``at`` into the axes megatron-core prepends (one layer of a
+    ``decoder.layers.*`` tensor), reading only the blocks that lie there: the memory is one layer's,
+    not the stack's.  A block that spans several prepended indices is read whole and cut."""
+    p = len(at)
+    if p == 0:
+        return assemble(reader, index, blocks)
+    here = [gb for gb in blocks if gb.block.offset[:p] == at]
+    if not here or any(n != 1 for gb in blocks for n in gb.block.shape[:p]):  # then ``here`` tiles global[at]
+        return assemble(reader, index, blocks)[at]
+    first = here[0]
+    full = torch.empty(first.block.global_shape[p:], dtype=getattr(torch, first.dtype))
+    for gb, values in zip(here, read_blocks(reader, index, here)):
+        full[_where(gb.block)[p:]] = values.reshape(gb.block.shape[p:])
     return full
 
 
