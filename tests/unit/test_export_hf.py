@@ -76,6 +76,8 @@ REFUSED = {
     "gpt2 with rmsnorm": ({**GPT2_ARGS, "normalization": "RMSNorm"}, "--normalization='RMSNorm'"),
     "squared relu": ({**GPT2_ARGS, "squared_relu": True}, "--squared-relu=True"),
     "post-norm": ({**LLAMA_ARGS, "apply_residual_connection_post_layernorm": True}, "--apply-residual-connection"),
+    "custom spec": ({**LLAMA_ARGS, "spec": ["my.module", "layer_spec"]}, "--spec=['my.module', 'layer_spec']"),
+    "yarn": ({**LLAMA_ARGS, "rope_type": "yarn"}, "--rope-type='yarn' (needs None or 'rope')"),
     "no arguments": ({}, "records no Megatron-LM training arguments"),
 }
 

@@ -44,7 +44,8 @@ class HfModel:
     tied: bool
 
 
-# arguments that change the computation, and the value each mapping needs (absent: the default)
+# arguments that change the computation, and the value each mapping needs (a tuple: the values it
+# takes; absent from the record: the default)
 _COMMON = {
     "num_experts": None,
     "multi_latent_attention": False,
@@ -69,7 +70,13 @@ _COMMON = {
     "no_rope_freq": None,
     "use_rope_scaling": False,
     "rotary_seq_len_interpolation_factor": None,
-    "rope_type": None,
+    "rope_type": (None, "rope"),
+    "rotary_scaling_factor": 1.0,
+    "spec": None,  # a custom layer spec: any module at all
+    "yaml_cfg": None,
+    "use_legacy_models": False,
+    "is_hybrid_model": False,
+    "enable_gpt_oss": False,
 }
 _LLAMA = {
     "position_embedding_type": "rope",
@@ -91,9 +98,10 @@ _GPT2 = {
 def _mismatches(args: dict, want: dict) -> list[str]:
     out = []
     for name, value in want.items():
-        got = args.get(name, value)
-        if got != value and not (value is None and got in (0, 0.0, "", [])):
-            out.append(f"--{name.replace('_', '-')}={got!r} (needs {value!r})")
+        allowed = value if isinstance(value, tuple) else (value,)
+        got = args.get(name, allowed[0])
+        if got not in allowed and not (None in allowed and got in (0, 0.0, "", [])):
+            out.append(f"--{name.replace('_', '-')}={got!r} (needs {' or '.join(map(repr, allowed))})")
     return out
 
 
