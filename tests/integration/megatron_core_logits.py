@@ -40,6 +40,7 @@ def _build(recorded: dict, dtype: torch.dtype):
     args.bf16, args.fp16 = dtype == torch.bfloat16, False
     args.tensor_model_parallel_size = args.pipeline_model_parallel_size = 1
     args.virtual_pipeline_model_parallel_size = None
+    args.num_layers_per_virtual_pipeline_stage = args.num_virtual_stages_per_pipeline_rank = None
     args.sequence_parallel = False
     args.use_cpu_initialization = True
     args.perform_initialization = False

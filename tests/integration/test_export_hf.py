@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -37,7 +38,13 @@ UNTIED = ["--untie-embeddings-and-output-weights"]
 SETTINGS = {
     "llama_tp2pp2_untied": ([*LLAMA, *UNTIED, *TP2, *PP2], "LlamaForCausalLM", False),
     "llama_pp2_tied": ([*LLAMA, *PP2], "LlamaForCausalLM", True),
-    "gpt2_tp2": ([*TP2], "GPT2LMHeadModel", True),  # the tiny model's defaults: learned positions, LayerNorm, GeLU
+    "gpt2_tp2": ([*TP2], "GPT2LMHeadModel", True),
+    # 4 layers, 2 model chunks per stage: global layer numbers from the chunks' recorded offsets
+    "llama_pp2_vpp2": (
+        [*LLAMA, *UNTIED, *PP2, "--num-layers", "4", "--num-layers-per-virtual-pipeline-stage", "1"],
+        "LlamaForCausalLM",
+        True,
+    ),  # the tiny model's defaults: learned positions, LayerNorm, GeLU
 }
 TIMEOUT_S = 900.0
 FP32_RTOL, BF16_RTOL = 1e-5, 2e-2
@@ -176,3 +183,21 @@ def test_an_existing_export_is_never_overwritten(trained, tmp_path):
     assert "exists; nothing was overwritten" in again.stderr and len(again.stderr.strip().splitlines()) == 1
     assert config.read_bytes() == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["iter_0000003-hf"]
+
+
+def test_a_damaged_rank_file_ends_the_export_in_one_line_and_leaves_nothing(trained, tmp_path):
+    ckpt, _, _ = trained("llama_tp2pp2_untied")
+    copy = tmp_path / "ckpt" / ckpt.name
+    shutil.copytree(ckpt, copy)
+    victim = max(copy.glob("*.dsck"), key=lambda p: p.stat().st_size)
+    with open(victim, "r+b") as f:  # a byte in the middle of the largest rank file: its tensor data
+        f.seek(victim.stat().st_size // 2)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    out = tmp_path / "out"
+    done = _cli(str(copy), str(out), "--format", "hf")
+    assert done.returncode != 0
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and victim.name in lines[0], done.stderr[-4000:]
+    assert not out.exists() or not any(out.iterdir())  # no model directory, no staging left
