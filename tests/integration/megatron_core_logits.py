@@ -23,7 +23,7 @@ from datastates_megatron.engine.format.manifest import read_manifest
 from datastates_megatron.engine.load.reader import CheckpointReader
 from datastates_megatron.megatron.export.global_tensors import assemble, close_index, global_blocks, open_index
 from datastates_megatron.megatron.cpu.launch import prepare
-from datastates_megatron.megatron.export.hf import _training_args
+from datastates_megatron.megatron.export.hf import recorded_args
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -87,7 +87,7 @@ def main() -> None:
             full = {key: assemble(reader, index, bl) for key, bl in global_blocks(index, ckpt).items()}
         finally:
             close_index(index)
-        recorded = _training_args(reader)
+        recorded = recorded_args(reader)
     model = _build(recorded, dtype)
     filled = _fill(model, full)
     model.eval()

@@ -20,6 +20,7 @@ import sys
 import pytest
 import torch
 
+from datastates_megatron.engine.format.file_format import RankFile
 from tests.integration.megatron_lm_runs import LAZY, MEGATRON_LM_DIR, latest, launch
 
 pytestmark = pytest.mark.skipif(
@@ -189,11 +190,17 @@ def test_a_damaged_rank_file_ends_the_export_in_one_line_and_leaves_nothing(trai
     ckpt, _, _ = trained("llama_tp2pp2_untied")
     copy = tmp_path / "ckpt" / ckpt.name
     shutil.copytree(ckpt, copy)
-    victim = max(copy.glob("*.dsck"), key=lambda p: p.stat().st_size)
-    with open(victim, "r+b") as f:  # a byte in the middle of the largest rank file: its tensor data
-        f.seek(victim.stat().st_size // 2)
+    victim = sorted(copy.glob("*.dsck"))[-1]
+    rank_file = RankFile(str(victim))
+    try:  # a byte in the middle of its parameters' bucket (DP1: every parameter of the rank is there)
+        entry = max((e for n, e in rank_file.entries.items() if n.endswith("param_shard")), key=lambda e: e.nbytes)
+        at = entry.offset + entry.nbytes // 2
+    finally:
+        rank_file.close()
+    with open(victim, "r+b") as f:
+        f.seek(at)
         byte = f.read(1)
-        f.seek(-1, os.SEEK_CUR)
+        f.seek(at)
         f.write(bytes([byte[0] ^ 0xFF]))
     out = tmp_path / "out"
     done = _cli(str(copy), str(out), "--format", "hf")

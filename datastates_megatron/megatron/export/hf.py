@@ -39,7 +39,7 @@ from .hf_config import DTYPES, HfModel, hf_model, training_dtype
 from .hf_tensors import Rule, hf_rules
 from .safetensors_file import SafetensorsWriter
 
-__all__ = ["DEFAULT_SHARD_BYTES", "HfPlan", "export_hf", "hf_dir", "plan_hf"]
+__all__ = ["DEFAULT_SHARD_BYTES", "HfPlan", "export_hf", "hf_dir", "plan_hf", "recorded_args"]
 
 log = logging.getLogger(__name__)
 
@@ -75,7 +75,7 @@ class HfPlan:
         return torch.Size(shape).numel() * self.dtype.itemsize
 
 
-def _training_args(reader: CheckpointReader) -> dict:
+def recorded_args(reader: CheckpointReader) -> dict:
     """The Megatron-LM arguments rank 0 recorded (``{}`` when there are none)."""
     objects = reader.objects(0)
     extra = objects.get("extra_state") if isinstance(objects, dict) else None
@@ -86,7 +86,7 @@ def _training_args(reader: CheckpointReader) -> dict:
 
 def plan_hf(path: str, reader: CheckpointReader, index, dtype: str | None, shard_bytes: int) -> HfPlan:
     """The plan of checkpoint ``path`` (an ``iter_*`` directory) read by ``reader`` through ``index``."""
-    args = _training_args(reader)
+    args = recorded_args(reader)
     out_dtype = DTYPES[dtype] if dtype else training_dtype(args)
     model = hf_model(args, path, out_dtype)
     rules = hf_rules(model, global_blocks(index, path), path)
