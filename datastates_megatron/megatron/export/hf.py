@@ -132,9 +132,10 @@ def _write_model(plan: HfPlan, reader: CheckpointReader, index, blocks, staging:
     for _, name, shape in outputs:
         declared[plan.shard_of[name]].append((name, shape, plan.dtype))
     shard, f, writer = -1, None, None
+    files: dict = {}  # the metadata of the rank files read, built once per set of ranks
     try:
         for rule in plan.rules:
-            values = [assemble_at(reader, index, blocks[s.key], s.at) for s in rule.sources]
+            values = [assemble_at(reader, index, blocks[s.key], s.at, files) for s in rule.sources]
             for name, t in zip(rule.names, rule.cut(*values)):
                 if plan.shard_of[name] != shard:  # the next shard: close this one, open it
                     if writer is not None:
