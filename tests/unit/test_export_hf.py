@@ -54,7 +54,7 @@ def test_the_llama_setting_is_a_llama_config_from_the_recorded_arguments():
     c = m.config
     assert (m.arch, m.groups, m.head_dim, m.vocab, m.tied) == ("llama", 2, 4, 100, False)
     assert c["architectures"] == ["LlamaForCausalLM"] and c["num_key_value_heads"] == 2
-    assert c["rope_parameters"]["rope_theta"] == 500000.0 and c["rms_norm_eps"] == 1e-6
+    assert c["rope_parameters"]["rope_theta"] == c["rope_theta"] == 500000.0 and c["rms_norm_eps"] == 1e-6
     assert (c["intermediate_size"], c["vocab_size"], c["dtype"]) == (24, 100, "bfloat16")
 
 
@@ -244,3 +244,13 @@ def test_hf_usage_errors_are_one_line(args, message, tmp_path, capsys):
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and message in err, err
     assert not (tmp_path / "out").exists()
+
+
+def test_transformers_reads_the_rope_base_and_the_dtype_of_the_config_written():
+    """A base other than transformers' default: a config it misread would load and compute otherwise."""
+    transformers = pytest.importorskip("transformers")
+    config = dict(hf_model(LLAMA_ARGS, "ckpt", torch.bfloat16).config)
+    config.pop("architectures"), config.pop("model_type")
+    got = transformers.LlamaConfig(**config)
+    assert got.rope_parameters["rope_theta"] == 500000.0 and got.dtype == torch.bfloat16
+    assert (got.head_dim, got.num_key_value_heads, got.intermediate_size) == (4, 2, 24)

@@ -144,6 +144,7 @@ def hf_model(args: dict, ckpt: str, dtype: torch.dtype) -> HfModel:
         "vocab_size": vocab,
         "tie_word_embeddings": tied,
         "dtype": _HF_DTYPE[dtype],
+        "torch_dtype": _HF_DTYPE[dtype],  # transformers 4.x's name of it
         "bos_token_id": None,  # the tokenizer is not part of the checkpoint
         "eos_token_id": None,
         "use_cache": True,
@@ -165,7 +166,10 @@ def hf_model(args: dict, ckpt: str, dtype: torch.dtype) -> HfModel:
             "hidden_act": "silu",
             "max_position_embeddings": positions,
             "rms_norm_eps": eps,
+            # transformers 5 reads rope_parameters, 4.x rope_theta: both, so that no version falls back
+            # to its default base and loads a model that computes something else
             "rope_parameters": {"rope_type": "default", "rope_theta": float(args.get("rotary_base", 10000))},
+            "rope_theta": float(args.get("rotary_base", 10000)),
             "attention_bias": False,
             "mlp_bias": False,
             **common_config,
