@@ -127,6 +127,8 @@ def _write_json(path: str, doc: dict) -> None:
 
 
 def _write_model(plan: HfPlan, reader: CheckpointReader, index, blocks, staging: str, meta: dict) -> None:
+    """The shards, in plan order: each rule's sources read (one layer each), cut, cast and appended
+    to the open shard, which is fsynced and closed before the next is created."""
     outputs = list(plan.outputs())
     declared: list[list] = [[] for _ in range(plan.shards)]
     for _, name, shape in outputs:
