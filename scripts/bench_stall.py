@@ -19,11 +19,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import statistics
 import subprocess
 import sys
 import time
+
+from datastates_megatron.demo.run_demo import fresh_workdir
 
 
 def _run(workdir: str, a) -> list[dict]:
@@ -80,8 +81,7 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     if not a.iters:
         a.iters = a.stall_from + int(a.stall_s / 0.05) + 60  # an iteration of the default model: ~50-100 ms
-    shutil.rmtree(a.workdir, ignore_errors=True)
-    os.makedirs(a.workdir)
+    fresh_workdir(a.workdir)  # a directory it did not make is refused, nothing removed
     t0 = time.time()
     ranks = _run(a.workdir, a)
     print(

@@ -20,7 +20,7 @@ import os
 import sys
 
 from .._deps import DIST, RUNTIME, MissingDependencyError, require
-from ..engine.errors import CheckpointError, FormatVersionError, NoCheckpointError
+from ..engine.errors import CheckpointError, FormatVersionError, NoCheckpointError, OptionsError
 from ..engine.names import TRACKER_NAME as _TRACKER_NAME  # noqa: F401  (the tracker the help names: test_cli)
 from . import export, inspect, ls, patch, verify, where
 from .common import EXIT_DAMAGED, EXIT_NEWER, EXIT_OK, EXIT_USAGE, PROG, CliUsageError
@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{PROG}: error: {e}", file=sys.stderr)
         if isinstance(e, FormatVersionError):
             return EXIT_NEWER
-        usage = isinstance(e, (NoCheckpointError, CliUsageError)) or not isinstance(e, CheckpointError)
+        usage = isinstance(e, (NoCheckpointError, CliUsageError, OptionsError)) or not isinstance(e, CheckpointError)
         return EXIT_USAGE if usage else EXIT_DAMAGED
     except Exception as e:  # a case no check foresaw: still one line, never a traceback (unless asked)
         if os.environ.get("DSM_DEBUG"):

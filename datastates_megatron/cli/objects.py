@@ -15,6 +15,7 @@ import tempfile
 import time
 
 from ..engine.errors import CheckpointError, NoCheckpointError
+from ..engine.fs.safe_io import TRACKER_MAX_BYTES
 from ..engine.names import TRACKER_NAME, iteration_of
 from ..engine.storage import ObjectMissingError, open_storage
 from .ls_rows import checkpoint_row, ls_document
@@ -55,11 +56,15 @@ def list_object_checkpoints(save_url: str) -> dict:
                     foreign=("torch_dist" if ".metadata" in objs else "unknown") if it in foreign else None,
                 )
             )
-        try:
-            tracker_text = st.get(TRACKER_NAME)[:64].decode("utf-8", "replace").strip()
+        tracker_readable = True
+        try:  # size-capped before it is fetched, as on POSIX
+            tracker_text = st.read_capped(TRACKER_NAME, TRACKER_MAX_BYTES, "tracker").decode("utf-8", "replace").strip()
         except ObjectMissingError:
             tracker_text = None
-    return ls_document(save_url, rows, found, tracker_text)
+        except CheckpointError as e:
+            tracker_readable = False
+            tracker_text = f"<unreadable: {str(e).replace(st.url(TRACKER_NAME) + ': ', '')}>"
+    return ls_document(save_url, rows, found, tracker_text, tracker_readable)
 
 
 def verify_object_checkpoint(url: str, verify_dir, **options) -> dict:
@@ -94,19 +99,18 @@ def _with_fetched(url: str, rank: int | None, use):
     """``use(storage, manifest, directory)`` on a temporary copy of the checkpoint at ``url``: its
     manifest and the rank objects (``rank``'s only, when given) as the store holds them."""
     from ..engine.names import MANIFEST_NAME
-    from ..engine.storage.fetch import fetch_manifest, fetch_rank
-    from ..engine.storage.survey import manifest_key
+    from ..engine.storage.fetch import fetch_rank, read_manifest
 
     save_url, it = split_checkpoint_url(url)
     with open_storage(save_url) as st, tempfile.TemporaryDirectory(prefix="dsm-ckpt-") as tmp:
         try:
-            m = fetch_manifest(st, it)
+            m, raw = read_manifest(st, it)
         except ObjectMissingError as e:
             raise NoCheckpointError(f"{url}: no {MANIFEST_NAME}: not a committed checkpoint") from e
         d = os.path.join(tmp, f"iter_{it:07d}")
         os.mkdir(d)
         with open(os.path.join(d, MANIFEST_NAME), "wb") as f:
-            f.write(st.get(manifest_key(it)))
+            f.write(raw)
         for rec in m.ranks if rank is None else [r for r in m.ranks if r.rank == rank]:
             try:
                 fetch_rank(st, m, rec.rank, d, verify=False)  # as the store holds it: the check says what is wrong

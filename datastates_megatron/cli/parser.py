@@ -30,6 +30,10 @@ DAMAGED): upgrade.  Errors are one line on stderr.
 
 layout: SAVE_DIR/iter_0000100/manifest.json (the commit point) + one rNNNNN-<token>-<seq>.dsck per
 rank; SAVE_DIR/{TRACKER_NAME} names the latest iteration for Megatron.
+
+object storage (s3://, msc://): credentials and endpoint from the AWS environment; each request
+gives up after DSM_S3_DEADLINE_S (default 30) seconds with its retries, a try after
+DSM_S3_CONNECT_TIMEOUT_S (5) to connect and DSM_S3_READ_TIMEOUT_S (10) for an answer.
 """
 
 

@@ -87,6 +87,7 @@ def build_gpt(
     overlap_grad_reduce: bool = False,
     overlap_param_gather: bool = False,
     bucket_size: int | None = None,
+    swiglu: bool = False,
 ) -> tuple[list[Any], Any]:
     """Build ``([DistributedDataParallel(GPTModel)], megatron optimizer)``.
 
@@ -97,6 +98,9 @@ def build_gpt(
     use_distributed_optimizer=True, ...))`` - a ``ChainedOptimizer`` wrapping one
     ``DistributedOptimizer`` wrapping ``torch.optim.AdamW`` when neither TE nor
     Apex is installed.
+
+    ``swiglu``: the MLP's gated linear unit with SiLU, as Megatron-LM's ``--swiglu`` (its fused
+    ``linear_fc1`` is a megatron-core ``ShardedTensorFactory`` of two halves under TP).
 
     Requires :func:`init_distributed` first. Re-seeds the RNG tracker with
     ``seed`` so that two builds with the same seed give identical weights.
@@ -126,6 +130,7 @@ def build_gpt(
         # On CPU allocate directly on the host; on GPU use megatron's default.
         use_cpu_initialization=on_cpu(),
         init_method_std=0.02,
+        **(dict(gated_linear_unit=True, activation_func=torch.nn.functional.silu) if swiglu else {}),
     )
     model = GPTModel(
         config=config,

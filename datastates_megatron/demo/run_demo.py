@@ -24,7 +24,7 @@ import time
 
 from .._output import write_line
 
-__all__ = ["main"]
+__all__ = ["MARK", "fresh_workdir", "main"]
 
 
 def _signal_ranks(proc: subprocess.Popen, sig: int) -> list:
@@ -95,6 +95,35 @@ def _load(prefix: str, nproc: int) -> list[dict]:
     return [json.load(open(f"{prefix}.rank{r}.json")) for r in range(nproc)]
 
 
+def _median_iteration_s(iterations: list[dict], warmup: int = 2) -> float:
+    """The median iteration time, leaving out the first ``warmup`` iterations after start-up when
+    more than that ran (a short ``--iters`` run keeps them); NaN when none ran."""
+    times = [x["iter_s"] for x in iterations]
+    times = times[warmup:] if len(times) > warmup else times
+    return statistics.median(times) if times else float("nan")
+
+
+MARK = ".datastates-demo"  # in a --workdir the demo made: what it may remove at the next run
+
+
+def fresh_workdir(path: str) -> None:
+    """An empty ``path`` for this run (the demo's, and ``scripts/bench_stall.py``'s): a new or empty directory is used as it is; one an earlier
+    demo run made (it holds :data:`MARK`) is emptied; anything else is someone else's and is
+    refused, nothing removed (``rmtree`` never follows a link inside it)."""
+    if os.path.islink(path) or (os.path.lexists(path) and not os.path.isdir(path)):
+        raise SystemExit(f"--workdir {path}: not a directory the demo made; give a new or empty directory")
+    if os.path.isdir(path) and os.listdir(path):
+        if not os.path.isfile(os.path.join(path, MARK)):
+            raise SystemExit(
+                f"--workdir {path}: not empty and not made by the demo (no {MARK}): nothing removed; "
+                "give a new or empty directory"
+            )
+        shutil.rmtree(path)
+    os.makedirs(path, exist_ok=True)
+    with open(os.path.join(path, MARK), "w") as f:
+        f.write("made by datastates_megatron.demo.run_demo: removed by its next run\n")
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--iters", type=int, default=30)
@@ -104,8 +133,7 @@ def main(argv=None) -> int:
     p.add_argument("--bf16", action="store_true")
     p.add_argument("--model", default="--num-layers 4 --hidden-size 256 --seq-length 128 --vocab-size 1024")
     a = p.parse_args(argv)
-    shutil.rmtree(a.workdir, ignore_errors=True)
-    os.makedirs(a.workdir)
+    fresh_workdir(a.workdir)
     w = a.workdir
     common = [*a.model.split(), "--train-iters", str(a.iters), *(["--bf16"] if a.bf16 else [])]
     lazy = [
@@ -138,17 +166,17 @@ def main(argv=None) -> int:
     same_state = all(r["digest"] == q["digest"] for r, q in zip(ref, res))
     n_tensors = len(res[0]["digest"])
     write_line(f"\nresumed from iteration {start} (latest committed when killed: >= {a.kill_after})")
+    last = max(res_loss, default=None)
+    example = f", e.g. it {last}: {res_loss[last]!r} vs {ref_loss[last]!r}" if last is not None else ""
     write_line(
-        f"losses after resume equal the uninterrupted run to the bit: {same_loss} "
-        f"({len(res_loss)} iterations, e.g. it {max(res_loss)}: {res_loss[max(res_loss)]!r} vs {ref_loss[max(res_loss)]!r})"
+        f"losses after resume equal the uninterrupted run to the bit: {same_loss} ({len(res_loss)} iterations{example})"
     )
     write_line(
         f"final parameters + optimizer state equal to the bit on every rank: {same_state} ({n_tensors} tensors on rank 0)"
     )
 
-    skip = 2  # first iterations after start-up are warm-up
-    t_ref = statistics.median(x["iter_s"] for x in ref[0]["iterations"][skip:])
-    t_ckpt = statistics.median(x["iter_s"] for x in res[0]["iterations"][skip:])
+    t_ref = _median_iteration_s(ref[0]["iterations"])
+    t_ckpt = _median_iteration_s(res[0]["iterations"])
     commits = [c for r in res for c in r["commits"]]
     stall = statistics.median(c["stall_s"] for c in commits) if commits else float("nan")
     per_rank = res[0]["commits"][-1]["bytes_per_rank"] if res[0]["commits"] else []

@@ -55,8 +55,30 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
+def one_line(err: BaseException) -> str:
+    """``err``'s message on one line (a flag error lists its problems one a line: joined by ``;``)."""
+    first, *rest = str(err).splitlines() or [""]
+    rest = [ln.strip().removeprefix("- ") for ln in rest if ln.strip()]
+    return " ".join([first, "; ".join(rest)]) if rest else first
+
+
 def main(argv=None) -> int:
+    """Train; a refused flag or start-up (``--save`` on object storage without a local directory,
+    a save location another job holds) is one line on stderr and exit status 2, never a traceback
+    (``DSM_DEBUG=1`` shows it)."""
     args = parse_args(argv)
+    from ..engine.errors import CheckpointError
+
+    try:
+        return _train(args)
+    except CheckpointError as e:
+        if os.environ.get("DSM_DEBUG"):
+            raise
+        write_line(f"{os.path.basename(sys.argv[0]) or 'train'}: error: {one_line(e)}", sys.stderr)
+        return 2
+
+
+def _train(args) -> int:
     from ..engine.errors import NoCheckpointError
     from ..megatron.cpu.training_record import state_digest
     from ..megatron.megatron_lm.args import validate_lazy_ckpt_args

@@ -21,6 +21,7 @@ from .errors import (
     LayoutMismatchError,
     NoCheckpointError,
     OptionsError,
+    PromotionError,
     SaveDirBusyError,
     StorageReadError,
 )
@@ -52,6 +53,7 @@ __all__ = [
     "LayoutMismatchError",
     "NoCheckpointError",
     "OptionsError",
+    "PromotionError",
     "SaveDirBusyError",
 ]
 

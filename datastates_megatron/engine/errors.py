@@ -22,6 +22,7 @@ __all__ = [
     "NoCheckpointError",
     "LayoutMismatchError",
     "CommitError",
+    "PromotionError",
     "EncodingError",
     "ForeignCheckpointError",
     "SaveDirBusyError",
@@ -123,6 +124,21 @@ class LayoutMismatchError(CheckpointError, ValueError):
 
 class CommitError(CheckpointError):
     """Ranks could not agree on a checkpoint, or writing its manifest failed: nothing was committed."""
+
+
+class PromotionError(CommitError):
+    """A checkpoint's promotion to the persistent tier failed on some rank (its copy to ``--save``,
+    a bucket): nothing of it is committed there; its node-local copy stays committed.  Raised once,
+    by the next ``wait(persist=True)`` unless a newer promotion was committed since (logged instead
+    with ``on_error="warn"``); ``poll`` and ``save`` never raise it: an outage of the store does not
+    stop training.  ``iteration``: the checkpoint not promoted."""
+
+    def __init__(self, message: str, iteration: int | None = None) -> None:
+        super().__init__(message)
+        self.iteration = iteration
+
+    def __reduce__(self):
+        return type(self), (str(self), self.iteration)
 
 
 class EncodingError(CheckpointError, TypeError):

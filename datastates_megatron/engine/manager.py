@@ -28,6 +28,7 @@ import torch
 from .dist.collective import Collective
 from .tiers.commit import CommitRecord, Ticket
 from .errors import (
+    PromotionError,
     CheckpointError,
     FlushError,
     NoCheckpointError,
@@ -85,10 +86,12 @@ def _fetch_global_index(storage, iteration: int, d: str) -> None:
     info = storage.head(iter_prefix(iteration) + INDEX_NAME)
     if info is None:
         return
-    if info.size > INDEX_MAX_BYTES:
-        log.warning("%s: %d bytes, over the index cap; planning without it", storage.url(info.key), info.size)
+    try:
+        body = storage.read_capped(info.key, INDEX_MAX_BYTES, "global index", info.size)
+    except CheckpointError as e:  # over its cap: never fetched
+        log.warning("%s; planning without it", e)
         return
-    atomic_write(os.path.join(d, INDEX_NAME), storage.get(info.key))
+    atomic_write(os.path.join(d, INDEX_NAME), body)
 
 
 def _no_check(manifest, ckpt) -> bool:
@@ -243,6 +246,11 @@ class CheckpointManager(ClosingContext):
         self._summary_stale = summarize is not None
         self._summary: tuple[bytes, int] | None = None  # this rank's, sent with each save's ticket
         self.last_commit: CommitRecord | None = None
+        # promotions that failed since the last wait(persist=True), which raises those no newer
+        # promotion superseded (poll and save do not: a bucket's outage must not stop training; the
+        # promotion logged each at ERROR)
+        self._failed_promotions: list[PromotionError] = []
+        self._held_records: list[CommitRecord] = []  # polled by a wait that raised: the next poll's
         self._world = Collective()  # the default group: start-up, restore and tier agreements
         self.token = token = self._agree_token()
         # node of this rank (torchrun's LOCAL_WORLD_SIZE); "{node}" in local_root names a per-node dir
@@ -594,13 +602,17 @@ class CheckpointManager(ClosingContext):
         self.engine.wait_for_snapshot(group)
 
     def poll(self) -> list[CommitRecord]:
-        """Non-blocking: checkpoints committed since the last call (raises or logs failures)."""
+        """Non-blocking: checkpoints committed since the last call (raises or logs failures; a
+        failed promotion is kept for the next ``wait(persist=True)``)."""
         self._surface_errors()
-        out = []
+        out, self._held_records = self._held_records, []
         for tier in (t for t in (self.local, self.persistent) if t):
             while True:
                 try:
                     got = tier.poll()
+                except PromotionError as e:
+                    self._failed_promotions.append(e)
+                    continue
                 except CheckpointError as e:
                     self._handle(e)
                     continue
@@ -634,7 +646,23 @@ class CheckpointManager(ClosingContext):
                 self.promotion.promote_newest()
             self.persistent.drain(timeout)
         self._drain_deletions(timeout, (self.local, self.persistent) if persist else (self._first_tier,))
-        return self.poll()
+        out = self.poll()
+        if persist and self._failed_promotions:
+            newest = self.persistent.latest  # a promotion committed since supersedes a failed one
+            failed = [e for e in self._failed_promotions if newest is None or (e.iteration or 0) > newest]
+            self._failed_promotions = []
+        else:
+            failed = []
+        if failed:
+            err = (
+                failed[0]
+                if len(failed) == 1
+                else PromotionError(f"{len(failed)} promotions failed; the last: {failed[-1]}", failed[-1].iteration)
+            )
+            self._held_records = out  # not lost: the next poll returns them
+            self._handle(err)
+            self._held_records = []
+        return out
 
     def _drain_deletions(self, timeout: float | None, tiers=None) -> None:
         """Wait for the retention the commits so far handed to the tiers' deleter threads."""

@@ -70,3 +70,20 @@ def test_a_tiny_tensor_parallel_change_restores_bit_exact_with_both_engines(tmp_
     assert phases["plan_items"] > 0 and "ours' plan: " in done.stdout
     assert "restore, TP 1 -> 2" in done.stdout and "ours TP 1 -> 2 / ours same layout" in done.stdout
     assert not (tmp_path / "ckpt").exists()
+
+
+def test_our_restart_alone_reports_every_phase_and_restores_bit_exact(tmp_path):
+    """The fast one (the default set): ``--engines ours`` at the same layout, one round, beside the
+    plain read of the same files."""
+    pytest.importorskip("megatron.core")
+    out = tmp_path / "restart.json"
+    cmd = [sys.executable, str(SCRIPT), *TINY, "--repeats", "1", "--engines", "ours", "--no-reshard", "--no-tp"]
+    cmd += ["--dir", str(tmp_path / "ckpt"), "--json", str(out)]
+    done = subprocess.run(cmd, cwd=tmp_path, env=dict(os.environ), capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, (done.stdout[-3000:], done.stderr[-4000:])
+    same = json.loads(out.read_text())["summary"]["same"]
+    assert set(same) == {"plain_read", "ours"} and same["ours"]["ok"] is True
+    phases = same["ours"]["phases"]
+    assert phases["bytes_copied"] > 0 and phases["bytes_verified"] >= phases["bytes_copied"]
+    assert "ours, by phase" in done.stdout
+    assert not (tmp_path / "ckpt").exists()  # the driver removes what it wrote

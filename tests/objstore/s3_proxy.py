@@ -3,7 +3,8 @@ tests (``python -m tests.objstore.s3_proxy PORT UPSTREAM RULES``): it relays eve
 that it plays two other parties a real bucket has.
 
 * An access policy that refuses deletions: a ``DELETE`` of a key under one of ``refuse_delete``'s
-  prefixes is answered ``403 AccessDenied`` (as S3 answers a policy's explicit deny), not relayed.
+  prefixes is answered ``403 AccessDenied`` (as S3 answers a policy's explicit deny), not relayed;
+  ``refuse_write`` does the same to a ``PUT`` or ``POST`` (an upload, a multipart upload's start).
 * Another client deleting objects while we list: once a listing whose ``prefix`` parameter equals
   ``vanish_after_list.prefix`` has been answered, the keys of ``vanish_after_list.delete`` are
   deleted on the server (by a client of its own) before the listing is answered (once).
@@ -50,6 +51,9 @@ class _Proxy(http.server.BaseHTTPRequestHandler):
         path, _, query = self.path.partition("?")
         key = urllib.parse.unquote(path.lstrip("/")).partition("/")[2]
         if self.command == "DELETE" and key and any(key.startswith(p) for p in rules.get("refuse_delete", ())):
+            self._answer(403, {"Content-Type": "application/xml"}, _DENIED)
+            return
+        if self.command in ("PUT", "POST") and key and any(key.startswith(p) for p in rules.get("refuse_write", ())):
             self._answer(403, {"Content-Type": "application/xml"}, _DENIED)
             return
         damage = rules.get("damage_part")

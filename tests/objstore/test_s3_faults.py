@@ -54,6 +54,7 @@ def proxy(s3_env, bucket, tmp_path, monkeypatch):
     p = Proxy(s3_env.endpoint, tmp_path)
     monkeypatch.setenv("AWS_ENDPOINT_URL", p.endpoint)  # the job's requests go through it
     p.bucket = bucket
+    p.client = s3_env.client()  # the server's, not through the proxy
     try:
         yield p
     finally:

@@ -52,6 +52,7 @@ def _args():
     p.add_argument("--layers", type=int, default=MODEL["num_layers"])
     p.add_argument("--hidden", type=int, default=MODEL["hidden"])
     p.add_argument("--no-verify", action="store_true")
+    p.add_argument("--swiglu", action="store_true", help="the MLP's gated linear unit (Megatron-LM's --swiglu)")
     p.add_argument("--warm", type=int, default=0, help="iterations trained before the load")
     p.add_argument("--model-only", action="store_true", help="load(optimizer=False, rng=False)")
     p.add_argument("--local", default=None, help="the node-local tier (needed with an s3:// --save)")
@@ -79,6 +80,7 @@ def _build(a, seed):
         seed=seed,
         overlap_grad_reduce=a.bucket_size is not None,
         bucket_size=a.bucket_size,
+        swiglu=a.swiglu,
     )
 
 
@@ -138,8 +140,26 @@ def _stale_main_params(opt) -> int:
 
 
 def _dump_reference(path, chunks, opt):
-    params = {name: p.detach().clone() for p, name in _names(chunks).items()}
-    torch.save({"params": params, "states": _optimizer_view(chunks, opt)}, path)
+    """Every parameter this rank holds (TP-local), with the axis it is split on across TP ranks
+    (``tp_dims``: megatron-core's ``partition_dim``, None when every TP rank holds it whole), this
+    rank's TP rank, and its main params / Adam states."""
+    from megatron.core import parallel_state
+
+    named = _names(chunks)
+    params = {name: p.detach().clone() for p, name in named.items()}
+    tp_dims = {
+        name: p.partition_dim if getattr(p, "tensor_model_parallel", False) else None for p, name in named.items()
+    }
+    torch.save(
+        {
+            "params": params,
+            "states": _optimizer_view(chunks, opt),
+            "tp_dims": tp_dims,
+            "tp_rank": parallel_state.get_tensor_model_parallel_rank(),
+            "tp_size": parallel_state.get_tensor_model_parallel_world_size(),
+        },
+        path,
+    )
 
 
 def _full_reference(ref_dir):

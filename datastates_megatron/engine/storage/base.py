@@ -18,7 +18,9 @@ The call order a writer goes through (as DCP's ``storage.py`` numbers its own):
 4. Retention: :meth:`Storage.delete` the manifest first (the checkpoint is then not committed),
    then its rank objects; only keys we write (:mod:`..names`).
 
-A reader: :meth:`Storage.get` the manifest, then ranged :meth:`Storage.get` of the rank objects,
+A reader: :meth:`Storage.read_capped` the manifest (refused from its listed or ``HEAD`` size over
+its cap, before its body is fetched, as a file is refused from ``fstat``), then ranged
+:meth:`Storage.get` of the rank objects,
 verified against the rank file's own chunk checksums before anything is copied in place
 (:mod:`.remote_file`).
 
@@ -149,6 +151,29 @@ class Storage(abc.ABC):
     def delete(self, key: str, etag: str | None = None) -> None:
         """Delete ``key`` (only if it still has ``etag``, when given: :class:`ObjectExistsError`
         when it changed); deleting what is absent is not an error."""
+
+    def read_capped(self, key: str, cap: int, what: str, size: int | None = None) -> bytearray:
+        """The whole of the small document ``key`` (a manifest, the run id, the lock, an index, the
+        tracker): refused with :class:`CorruptCheckpointError` naming it when its size -- ``size``
+        from a listing, else one HEAD -- is over ``cap``, before its body is fetched (the object
+        counterpart of :func:`..fs.safe_io.read_capped`).  At most ``size + 1`` bytes are read, so an
+        object replaced by a larger one since it was listed is refused too.
+        :class:`ObjectMissingError` when absent."""
+        if size is None:
+            info = self.head(key)
+            if info is None:
+                raise ObjectMissingError(f"{self.url(key)}: no such object", key=self.url(key))
+            size = info.size
+        if size > cap:
+            raise CorruptCheckpointError(
+                f"{self.url(key)}: {what} is larger than {cap} bytes ({size}); refusing to read it"
+            )
+        buf = bytearray(size + 1)
+        n = self.get_into(key, 0, buf) if size else 0
+        if n > size:
+            raise CorruptCheckpointError(f"{self.url(key)}: {what} changed while it was read; refusing to read it")
+        del buf[n:]
+        return buf
 
     def close(self) -> None:
         """Release connections and threads (idempotent)."""

@@ -27,11 +27,11 @@ from ..format.hashing import xxh64
 from ..format.manifest import Manifest
 from ..fs.durable import atomic_write, unlinked_on_error
 from ..names import MANIFEST_NAME, iter_dir
-from ..fs.safe_io import create_temp, make_dir, make_root
+from ..fs.safe_io import MANIFEST_MAX_BYTES, create_temp, make_dir, make_root
 from .base import ObjectChecksumError, Storage
 from .survey import iter_prefix, manifest_key
 
-__all__ = ["fetch_manifest", "fetch_rank", "fetch_checkpoint", "FETCHING_SUFFIX"]
+__all__ = ["fetch_manifest", "read_manifest", "fetch_rank", "fetch_checkpoint", "FETCHING_SUFFIX"]
 
 FETCHING_SUFFIX = ".fetching"
 _RANGE = 16 << 20
@@ -39,12 +39,14 @@ _RANGE = 16 << 20
 
 def fetch_manifest(storage: Storage, iteration: int) -> Manifest:
     """The validated manifest of ``iteration`` (``ObjectMissingError`` when it is not committed)."""
-    return _manifest(storage, iteration)[0]
+    return read_manifest(storage, iteration)[0]
 
 
-def _manifest(storage: Storage, iteration: int) -> tuple[Manifest, bytes]:
+def read_manifest(storage: Storage, iteration: int) -> tuple[Manifest, bytearray]:
+    """The validated manifest of ``iteration`` and its bytes as committed (size-capped before they
+    are fetched: :meth:`.base.Storage.read_capped`)."""
     key = manifest_key(iteration)
-    raw = storage.get(key)
+    raw = storage.read_capped(key, MANIFEST_MAX_BYTES, "manifest")
     m = Manifest.from_json(raw, storage.url(key))
     if m.iteration != iteration:
         raise CorruptCheckpointError(f"{storage.url(key)}: manifest is for iteration {m.iteration}")
@@ -121,7 +123,7 @@ def fetch_checkpoint(
     """Fetch committed ``iteration`` -- its manifest and the objects of ``ranks`` (default: every
     rank) -- into ``dest_root/iter_N/``, a checkpoint directory the one load path reads
     (:class:`..load.reader.CheckpointReader`).  Returns ``(directory, manifest)``."""
-    m, raw = _manifest(storage, iteration)
+    m, raw = read_manifest(storage, iteration)
     make_root(dest_root)
     d = iter_dir(dest_root, iteration)
     make_dir(d)

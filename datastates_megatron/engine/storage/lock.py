@@ -8,7 +8,12 @@ renews it every third of the lease with a conditional replace (``If-Match`` its 
 job is refused (:class:`.errors.SaveDirBusyError` naming the holder) while the lease runs; once it
 has run out (the holder died) the lock is taken over with ``If-Match`` on the stale tag, so two
 jobs racing for it cannot both win.  A requeued job (the same job id: Slurm keeps it across a
-requeue) takes its own dead incarnation's lock at once.
+requeue) takes its own dead incarnation's lock at once.  Outside Slurm, after ``kill -9``, the
+refusal names the holder's token (its random nonce) and the variable that takes its lock over now,
+``DSM_TAKE_OVER_LOCK=<token>``: that holder's lock only (another holder since is refused), never
+one whose pid still runs on this host, and as a conditional replace (two takers cannot both win).
+A holder on another host that was in fact alive loses the lock at its next check (its
+:class:`.errors.LockLostError`): it stops committing, it never writes over the new holder.
 
 Lock loss is detected as on POSIX: :meth:`ObjectLock.check` (before every commit and deletion)
 compares the lock object's tag with the one this holder wrote last; once another job has replaced
@@ -23,19 +28,24 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import socket
 import threading
 import time
 import uuid
 
-from ..errors import LockLostError, SaveDirBusyError
+from ..errors import CheckpointError, LockLostError, OptionsError, SaveDirBusyError
 from ..names import LOCK_NAME
 from .base import ObjectExistsError, ObjectMissingError, ObjectStorageError, Storage
 
-__all__ = ["ObjectLock", "LOCK_NAME", "DEFAULT_LEASE_S"]
+__all__ = ["ObjectLock", "LOCK_NAME", "DEFAULT_LEASE_S", "TAKE_OVER_ENV"]
 
 log = logging.getLogger(__name__)
 DEFAULT_LEASE_S = 300.0
+#: the variable naming a dead holder whose lock a job takes over at once (the token its refusal names)
+TAKE_OVER_ENV = "DSM_TAKE_OVER_LOCK"
+_TOKEN = re.compile(r"^[0-9a-f]{32}\Z")
+LOCK_MAX_BYTES = 4096  # a lock body is ~250 bytes; a larger object is not ours and is never fetched
 
 
 def job_id() -> str:
@@ -84,6 +94,7 @@ class ObjectLock:
         """Take the lock, or raise :class:`SaveDirBusyError` naming the holder (never waits)."""
         if self._etag is not None:
             return self
+        take_over()  # a malformed value is refused even when the lock is free
         try:
             self._etag = self.storage.create(LOCK_NAME, self._body()).etag
         except ObjectExistsError:
@@ -95,8 +106,10 @@ class ObjectLock:
     def _take_over(self) -> None:
         info = self.storage.head(LOCK_NAME)
         try:
-            holder = json.loads(self.storage.get(LOCK_NAME)) if info is not None else None
-        except (ValueError, ObjectMissingError):
+            holder = (
+                json.loads(self.storage.read_capped(LOCK_NAME, LOCK_MAX_BYTES, "lock", info.size)) if info else None
+            )
+        except (ValueError, CheckpointError):  # unparsable, over its cap (never fetched), or gone
             holder = None
         if info is None:  # released meanwhile: try once more, as a first taker
             self._etag = self.storage.create(LOCK_NAME, self._body()).etag
@@ -105,13 +118,24 @@ class ObjectLock:
         expired = isinstance(holder, dict) and isinstance(holder.get("expires"), (int, float))
         expired = expired and holder["expires"] < self._clock()
         same_job = isinstance(holder, dict) and bool(job_id()) and holder.get("job") == job_id()
-        if not (expired or same_job):
+        named = self._named_take_over(holder, info.etag, text) if not (expired or same_job) else False
+        if not (expired or same_job or named):
+            token = _holder_token(holder, info.etag)
+            running = _running_here(holder)
+            how = (
+                ""
+                if token is None or running
+                else f"; if it is dead (killed with kill -9), take its lock over now with {TAKE_OVER_ENV}={token}"
+                + (" (that pid is not running on this host)" if running is False else "")
+            )
             raise SaveDirBusyError(
                 f"{self.storage.url()}: save location is in use by another writer ({text}; lock {self.url}); "
-                "two jobs must not share a --save location: wait for it to end (its lease runs out "
+                f"two jobs must not share a --save location{how}; else wait for it to end (its lease runs out "
                 f"{self.lease_s:.0f}s after its last renewal if it died) or use another location"
             )
-        why = "a previous run of this job" if same_job else "its lease ran out"
+        why = (
+            "a previous run of this job" if same_job else f"named by {TAKE_OVER_ENV}" if named else "its lease ran out"
+        )
         try:
             self._etag = self.storage.replace_if(LOCK_NAME, self._body(), info.etag).etag
         except (ObjectExistsError, ObjectMissingError) as e:
@@ -119,6 +143,25 @@ class ObjectLock:
                 f"{self.storage.url()}: another job took the lock ({self.url}) first; use another --save location"
             ) from e
         log.warning("%s: took over the lock of %s (%s)", self.url, text, why)
+
+    def _named_take_over(self, holder, etag: str, text: str) -> bool:
+        """Whether :data:`TAKE_OVER_ENV` names this lock's holder, who may then be replaced; a
+        holder still running on this host, or another holder than the one named, is refused."""
+        wanted = take_over()
+        if wanted is None:
+            return False
+        token = _holder_token(holder, etag)
+        if wanted != token:
+            raise SaveDirBusyError(
+                f"{self.storage.url()}: {TAKE_OVER_ENV}={wanted} names another holder than the lock's ({text}; "
+                f"lock {self.url}); not taking it over"
+            )
+        if _running_here(holder):
+            raise SaveDirBusyError(
+                f"{self.storage.url()}: {TAKE_OVER_ENV} names the lock of pid {holder['pid']}, which is still running "
+                f"on this host ({text}); stop it first, or use another --save location"
+            )
+        return True
 
     def _renew_loop(self) -> None:
         while not self._stop.wait(self.lease_s / 3):
@@ -185,6 +228,44 @@ class ObjectLock:
 
     def __exit__(self, *exc) -> None:
         self.release()
+
+
+def take_over() -> str | None:
+    """The holder token :data:`TAKE_OVER_ENV` names (``None``: unset); a malformed one raises."""
+    value = os.environ.get(TAKE_OVER_ENV, "").strip()
+    if not value:
+        return None
+    if not _TOKEN.match(value):
+        raise OptionsError(
+            "lock takeover", [(TAKE_OVER_ENV, f"must be the 32 hex digits a refusal names, got {value!r}")]
+        )
+    return value
+
+
+def _holder_token(holder, etag: str) -> str | None:
+    """What names this holder for a takeover: its nonce (random per acquisition), else -- a lock
+    body naming none -- the object's tag when it is an MD5; ``None``: nothing to name it by."""
+    nonce = holder.get("nonce") if isinstance(holder, dict) else None
+    if isinstance(nonce, str) and _TOKEN.match(nonce):
+        return nonce
+    tag = str(etag).strip('"').lower()
+    return tag if _TOKEN.match(tag) else None
+
+
+def _running_here(holder) -> bool | None:
+    """Whether the holder's pid runs on this host (``None``: another host, or unknown)."""
+    if not isinstance(holder, dict) or holder.get("host") != socket.gethostname():
+        return None
+    pid = holder.get("pid")
+    if not isinstance(pid, int) or isinstance(pid, bool) or pid <= 0:
+        return None
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
 
 
 def _holder_text(holder) -> str:

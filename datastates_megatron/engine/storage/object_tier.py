@@ -45,7 +45,7 @@ from ..names import (
     is_ours_in_iteration,
     iteration_of,
 )
-from ..tiers.run_id import is_run_id
+from ..tiers.run_id import RUN_ID_MAX_BYTES, is_run_id
 from ..tiers.tier import Tier
 from .base import ObjectExistsError, ObjectMissingError, ObjectStorageError, Storage
 from .lock import DEFAULT_LEASE_S, ObjectLock
@@ -183,7 +183,7 @@ class ObjectTier(Tier):
         the winner's)."""
         for _ in range(2):
             try:
-                raw = self.storage.get(RUN_ID_NAME)
+                raw = self.storage.read_capped(RUN_ID_NAME, RUN_ID_MAX_BYTES, "run id")
             except ObjectMissingError:
                 run_id = f"{secrets.randbits(63):016x}"
                 doc = {"run_id": run_id, "created": time.time(), "save_dir": self.root}
@@ -193,7 +193,7 @@ class ObjectTier(Tier):
                 except ObjectExistsError:
                     continue
             try:
-                run_id = json.loads(raw[:4096].decode("utf-8"))["run_id"]
+                run_id = json.loads(raw.decode("utf-8"))["run_id"]
             except (ValueError, KeyError, TypeError, UnicodeDecodeError):
                 run_id = None
             if not isinstance(run_id, str) or not is_run_id(run_id):

@@ -12,7 +12,8 @@ and costs a store that recomputes it a second pass over the object at completion
 source buffer (a mapped rank file): memory in flight is ``concurrency * part_bytes``, never a copy
 of the object.
 
-The S3 client's own retries are off: :mod:`.retry` is the one bounded policy.  Messages name the
+The S3 client's own retries are off: :mod:`.retry` is the one bounded policy, and every request has
+the stated deadline of :mod:`.timeouts` (connect and first byte in seconds; configurable).  Messages name the
 object by URL and the error by its S3 code or class: never a credential, never the endpoint's
 user-info (:func:`safe_text`).
 
@@ -30,6 +31,7 @@ import threading
 import zlib
 from collections.abc import Iterator
 
+from ..errors import CheckpointError
 from .base import (
     ObjectChecksumError,
     ObjectExistsError,
@@ -41,6 +43,7 @@ from .base import (
 )
 from .crc import composite_crc32, crc32_b64, crc32_from_b64, crc32_of_parts
 from .retry import Retry
+from .timeouts import ENV, Timeouts
 from .url import StorageURL
 
 __all__ = ["S3Storage", "safe_text", "MIN_PART_BYTES"]
@@ -86,7 +89,8 @@ class S3Storage(Storage):
     """Objects under ``url`` (``s3://bucket/prefix``).  ``endpoint_url``: an S3-compatible service
     (default: boto3's own resolution, which reads ``AWS_ENDPOINT_URL_S3``/``AWS_ENDPOINT_URL``);
     ``part_bytes``: the multipart part size (raised so that an object has at most 10,000 parts);
-    ``concurrency``: parts of one object sent at once; ``credentials``: ``boto3.session.Session``
+    ``concurrency``: parts of one object sent at once; ``connect_timeout_s``, ``read_timeout_s``,
+    ``deadline_s``: :mod:`.timeouts` (``None``: the environment's, else the default); ``credentials``: ``boto3.session.Session``
     keyword arguments (default: the environment's, as every AWS tool reads them).  Thread-safe;
     :meth:`close` is idempotent."""
 
@@ -101,8 +105,9 @@ class S3Storage(Storage):
         part_bytes: int = 32 << 20,
         concurrency: int = 8,
         retry: Retry | None = None,
-        connect_timeout_s: float = 10.0,
-        read_timeout_s: float = 60.0,
+        connect_timeout_s: float | None = None,
+        read_timeout_s: float | None = None,
+        deadline_s: float | None = None,
         credentials: dict | None = None,
         client=None,
     ) -> None:
@@ -116,6 +121,7 @@ class S3Storage(Storage):
         self.part_bytes = part_bytes
         self.concurrency = concurrency
         self.retry = retry or Retry()
+        self.timeouts = Timeouts.from_env(connect_s=connect_timeout_s, read_s=read_timeout_s, deadline_s=deadline_s)
         boto3, botocore = _import_boto3()
         self._botocore = botocore
         if client is None:
@@ -124,8 +130,8 @@ class S3Storage(Storage):
             config = Config(
                 retries={"total_max_attempts": 1},  # :mod:`.retry` is the one policy
                 max_pool_connections=concurrency + 4,
-                connect_timeout=connect_timeout_s,
-                read_timeout=read_timeout_s,
+                connect_timeout=self.timeouts.connect_s,
+                read_timeout=self.timeouts.read_s,
                 request_checksum_calculation="when_required",  # we send our own CRC32s
                 response_checksum_validation="when_required",
             )
@@ -176,12 +182,24 @@ class S3Storage(Storage):
             elif status == 412 or code == "PreconditionFailed":
                 cls = ObjectExistsError
             after = f" after {tries} tries" if tries > 1 else ""
+            if isinstance(e, self._botocore.exceptions.ReadTimeoutError):
+                what += f" ({self.timeouts.text()})"
+            elif isinstance(e, self._botocore.exceptions.ConnectTimeoutError):
+                what += f" (no connection within {self.timeouts.connect_s:g} s; {ENV['connect_s']} changes it)"
             return cls(f"{where}: {op} failed{after}: {what}", key=where)
 
         return fail
 
     def _call(self, op: str, key: str, fn):
-        return self.retry.call(fn, transient=self._transient, what=f"{op} {self.url(key)}", fail=self._error(op, key))
+        t = self.timeouts
+        return self.retry.call(
+            fn,
+            transient=self._transient,
+            what=f"{op} {self.url(key)}",
+            fail=self._error(op, key),
+            deadline_s=t.deadline_s,
+            try_s=t.try_s,
+        )
 
     def _parts_pool(self) -> cf.ThreadPoolExecutor:
         with self._pool_lock:
@@ -320,12 +338,13 @@ class S3Storage(Storage):
             return self._put(key, data, "conditional create", IfNoneMatch="*")
         except ObjectExistsError:
             # a create whose answer was lost and then retried finds its own object: the same bytes
-            try:
-                if self.get(key) == bytes(data):
-                    info = self.head(key)
-                    return PutReceipt(key, len(data), zlib.crc32(data), info.etag if info else "")
-            except ObjectMissingError:
-                pass
+            info = self.head(key)
+            if info is not None and info.size == len(data):
+                try:
+                    if self.read_capped(key, len(data), "object", info.size) == bytes(data):
+                        return PutReceipt(key, len(data), zlib.crc32(data), info.etag)
+                except CheckpointError:  # gone, or replaced since the HEAD: not ours
+                    pass
             raise
 
     def replace_if(self, key: str, data: bytes, etag: str) -> PutReceipt:

@@ -17,6 +17,7 @@ import threading
 
 from ..errors import CheckpointError, CorruptCheckpointError, NoCheckpointError
 from ..format.manifest import Manifest
+from ..fs.safe_io import MANIFEST_MAX_BYTES
 from ..names import MANIFEST_NAME, iteration_of
 from ..names import is_ours_in_iteration
 from .base import ObjectInfo, ObjectMissingError, Storage
@@ -110,7 +111,8 @@ class ManifestCache:
             got = self._by_key.get(info.key)
         if got is not None and got[0] == info.etag:
             return got[1]
-        m = Manifest.from_json(storage.get(info.key), storage.url(info.key))
+        raw = storage.read_capped(info.key, MANIFEST_MAX_BYTES, "manifest", info.size)  # sized by the listing
+        m = Manifest.from_json(raw, storage.url(info.key))
         self.remember(info.key, info.etag, m)
         return m
 

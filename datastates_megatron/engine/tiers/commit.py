@@ -37,7 +37,7 @@ import time
 
 import numpy as np
 
-from ..errors import CacheTimeoutError, CommitError, LockLostError
+from ..errors import CacheTimeoutError, CommitError, LockLostError, PromotionError
 from ..runtime.faults import crash_point
 from ..format.global_index import Summaries
 from ..format.manifest import Manifest, RankRecord
@@ -90,6 +90,9 @@ class Ticket:
     # this rank's global-index summary (:mod:`.global_index`) ``(bytes, checksum)`` when the save is
     # one whose commit writes a global index (the persistent tier's); ``None``: none to send
     summary: tuple[bytes, int] | None = None
+    # whether this rank's failure of ``durable`` is reported by whoever made it (the engine stores a
+    # save's error); a promotion's copy is not: its failure is the commit's to raise (PromotionError)
+    reported: bool = True
 
     def file_name(self, rank: int) -> str:
         """Rank ``rank``'s file of this save."""
@@ -506,10 +509,19 @@ class Committer(QueueThread):
             )
             return
         if outcome["n_failed"]:
-            if own_failed:
+            failed = _shown(outcome["failed"], outcome["n_failed"])
+            if own_failed and ticket.reported:
                 return  # this rank's own error is already stored by the engine
+            if not ticket.reported:  # a promotion: every rank raises it, the failing ones with their own error
+                own = ticket.durable.exception(timeout=0) if own_failed else None
+                raise PromotionError(
+                    f"{own if own is not None else f'rank {self.rank}: iteration {ticket.iteration}'}; "
+                    f"not promoted: rank(s) {failed} failed to copy their files, nothing committed in "
+                    f"{self.root}, latest there stays {self.latest}",
+                    ticket.iteration,
+                )
             raise CommitError(
-                f"rank {self.rank}: iteration {ticket.iteration}: rank(s) {_shown(outcome['failed'], outcome['n_failed'])} "
+                f"rank {self.rank}: iteration {ticket.iteration}: rank(s) {failed} "
                 f"failed to write their files; nothing committed, latest stays {self.latest}"
             )
         if self.rank in outcome["unwritten"]:

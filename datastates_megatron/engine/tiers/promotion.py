@@ -118,7 +118,14 @@ class Promotion(QueueThread):
         run's); ``summary``: this rank's global-index summary of the save (its local ticket's)."""
         future: cf.Future = cf.Future()
         ticket = Ticket(
-            iteration, seq, future, dict(metadata), time.perf_counter(), token or self.src.token, summary=summary
+            iteration,
+            seq,
+            future,
+            dict(metadata),
+            time.perf_counter(),
+            token or self.src.token,
+            summary=summary,
+            reported=False,  # a failed copy is raised by dst's commit (PromotionError), not only logged
         )
         item = (iteration, ticket, future)
         with self._lock:
@@ -184,6 +191,8 @@ class Promotion(QueueThread):
                     f"rank {self.rank}: promoting iteration {iteration} from {src} to {dst_dir} failed: {e}"
                 )
             )
+            if isinstance(err, PromotionAbandoned):
+                ticket.reported = True  # close() says what it gave up on
             log.error("%s", err)
             future.set_exception(err)
         finally:

@@ -27,6 +27,7 @@ from ..names import RUN_ID_NAME, RUN_SUBDIR_PREFIX
 from ..fs.safe_io import read_capped
 
 __all__ = [
+    "RUN_ID_MAX_BYTES",
     "ensure_run_id",
     "is_run_id",
     "local_tier_dir",
@@ -35,7 +36,7 @@ __all__ = [
 ]
 
 _ID = re.compile(r"^[0-7][0-9a-f]{15}\Z")  # below 2**63: it travels as an int64
-_MAX_BYTES = 4096
+RUN_ID_MAX_BYTES = 4096  # the run id document, on POSIX and object storage
 log = logging.getLogger(__name__)
 
 
@@ -46,7 +47,7 @@ def is_run_id(text: str) -> bool:
 def _read(save_dir: str) -> dict | None:
     path = os.path.join(save_dir, RUN_ID_NAME)
     try:
-        raw = read_capped(path, _MAX_BYTES, "run id")
+        raw = read_capped(path, RUN_ID_MAX_BYTES, "run id")
     except FileNotFoundError:
         return None
     try:

@@ -106,7 +106,10 @@ def _locate(ckpt_dir: str, iteration: int | None) -> tuple[str, int]:
     if not os.path.isdir(ckpt_dir):
         raise NoCheckpointError(f"{ckpt_dir}: no such directory")
     it = latest_committed(ckpt_dir) if iteration is None else int(iteration)
-    return iter_dir(ckpt_dir, it), it
+    path = iter_dir(ckpt_dir, it)
+    if iteration is not None:
+        read_manifest(path)  # not committed there: refused before anything is written
+    return path, it
 
 
 @contextlib.contextmanager
