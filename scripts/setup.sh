@@ -33,7 +33,7 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ scripts/requirement
   python -m pip install -q "torch==2.13.0"
   python -m pip install -q -e ".[megatron,test,bench]" "megatron-core==0.16.1" "ruff==0.14.8" \
     "mfusepy==3.1.1" "boto3==1.44.18" "botocore==1.44.18" "moto[server]==5.2.6" "multi-storage-client==1.3.1" \
-    "safetensors==0.8.0" \
+    "safetensors==0.8.0" "transformers==5.25.0" \
     -r scripts/requirements-megatron-lm.txt
   # nvidia-resiliency-ext (the [resiliency] extra: Megatron-LM's --inprocess-restart) in a folder of its own,
   # not in .venv: core_v0.19 and main assert NVRx >= 0.6.0 when megatron.core is imported with NVRx present

@@ -17,6 +17,12 @@ def _check_export(args: argparse.Namespace, flags: list[str]) -> None:
     args.training_flags = flags
     if getattr(args, "nproc", 1) < 1:
         raise CliUsageError(f"export --nproc must be at least 1, got {args.nproc}")
+    if args.format != "hf":
+        used = [f for f, on in (("--dtype", args.dtype), ("--dry-run", args.dry_run)) if on]
+        if used:
+            raise CliUsageError(f"export {used[0]} applies to --format hf only")
+    elif not args.max_shard_mb > 0:
+        raise CliUsageError(f"export --max-shard-mb must be positive, got {args.max_shard_mb}")
     if args.format != "torch_dist":
         if flags:
             raise CliUsageError(f"export --format {args.format} runs no Megatron-LM: give no training flags after --")

@@ -19,6 +19,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from datastates_megatron.megatron.megatron_lm import versions
 from datastates_megatron.engine.format.manifest import read_tracker_text
@@ -155,3 +156,21 @@ def test_kill_9_then_resume_from_the_bucket_is_bit_exact(tmp_path, s3_env, bucke
         target = out / f"iter_{ITERS:07d}"
         assert json.loads(done.stdout) == {"path": str(target), "format": "torch_dist", "iteration": ITERS}
         assert foreign_format(str(target)) == "torch_dist" and read_tracker_text(str(out)) == str(ITERS)
+    _export_hf_from_the_bucket(url, tmp_path)
+
+
+def _export_hf_from_the_bucket(url: str, tmp_path: Path) -> None:
+    """``--format hf`` reads the bucket's latest checkpoint (verified ranged GETs) and writes a model
+    that transformers loads whole: the plain GPT of TINY, trained in bf16, is a bf16 GPT-2."""
+    transformers = pytest.importorskip("transformers")
+    out = tmp_path / "hf"
+    cli = [sys.executable, "-m", "datastates_megatron.cli", "export", url, str(out), "--format", "hf", "--json"]
+    done = subprocess.run(
+        cli, env=dict(os.environ, PYTHONWARNINGS="ignore"), capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-6000:]
+    target = out / f"iter_{ITERS:07d}-hf"
+    assert json.loads(done.stdout) == {"path": str(target), "format": "hf", "iteration": ITERS}
+    model, info = transformers.AutoModelForCausalLM.from_pretrained(str(target), output_loading_info=True)
+    assert type(model).__name__ == "GPT2LMHeadModel" and model.dtype == torch.bfloat16
+    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys", "error_msgs")), info

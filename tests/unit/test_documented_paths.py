@@ -14,6 +14,7 @@ from tests.doc_paths import documented_paths, why_not_fast
 UNIT, FAULTS, INTEGRATION, OBJSTORE = "tests/unit/", "tests/faults/", "tests/integration/", "tests/objstore/"
 EVERY_FLAG = UNIT + "test_lazy_ckpt_args.py::test_every_flag_reaches_the_config"
 EXPORT = INTEGRATION + "test_export_formats.py::"
+HF = INTEGRATION + "test_export_hf.py::"
 PRETRAIN_GPT = INTEGRATION + "test_pretrain_gpt.py::test_kill_9_after_a_commit_then_resume_is_bit_exact"
 
 # documented item -> the fast tests that run it
@@ -53,6 +54,16 @@ COVERED: dict[str, tuple[str, ...]] = {
     "datastates-ckpt export --nproc": (
         EXPORT + "test_torch_dist_export_loads_in_megatron_core_as_what_the_run_held",
         UNIT + "test_export_usage.py::test_export_usage_errors_are_one_line",
+    ),
+    "datastates-ckpt export --format hf": (
+        HF + "test_the_export_loads_in_transformers_and_computes_megatron_cores_logits",
+        UNIT + "test_export_hf.py::test_the_cli_refuses_in_one_line_and_writes_nothing",
+    ),
+    "datastates-ckpt export --dry-run": (HF + "test_dry_run_prints_the_mapping_and_the_shards_and_writes_nothing",),
+    "datastates-ckpt export --dtype": (HF + "test_a_bf16_export_is_within_bf16_rounding_of_the_fp32_forward",),
+    "datastates-ckpt export --max-shard-mb": (
+        HF + "test_the_export_loads_in_transformers_and_computes_megatron_cores_logits",
+        UNIT + "test_export_hf.py::test_hf_usage_errors_are_one_line",
     ),
     "datastates-ckpt export --iteration": (EXPORT + "test_iteration_picks_a_committed_one_and_refuses_another",),
     "datastates-ckpt export --megatron-lm": (

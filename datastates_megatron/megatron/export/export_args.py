@@ -5,9 +5,19 @@ from __future__ import annotations
 import argparse
 import os
 
-__all__ = ["DEFAULT_NPROC", "DEFAULT_SCRIPT", "FORMATS", "add_export_arguments", "locate_script"]
+__all__ = [
+    "DEFAULT_NPROC",
+    "DEFAULT_SCRIPT",
+    "DEFAULT_SHARD_MB",
+    "FORMATS",
+    "HF_DTYPES",
+    "add_export_arguments",
+    "locate_script",
+]
 
-FORMATS = ("torch", "torch_dist", "safetensors")
+FORMATS = ("torch", "torch_dist", "safetensors", "hf")
+HF_DTYPES = ("bf16", "fp16", "fp32")
+DEFAULT_SHARD_MB = 5120  # transformers' save_pretrained default (5 GB shards)
 DEFAULT_NPROC = 2  # processes of the torch_dist export from global coordinates
 DEFAULT_SCRIPT = "pretrain_gpt.py"
 
@@ -22,7 +32,7 @@ def add_export_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
     parser.add_argument(
         "out_dir",
         help="output directory (torch: OUT_DIR/iter_N.pt; safetensors: OUT_DIR/iter_N.safetensors; "
-        "torch_dist: OUT_DIR/iter_N/ + tracker)",
+        "torch_dist: OUT_DIR/iter_N/ + tracker; hf: OUT_DIR/iter_N-hf/, a Hugging Face model directory)",
     )
     parser.add_argument(
         "--format",
@@ -34,7 +44,11 @@ def add_export_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
         "training flags after `--`, Megatron-LM's own conversion instead (model and optimizer; see below). "
         "safetensors: the full model as one consolidated safetensors file (a single-rank model's parameter "
         "names; any layout; needs neither). torch: one consolidated torch.save file of model and optimizer "
-        "(TP=PP=1 checkpoints). safetensors and torch_dist without flags need a checkpoint that records "
+        "(TP=PP=1 checkpoints). hf: a Hugging Face model directory (config.json, sharded safetensors and their "
+        "index) that transformers' AutoModelForCausalLM loads: the Llama setting (RoPE, RMSNorm, SwiGLU, GQA, no "
+        "biases) as LlamaForCausalLM, the plain GPT setting (learned positions, LayerNorm, GeLU, biases) as "
+        "GPT2LMHeadModel; any other architecture is refused naming the argument. safetensors, hf and torch_dist "
+        "without flags need a checkpoint that records "
         "global coordinates (written since identity 3); older ones: the Megatron-LM path",
     )
     parser.add_argument(
@@ -50,6 +64,25 @@ def add_export_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
     parser.add_argument("--no-verify", action="store_true", help="skip checksum verification of the data read")
     parser.add_argument(
         "--json", action="store_true", help='print {"path", "format", "iteration"} as JSON instead of the path'
+    )
+    h = parser.add_argument_group("hf")
+    h.add_argument(
+        "--dtype",
+        choices=HF_DTYPES,
+        default=None,
+        help="the type of the tensors written (default: the training dtype, from the recorded --bf16/--fp16)",
+    )
+    h.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="print the name mapping (Megatron global tensor -> Hugging Face tensor, shape, shard) and the "
+        "shards, and write nothing",
+    )
+    h.add_argument(
+        "--max-shard-mb",
+        type=float,
+        default=DEFAULT_SHARD_MB,
+        help="start a new model-*.safetensors shard before one would pass this many MiB (default: %(default)s)",
     )
     g = parser.add_argument_group(
         "torch_dist with training flags after `--` (Megatron-LM's own --lazy-ckpt-convert-to, run on CPU ranks)",

@@ -1,4 +1,5 @@
-"""Export a lazy checkpoint: one consolidated ``torch`` or ``safetensors`` file, or Megatron-LM's ``torch_dist`` checkpoint.
+"""Export a lazy checkpoint: one consolidated ``torch`` or ``safetensors`` file, Megatron-LM's ``torch_dist``
+checkpoint, or a Hugging Face model directory (``hf``, :mod:`.hf`).
 
 ``export(ckpt, out, "safetensors")`` writes ``out/iter_NNNNNNN.safetensors``, the full model of any
 layout from the recorded global coordinates (:mod:`.consolidated`); ``export(ckpt, out,
@@ -65,7 +66,7 @@ from ...engine.load.load_plan import LoadPlan, ReadItem
 from ...engine.load.reader import CheckpointReader
 from ...engine.fs.safe_io import create_temp
 from . import export_ranks
-from .export_args import DEFAULT_NPROC, DEFAULT_SCRIPT, FORMATS, locate_script
+from .export_args import DEFAULT_NPROC, DEFAULT_SCRIPT, DEFAULT_SHARD_MB, FORMATS, locate_script
 from .worker_process import run_worker, sigterm_raises
 
 __all__ = [
@@ -354,13 +355,19 @@ def export(
     timeout_s: float = 600.0,
     verify: bool = True,
     nproc: int = DEFAULT_NPROC,
+    dtype: str | None = None,
+    dry_run: bool = False,
+    max_shard_mb: float = DEFAULT_SHARD_MB,
 ) -> str:
     """Export checkpoint ``ckpt_dir`` (a root: its latest committed or ``iteration``; or an
     ``iter_*`` directory) to ``out_dir`` in ``fmt`` (:data:`FORMATS`); returns the path written.
     ``torch_dist`` without ``flags``: megatron-core's writer on ``nproc`` processes from the
     recorded global coordinates (:mod:`.dist_export`); with ``flags`` (the training flags of the run
     that wrote it): ``script`` of the Megatron-LM checkout ``megatron_lm`` (else ``$MEGATRON_LM_DIR``)
-    on as many ranks as the checkpoint has -- the fallback for checkpoints without global coordinates."""
+    on as many ranks as the checkpoint has -- the fallback for checkpoints without global coordinates.
+    ``hf``: a Hugging Face model directory ``out_dir/iter_N-hf`` (:mod:`.hf`) in ``dtype`` (default
+    the training dtype), shards of at most ``max_shard_mb`` MiB; ``dry_run`` prints its plan and
+    writes nothing."""
     if fmt not in FORMATS:
         raise ValueError(f"format must be one of {FORMATS}, got {fmt!r}")
     if not (isinstance(nproc, int) and nproc >= 1):
@@ -381,6 +388,24 @@ def export(
         )
     with _local_copy(ckpt_dir, iteration, verify) as local:
         path, it = _locate(local, iteration)
+        if fmt == "hf":
+            from .hf import export_hf
+
+            try:
+                target = export_hf(
+                    path,
+                    it,
+                    out_dir,
+                    dtype=dtype,
+                    dry_run=dry_run,
+                    shard_bytes=int(max_shard_mb * 2**20),
+                    verify=verify,
+                )
+            except FileExistsError as e:
+                raise OutputExistsError(str(e)) from None
+            if not dry_run:
+                log.info("exported iteration %d of %s to %s (hf)", it, ckpt_dir, target)
+            return target
         if fmt in ("torch", "safetensors"):
             target = iter_dir(os.path.abspath(out_dir), it) + SUFFIXES[fmt]
             if os.path.exists(target):
@@ -418,9 +443,15 @@ def run_export(args: argparse.Namespace) -> int:
         timeout_s=args.timeout_s,
         verify=not args.no_verify,
         nproc=args.nproc,
+        dtype=getattr(args, "dtype", None),
+        dry_run=getattr(args, "dry_run", False),
+        max_shard_mb=getattr(args, "max_shard_mb", DEFAULT_SHARD_MB),
     )
+    if getattr(args, "dry_run", False):
+        return 0  # the plan is what it prints
     if getattr(args, "json", False):
-        iteration = iteration_of(os.path.splitext(path)[0] if path.endswith(tuple(SUFFIXES.values())) else path)
+        stem = os.path.splitext(path)[0] if path.endswith(tuple(SUFFIXES.values())) else path.removesuffix("-hf")
+        iteration = iteration_of(stem)
         write_line(json.dumps({"path": path, "format": args.format, "iteration": iteration}, sort_keys=True))
     else:
         write_line(path)

@@ -38,6 +38,7 @@ from ..checkpointing.reshard import Block, CheckpointIndex, GlobalIndexView, Sta
 __all__ = [
     "GlobalBlock",
     "assemble",
+    "assemble_at",
     "check_tiling",
     "close_index",
     "count_blocks",
@@ -208,9 +209,12 @@ def count_blocks(path: str) -> int:
             close_index(index)
 
 
-def read_blocks(reader: CheckpointReader, index: CheckpointIndex, blocks: list[GlobalBlock]) -> list[torch.Tensor]:
+def read_blocks(
+    reader: CheckpointReader, index: CheckpointIndex, blocks: list[GlobalBlock], files: dict | None = None
+) -> list[torch.Tensor]:
     """Each block's values (shape ``block.shape``), read by one verified plan (from a global index:
-    after the pieces it named are checked against the metadata of the files read)."""
+    after the pieces it named are checked against the metadata of the files read).  ``files``: a
+    cache of those files' metadata index by the ranks read, for a caller that reads many times."""
     out, items = [], []
     if isinstance(index, GlobalIndexView):
         index.used.clear()  # what this plan uses
@@ -222,7 +226,13 @@ def read_blocks(reader: CheckpointReader, index: CheckpointIndex, blocks: list[G
             items.append(ReadItem(r, flat[at : at + r.count], f"{gb.block.key} {list(gb.block.offset)}"))
         out.append(t)
     if isinstance(index, GlobalIndexView):  # the pieces the index named are those the files record
-        index.check(CheckpointIndex.from_reader(reader, sorted({it.source.rank for it in items})))
+        ranks = tuple(sorted({it.source.rank for it in items}))
+        local = files.get(ranks) if files is not None else None
+        if local is None:
+            local = CheckpointIndex.from_reader(reader, list(ranks))
+            if files is not None:
+                files[ranks] = local
+        index.check(local)
     reader.execute(LoadPlan("export", tuple(items)))
     return out
 
@@ -231,12 +241,37 @@ def _where(block: Block) -> tuple[slice, ...]:
     return tuple(slice(o, o + n) for o, n in zip(block.offset, block.shape))
 
 
-def assemble(reader: CheckpointReader, index: CheckpointIndex, blocks: list[GlobalBlock]) -> torch.Tensor:
-    """The global tensor of ``blocks`` (one sharded key's), whole."""
+def assemble(
+    reader: CheckpointReader, index: CheckpointIndex, blocks: list[GlobalBlock], files: dict | None = None
+) -> torch.Tensor:
+    """The global tensor of ``blocks`` (one sharded key's), whole (``files``: :func:`read_blocks`)."""
     first = blocks[0]
     full = torch.empty(first.block.global_shape, dtype=getattr(torch, first.dtype))
-    for gb, values in zip(blocks, read_blocks(reader, index, blocks)):
+    for gb, values in zip(blocks, read_blocks(reader, index, blocks, files)):
         full[_where(gb.block)] = values
+    return full
+
+
+def assemble_at(
+    reader: CheckpointReader,
+    index: CheckpointIndex,
+    blocks: list[GlobalBlock],
+    at: tuple[int, ...],
+    files: dict | None = None,
+) -> torch.Tensor:
+    """``global[at]`` for an index ``at`` into the axes megatron-core prepends (one layer of a
+    ``decoder.layers.*`` tensor), reading only the blocks that lie there: the memory is one layer's,
+    not the stack's.  A block that spans several prepended indices is read whole and cut."""
+    p = len(at)
+    if p == 0:
+        return assemble(reader, index, blocks, files)
+    here = [gb for gb in blocks if gb.block.offset[:p] == at]
+    if not here or any(n != 1 for gb in blocks for n in gb.block.shape[:p]):  # then ``here`` tiles global[at]
+        return assemble(reader, index, blocks, files)[at]
+    first = here[0]
+    full = torch.empty(first.block.global_shape[p:], dtype=getattr(torch, first.dtype))
+    for gb, values in zip(here, read_blocks(reader, index, here, files)):
+        full[_where(gb.block)[p:]] = values.reshape(gb.block.shape[p:])
     return full
 
 
