@@ -23,7 +23,7 @@ from ..errors import CorruptCheckpointError, FormatVersionError, NoCheckpointErr
 from ..fs import safe_io
 from ..fs.durable import atomic_write
 from ..names import MANIFEST_NAME, TRACKER_NAME, iter_dir, iteration_of
-from .json_budget import check_budget
+from .json_budget import DecodeBudget, check_budget
 from .rank_table import RankRecord, RankTable
 
 __all__ = [
@@ -141,9 +141,10 @@ class Manifest:
         body alive (``from None``; ``body`` is dropped before raising): a stored error must not pin
         a hostile file's objects."""
         check_budget(data, _MANIFEST_BYTES_PER_VALUE, _MANIFEST_VALUE_ALLOWANCE, path, "manifest")
+        text = DecodeBudget(path, value_bytes=0).text(data, "manifest")  # ASCII, no string stored 4x wider
         try:
-            body = json.loads(data.decode("utf-8"))
-        except (UnicodeDecodeError, ValueError, RecursionError) as e:
+            body = json.loads(text)
+        except (ValueError, RecursionError) as e:
             raise CorruptCheckpointError(f"{path}: manifest is not valid JSON: {type(e).__name__}: {e}") from None
         problem = cls._check_body(body, path)
         if problem is not None:
