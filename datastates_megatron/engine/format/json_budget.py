@@ -30,11 +30,12 @@ import re
 
 from ..errors import CorruptCheckpointError
 
-__all__ = ["VALUE_BYTES", "DECODED_MAX", "count_values", "check_budget", "DecodeBudget"]
+__all__ = ["VALUE_BYTES", "DECODED_MAX", "count_values", "check_budget", "DecodeBudget", "wide_string_bytes"]
 
 VALUE_BYTES = 100  # the most memory one parsed JSON value (with its slot in its container) costs
 DECODED_MAX = 48 << 20  # what the parse of one file's texts may make beyond one byte per character
 _WINDOW = 16 << 20
+MiB = 1 << 20
 # an escape of a character past Latin-1 (its string is then stored at 2 or 4 bytes per character);
 # also matches an escaped backslash followed by "u....": an over-estimate, never an under-estimate
 _WIDE_ESCAPE = re.compile(rb"\\u(?!00)[0-9a-fA-F]{4}")
@@ -88,8 +89,8 @@ class DecodeBudget:
         cost = (count_values(raw) * self.value_bytes if self.value_bytes else 0) + 3 * wide_string_bytes(raw)
         if self.spent + cost > self.limit:
             raise CorruptCheckpointError(
-                f"{self.path}: {what} would take ~{cost >> 20} MiB to parse (after {self.spent >> 20} MiB for the "
-                f"file's other texts), more than the {self.limit >> 20} MiB one we write could; refusing to parse it"
+                f"{self.path}: {what} would take ~{cost / MiB:.1f} MiB to parse (after {self.spent / MiB:.1f} MiB for "
+                f"the file's other texts), more than the {self.limit / MiB:.0f} MiB one we write could; refusing to parse it"
             )
         self.spent += cost
         return str(raw, "ascii")
