@@ -652,8 +652,11 @@ def run_attack(attack: Attack, workdir: str, limit_s: float = 30.0) -> dict:
 
 def warm_up(workdir: str) -> None:
     """Import and JIT everything once in the parent, so children measure the attack, not warm-up."""
+    from datastates_megatron.engine.format.json_budget import wide_string_bytes
+
     root = os.path.join(workdir, "ckpt")
     commit(root)
     op_ls(root), op_verify(root), op_load(root)
+    wide_string_bytes(b'["\\u0101"]')  # the escape-aware pass, compiled (numba) only when a text needs it
     shutil.rmtree(root)
     torch.set_num_threads(1)

@@ -79,7 +79,8 @@ def _to_i64(u: int) -> int:
 @dataclasses.dataclass
 class Ticket:
     """One save (or a promotion's copy) of one rank, on its way to a commit.  ``token`` and ``seq``
-    name its files: :meth:`file_name` is the one place a rank file's name is made."""
+    name its files: :meth:`file_name` is the one place a rank file's name is made (:meth:`records`
+    hands the manifest the same names, as a table)."""
 
     iteration: int
     seq: int
