@@ -79,6 +79,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dir", default="./runs/bench-memory", help="checkpoint root (one sub-directory per run)")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds per run")
     p.add_argument("--json", dest="json_out", default=None)
+    p.add_argument(
+        "--trace-heap",
+        action="store_true",
+        help="also trace the Python heap (tracemalloc: Python objects and numpy buffers, not torch "
+        "tensors) from the warm-up's end to the drain's; its own cost inflates the RSS figures of that run",
+    )
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--engine", default=None, help=argparse.SUPPRESS)
     p.add_argument("--result", default=None, help=argparse.SUPPRESS)
@@ -109,6 +115,10 @@ def worker(args: argparse.Namespace) -> None:
     torch.distributed.barrier()
     warm_peak = _status_bytes("VmHWM")
     base = _reset_hwm()
+    if args.trace_heap:  # a run of its own: tracing costs time and memory of its own
+        import tracemalloc
+
+        tracemalloc.start()
     opts = be.BenchOptions(
         host_cache_gb=args.host_cache_gb, flush_threads=args.flush_threads, keep_last=2, dcp_checkpointer="thread"
     )
@@ -121,8 +131,14 @@ def worker(args: argparse.Namespace) -> None:
         engine.drain()
         peak = _status_bytes("VmHWM")
         extras = engine.extras()
+        if args.trace_heap:
+            extras["heap_peak"] = tracemalloc.get_traced_memory()[1]
+            tracemalloc.stop()
     finally:
         engine.close()
+    # the commit metadata rank 0 writes per checkpoint (ours): global index and manifest, the largest
+    for name, key in (("global_index.dsgi", "index_bytes"), ("manifest.json", "manifest_bytes")):
+        extras[key] = max((f.stat().st_size for f in root.rglob(name)), default=0)
     state = sum(t.numel() * t.element_size() for t in be.rank_state(chunks, optimizer).values())
     mine = {
         "rank": rank,
@@ -188,6 +204,9 @@ def summarise(runs: dict[int, dict[str, list[dict]]]) -> dict:
                 "growth_bytes": max(r["growth"] for r in ranks),
                 "cache_bytes": max((r.get("cache_bytes", 0) for r in ranks), default=0),
                 "cache_peak_bytes": max((r.get("cache_peak_bytes", 0) for r in ranks), default=0),
+                "heap_peak_bytes": max((r.get("heap_peak", 0) for r in ranks), default=0),
+                "index_bytes": max((r.get("index_bytes", 0) for r in ranks), default=0),
+                "manifest_bytes": max((r.get("manifest_bytes", 0) for r in ranks), default=0),
             }
             if base is not None:
                 by_rank = {r["rank"]: r for r in base}
@@ -200,16 +219,19 @@ def summarise(runs: dict[int, dict[str, list[dict]]]) -> dict:
 
 def render(summary: dict) -> str:
     lines = [
-        "| hidden | engine | state/rank MiB | peak MiB | peak over baseline MiB | growth over baseline MiB | cache MiB (peak use) |",
-        "|---|---|---|---|---|---|---|",
+        "| hidden | engine | state/rank MiB | peak MiB | peak over baseline MiB | growth over baseline MiB "
+        "| cache MiB (peak use) | Python heap peak MiB | index + manifest KiB |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for hidden, rows in summary.items():
         for name, r in rows.items():
             cache = f"{r['cache_bytes'] / MB:.1f} ({r['cache_peak_bytes'] / MB:.1f})" if r["cache_bytes"] else "-"
+            heap = f"{r['heap_peak_bytes'] / MB:.1f}" if r["heap_peak_bytes"] else "-"
+            meta = f"{r['index_bytes'] / 1024:.1f} + {r['manifest_bytes'] / 1024:.1f}" if r["manifest_bytes"] else "-"
             lines.append(
                 f"| {hidden} | {name} | {r['state_bytes'] / MB:.1f} | {r['peak_bytes'] / MB:.1f} | "
                 f"{r.get('over_base_bytes', float('nan')) / MB:.1f} | "
-                f"{r.get('growth_over_base_bytes', float('nan')) / MB:.1f} | {cache} |"
+                f"{r.get('growth_over_base_bytes', float('nan')) / MB:.1f} | {cache} | {heap} | {meta} |"
             )
     return "\n".join(lines)
 

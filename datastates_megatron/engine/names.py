@@ -37,6 +37,7 @@ __all__ = [
     "iteration_of",
     "rank_file_name",
     "rank_file_names",
+    "rank_file_parts",
     "LONGEST_RANK_FILE_NAME",
     "parse_rank_file_name",
     "save_id",
@@ -88,8 +89,14 @@ def rank_file_name(rank: int, token: str, seq: int) -> str:
 
 def rank_file_names(ranks: range, token: str, seq: int) -> list[str]:
     """:func:`rank_file_name` of each of ``ranks``, the pattern formatted once (64k names in a manifest)."""
-    tail = rank_file_name(0, token, seq)[len("r00000") :]
-    return list(map(("r%05d" + tail.replace("%", "%%")).__mod__, ranks))
+    head, digits, tail = rank_file_parts(token, seq)
+    return list(map((head + f"%0{digits}d" + tail.replace("%", "%%")).__mod__, ranks))
+
+
+def rank_file_parts(token: str, seq: int) -> tuple[str, int, str]:
+    """``(head, digits, tail)``: :func:`rank_file_name` of a rank is ``head``, the rank in at least
+    ``digits`` decimal digits (zero-padded), then ``tail`` (for a formatter of many names at once)."""
+    return "r", 5, rank_file_name(0, token, seq)[len("r00000") :]
 
 
 # the longest rank file name we write (a rank below 100000, a 16-digit token, a sequence below 10**6)

@@ -372,9 +372,10 @@ def _sealed_index(tables, rows=lambda: b""):
     return plant
 
 
-def _sealed_index2(contents=None, tables=None, rows=0):
+def _sealed_index2(contents=None, tables=None, rows=0, slices=1):
     """Plant in iter_2 a format-2 global index under valid seals: table of contents ``contents()``,
-    or one slice ``"s"`` of tables ``tables()`` and ``rows`` rows of one key ``k`` (zeros)."""
+    or ``slices`` slices ``"s0"``, ``"s1"``, ... each of tables ``tables()`` and ``rows`` rows of one
+    key ``k`` (zeros)."""
 
     def plant(root, outside):
         import struct
@@ -385,8 +386,10 @@ def _sealed_index2(contents=None, tables=None, rows=0):
             raw = tables()
             fences = bytes(24 * math.ceil(rows / 32))
             head = struct.pack("<Q", len(raw)) + raw + fences
-            sections = head + bytes(48 * rows)
-            toc = json.dumps({"slices": [["s", 0, len(head), xxh64(head), len(head), rows]]}).encode()
+            sections = (head + bytes(48 * rows)) * slices
+            size = len(head) + 48 * rows
+            entries = [[f"s{i}", i * size, len(head), xxh64(head), i * size + len(head), rows] for i in range(slices)]
+            toc = json.dumps({"slices": entries}).encode()
         _plant_index(root, {"ranks": None}, struct.pack("<QQ", len(toc), xxh64(toc)) + toc + sections, 2)
 
     return plant
@@ -450,6 +453,40 @@ INDEX_ATTACKS = [
     Attack(
         "64 MiB format-2 slice tables of short strings, one per 16 bytes: read",
         _sealed_index2(tables=lambda: _tables(b'"ssssssssssss", ', INDEX_CAP)),
+        op_read_index,
+        "refused",
+    ),
+    # issue 49, item 4: strings that decode to more than their bytes (a string with one character
+    # past the BMP is stored at 4 bytes per character), and values spread over many texts
+    Attack(
+        "64 MiB format-2 slice tables: one string ending in a non-BMP character: read",
+        _sealed_index2(
+            tables=lambda: _tables(b'"' + b"s" * (INDEX_CAP - 64) + "\U0001f600".encode() + b'",', INDEX_CAP)
+        ),
+        op_read_index,
+        "refused",
+    ),
+    Attack(
+        "64 MiB format-2 contents: one string ending in an escaped non-BMP character: read",
+        _sealed_index2(contents=lambda: _contents(b'"' + b"s" * (INDEX_CAP - 64) + b'\\ud83d\\ude00",', INDEX_CAP)),
+        op_read_index,
+        "refused",
+    ),
+    Attack(
+        "64 MiB format-2 slice tables: 2^19 strings ending in an escaped non-BMP character: read",
+        _sealed_index2(tables=lambda: _tables(b'"' + b"s" * 113 + b'\\ud83d\\ude00",', INDEX_CAP)),
+        op_read_index,
+        "refused",
+    ),
+    Attack(
+        "64 MiB format-2 slice tables: 2^19 ASCII strings of 125 B: read",
+        _sealed_index2(tables=lambda: _tables(b'"' + b"s" * 125 + b'",', INDEX_CAP)),
+        op_read_index,
+        "refused",
+    ),
+    Attack(
+        "64 MiB format-2 index: 128 slices of 80k short strings each: read",
+        _sealed_index2(tables=lambda: _tables(b'"sss",', 480_000), slices=128),
         op_read_index,
         "refused",
     ),
@@ -615,8 +652,11 @@ def run_attack(attack: Attack, workdir: str, limit_s: float = 30.0) -> dict:
 
 def warm_up(workdir: str) -> None:
     """Import and JIT everything once in the parent, so children measure the attack, not warm-up."""
+    from datastates_megatron.engine.format.json_budget import wide_string_bytes
+
     root = os.path.join(workdir, "ckpt")
     commit(root)
     op_ls(root), op_verify(root), op_load(root)
+    wide_string_bytes(b'["\\u0101"]')  # the escape-aware pass, compiled (numba) only when a text needs it
     shutil.rmtree(root)
     torch.set_num_threads(1)

@@ -148,3 +148,40 @@ def test_a_crafted_global_index_costs_no_more_than_the_stated_bound(attack, tmp_
     assert got["rss_growth"] <= memory, f"peak RSS growth {got['rss_growth'] >> 20} MiB over {memory >> 20} MiB: {got}"
     assert got["cpu_s"] <= seconds, f"{got['cpu_s']:.1f} s of CPU over {seconds:.1f} s: {got}"
     assert got["wall_s"] <= attacks.WALL_SLACK * seconds, f"{got['wall_s']:.1f} s of wall time: {got}"
+
+
+def test_a_text_is_charged_what_its_strings_decode_to_before_it_is_decoded(tmp_path):
+    """Issue 49, item 4: a string holding one character past Latin-1 is stored at 2 or 4 bytes per
+    character; JSON we write escapes it, so the charge is read off the bytes (escape-aware: an
+    escaped backslash before ``u0101`` is no escape), and a text that is not ASCII is not ours."""
+    import json
+
+    from datastates_megatron.engine import CorruptCheckpointError
+    from datastates_megatron.engine.format.json_budget import DecodeBudget, wide_string_bytes
+
+    text = json.dumps(["a" * 10, "b\u00e9", "c\u0101dd", "x\\u0101", {"k": "\U0001f600"}])
+    assert wide_string_bytes(text.encode()) == len('"c\\u0101dd') + len('"\\ud83d\\ude00')
+    assert wide_string_bytes(json.dumps(["a" * 100, "b\u00e9"]).encode()) == 0
+    budget = DecodeBudget("f.json", limit=3 * 1000 + 100 * 10, value_bytes=100)
+    assert budget.text(json.dumps(["s" * 997 + "\u0101"]).encode(), "t") and budget.spent == 3 * 1004 + 100 * 2
+    with pytest.raises(CorruptCheckpointError, match=r"^f\.json: u would take ~0\.0 MiB to parse \(after 0\.0 MiB"):
+        budget.text(json.dumps(["\u0101"] * 10).encode(), "u")  # the file's earlier texts count
+    with pytest.raises(CorruptCheckpointError, match=r"^f\.json: v is not ASCII"):
+        DecodeBudget("f.json").text('["\U0001f600"]'.encode(), "v")
+
+
+def test_a_manifest_with_text_past_latin1_is_read_and_one_not_ascii_is_refused(tmp_path):
+    from datastates_megatron.engine import CorruptCheckpointError
+    from datastates_megatron.engine.format.manifest import read_manifest
+    from datastates_megatron.engine.names import MANIFEST_NAME, iter_dir
+
+    root = str(tmp_path / "ckpt")
+    attacks.commit(root, iterations=(1,))
+    path = os.path.join(iter_dir(root, 1), MANIFEST_NAME)
+    assert read_manifest(iter_dir(root, 1)).iteration == 1
+    with open(path, "rb") as f:
+        data = f.read()
+    with open(path, "wb") as f:  # a raw UTF-8 character: never written by json.dumps (it escapes)
+        f.write(data.replace(b'"format": ', '"\U0001f600": 1, "format": '.encode(), 1))
+    with pytest.raises(CorruptCheckpointError, match=r"manifest\.json: manifest is not ASCII"):
+        read_manifest(iter_dir(root, 1))

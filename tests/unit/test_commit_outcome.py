@@ -15,8 +15,10 @@ from datastates_megatron.engine.tiers.commit import Ticket
 from datastates_megatron.engine.errors import CheckpointError, CommitError
 from datastates_megatron.engine.format.file_format import FileReceipt
 from datastates_megatron.engine.format.manifest import read_manifest
+from datastates_megatron.engine.format.rank_table import RankTable
 from datastates_megatron.engine.names import iter_dir
 from datastates_megatron.engine.dist.store_channel import StoreChannel
+from datastates_megatron.engine.tiers import tier as tier_module
 from datastates_megatron.engine.tiers.tier import Tier
 
 WORLD = 4
@@ -57,6 +59,17 @@ def test_every_rank_commits_and_rank0_writes_every_record(tmp_path):
     assert [(r.rank, r.file_bytes, r.index_xxh64, r.header_xxh64) for r in m.ranks] == [
         (r, 4096 + r, 7 + r, 9 + r) for r in range(WORLD)
     ]
+
+
+def test_rank0_writes_its_records_as_columns(tmp_path):
+    """Rank 0's commit makes no object per rank (issue 49, item 6: at 16k ranks, making 16k records
+    and formatting each was most of its commit): the manifest it wrote and remembers holds a
+    :class:`RankTable`, equal to what a reader of the file gets."""
+    root = str(tmp_path / "root")
+    assert _commit_on_every_rank(root, {"note": "x"}) == [[3]] * WORLD
+    written = tier_module._MANIFESTS.read(iter_dir(root, 3))  # remembered by the writer, not read back
+    assert isinstance(written.ranks, RankTable), type(written.ranks)
+    assert written == read_manifest(iter_dir(root, 3))
 
 
 def test_a_failed_file_is_every_other_rank_error(tmp_path):

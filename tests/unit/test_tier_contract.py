@@ -15,6 +15,8 @@ import pathlib
 import os
 import re
 
+import numpy as np
+
 import datastates_megatron.engine as engine
 from datastates_megatron.engine.names import rank_file_name
 from datastates_megatron.engine.storage.object_tier import ObjectTier
@@ -144,7 +146,7 @@ def test_no_behaviour_is_switched_on_a_tier_name():
 
 
 # ------------------------------------------------------------------ one place names a rank file
-MAKERS = {"rank_file_name", "rank_file_names"}
+MAKERS = {"rank_file_name", "rank_file_names", "rank_file_parts"}
 
 
 def _name_makers(tree: ast.Module) -> list[tuple[ast.Call, str | None]]:
@@ -166,16 +168,17 @@ def _name_makers(tree: ast.Module) -> list[tuple[ast.Call, str | None]]:
 
 
 def test_one_place_makes_a_rank_file_name():
-    """Outside ``names.py`` (the pattern), only :meth:`Ticket.file_name` / ``file_names`` make one
-    (the ranged index rebuilds, to read them, the names of a save it recorded)."""
+    """Outside ``names.py`` (the pattern), only :meth:`Ticket.file_name` makes one, and the
+    records a ticket hands out (:meth:`Ticket.records`: a :class:`RankTable` of its token and
+    sequence); the ranged index rebuilds, to read them, the names of a save it recorded."""
     bad = []
     for rel, tree in _sources().items():
         if rel == "names.py":
             continue
         for call, scope in _name_makers(tree):
-            if rel == "format/index_sections.py":  # reads: a committed save's names from its token and seq
+            if rel in ("format/index_sections.py", "format/rank_table.py"):  # a save's names from its token and seq
                 continue
-            if not (rel == "tiers/commit.py" and scope in ("file_name", "file_names")):
+            if not (rel == "tiers/commit.py" and scope == "file_name"):
                 bad.append(_where(rel, call))
     assert not bad, bad
 
@@ -197,9 +200,11 @@ def test_no_token_fallback_is_left():
 def test_a_ticket_names_its_files():
     t = Ticket(3, 7, None, {}, 0.0, "00ab")
     assert t.file_name(5) == rank_file_name(5, "00ab", 7)
-    assert t.file_names(range(2, 5)) == [rank_file_name(r, "00ab", 7) for r in range(2, 5)]
+    table = t.records(2, np.zeros((3, 5), dtype=np.uint64))
+    assert table.file_names() == [rank_file_name(r, "00ab", 7) for r in range(2, 5)]
+    assert [r.file for r in table] == table.file_names() and table[1].rank == 3
     odd = Ticket(3, 7, None, {}, 0.0, "a%b")  # a format character in a token is not a format
-    assert odd.file_names(range(1)) == [rank_file_name(0, "a%b", 7)]
+    assert odd.records(0, np.zeros((1, 5), dtype=np.uint64)).file_names() == [rank_file_name(0, "a%b", 7)]
 
 
 # ------------------------------------------------------------------ retention, a policy per tier

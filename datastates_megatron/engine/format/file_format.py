@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from ..errors import READ_ERRNOS, CorruptCheckpointError, FormatVersionError, StorageReadError
-from .json_budget import check_budget
+from .json_budget import DecodeBudget, check_budget
 from .tagged_json import decode_objects
 from ..fs.safe_io import open_regular
 from .hashing import xxh64, xxh64_kernel
@@ -364,7 +364,8 @@ class RankFile:
                 )
             }
             check_budget(objects_raw, _OBJECTS_BYTES_PER_VALUE, _OBJECTS_VALUE_ALLOWANCE, self.path, "objects section")
-            self.objects = decode_objects(objects_raw)
+            # ASCII, no string stored 4x wider than its bytes (decoded from the mapping, not a copy)
+            self.objects = decode_objects(DecodeBudget(self.path, value_bytes=0).text(objects_raw, "objects section"))
         except CorruptCheckpointError:
             self.close()
             raise

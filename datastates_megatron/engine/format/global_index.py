@@ -36,6 +36,7 @@ import numpy as np
 
 from ..errors import CheckpointAccessError, CorruptCheckpointError
 from .hashing import xxh64
+from .json_budget import DecodeBudget
 from .index_sections import VERSION, RangedIndex, check_bounds, pack_body, pack_columns, pack_ranks, slice_of
 from .manifest import Manifest
 from ..fs.durable import atomic_write
@@ -282,10 +283,8 @@ def _split(path: str, body: memoryview) -> tuple[str, np.ndarray]:
         raise CorruptCheckpointError(f"{path}: global index tables of {tlen} bytes in a body of {len(body)}")
     raw = body[8 : 8 + tlen]
     check_bounds(path, raw, "tables")  # one pass, before anything is decoded or parsed
-    try:
-        text = str(raw, "utf-8")
-    except UnicodeDecodeError as e:
-        raise CorruptCheckpointError(f"{path}: global index tables are not UTF-8: {e.reason}") from None
+    text = DecodeBudget(path).text(raw, "global index tables")
+    raw.release()
     table = np.frombuffer(body, dtype="<i8", offset=8 + tlen).reshape(-1, _COLS).copy()
     return text, table
 

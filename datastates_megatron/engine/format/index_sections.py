@@ -43,7 +43,7 @@ import numpy as np
 from ..errors import CorruptCheckpointError
 from ..names import rank_file_name
 from .hashing import xxh64
-from .json_budget import VALUE_BYTES
+from .json_budget import VALUE_BYTES, DecodeBudget
 from .manifest import RankRecord
 
 __all__ = [
@@ -199,11 +199,17 @@ def check_bounds(path: str, raw, what: str) -> None:
         )
 
 
-def _parse(path: str, raw: bytes, what: str):
-    """``raw`` parsed as JSON, after :func:`check_bounds`."""
-    check_bounds(path, raw, what)
+def _text(budget: DecodeBudget, raw, what: str) -> str:
+    """``raw`` as the text to parse, after :func:`check_bounds` and the file's decode budget (the
+    caller drops ``raw`` before :func:`_parse`)."""
+    check_bounds(budget.path, raw, what)
+    return budget.text(raw, f"global index {what}")
+
+
+def _parse(path: str, text: str, what: str):
+    """``text`` (from :func:`_text`) parsed as JSON."""
     try:
-        return json.loads(raw)
+        return json.loads(text)
     except (ValueError, RecursionError) as e:
         raise CorruptCheckpointError(f"{path}: global index {what} are not JSON: {type(e).__name__}") from None
 
@@ -233,6 +239,7 @@ class RangedIndex:
         self._blocks: dict = {}
         self._rank_blocks: dict = {}
         self._sums: np.ndarray | None = None
+        self._budget = DecodeBudget(path)  # every JSON text of this file, together
         body = header.get("body_bytes")
         ranks = header.get("ranks")
         extra = 0
@@ -258,7 +265,10 @@ class RangedIndex:
         raw = self._read(16, clen)
         if xxh64(raw) != csum:
             raise CorruptCheckpointError(f"{path}: global index checksum mismatch (its contents): the file was altered")
-        toc = _parse(path, raw, "contents")
+        text = _text(self._budget, raw, "contents")
+        del raw  # the bytes go before the parse
+        toc = _parse(path, text, "contents")
+        del text
         entries = toc.get("slices") if isinstance(toc, dict) else None
         if not isinstance(entries, list):
             raise CorruptCheckpointError(f"{path}: global index contents lack slices")
@@ -326,8 +336,10 @@ class RangedIndex:
             raise CorruptCheckpointError(f"{self.path}: global index slice {sl!r}: tables of {tlen} bytes in {n}")
         fences = np.frombuffer(raw, dtype="<i8", offset=8 + tlen).reshape(-1, _FENCE).copy()
         del raw[8 + tlen :], raw[:8]  # the tables, in place: a crafted head costs its size once
-        tables = _parse(self.path, raw, f"slice {sl!r} tables")
-        del raw
+        text = _text(self._budget, raw, f"slice {sl!r} tables")
+        del raw  # the bytes go before the parse
+        tables = _parse(self.path, text, f"slice {sl!r} tables")
+        del text
         keys, tensors, params = (
             tables.get(f) if isinstance(tables, dict) else None for f in ("keys", "tensors", "params")
         )

@@ -23,7 +23,8 @@ from ..errors import CorruptCheckpointError, FormatVersionError, NoCheckpointErr
 from ..fs import safe_io
 from ..fs.durable import atomic_write
 from ..names import MANIFEST_NAME, TRACKER_NAME, iter_dir, iteration_of
-from .json_budget import check_budget
+from .json_budget import DecodeBudget, check_budget
+from .rank_table import RankRecord, RankTable
 
 __all__ = [
     "MANIFEST_VERSION",
@@ -53,22 +54,11 @@ log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
-class RankRecord:
-    rank: int
-    file: str
-    file_bytes: int
-    data_bytes: int
-    n_tensors: int
-    index_xxh64: int
-    header_xxh64: int
-
-
-@dataclasses.dataclass(frozen=True)
 class Manifest:
     iteration: int
     world_size: int
     run_token: str
-    ranks: tuple[RankRecord, ...]
+    ranks: tuple[RankRecord, ...] | RankTable  # a table: the committer's (a sequence of records)
     layout: dict
     metadata: dict
     commit_seq: int = 0  # orders commits across runs: the newest commit is the latest checkpoint
@@ -81,12 +71,20 @@ class Manifest:
 
     @property
     def total_bytes(self) -> int:
+        if _is_table(self.ranks):
+            return int(self.ranks.column("data_bytes").sum())
         return sum(r.data_bytes for r in self.ranks)
 
     def record(self, rank: int) -> RankRecord | None:
         """The entry of ``rank`` (a node-local manifest lists only that node's ranks), by position:
         a look-up, not a scan, so that reading every rank's entry stays O(N)."""
+        if _is_table(self.ranks):
+            return self.ranks.record(rank)
         return self._by_rank.get(rank)
+
+    def file_names(self) -> list[str]:
+        """Every rank's file name, in the records' order (no record made for a table)."""
+        return self.ranks.file_names() if _is_table(self.ranks) else [r.file for r in self.ranks]
 
     @functools.cached_property
     def _by_rank(self) -> dict[int, RankRecord]:
@@ -96,7 +94,8 @@ class Manifest:
         """The manifest as written: ``json.dumps(body, indent=1, sort_keys=True)``, byte for byte,
         whose ``checksum`` is :func:`_body_xxh64` of the rest.  The rank records -- all the bytes at
         N ranks -- are formatted from templates, in both the hashed (compact) and the written form:
-        ``indent`` takes json's pure-Python encoder, and building a dict per record costs as much."""
+        ``indent`` takes json's pure-Python encoder, and building a dict per record costs as much; a
+        committer's :class:`.rank_table.RankTable` is formatted column-wise, with no object per rank."""
         from .hashing import xxh64
 
         body = {
@@ -120,15 +119,17 @@ class Manifest:
         # the top-level "ranks" is the last one: only run_id, run_token, tier, world_size and writer_version
         # follow it, and inside a string a quote is escaped
         at = compact.rfind('"ranks":[]')
-        canonical = (
-            compact[:at] + '"ranks":[' + _records_text(self.ranks, _RECORD_COMPACT, ",") + "]" + compact[at + 10 :]
+        head, tail = compact[:at].encode("utf-8"), compact[at + 10 :].encode("utf-8")
+        body["checksum"] = xxh64(
+            b"".join((head, b'"ranks":[', _records_text(self.ranks, _RECORD_COMPACT, b","), b"]", tail))
         )
-        body["checksum"] = xxh64(canonical.encode("utf-8"))
-        text = json.dumps(body, indent=1, sort_keys=True)
-        if self.ranks:  # the one top-level "ranks" (keys nested deeper are indented further)
-            records = _records_text(self.ranks, _RECORD_TEXT, ",\n")
-            text = text.replace('\n "ranks": [],', '\n "ranks": [\n' + records + "\n ],", 1)
-        return text.encode("utf-8")
+        text = json.dumps(body, indent=1, sort_keys=True).encode("utf-8")
+        if not self.ranks:
+            return text
+        # the one top-level "ranks" (keys nested deeper are indented further)
+        at = text.index(b'\n "ranks": [],')
+        records = _records_text(self.ranks, _RECORD_TEXT, b",\n")
+        return b"".join((text[:at], b'\n "ranks": [\n', records, b"\n ],", text[at + len(b'\n "ranks": [],') :]))
 
     @classmethod
     def from_json(cls, data: bytes, path: str) -> "Manifest":
@@ -140,9 +141,10 @@ class Manifest:
         body alive (``from None``; ``body`` is dropped before raising): a stored error must not pin
         a hostile file's objects."""
         check_budget(data, _MANIFEST_BYTES_PER_VALUE, _MANIFEST_VALUE_ALLOWANCE, path, "manifest")
+        text = DecodeBudget(path, value_bytes=0).text(data, "manifest")  # ASCII, no string stored 4x wider
         try:
-            body = json.loads(data.decode("utf-8"))
-        except (UnicodeDecodeError, ValueError, RecursionError) as e:
+            body = json.loads(text)
+        except (ValueError, RecursionError) as e:
             raise CorruptCheckpointError(f"{path}: manifest is not valid JSON: {type(e).__name__}: {e}") from None
         problem = cls._check_body(body, path)
         if problem is not None:
@@ -271,14 +273,27 @@ _RECORD_TEXT = (
     '   "index_xxh64": %d,\n   "n_tensors": %d,\n   "rank": %d\n  }'
 )  # one RankRecord as json.dumps(indent=1, sort_keys=True) writes it inside the manifest
 _RECORD_COMPACT = '{"data_bytes":%d,"file":%s,"file_bytes":%d,"header_xxh64":%d,"index_xxh64":%d,"n_tensors":%d,"rank":%d}'  # ... and as _body_xxh64 hashes it
+_RECORD_ORDER = ("data_bytes", "file", "file_bytes", "header_xxh64", "index_xxh64", "n_tensors", "rank")  # their fields
 
 
-def _records_text(ranks: tuple[RankRecord, ...], template: str, sep: str) -> str:
+def _is_table(ranks) -> bool:
+    """Whether ``ranks`` is a committer's :class:`.rank_table.RankTable` (not a tuple of records)."""
+    return isinstance(ranks, RankTable)
+
+
+def _records_text(ranks, template: str, sep: bytes) -> bytes:
+    """The records' JSON text, ``sep``-separated: a committer's table column-wise (no object per rank)."""
     from json.encoder import encode_basestring_ascii as quoted
 
-    return sep.join(
-        template % (r.data_bytes, quoted(r.file), r.file_bytes, r.header_xxh64, r.index_xxh64, r.n_tensors, r.rank)
-        for r in ranks
+    if _is_table(ranks):
+        return ranks.json_text(template, _RECORD_ORDER, sep, quoted)
+    return (
+        sep.decode()
+        .join(
+            template % (r.data_bytes, quoted(r.file), r.file_bytes, r.header_xxh64, r.index_xxh64, r.n_tensors, r.rank)
+            for r in ranks
+        )
+        .encode("utf-8")
     )
 
 

@@ -130,10 +130,11 @@ def encode_objects(value, *, strict: bool = True) -> bytes:
     return json.dumps(_encode(value, strict, "$"), separators=(",", ":")).encode("utf-8")
 
 
-def decode_objects(data: bytes | memoryview):
-    """Inverse of :func:`encode_objects`; raises :class:`CorruptCheckpointError` on malformed input."""
+def decode_objects(data: bytes | memoryview | str):
+    """Inverse of :func:`encode_objects` (of its bytes, or of their text once checked by
+    :class:`.json_budget.DecodeBudget`); raises :class:`CorruptCheckpointError` on malformed input."""
     try:
-        return _decode(json.loads(bytes(data).decode("utf-8")))
+        return _decode(json.loads(data if isinstance(data, str) else bytes(data).decode("utf-8")))
     except CorruptCheckpointError:
         raise
     except (ValueError, TypeError, KeyError) as e:

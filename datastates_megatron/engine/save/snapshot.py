@@ -38,7 +38,7 @@ import time
 import numpy as np
 import torch
 
-from ..format import data_layout, file_format, hashing
+from ..format import data_layout, file_format, hashing, rank_table
 from .device_copy import Completion, DeviceCopier, as_bytes
 from ..runtime.faults import crash_point, stall_point
 from ..errors import CacheTimeoutError, CheckpointError, CopyError, EngineClosedError, FlushError
@@ -170,6 +170,7 @@ class SnapshotEngine(ClosingContext):
         hashing.warmup()
         data_layout.warmup()
         file_format.warmup()
+        rank_table.warmup()  # the manifest's records, formatted on rank 0's commit thread
         self.cache = HostCache(opts.cache_bytes, pin=opts.pin_memory)
         self._copier = DeviceCopier()
         # the files in flight, the ones retention keeps and the recycled ones waiting for their turn

@@ -83,7 +83,7 @@ class ObjectSurvey:
         """Names under committed ``iteration`` that we write and its manifest does not name."""
         from ..names import INDEX_NAME
 
-        named = {MANIFEST_NAME, INDEX_NAME, *(r.file for r in self.committed[iteration].ranks)}
+        named = {MANIFEST_NAME, INDEX_NAME, *self.committed[iteration].file_names()}
         return [n for n in self.objects.get(iteration, {}) if n not in named and is_ours_in_iteration(n)]
 
     def foreign(self) -> dict[int, list[str]]:

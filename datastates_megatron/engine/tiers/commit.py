@@ -40,8 +40,9 @@ import numpy as np
 from ..errors import CacheTimeoutError, CommitError, LockLostError, PromotionError
 from ..runtime.faults import crash_point
 from ..format.global_index import Summaries
-from ..format.manifest import Manifest, RankRecord
-from ..names import iter_dir, rank_file_name, rank_file_names
+from ..format.manifest import Manifest
+from ..format.rank_table import COLUMNS, RankTable
+from ..names import iter_dir, rank_file_name
 from ..dist.store_channel import StoreChannel
 from ..runtime.threads import QueueThread
 
@@ -67,7 +68,7 @@ _STATUS = (
     "skipped",  # 1: this rank skipped the save (its storage was behind): no file, nothing failed
     "skip_to",  # skipped: the last sequence number of this rank's run of skipped tickets from this one on
 )
-_RECORD = ("file_bytes", "data_bytes", "n_tensors", "index_xxh64", "header_xxh64")  # a manifest's record, in order
+_RECORD = COLUMNS  # a manifest's record, in order
 _SHOWN = 16  # ranks named in an outcome (and how many there are): the document stays small
 
 
@@ -78,7 +79,8 @@ def _to_i64(u: int) -> int:
 @dataclasses.dataclass
 class Ticket:
     """One save (or a promotion's copy) of one rank, on its way to a commit.  ``token`` and ``seq``
-    name its files: :meth:`file_name` is the one place a rank file's name is made."""
+    name its files: :meth:`file_name` is the one place a rank file's name is made (:meth:`records`
+    hands the manifest the same names, as a table)."""
 
     iteration: int
     seq: int
@@ -98,9 +100,10 @@ class Ticket:
         """Rank ``rank``'s file of this save."""
         return rank_file_name(rank, self.token, self.seq)
 
-    def file_names(self, ranks: range) -> list[str]:
-        """:meth:`file_name` of each of ``ranks`` (formatted once: 64k names in a manifest)."""
-        return rank_file_names(ranks, self.token, self.seq)
+    def records(self, first: int, columns: np.ndarray) -> RankTable:
+        """The manifest's records of this save's ranks ``first, first + 1, ...`` from their
+        ``columns`` (:data:`.rank_table.COLUMNS`), their files named as :meth:`file_name` names them."""
+        return RankTable(first, self.token, self.seq, columns)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -416,22 +419,15 @@ class Committer(QueueThread):
         rank 0; a node leader's node); ``False`` (the error stored) when it could not be written."""
         try:
             first, n = self._writes[0], len(self._writes)
-            mine = {f: np.asarray(cols[f], dtype=np.int64)[first - lo : first - lo + n] for f in _RECORD}
-            for f in ("index_xxh64", "header_xxh64"):  # sent as signed int64: the unsigned value back
-                mine[f] = mine[f].view(np.uint64)
+            # the records as columns (signed int64 as sent: the unsigned checksums back by the cast)
+            table = np.stack(
+                [np.asarray(cols[f], dtype=np.int64)[first - lo : first - lo + n] for f in _RECORD], axis=1
+            )
             manifest = Manifest(
                 iteration=ticket.iteration,
                 world_size=self.world_size,
                 run_token=self._token,
-                # map, not a generator of tuples: half the time at 64k ranks
-                ranks=tuple(
-                    map(
-                        RankRecord,
-                        range(first, first + n),
-                        ticket.file_names(range(first, first + n)),
-                        *(mine[f].tolist() for f in _RECORD),
-                    )
-                ),
+                ranks=ticket.records(first, table.view(np.uint64)),  # columns: no object per rank
                 layout=self._layout,
                 metadata=ticket.metadata,
                 commit_seq=self._commit_seq,
@@ -441,7 +437,7 @@ class Committer(QueueThread):
             if self.calls.guard is not None:  # the directory is still ours (its lock file is the one we locked)
                 self.calls.guard()
             self.calls.refuse_newer_format(ticket.iteration)
-            self._write_index(manifest, cols, (ticket.token, ticket.seq, mine) if first == 0 else None)
+            self._write_index(manifest, cols)
             crash_point("before_manifest", self.rank)
             self.calls.write_manifest(manifest)
         except CommitError as e:  # a newer format's checkpoint is there
@@ -462,18 +458,16 @@ class Committer(QueueThread):
             return False
         return True
 
-    def _write_index(self, manifest: Manifest, cols: dict, mine: tuple | None) -> None:
+    def _write_index(self, manifest: Manifest, cols: dict) -> None:
         """Rank 0 (persistent tier): the checkpoint's global index, before its manifest, when every
-        rank sent a summary, with the manifest's records from ``mine`` ``(token, seq, {field:
-        column})``.  Optional: a failure is logged and the checkpoint has no index."""
+        rank sent a summary, with the manifest's records (its table's columns, in the index's
+        order).  Optional: a failure is logged and the checkpoint has no index."""
         if self._summaries is None:
             return
         try:
             body = self._summaries.update(cols["summary_sum"], lambda ranks: self._chan.fetch("summary", ranks))
-            records = None
-            if mine is not None and len(manifest.ranks) == manifest.world_size:
-                token, seq, columns = mine
-                records = (token, seq, np.stack([columns[f].astype(np.uint64, copy=False) for f in _RECORD], axis=1))
+            t = manifest.ranks
+            records = (t.token, t.seq, t.columns) if t.first == 0 and len(t) == manifest.world_size else None
             if body is not None:
                 self.calls.write_index(manifest, body, records)
         except Exception as e:  # noqa: BLE001 - a reshard then reads every rank file's metadata

@@ -196,7 +196,7 @@ class Survey:
 
 def _strays(ckpt_dir: str, manifest: Manifest) -> list[str]:
     """Entries of ``ckpt_dir`` (committed by ``manifest``) that we wrote and ``manifest`` does not name."""
-    named = {MANIFEST_NAME, INDEX_NAME, *(r.file for r in manifest.ranks)}
+    named = {MANIFEST_NAME, INDEX_NAME, *manifest.file_names()}
     return [n for n in _entries(ckpt_dir) if n not in named and is_ours_in_iteration(n)]
 
 
