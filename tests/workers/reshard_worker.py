@@ -51,6 +51,8 @@ def _args():
     p.add_argument("--bucket-size", type=int, default=None, help="small buckets (overlap_grad_reduce on)")
     p.add_argument("--layers", type=int, default=MODEL["num_layers"])
     p.add_argument("--hidden", type=int, default=MODEL["hidden"])
+    p.add_argument("--vocab", type=int, default=MODEL["vocab"], help="the vocabulary (the demo GPT does not pad it)")
+    p.add_argument("--allow-vocab-change", action="store_true")
     p.add_argument("--no-verify", action="store_true")
     p.add_argument("--warm", type=int, default=0, help="iterations trained before the load")
     p.add_argument("--model-only", action="store_true", help="load(optimizer=False, rng=False)")
@@ -74,7 +76,7 @@ def _build(a, seed):
         a.hidden,
         MODEL["heads"],
         MODEL["seq_len"],
-        MODEL["vocab"],
+        a.vocab,
         bf16=a.bf16,
         seed=seed,
         overlap_grad_reduce=a.bucket_size is not None,
@@ -97,11 +99,14 @@ class ExtraStateProbe(torch.nn.Module):
         pass
 
 
-def _data(it):
+def _data(it, vocab=MODEL["vocab"]):
+    """Iteration ``it``'s batch, this rank's rows of it (tokens below ``vocab`` and the usual 256)."""
     from datastates_megatron.demo import gpt
 
     rows = GLOBAL_ROWS // gpt.dp_size()
-    full = gpt.batch(it, 0, seed=11, micro_batch_size=GLOBAL_ROWS, seq_len=MODEL["seq_len"], vocab=MODEL["vocab"])
+    full = gpt.batch(
+        it, 0, seed=11, micro_batch_size=GLOBAL_ROWS, seq_len=MODEL["seq_len"], vocab=min(vocab, MODEL["vocab"])
+    )
     r = gpt.dp_rank()
     return {k: (v[r * rows : (r + 1) * rows] if isinstance(v, torch.Tensor) else v) for k, v in full.items()}
 
@@ -235,13 +240,19 @@ def main():
     save_dir = a.save or f"{os.path.normpath(a.load)}-scratch-dp{gpt.dp_size()}"
     tier = {"local_dir": a.local, "persist_interval": 1} if a.local else {}
     cfg = LazyCkptConfig(
-        save_dir=save_dir, load_dir=a.load, host_cache_gb=0.05, keep_last=0, verify_on_load=not a.no_verify, **tier
+        save_dir=save_dir,
+        load_dir=a.load,
+        host_cache_gb=0.05,
+        keep_last=0,
+        verify_on_load=not a.no_verify,
+        allow_vocab_change=a.allow_vocab_change,
+        **tier,
     )
     losses = {}
-    with LazyCheckpointer(chunks, opt, cfg, opt_param_scheduler=sched) as ckpt:
+    with LazyCheckpointer(chunks, opt, cfg, opt_param_scheduler=sched, vocab_size=a.vocab) as ckpt:
         start = 0
         for it in range(1, a.warm + 1):
-            gpt.train_step(chunks, opt, _data(it), scheduler=sched)
+            gpt.train_step(chunks, opt, _data(it, a.vocab), scheduler=sched)
         if a.load is not None:
             timing = result["restore"] = {}
             ckpt._mgr.load = _timed(ckpt._mgr.load, timing)
@@ -273,7 +284,7 @@ def main():
             elif a.ref_in:
                 result["mismatches"] = compare_with_reference(chunks, opt, a.ref_in)[:20]
         for it in range(start + 1, a.total + 1):
-            losses[it] = gpt.train_step(chunks, opt, _data(it), scheduler=sched)
+            losses[it] = gpt.train_step(chunks, opt, _data(it, a.vocab), scheduler=sched)
             if it == a.save_at:
                 ckpt.save(it)
                 ckpt.wait()
