@@ -53,6 +53,13 @@ def _args():
     p.add_argument("--hidden", type=int, default=MODEL["hidden"])
     p.add_argument("--vocab", type=int, default=MODEL["vocab"], help="the vocabulary (the demo GPT does not pad it)")
     p.add_argument("--allow-vocab-change", action="store_true")
+    p.add_argument(
+        "--declared-vocab",
+        type=int,
+        default=None,
+        help="the vocabulary the run declares (default --vocab): fewer "
+        "rows than --vocab stand for megatron-core's vocabulary padding",
+    )
     p.add_argument("--no-verify", action="store_true")
     p.add_argument("--warm", type=int, default=0, help="iterations trained before the load")
     p.add_argument("--model-only", action="store_true", help="load(optimizer=False, rng=False)")
@@ -109,6 +116,21 @@ def _data(it, vocab=MODEL["vocab"]):
     )
     r = gpt.dp_rank()
     return {k: (v[r * rows : (r + 1) * rows] if isinstance(v, torch.Tensor) else v) for k, v in full.items()}
+
+
+def _embedding_rows(chunks, opt) -> dict:
+    """The word embedding's rows that are all zero, by global row (this tensor-parallel rank's), in
+    the parameter and in Adam's ``exp_avg``: ``{"rows": n, "zero": [...], "zero_exp_avg": [...]}``."""
+    from megatron.core import parallel_state
+
+    p = next(p for p, n in _names(chunks).items() if n == "embedding.word_embeddings.weight")
+    first = parallel_state.get_tensor_model_parallel_rank() * p.shape[0]
+    start, end, states = _optimizer_view(chunks, opt)["embedding.word_embeddings.weight"]
+    exp_avg = torch.full((p.numel(),), float("nan"))  # elements of other data-parallel ranks: not zero
+    exp_avg[start:end] = states["exp_avg"].view(-1)
+    zero = (p == 0).all(1).nonzero().view(-1)
+    zero_exp_avg = (exp_avg.view(p.shape) == 0).all(1).nonzero().view(-1)
+    return {"rows": p.shape[0], "zero": (first + zero).tolist(), "zero_exp_avg": (first + zero_exp_avg).tolist()}
 
 
 def _names(chunks):
@@ -249,7 +271,7 @@ def main():
         **tier,
     )
     losses = {}
-    with LazyCheckpointer(chunks, opt, cfg, opt_param_scheduler=sched, vocab_size=a.vocab) as ckpt:
+    with LazyCheckpointer(chunks, opt, cfg, opt_param_scheduler=sched, vocab_size=a.declared_vocab or a.vocab) as ckpt:
         start = 0
         for it in range(1, a.warm + 1):
             gpt.train_step(chunks, opt, _data(it, a.vocab), scheduler=sched)
@@ -273,6 +295,7 @@ def main():
             result["load_s"] = time.perf_counter() - t0
             torch.distributed.barrier()
             result["load_all_s"] = time.perf_counter() - t0
+            result["embedding_rows"] = _embedding_rows(chunks, opt)
             if a.ref_in and a.model_only:
                 params, _, _ = _full_reference(a.ref_in)
                 result["mismatches"] = [
