@@ -22,9 +22,13 @@ derived at load from the new layout's partition dims with the old TP size: at TP
 fragmented, so a TP1 layout cannot tell which axis a TP2 checkpoint split; the recorded offsets also
 carry the global layer number (pipeline stages and virtual chunks map by it, never by local index),
 the global expert index
-and the vocabulary padding, and they cost one ``sharded_state_dict`` call per registration.  Rows
-that another padding adds are zeroed after the verified copy (``ReshardPlanner.zeros``), as
-megatron-core's load of an ``allow_shape_mismatch`` tensor does.  Across a TP or PP change the RNG
+and the vocabulary padding, and they cost one ``sharded_state_dict`` call per registration.  The
+old blocks are read from the checkpoint's files, so they are checked first (:mod:`.blocks`: each in
+bounds, all of one global tensor tiling it exactly once), a failure refused naming the file, rank
+and parameter.  Rows that another vocabulary padding adds are zeroed after the verified copy
+(``ReshardPlanner.zeros``), as megatron-core's load of an ``allow_shape_mismatch`` tensor does --
+only when both runs record the same vocabulary, or the user asked for another
+(:func:`check_vocabulary`); no other element is ever left unread.  Across a TP or PP change the RNG
 is not restored (Megatron-LM ignores it there; across a VPP or EP change alone it is); model buffers and extra state that holds
 something (FP8 metadata: not ``None`` or empty), named by local module path, are refused.
 
