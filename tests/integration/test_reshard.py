@@ -316,6 +316,20 @@ def test_another_vocabulary_loads_with_the_flag_and_its_new_rows_start_at_zero(d
 
 
 @needs_megatron
+def test_another_vocabulary_at_a_data_parallel_change_is_refused_and_loads_with_the_flag(dp2):
+    """DP2 -> DP1 with vocabulary 512: refused (the shapes differ), every live tensor as it was; with
+    --lazy-ckpt-allow-vocab-change it loads through the global coordinates, rows 256..511 at zero."""
+    d, _ = dp2
+    args = ["run", "--vocab", "512", "--load", str(d / "ckpt"), "--load-at", "3"]
+    (err,) = _refused(run_ranks(WORKER, 1, [*args, "--warm", "1"], timeout=240))
+    assert err.startswith("LayoutMismatchError") and "float32 [256, 64] in the checkpoint, float32 [512, 64]" in err
+    (r,) = _ok(run_ranks(WORKER, 1, [*args, "--total", "4", "--allow-vocab-change"], timeout=240))
+    assert "error" not in r and sorted(_losses(r)) == [4], r
+    assert r["embedding_rows"]["zero"] == list(range(256, 512)), r
+    assert r["embedding_rows"]["zero_exp_avg"] == list(range(256, 512)), r
+
+
+@needs_megatron
 def test_another_vocabulary_padding_of_the_same_vocabulary_loads_with_the_padded_rows_at_zero(dp2):
     """Both runs declare vocabulary 256; this one pads it to 512 rows (as megatron-core pads to
     --make-vocab-size-divisible-by × TP): no flag needed, rows 256..511 start at zero."""

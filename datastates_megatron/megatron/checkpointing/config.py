@@ -86,8 +86,8 @@ class LazyCkptConfig:
         False,
         "--lazy-ckpt-allow-vocab-change",
         kind="switch",
-        help="Load a checkpoint of another vocabulary across a tensor-, pipeline- or expert-parallel change: "
-        "rows of the word embedding and output layer past the checkpoint's start at zero (parameter, main "
+        help="Load a checkpoint of another vocabulary (in any layout): rows of the word embedding and output "
+        "layer past the checkpoint's start at zero (parameter, main "
         "parameter and Adam moments), rows past this run's are not read. Without it another vocabulary is "
         "refused, and so is another vocabulary padding unless both runs record the same vocabulary.",
     )

@@ -486,11 +486,13 @@ def _shape_text(value) -> str:
     return f"{value[1]} {list(value[0])}" if value is not None else "absent"
 
 
-def _check_params(index: CheckpointIndex, keys: dict, ckpt: str, old: dict, new: dict) -> None:
+def _check_params(index: CheckpointIndex, keys: dict, ckpt: str, old: dict, new: dict, resize: bool = False) -> bool:
     """Raise one :class:`LayoutMismatchError` line unless the checkpoint holds, for this rank's
     model-parallel slices, exactly this model's parameters with their shapes and dtypes: it names the
     first parameter that differs (a shape first, then one missing on either side), both of its
-    shapes and both layouts."""
+    shapes and both layouts.  With ``resize``, ``True`` instead when only shapes differ and the
+    checkpoint has global coordinates (the caller maps them, which allows only rows of a tensor
+    padded to the vocabulary); ``False`` when nothing differs."""
     live = {key: (tuple(p.shape), str(p.dtype).removeprefix("torch.")) for p, key in keys.items()}
     slices = {key[0] for key in live}
     saved = index.params_of(slices)
@@ -499,7 +501,9 @@ def _check_params(index: CheckpointIndex, keys: dict, ckpt: str, old: dict, new:
     extra = sorted(saved.keys() - live.keys())
     bad = differ + missing + extra
     if not bad:
-        return
+        return False
+    if resize and not missing and not extra and all(k in index.blocks for k in differ):
+        return True
     first = bad[0]
     more = f" ({len(bad) - 1} more parameters differ)" if len(bad) > 1 else ""
     raise _refusal(
@@ -586,6 +590,7 @@ def plan_restore(
     zeros: list | None = None,
     rekey: dict | None = None,
     resized: dict | None = None,
+    resize: bool = False,
 ) -> list[tuple[ElementRange, torch.Tensor]]:
     """``(source range, destination view)`` for every element this rank must restore: its shard of
     each DDP bucket, its non-view main params and every tensor of their optimizer state (those two
@@ -597,23 +602,26 @@ def plan_restore(
     tensor megatron-core pads to the vocabulary (``allow_shape_mismatch``), listed in ``resized``
     (``{parameter key: (sharded key, old rows, new rows)}``, for the caller to judge against both
     runs' vocabularies); without ``zeros``, and anywhere else, an element no old block holds is
-    refused.  ``rekey``, when given, gets ``{parameter key: the old parameter key read for its scalar
+    refused.  ``resize`` (another vocabulary, asked for): at a data-parallel change or in the same
+    layout, parameters of other shapes are mapped through the global coordinates too.  ``rekey``, when given, gets ``{parameter key: the old parameter key read for its scalar
     state}`` (a TP, PP or EP change)."""
     old, new = dict(old or {}), dict(new or old or {})
     keys = parameter_keys(model)
     moved = [k for k in (*_MODEL_PARALLEL, "cp") if old.get(k) != new.get(k)]
     mapping = None
     grown: dict = {}
-    if moved and not set(moved) - set(_GLOBAL):
+    by_global = bool(moved) and not set(moved) - set(_GLOBAL)
+    if not by_global:
+        by_global = _check_params(index, keys, ckpt, old, new, resize)
+        if moved:  # a model-parallel change not mapped here (the parameters matched, or only their shapes differ)
+            what = "parameters of other shapes" if by_global else "the parameters of this rank's slices match"
+            raise _refusal(ckpt, old, new, f"{what}, but the layout differs")
+    if by_global:
         mapping = _global_mapping(model, keys, index, ckpt, old, new, grown)
         if resized is not None:
             resized.update(grown)
         if rekey is not None:
             rekey.update({key: pieces[0][1][0][0][0] for key, pieces in mapping.items()})
-    else:
-        _check_params(index, keys, ckpt, old, new)
-        if moved:  # the parameters matched, yet the model-parallel layout differs: no reshard of that here
-            raise _refusal(ckpt, old, new, "the parameters of this rank's slices match, but the layout differs")
     names = parameter_names(model)
     plan: list[tuple[ElementRange, torch.Tensor]] = []
     found = by_slice if by_slice is not None else {}
@@ -800,6 +808,7 @@ class ReshardPlanner(LoadPlanner):
                 zeros,
                 rekey,
                 resized,
+                self.vocabulary_change,
             )
 
         planned = plan_by_global_index(reader, plan_fn, None)
