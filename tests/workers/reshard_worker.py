@@ -118,17 +118,20 @@ def _data(it, vocab=MODEL["vocab"]):
     return {k: (v[r * rows : (r + 1) * rows] if isinstance(v, torch.Tensor) else v) for k, v in full.items()}
 
 
-def _embedding_rows(chunks, opt) -> dict:
+def _embedding_rows(chunks, opt, optimizer: bool = True) -> dict:
     """The word embedding's rows that are all zero, by global row (this tensor-parallel rank's), in
-    the parameter and in Adam's ``exp_avg``: ``{"rows": n, "zero": [...], "zero_exp_avg": [...]}``."""
+    the parameter and (``optimizer``: its state was loaded) in Adam's ``exp_avg``: ``{"rows": n,
+    "zero": [...], "zero_exp_avg": [...]}``."""
     from megatron.core import parallel_state
 
     p = next(p for p, n in _names(chunks).items() if n == "embedding.word_embeddings.weight")
     first = parallel_state.get_tensor_model_parallel_rank() * p.shape[0]
+    zero = (p == 0).all(1).nonzero().view(-1)
+    if not optimizer:
+        return {"rows": p.shape[0], "zero": (first + zero).tolist()}
     start, end, states = _optimizer_view(chunks, opt)["embedding.word_embeddings.weight"]
     exp_avg = torch.full((p.numel(),), float("nan"))  # elements of other data-parallel ranks: not zero
     exp_avg[start:end] = states["exp_avg"].view(-1)
-    zero = (p == 0).all(1).nonzero().view(-1)
     zero_exp_avg = (exp_avg.view(p.shape) == 0).all(1).nonzero().view(-1)
     return {"rows": p.shape[0], "zero": (first + zero).tolist(), "zero_exp_avg": (first + zero_exp_avg).tolist()}
 
@@ -295,7 +298,7 @@ def main():
             result["load_s"] = time.perf_counter() - t0
             torch.distributed.barrier()
             result["load_all_s"] = time.perf_counter() - t0
-            result["embedding_rows"] = _embedding_rows(chunks, opt)
+            result["embedding_rows"] = _embedding_rows(chunks, opt, not a.model_only)
             if a.ref_in and a.model_only:
                 params, _, _ = _full_reference(a.ref_in)
                 result["mismatches"] = [
