@@ -825,7 +825,9 @@ class ReshardPlanner(LoadPlanner):
                 raise _refusal(reader.ckpt, old, new, why)
             if reader.rank == 0:
                 key, rows, now = next(iter(resized.values()))
-                log.warning(
+                level = logging.INFO if recorded == self.vocabulary else logging.WARNING  # padding only, or asked for
+                log.log(
+                    level,
                     "iteration %d: %s has %d rows in the checkpoint (vocabulary %s), %d in this run (vocabulary %s): "
                     "rows past the checkpoint's start at zero (parameter, main parameter and optimizer moments), rows "
                     "past this run's are not read",
