@@ -426,3 +426,13 @@ def test_save_on_object_storage_needs_a_wandb_save_dir(tmp_path):
     args = _parse(*argv)
     args.wandb_project, args.wandb_save_dir, args.log_progress = "p", str(tmp_path / "wandb"), False
     validate_lazy_ckpt_args(args)
+
+
+def test_without_a_tokenizer_the_run_declares_its_vocab_size_flag_or_nothing():
+    """Megatron-LM's tokenizer's vocabulary when one is built (tests/integration/test_layout_change.py,
+    the vocabulary-padding case); here none is: ``--vocab-size``, or no vocabulary at all."""
+    from datastates_megatron.megatron.megatron_lm.checkpointing import run_vocabulary
+
+    assert run_vocabulary(argparse.Namespace(vocab_size=600)) == 600
+    assert run_vocabulary(argparse.Namespace(vocab_size=None)) is None
+    assert run_vocabulary(argparse.Namespace()) is None
