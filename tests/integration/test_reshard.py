@@ -323,6 +323,7 @@ def test_another_vocabulary_at_a_data_parallel_change_is_refused_and_loads_with_
     args = ["run", "--vocab", "512", "--load", str(d / "ckpt"), "--load-at", "3"]
     (err,) = _refused(run_ranks(WORKER, 1, [*args, "--warm", "1"], timeout=240))
     assert err.startswith("LayoutMismatchError") and "float32 [256, 64] in the checkpoint, float32 [512, 64]" in err
+    assert "; another vocabulary: pass --lazy-ckpt-allow-vocab-change to load it anyway" in err, err
     (r,) = _ok(run_ranks(WORKER, 1, [*args, "--total", "4", "--allow-vocab-change"], timeout=240))
     assert "error" not in r and sorted(_losses(r)) == [4], r
     assert r["embedding_rows"]["zero"] == list(range(256, 512)), r

@@ -105,6 +105,7 @@ _TP_PP = ("tp", "pp")  # across a change of these Megatron-LM ignores the RNG st
 _OPT_NAME = re.compile(r"^opt(\d+)\.g(\d+)\.p(\d+)\.")
 _TEXT = (("tp", "TP", True), ("pp", "PP", True), ("model_chunks", "VPP", False), ("dp", "DP", True))
 _TEXT += (("cp", "CP", False), ("ep", "EP", False))
+_VOCABULARY_HINT = "pass --lazy-ckpt-allow-vocab-change to load it anyway (rows past the checkpoint's start at zero)"
 
 
 def layout_text(layout: dict) -> str:
@@ -506,6 +507,12 @@ def _check_params(index: CheckpointIndex, keys: dict, ckpt: str, old: dict, new:
         return True
     first = bad[0]
     more = f" ({len(bad) - 1} more parameters differ)" if len(bad) > 1 else ""
+    if (
+        not missing
+        and not extra
+        and all(k in index.blocks and all(b.mismatch for b in index.blocks[k]) for k in differ)
+    ):
+        more += f"; another vocabulary: {_VOCABULARY_HINT}"  # only tensors padded to the vocabulary differ
     raise _refusal(
         ckpt,
         old,
@@ -896,6 +903,10 @@ class ReshardPlanner(LoadPlanner):
         return {**training, "rng": training_state.capture_rng()}
 
 
+def _vocabulary(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v > 0
+
+
 def check_vocabulary(resized: dict, recorded, declared, change: bool) -> str | None:
     """Why the rows of the tensors ``resized`` (``{parameter key: (sharded key, rows in the
     checkpoint, rows now)}``, tensors megatron-core pads to the vocabulary) may not be zero-filled or
@@ -905,20 +916,14 @@ def check_vocabulary(resized: dict, recorded, declared, change: bool) -> str | N
     vocabulary, when the user asked for it (``change``: ``--lazy-ckpt-allow-vocab-change``)."""
     key, (sharded, rows, now) = next(iter(resized.items()))
     name = f"parameter {_named(key)} ({sharded}) has {rows} rows in the checkpoint, {now} in this run"
-    known = all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in (recorded, declared))
     if change:
         return None
-    if not known:
-        unknown = "the checkpoint records no vocabulary" if recorded is None else "this run declares no vocabulary"
-        return (
-            f"{name}, and {unknown}: the rows that differ cannot be told from vocabulary padding; pass --lazy-ckpt-allow-vocab-change to "
-            "load it anyway (rows past the checkpoint's start at zero)"
-        )
+    if not _vocabulary(recorded):
+        return f"{name}, and the checkpoint records no vocabulary: the rows that differ cannot be told from padding; {_VOCABULARY_HINT}"
+    if not _vocabulary(declared):
+        return f"{name}, and this run declares no vocabulary: the rows that differ cannot be told from padding; {_VOCABULARY_HINT}"
     if recorded != declared:
-        return (
-            f"{name}: another vocabulary ({recorded} in the checkpoint, {declared} in this run); pass "
-            "--lazy-ckpt-allow-vocab-change to load it anyway (rows past the checkpoint's start at zero)"
-        )
+        return f"{name}: another vocabulary ({recorded} in the checkpoint, {declared} in this run); {_VOCABULARY_HINT}"
     if any(rows < recorded or now < declared for _, rows, now in resized.values()):
         return f"{name}, fewer than the vocabulary of {recorded}: its rows are not the padded vocabulary"
     return None
