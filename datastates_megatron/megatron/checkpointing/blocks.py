@@ -167,6 +167,8 @@ def record_problem(blocks: tuple[Block, ...], numel: int) -> tuple[Block, str] |
             return b, f"{where}: not the {nd} dimensions of its global shape {list(b.global_shape)}"
         if _negative(b.global_shape) or _negative(b.offset) or _negative(b.shape):
             return b, f"{where} in a global shape {list(b.global_shape)}: a negative offset or size"
+        if math.prod(b.global_shape) >= 1 << 62:
+            return b, f"{where} in a global shape {list(b.global_shape)}: more elements than any tensor holds"
         if any(o + n > g for o, n, g in zip(b.offset, b.shape, b.global_shape)):
             return b, f"{where}, outside its global shape {list(b.global_shape)}"
         if b.start != at:
@@ -175,6 +177,19 @@ def record_problem(blocks: tuple[Block, ...], numel: int) -> tuple[Block, str] |
     if at != numel:
         return blocks[-1], f"is recorded in blocks of {at} elements in all, for a parameter of {numel}"
     return None
+
+
+def _one_per_cell(offsets: np.ndarray, ends: np.ndarray, cuts: list, grid: list) -> bool:
+    """Whether each block is one cell of the grid the blocks cut, and each cell one block: an exact
+    tiling, told in numpy (megatron-core's blocks always are; ~0.1 s for 50k blocks, where the
+    cell-by-cell walk costs 50x that)."""
+    if len(offsets) != math.prod(grid):
+        return False
+    lo = np.stack([np.searchsorted(c, offsets[:, ax]) for ax, c in enumerate(cuts)], 1)
+    hi = np.stack([np.searchsorted(c, ends[:, ax]) for ax, c in enumerate(cuts)], 1)
+    if not (hi - lo == 1).all():
+        return False
+    return np.unique(np.ravel_multi_index(tuple(lo.T), grid)).size == len(offsets)
 
 
 def tiling_problem(olds: list) -> tuple[object, str, object] | None:
@@ -200,20 +215,23 @@ def tiling_problem(olds: list) -> tuple[object, str, object] | None:
         if b.global_shape != gs:
             text = f"is recorded in a global shape {list(b.global_shape)}, another block of {key} in {list(gs)}"
             return name, text, None
-    items = [(name, b) for name, b in items if b.size]
+    items = [(name, b) for name, b in items if all(b.shape)]
     if math.prod(gs) == 0:
         return None
-    cuts = [
-        sorted({0, g, *(b.offset[ax] for _, b in items), *(b.offset[ax] + b.shape[ax] for _, b in items)})
-        for ax, g in enumerate(gs)
-    ]
+    nd = len(gs)
+    offsets = np.array([b.offset for _, b in items], dtype=np.int64).reshape(len(items), nd)
+    ends = offsets + np.array([b.shape for _, b in items], dtype=np.int64).reshape(len(items), nd)
+    cuts = [np.unique(np.concatenate([[0, g], offsets[:, ax], ends[:, ax]])) for ax, g in enumerate(gs)]
     grid = [len(c) - 1 for c in cuts]
     if math.prod(grid) > 4 * len(items) + 64:
         text = (
             f"is one of {len(items)} blocks of {key} {list(gs)} that cut it into {math.prod(grid)} pieces, not a grid"
         )
         return first, text, None
-    owner = np.full(grid, -1, dtype=np.int64)
+    if _one_per_cell(offsets, ends, cuts, grid):
+        return None
+    cuts = [c.tolist() for c in cuts]
+    owner = np.full(grid, -1, dtype=np.int64)  # the slow way, for a set that is not one block per cell
     for i, (name, b) in enumerate(items):
         cell = tuple(slice(c.index(o), c.index(o + n)) for c, o, n in zip(cuts, b.offset, b.shape))
         taken = np.argwhere(owner[cell] >= 0)
