@@ -175,3 +175,23 @@ def test_rows_of_another_padding_need_both_vocabularies_the_same_or_the_flag(rec
     resized = {("pp0.tp0", 0, "embedding.word_embeddings.weight"): ("emb", 256, 512)}
     why = check_vocabulary(resized, recorded, declared, change)
     assert (why is None) if says is None else (says in why), why
+
+
+def test_a_global_shape_past_any_tensor_is_a_record_problem():
+    bad = record_problem((_emb((0, 0), (128, 64), (1 << 62, 64)),), 128 * 64)
+    assert bad is not None and "more elements than any tensor holds" in bad[1], bad
+
+
+def test_a_grid_of_many_blocks_is_told_at_once_and_one_crafted_block_in_it_is_found():
+    """96 layers × 64 experts × TP8 (the numpy path), then its last block moved onto another's rows."""
+    shape = (96, 64, 64, 64)
+    olds = [
+        (((f"tp{t}", 0, f"l{li}.e{e}"), 0), Block("k", shape, (li, e, 8 * t, 0), (1, 1, 8, 64), False))
+        for li in range(96)
+        for e in range(64)
+        for t in range(8)
+    ]
+    assert tiling_problem(olds) is None
+    olds[-1] = (olds[-1][0], Block("k", shape, (95, 63, 52, 0), (1, 1, 8, 64), False))
+    name, text, other = tiling_problem(olds)
+    assert name == olds[-1][0] and "over element [95, 63, 52, 0]" in text and other is not None, text
