@@ -106,7 +106,7 @@ def _train(args) -> int:
     if args.lazy_ckpt:
         from ..megatron.checkpointing.checkpointer import LazyCheckpointer
 
-        ckpt = LazyCheckpointer(chunks, optimizer, config, opt_param_scheduler=scheduler)
+        ckpt = LazyCheckpointer(chunks, optimizer, config, opt_param_scheduler=scheduler, vocab_size=args.vocab_size)
         ckpt.on_commit.append(
             lambda rec, stall: records["commits"].append(
                 {

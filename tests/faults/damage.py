@@ -82,13 +82,18 @@ def reseal_index_record(path: str, name: str, edit) -> None:
 
 
 def rebuild_rank_file(
-    path: str, *, chunk_bytes: int | None = None, objects_json: bytes | None = None, file_bytes: int | None = None
+    path: str,
+    *,
+    chunk_bytes: int | None = None,
+    objects_json: bytes | None = None,
+    file_bytes: int | None = None,
+    rank: int = 0,
 ) -> None:
     """Rewrite rank file ``path`` as a hand editor with our format spec could: its tensors' bytes
     as they are, with ``chunk_bytes`` (a checksum per chunk, all recomputed), ``objects_json`` as
     the objects section, or a header declaring ``file_bytes`` with the file extended (sparse) to
     that size -- every checksum (index, objects, header, manifest record) resealed, so only the
-    reader's own bounds can refuse it."""
+    reader's own bounds can refuse it (``rank``: whose record of the manifest is resealed)."""
     from datastates_megatron.engine.format.file_format import build_index
 
     with RankFile(path) as rf:
@@ -138,5 +143,5 @@ def rebuild_rank_file(
     size = os.path.getsize(path)
     edit_manifest(
         os.path.dirname(path),
-        lambda b: b["ranks"][0].update(file_bytes=size, index_xxh64=xxh64(index), header_xxh64=xxh64(header)),
+        lambda b: b["ranks"][rank].update(file_bytes=size, index_xxh64=xxh64(index), header_xxh64=xxh64(header)),
     )

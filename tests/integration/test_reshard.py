@@ -276,6 +276,72 @@ def test_tensor_parallel_change_of_a_checkpoint_without_global_coordinates_is_re
 
 
 @needs_megatron
+@pytest.mark.parametrize("vocab", [512, 128])
+def test_another_vocabulary_across_a_tensor_parallel_change_is_refused(dp2, vocab):
+    """TP1×DP2 of vocabulary 256 at TP2 with vocabulary 512 or 128: refused on every rank, naming
+    both vocabularies and the flag, every live tensor as it was (before, it loaded: rows zeroed or
+    dropped)."""
+    d, _ = dp2
+    args = ["tp2", "--warm", "1", "--vocab", str(vocab), "--load", str(d / "ckpt"), "--load-at", "3"]
+    for err in _refused(run_ranks(WORKER, 2, args, timeout=240)):
+        assert err.startswith("LayoutMismatchError") and "(TP1×PP1×DP2) in this run (TP2×PP1×DP1)" in err, err
+        assert f"has 256 rows in the checkpoint, {vocab} in this run" in err, err
+        assert f"another vocabulary (256 in the checkpoint, {vocab} in this run)" in err, err
+        assert "--lazy-ckpt-allow-vocab-change" in err, err
+
+
+@needs_megatron
+def test_another_vocabulary_loads_with_the_flag_and_its_new_rows_start_at_zero(dp2):
+    """With --lazy-ckpt-allow-vocab-change, vocabulary 256 -> 512 at TP2: rows 256..511 (tensor
+    rank 1's) are zero in the parameter and in Adam's exp_avg, rows 0..255 are the checkpoint's,
+    and training goes on."""
+    d, _ = dp2
+    args = [
+        "tp2",
+        "--total",
+        "4",
+        "--vocab",
+        "512",
+        "--allow-vocab-change",
+        "--load",
+        str(d / "ckpt"),
+        "--load-at",
+        "3",
+    ]
+    r0, r1 = _ok(run_ranks(WORKER, 2, args, timeout=240))
+    assert "error" not in r0 and sorted(_losses(r0)) == [4], r0
+    assert r0["embedding_rows"]["zero"] == [] and r0["embedding_rows"]["zero_exp_avg"] == [], r0
+    assert r1["embedding_rows"]["zero"] == list(range(256, 512)), r1
+    assert r1["embedding_rows"]["zero_exp_avg"] == list(range(256, 512)), r1
+
+
+@needs_megatron
+def test_another_vocabulary_at_a_data_parallel_change_is_refused_and_loads_with_the_flag(dp2):
+    """DP2 -> DP1 with vocabulary 512: refused (the shapes differ), every live tensor as it was; with
+    --lazy-ckpt-allow-vocab-change it loads through the global coordinates, rows 256..511 at zero."""
+    d, _ = dp2
+    args = ["run", "--vocab", "512", "--load", str(d / "ckpt"), "--load-at", "3"]
+    (err,) = _refused(run_ranks(WORKER, 1, [*args, "--warm", "1"], timeout=240))
+    assert err.startswith("LayoutMismatchError") and "float32 [256, 64] in the checkpoint, float32 [512, 64]" in err
+    assert "; another vocabulary: pass --lazy-ckpt-allow-vocab-change to load it anyway" in err, err
+    (r,) = _ok(run_ranks(WORKER, 1, [*args, "--total", "4", "--allow-vocab-change"], timeout=240))
+    assert "error" not in r and sorted(_losses(r)) == [4], r
+    assert r["embedding_rows"]["zero"] == list(range(256, 512)), r
+    assert r["embedding_rows"]["zero_exp_avg"] == list(range(256, 512)), r
+
+
+@needs_megatron
+def test_another_vocabulary_padding_of_the_same_vocabulary_loads_with_the_padded_rows_at_zero(dp2):
+    """Both runs declare vocabulary 256; this one pads it to 512 rows (as megatron-core pads to
+    --make-vocab-size-divisible-by × TP): no flag needed, rows 256..511 start at zero."""
+    d, _ = dp2
+    args = ["tp2", "--total", "4", "--vocab", "512", "--declared-vocab", "256", "--load", str(d / "ckpt")]
+    r0, r1 = _ok(run_ranks(WORKER, 2, [*args, "--load-at", "3"], timeout=240))
+    assert "error" not in r0 and sorted(_losses(r0)) == [4], r0
+    assert r0["embedding_rows"]["zero"] == [] and r1["embedding_rows"]["zero"] == list(range(256, 512)), (r0, r1)
+
+
+@needs_megatron
 def test_another_model_is_refused_before_any_live_tensor_changes(dp2):
     """A DP change into a model of another hidden size: one line naming a parameter, both shapes and
     both layouts, on every rank, and every live tensor (model and optimizer) as it was."""

@@ -162,9 +162,16 @@ def test_every_config_field_reaches_the_engine(tmp_path):
     cfg = LazyCkptConfig(save_dir=str(tmp_path), host_cache_gb=0.5, flush_threads=3, keep_last=7, recycle_files="off")
     passed = {f.name for f in dataclasses.fields(EngineOptions)} | {f.name for f in dataclasses.fields(ManagerOptions)}
     paths = {"save_dir", "load_dir", "local_dir", "host_cache_gb"}  # given to the manager as arguments
-    assert {f.name for f in dataclasses.fields(LazyCkptConfig)} - paths <= passed
+    planner = {"allow_vocab_change"}  # given to the load's planner (reshard.ReshardPlanner)
+    assert {f.name for f in dataclasses.fields(LazyCkptConfig)} - paths - planner <= passed
     assert cfg.engine_options().cache_bytes == 1 << 29 and cfg.engine_options().flush_threads == 3
     assert cfg.manager_options() == ManagerOptions(keep_last=7, recycle_files="off")
+
+
+def test_allow_vocab_change_is_off_unless_asked_for(tmp_path):
+    assert config_from_args(_parse("--lazy-ckpt", "--save", str(tmp_path))).allow_vocab_change is False
+    cfg = config_from_args(_parse("--lazy-ckpt", "--save", str(tmp_path), "--lazy-ckpt-allow-vocab-change"))
+    assert cfg.allow_vocab_change is True
 
 
 def test_load_defaults_to_save(tmp_path):
@@ -419,3 +426,13 @@ def test_save_on_object_storage_needs_a_wandb_save_dir(tmp_path):
     args = _parse(*argv)
     args.wandb_project, args.wandb_save_dir, args.log_progress = "p", str(tmp_path / "wandb"), False
     validate_lazy_ckpt_args(args)
+
+
+def test_without_a_tokenizer_the_run_declares_its_vocab_size_flag_or_nothing():
+    """Megatron-LM's tokenizer's vocabulary when one is built (tests/integration/test_layout_change.py,
+    the vocabulary-padding case); here none is: ``--vocab-size``, or no vocabulary at all."""
+    from datastates_megatron.megatron.megatron_lm.checkpointing import run_vocabulary
+
+    assert run_vocabulary(argparse.Namespace(vocab_size=600)) == 600
+    assert run_vocabulary(argparse.Namespace(vocab_size=None)) is None
+    assert run_vocabulary(argparse.Namespace()) is None

@@ -51,6 +51,15 @@ def _args():
     p.add_argument("--bucket-size", type=int, default=None, help="small buckets (overlap_grad_reduce on)")
     p.add_argument("--layers", type=int, default=MODEL["num_layers"])
     p.add_argument("--hidden", type=int, default=MODEL["hidden"])
+    p.add_argument("--vocab", type=int, default=MODEL["vocab"], help="the vocabulary (the demo GPT does not pad it)")
+    p.add_argument("--allow-vocab-change", action="store_true")
+    p.add_argument(
+        "--declared-vocab",
+        type=int,
+        default=None,
+        help="the vocabulary the run declares (default --vocab): fewer "
+        "rows than --vocab stand for megatron-core's vocabulary padding",
+    )
     p.add_argument("--no-verify", action="store_true")
     p.add_argument("--swiglu", action="store_true", help="the MLP's gated linear unit (Megatron-LM's --swiglu)")
     p.add_argument("--warm", type=int, default=0, help="iterations trained before the load")
@@ -75,7 +84,7 @@ def _build(a, seed):
         a.hidden,
         MODEL["heads"],
         MODEL["seq_len"],
-        MODEL["vocab"],
+        a.vocab,
         bf16=a.bf16,
         seed=seed,
         overlap_grad_reduce=a.bucket_size is not None,
@@ -99,13 +108,34 @@ class ExtraStateProbe(torch.nn.Module):
         pass
 
 
-def _data(it):
+def _data(it, vocab=MODEL["vocab"]):
+    """Iteration ``it``'s batch, this rank's rows of it (tokens below ``vocab`` and the usual 256)."""
     from datastates_megatron.demo import gpt
 
     rows = GLOBAL_ROWS // gpt.dp_size()
-    full = gpt.batch(it, 0, seed=11, micro_batch_size=GLOBAL_ROWS, seq_len=MODEL["seq_len"], vocab=MODEL["vocab"])
+    full = gpt.batch(
+        it, 0, seed=11, micro_batch_size=GLOBAL_ROWS, seq_len=MODEL["seq_len"], vocab=min(vocab, MODEL["vocab"])
+    )
     r = gpt.dp_rank()
     return {k: (v[r * rows : (r + 1) * rows] if isinstance(v, torch.Tensor) else v) for k, v in full.items()}
+
+
+def _embedding_rows(chunks, opt, optimizer: bool = True) -> dict:
+    """The word embedding's rows that are all zero, by global row (this tensor-parallel rank's), in
+    the parameter and (``optimizer``: its state was loaded) in Adam's ``exp_avg``: ``{"rows": n,
+    "zero": [...], "zero_exp_avg": [...]}``."""
+    from megatron.core import parallel_state
+
+    p = next(p for p, n in _names(chunks).items() if n == "embedding.word_embeddings.weight")
+    first = parallel_state.get_tensor_model_parallel_rank() * p.shape[0]
+    zero = (p == 0).all(1).nonzero().view(-1)
+    if not optimizer:
+        return {"rows": p.shape[0], "zero": (first + zero).tolist()}
+    start, end, states = _optimizer_view(chunks, opt)["embedding.word_embeddings.weight"]
+    exp_avg = torch.full((p.numel(),), float("nan"))  # elements of other data-parallel ranks: not zero
+    exp_avg[start:end] = states["exp_avg"].view(-1)
+    zero_exp_avg = (exp_avg.view(p.shape) == 0).all(1).nonzero().view(-1)
+    return {"rows": p.shape[0], "zero": (first + zero).tolist(), "zero_exp_avg": (first + zero_exp_avg).tolist()}
 
 
 def _names(chunks):
@@ -255,13 +285,19 @@ def main():
     save_dir = a.save or f"{os.path.normpath(a.load)}-scratch-dp{gpt.dp_size()}"
     tier = {"local_dir": a.local, "persist_interval": 1} if a.local else {}
     cfg = LazyCkptConfig(
-        save_dir=save_dir, load_dir=a.load, host_cache_gb=0.05, keep_last=0, verify_on_load=not a.no_verify, **tier
+        save_dir=save_dir,
+        load_dir=a.load,
+        host_cache_gb=0.05,
+        keep_last=0,
+        verify_on_load=not a.no_verify,
+        allow_vocab_change=a.allow_vocab_change,
+        **tier,
     )
     losses = {}
-    with LazyCheckpointer(chunks, opt, cfg, opt_param_scheduler=sched) as ckpt:
+    with LazyCheckpointer(chunks, opt, cfg, opt_param_scheduler=sched, vocab_size=a.declared_vocab or a.vocab) as ckpt:
         start = 0
         for it in range(1, a.warm + 1):
-            gpt.train_step(chunks, opt, _data(it), scheduler=sched)
+            gpt.train_step(chunks, opt, _data(it, a.vocab), scheduler=sched)
         if a.load is not None:
             timing = result["restore"] = {}
             ckpt._mgr.load = _timed(ckpt._mgr.load, timing)
@@ -282,6 +318,7 @@ def main():
             result["load_s"] = time.perf_counter() - t0
             torch.distributed.barrier()
             result["load_all_s"] = time.perf_counter() - t0
+            result["embedding_rows"] = _embedding_rows(chunks, opt, not a.model_only)
             if a.ref_in and a.model_only:
                 params, _, _ = _full_reference(a.ref_in)
                 result["mismatches"] = [
@@ -293,7 +330,7 @@ def main():
             elif a.ref_in:
                 result["mismatches"] = compare_with_reference(chunks, opt, a.ref_in)[:20]
         for it in range(start + 1, a.total + 1):
-            losses[it] = gpt.train_step(chunks, opt, _data(it), scheduler=sched)
+            losses[it] = gpt.train_step(chunks, opt, _data(it, a.vocab), scheduler=sched)
             if it == a.save_at:
                 ckpt.save(it)
                 ckpt.wait()

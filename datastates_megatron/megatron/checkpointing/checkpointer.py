@@ -18,7 +18,7 @@ import time
 import torch
 
 from ...engine.tiers.commit import CommitRecord
-from ...engine.errors import CheckpointError, EngineClosedError
+from ...engine.errors import CheckpointError, EngineClosedError, OptionsError
 from ...engine.manager import CheckpointManager
 from ...engine.load.load_plan import LoadPlan, LoadPlanner, SameLayoutPlanner
 from ...engine.load.reader import CheckpointReader
@@ -125,14 +125,24 @@ class LazyCheckpointer:
     """Checkpoints ``model`` (a megatron-core ``DistributedDataParallel`` chunk or a list of them)
     and ``optimizer`` (a ``MegatronOptimizer``: what ``get_megatron_optimizer`` returns) under
     ``config.save_dir``; anything else raises :class:`UnsupportedModelError` (a ``TypeError``)
-    before any file or thread is created.  A context manager."""
+    before any file or thread is created.  ``vocab_size``: the run's vocabulary before megatron-core
+    pads it (Megatron-LM: its tokenizer's), recorded with every checkpoint; a load at another padding
+    zero-fills or drops embedding rows only when both runs declare the same one (``None``: not
+    declared; another padding is then refused unless ``config.allow_vocab_change``).  A context manager."""
 
-    def __init__(self, model, optimizer, config: LazyCkptConfig, opt_param_scheduler=None) -> None:
+    def __init__(
+        self, model, optimizer, config: LazyCkptConfig, opt_param_scheduler=None, vocab_size: int | None = None
+    ) -> None:
         _check_model_and_optimizer(model_chunks_of(model), optimizer)
         self.model = model_chunks_of(model)
         self.optimizer = optimizer
         self.scheduler = opt_param_scheduler
         self.config = config
+        if vocab_size is not None and (
+            isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < 1
+        ):
+            raise OptionsError(f"vocab_size: a positive int or None, got {vocab_size!r}")
+        self.vocab_size = vocab_size
         self._mgr = CheckpointManager(
             config.save_dir,
             config.engine_options(),
@@ -217,6 +227,7 @@ class LazyCheckpointer:
             "training": training_state.capture(self.optimizer, self.scheduler),
             "model_state": model_state.capture(self.model),
             "model": self._model_description,
+            "vocabulary": self.vocab_size,
         }
         started = self._mgr.save(iteration, objects, metadata={"iteration": int(iteration)}, final=final)
         if started:  # the stall of a skipped save is no checkpoint's
@@ -349,7 +360,13 @@ class LazyCheckpointer:
         """The planner the manifest's layout calls for: another layout is planned by parameter
         identity (a data-parallel change resharded, any other refused); this run's layout is
         restored by :class:`_SameLayoutFirst`."""
-        identity = reshard.ReshardPlanner(self.model, self.optimizer, self._mgr.layout)
+        identity = reshard.ReshardPlanner(
+            self.model,
+            self.optimizer,
+            self._mgr.layout,
+            vocabulary=self.vocab_size,
+            vocabulary_change=self.config.allow_vocab_change,
+        )
         if other_dp:
             return identity
         same = SameLayoutPlanner(self._mgr.engine.registered, self._mgr.world_size, self._mgr.layout)
@@ -357,7 +374,14 @@ class LazyCheckpointer:
 
     def _model_planner(self) -> LoadPlanner:
         """A model-only load: the param buffers by parameter identity, in any reshardable layout."""
-        return reshard.ReshardPlanner(self.model, self.optimizer, self._mgr.layout, optimizer_state=False)
+        return reshard.ReshardPlanner(
+            self.model,
+            self.optimizer,
+            self._mgr.layout,
+            optimizer_state=False,
+            vocabulary=self.vocab_size,
+            vocabulary_change=self.config.allow_vocab_change,
+        )
 
     def _reload_main_params(self) -> None:
         """After a model-only load, the fp32 main params of a bf16/fp16 model from the restored

@@ -82,6 +82,15 @@ class LazyCkptConfig:
     verify_on_load: bool = option(
         True, "--lazy-ckpt-verify-on-load", kind="both", help="Re-check every checksum when loading."
     )
+    allow_vocab_change: bool = option(
+        False,
+        "--lazy-ckpt-allow-vocab-change",
+        kind="switch",
+        help="Load a checkpoint of another vocabulary (in any layout): rows of the word embedding and output "
+        "layer past the checkpoint's start at zero (parameter, main "
+        "parameter and Adam moments), rows past this run's are not read. Without it another vocabulary is "
+        "refused, and so is another vocabulary padding unless both runs record the same vocabulary.",
+    )
     on_error: str = option(
         "raise",
         "--lazy-ckpt-on-error",

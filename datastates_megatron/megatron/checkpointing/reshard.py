@@ -22,9 +22,13 @@ derived at load from the new layout's partition dims with the old TP size: at TP
 fragmented, so a TP1 layout cannot tell which axis a TP2 checkpoint split; the recorded offsets also
 carry the global layer number (pipeline stages and virtual chunks map by it, never by local index),
 the global expert index
-and the vocabulary padding, and they cost one ``sharded_state_dict`` call per registration.  Rows
-that another padding adds are zeroed after the verified copy (``ReshardPlanner.zeros``), as
-megatron-core's load of an ``allow_shape_mismatch`` tensor does.  Across a TP or PP change the RNG
+and the vocabulary padding, and they cost one ``sharded_state_dict`` call per registration.  The
+old blocks are read from the checkpoint's files, so they are checked first (:mod:`.blocks`: each in
+bounds, all of one global tensor tiling it exactly once), a failure refused naming the file, rank
+and parameter.  Rows that another vocabulary padding adds are zeroed after the verified copy
+(``ReshardPlanner.zeros``), as megatron-core's load of an ``allow_shape_mismatch`` tensor does --
+only when both runs record the same vocabulary, or the user asked for another
+(:func:`check_vocabulary`); no other element is ever left unread.  Across a TP or PP change the RNG
 is not restored (Megatron-LM ignores it there; across a VPP or EP change alone it is); model buffers and extra state that holds
 something (FP8 metadata: not ``None`` or empty), named by local module path, are refused.
 
@@ -54,12 +58,13 @@ import time
 
 import torch
 
-from ...engine.errors import CheckpointError, LayoutMismatchError
+from ...engine.errors import CheckpointError, CorruptCheckpointError, LayoutMismatchError
 from ...engine.format.global_index import GlobalIndex, RangedIndex, read_index
 from ...engine.load.load_plan import ElementRange, LoadPlan, LoadPlanner, ReadItem
 from ...engine.format.manifest import Manifest
 from ...engine.load.reader import CheckpointReader
 from . import model_state, training_state
+from .blocks import Block, block_segments, blocks_of, record_problem, tiling_problem
 from .shards import (
     IDENTITY_VERSION,
     IDENTITY_VERSIONS_READ,
@@ -76,9 +81,11 @@ from .shards import (
 )
 
 __all__ = [
+    "Block",
     "EXPORT_HINT",
     "CONVERT_HINT",
     "check_layout",
+    "check_vocabulary",
     "layout_text",
     "CheckpointIndex",
     "GlobalIndexView",
@@ -98,6 +105,7 @@ _TP_PP = ("tp", "pp")  # across a change of these Megatron-LM ignores the RNG st
 _OPT_NAME = re.compile(r"^opt(\d+)\.g(\d+)\.p(\d+)\.")
 _TEXT = (("tp", "TP", True), ("pp", "PP", True), ("model_chunks", "VPP", False), ("dp", "DP", True))
 _TEXT += (("cp", "CP", False), ("ep", "EP", False))
+_VOCABULARY_HINT = "pass --lazy-ckpt-allow-vocab-change to load it anyway (rows past the checkpoint's start at zero)"
 
 
 def layout_text(layout: dict) -> str:
@@ -181,134 +189,6 @@ def _root_of(ckpt: str) -> str:
 
     parent = os.path.dirname(os.path.normpath(ckpt))
     return parent if os.path.basename(os.path.normpath(ckpt)).startswith("iter_") else ckpt
-
-
-# ---------------------------------------------------------------------------------------------- global coordinates
-@dataclasses.dataclass(frozen=True)
-class Block:
-    """Where one parameter sits in megatron-core's global tensor ``key`` (identity 3 ``global``):
-    the parameter's flattened elements ``[start, start + size)`` are the flattened block ``[offset,
-    offset + shape)`` of ``global_shape`` (``start`` 0 and the whole parameter, but for a piece of a
-    ``ShardedTensorFactory`` such as a fused GLU weight's ``w`` and ``v`` halves)."""
-
-    key: str
-    global_shape: tuple[int, ...]
-    offset: tuple[int, ...]
-    shape: tuple[int, ...]
-    mismatch: bool  # allow_shape_mismatch: the global shape follows the vocabulary padding
-    start: int = 0
-
-    @property
-    def size(self) -> int:
-        n = 1
-        for x in self.shape:
-            n *= x
-        return n
-
-    @classmethod
-    def of(cls, value) -> "Block":
-        key, global_shape, offset, shape, *rest = value
-        t = lambda xs: tuple(int(x) for x in xs)  # noqa: E731
-        mismatch = bool(rest[0]) if rest else False
-        return cls(str(key), t(global_shape), t(offset), t(shape), mismatch, int(rest[1]) if len(rest) > 1 else 0)
-
-
-def blocks_of(value) -> tuple[Block, ...]:
-    """The blocks of one parameter's recorded ``global``: one ``[key, ...]``, or a list of them (the
-    pieces of a ``ShardedTensorFactory``, each with the parameter element it starts at)."""
-    if value and isinstance(value[0], (list, tuple)):
-        return tuple(Block.of(v) for v in value)
-    return (Block.of(value),)
-
-
-def _ravel(index: tuple[int, ...], shape: tuple[int, ...]) -> int:
-    out = 0
-    for i, n in zip(index, shape):
-        out = out * n + i
-    return out
-
-
-def _unravel(flat: int, shape: tuple[int, ...]) -> tuple[int, ...]:
-    out = []
-    for n in reversed(shape):
-        out.append(flat % n)
-        flat //= n
-    return tuple(reversed(out))
-
-
-def block_segments(new: Block, olds: list, start: int, end: int) -> tuple[list, list]:
-    """How elements ``[start, end)`` of the flattened block ``new`` come from the flattened old
-    blocks ``olds`` (``[(name, Block)]``, same global key): ``(segments, gaps)``, ``segments``
-    ``[(name, old start, old end, position relative to start)]`` in order, ``gaps`` ``[(a, b)]``
-    (relative positions) that no old block holds -- rows past the old vocabulary padding.  Where old
-    blocks overlap (a tied embedding's copies) the first by name is read.  Every block is split on
-    at most the axes megatron-core fragments; the walk goes by runs of the last axis any block
-    splits, so its cost is the number of such runs in ``[start, end)``, not of elements."""
-    nd = len(new.shape)
-    split = [ax for ax in range(nd) if new.shape[ax] != new.global_shape[ax]]
-    split += [ax for _, ob in olds for ax in range(nd) if ob.shape[ax] != new.global_shape[ax]]
-    f = max(split, default=0)
-    inner = 1
-    for n in new.shape[f + 1 :]:
-        inner *= n
-    # the old blocks that meet the new one on every axis before f, in name order
-    cands = sorted(
-        (
-            (name, ob)
-            for name, ob in olds
-            if all(
-                ob.offset[ax] < new.offset[ax] + new.shape[ax] and new.offset[ax] < ob.offset[ax] + ob.shape[ax]
-                for ax in range(f)
-            )
-        ),
-        key=lambda c: c[0],
-    )
-    row_len = new.shape[f] * inner
-    segments, gaps = [], []
-    if start >= end:
-        return segments, gaps
-    n0, n1 = new.offset[f], new.offset[f] + new.shape[f]
-    for row in range(start // row_len, (end - 1) // row_len + 1):
-        outer = tuple(o + i for o, i in zip(new.offset[:f], _unravel(row, new.shape[:f])))
-        spans = []
-        for name, ob in cands:
-            if not all(ob.offset[ax] <= outer[ax] < ob.offset[ax] + ob.shape[ax] for ax in range(f)):
-                continue
-            lo, hi = max(n0, ob.offset[f]), min(n1, ob.offset[f] + ob.shape[f])
-            if lo < hi:
-                spans.append((lo, -hi, name, ob))
-        spans.sort(key=lambda s: (s[0], s[1]))
-        pos = n0
-        pieces = []
-        for lo, neg_hi, name, ob in spans:
-            hi = -neg_hi
-            if hi <= pos:
-                continue
-            if lo > pos:
-                pieces.append((None, pos, lo))
-            lo = max(lo, pos)
-            pieces.append(((name, ob), lo, hi))
-            pos = hi
-        if pos < n1:
-            pieces.append((None, pos, n1))
-        for src, lo, hi in pieces:
-            na = (row * new.shape[f] + lo - n0) * inner
-            nb = na + (hi - lo) * inner
-            a, b = max(na, start), min(nb, end)
-            if a >= b:
-                continue
-            if src is None:
-                gaps.append((a - start, b - start))
-                continue
-            name, ob = src
-            old_row = _ravel(tuple(g - o for g, o in zip(outer, ob.offset[:f])), ob.shape[:f])
-            oa = (old_row * ob.shape[f] + lo - ob.offset[f]) * inner + (a - na)
-            last = segments[-1] if segments else None
-            if last and last[0] == name and last[2] == oa and last[3] + last[2] - last[1] == a - start:
-                segments[-1] = (name, last[1], oa + b - a, last[3])
-            else:
-                segments.append((name, oa, oa + b - a, a - start))
-    return segments, gaps
 
 
 # ---------------------------------------------------------------------------------------------- index
@@ -395,6 +275,7 @@ class CheckpointIndex:
         ] = {}  # param -> where it sits in megatron's global tensors
         # sharded key -> (param, index of its block)
         self.by_global: dict[str, list[tuple[tuple[str, int, str], int]]] = collections.defaultdict(list)
+        self.origins: dict[tuple[str, int, str], str] = {}  # param -> "FILE: rank R tensor T" that recorded its blocks
 
     @classmethod
     def from_reader(cls, reader: CheckpointReader, ranks=None, legacy: bool = False) -> "CheckpointIndex":
@@ -432,7 +313,7 @@ class CheckpointIndex:
         params, pieces, scalar = got
         for key, shape, dtype, block in params:
             self._param(reader, key, shape, dtype)
-            self._block(key, block)
+            self._block(key, block, lambda: f"{reader.rank_file(rank).path}: rank {rank} tensor {name!r}")
         for key, offset, start, end in pieces:
             self.pieces[key].append(_Piece(rank, name, offset, start, end))
         m = _OPT_NAME.match(name)
@@ -442,11 +323,45 @@ class CheckpointIndex:
             self.scalars.setdefault(scalar, ElementRange(rank, name, 0, 1))
             self.holders[scalar].add((rank, name))
 
-    def _block(self, key, block) -> None:
-        if block is not None and key not in self.blocks:
-            self.blocks[key] = blocks_of(block)
-            for i, b in enumerate(self.blocks[key]):
-                self.by_global[b.key].append((key, i))
+    def _block(self, key, block, origin) -> None:
+        """Record parameter ``key``'s blocks (``origin()``: who recorded them, for an error), each
+        checked on its own (:func:`.blocks.record_problem`) and against an earlier record of them."""
+        if block is None:
+            return
+        try:
+            blocks = blocks_of(block)
+        except (TypeError, ValueError, IndexError) as e:
+            raise self._bad_blocks(origin(), key, f"has global coordinates that do not parse ({e})") from e
+        known = self.blocks.get(key)
+        if known is not None:
+            if known != blocks:
+                raise self._bad_blocks(origin(), key, f"is recorded in other global coordinates by {self.origins[key]}")
+            return
+        bad = record_problem(blocks, math.prod(self.params[key][0]))
+        if bad is not None:
+            raise self._bad_blocks(origin(), key, f"({bad[0].key}) {bad[1]}")
+        self.blocks[key] = blocks
+        self.origins[key] = origin()
+        for i, b in enumerate(blocks):
+            self.by_global[b.key].append((key, i))
+
+    def _bad_blocks(self, origin: str, key, problem: str) -> CheckpointError:
+        """The one-line refusal of a checkpoint whose global coordinates cannot be read from."""
+        return CorruptCheckpointError(
+            f"{origin}: parameter {_named(key)} {problem}: the checkpoint's global coordinates are damaged or "
+            "crafted; nothing is restored from them"
+        )
+
+    def check_tiling(self, olds: list) -> None:
+        """Raise unless the old blocks ``olds`` (``[((param, i), Block)]``, one global key) tile their
+        global tensor exactly once (:func:`.blocks.tiling_problem`), naming the file and rank that
+        recorded the block where it shows."""
+        bad = tiling_problem(olds)
+        if bad is not None:
+            (key, _i), text, other = bad
+            if other is not None:
+                text += f" (parameter {_named(other[0])}, {self.origins[other[0]]})"
+            raise self._bad_blocks(self.origins[key], key, text)
 
     def _param(self, reader, key, shape, dtype) -> None:
         value = (tuple(int(s) for s in shape), str(dtype))
@@ -507,13 +422,18 @@ class GlobalIndexView(CheckpointIndex):
             sl, c, pname = parsed
             shape, dtype = value[:2]
             self.params[(str(sl), int(c), pname)] = (tuple(int(x) for x in shape), str(dtype))
-            self._block((str(sl), int(c), pname), value[2] if len(value) > 2 else None)
+            self._block((str(sl), int(c), pname), value[2] if len(value) > 2 else None, lambda: self.gi.path)
         return super().params_of(slices)
 
     def all_params(self) -> None:
         """Every slice's parameter tables (a TP, PP or EP change maps this rank's parameters onto old
         slices other than its own; the tables grow with the model, not with the ranks)."""
         self.params_of(self.gi.slices())
+
+    def _bad_blocks(self, origin: str, key, problem: str) -> CheckpointError:
+        """The index names no rank file: the caller reads every rank file's metadata instead, and
+        refuses from there, naming the file and rank (or restores, when only the index was wrong)."""
+        return StaleIndexError(f"{self.gi.path}: parameter {_named(key)} {problem}")
 
     def prefetch(self, key: tuple[str, int, str, str], start: int, end: int) -> None:
         """Read the pieces of ``key`` overlapping ``[start, end)`` once: the :meth:`ranges` calls
@@ -567,11 +487,13 @@ def _shape_text(value) -> str:
     return f"{value[1]} {list(value[0])}" if value is not None else "absent"
 
 
-def _check_params(index: CheckpointIndex, keys: dict, ckpt: str, old: dict, new: dict) -> None:
+def _check_params(index: CheckpointIndex, keys: dict, ckpt: str, old: dict, new: dict, resize: bool = False) -> bool:
     """Raise one :class:`LayoutMismatchError` line unless the checkpoint holds, for this rank's
     model-parallel slices, exactly this model's parameters with their shapes and dtypes: it names the
     first parameter that differs (a shape first, then one missing on either side), both of its
-    shapes and both layouts."""
+    shapes and both layouts.  With ``resize``, ``True`` instead when only shapes differ and the
+    checkpoint has global coordinates (the caller maps them, which allows only rows of a tensor
+    padded to the vocabulary); ``False`` when nothing differs."""
     live = {key: (tuple(p.shape), str(p.dtype).removeprefix("torch.")) for p, key in keys.items()}
     slices = {key[0] for key in live}
     saved = index.params_of(slices)
@@ -580,9 +502,17 @@ def _check_params(index: CheckpointIndex, keys: dict, ckpt: str, old: dict, new:
     extra = sorted(saved.keys() - live.keys())
     bad = differ + missing + extra
     if not bad:
-        return
+        return False
+    if resize and not missing and not extra and all(k in index.blocks for k in differ):
+        return True
     first = bad[0]
     more = f" ({len(bad) - 1} more parameters differ)" if len(bad) > 1 else ""
+    if (
+        not missing
+        and not extra
+        and all(k in index.blocks and all(b.mismatch for b in index.blocks[k]) for k in differ)
+    ):
+        more += f"; another vocabulary: {_VOCABULARY_HINT}"  # only tensors padded to the vocabulary differ
     raise _refusal(
         ckpt,
         old,
@@ -592,10 +522,16 @@ def _check_params(index: CheckpointIndex, keys: dict, ckpt: str, old: dict, new:
     )
 
 
-def _global_mapping(model, keys: dict, index: CheckpointIndex, ckpt: str, old: dict, new: dict) -> dict:
+def _global_mapping(
+    model, keys: dict, index: CheckpointIndex, ckpt: str, old: dict, new: dict, resized: dict | None = None
+) -> dict:
     """``{live parameter key: (its Block, [(old parameter key, old Block)])}`` for a TP/PP change;
     raises one :class:`LayoutMismatchError` line naming the first parameter that cannot be mapped
-    (no global coordinates on either side, absent from the checkpoint, another global shape or dtype)."""
+    (no global coordinates on either side, absent from the checkpoint, another global shape or dtype
+    -- but the rows of a tensor megatron-core pads to the vocabulary, ``allow_shape_mismatch``: those
+    go into ``resized``, ``{live parameter key: (sharded key, old rows, new rows)}``, for the caller
+    to judge), and a :class:`CorruptCheckpointError` line when the old blocks of a global key do not
+    tile it exactly once (:meth:`CheckpointIndex.check_tiling`)."""
     index.all_params()
     if not index.blocks:
         raise _refusal(
@@ -608,6 +544,7 @@ def _global_mapping(model, keys: dict, index: CheckpointIndex, ckpt: str, old: d
         )
     blocks = global_blocks(model)
     out = {}
+    tiled: set[str] = set()
     for p, key in sorted(keys.items(), key=lambda kv: kv[1]):
         live = (tuple(p.shape), str(p.dtype).removeprefix("torch."))
         if p not in blocks:
@@ -627,9 +564,13 @@ def _global_mapping(model, keys: dict, index: CheckpointIndex, ckpt: str, old: d
                     new,
                     f"parameter {_named(key)} ({b.key}) is absent in the checkpoint, {_shape_text(live)} in this run",
                 )
+            if b.key not in tiled:
+                index.check_tiling(olds)
+                tiled.add(b.key)
             shape = olds[0][1].global_shape
             dtype = index.params[olds[0][0][0]][1]
-            if (shape != b.global_shape and not (b.mismatch and len(shape) == len(b.global_shape))) or dtype != live[1]:
+            rows_only = b.mismatch and len(shape) == len(b.global_shape) > 0 and shape[1:] == b.global_shape[1:]
+            if (shape != b.global_shape and not rows_only) or dtype != live[1]:
                 raise _refusal(
                     ckpt,
                     old,
@@ -637,6 +578,8 @@ def _global_mapping(model, keys: dict, index: CheckpointIndex, ckpt: str, old: d
                     f"parameter {_named(key)} ({b.key}) is {dtype} {list(shape)} globally in the checkpoint, "
                     f"{live[1]} {list(b.global_shape)} in this run",
                 )
+            if shape != b.global_shape and resized is not None:
+                resized[key] = (b.key, shape[0], b.global_shape[0])
             pieces.append((b, olds))
         out[key] = pieces
     return out
@@ -653,6 +596,8 @@ def plan_restore(
     optimizer_state: bool = True,
     zeros: list | None = None,
     rekey: dict | None = None,
+    resized: dict | None = None,
+    resize: bool = False,
 ) -> list[tuple[ElementRange, torch.Tensor]]:
     """``(source range, destination view)`` for every element this rank must restore: its shard of
     each DDP bucket, its non-view main params and every tensor of their optimizer state (those two
@@ -660,22 +605,30 @@ def plan_restore(
     in a refusal; a change of the data-parallel size is mapped by parameter, of TP, PP and EP through
     megatron-core's global coordinates, any other refused).  ``by_slice``, when given, is filled with
     ``{slice: old ranks}``: the old rank files the plan reads per model-parallel slice.  ``zeros``,
-    when given, gets the destination views no old element covers (rows added by another vocabulary
-    padding: zero, as megatron-core's own load of a tensor with ``allow_shape_mismatch``); without it
-    such rows are refused.  ``rekey``, when given, gets ``{parameter key: the old parameter key
-    read for its scalar state}`` (a TP, PP or EP change)."""
+    when given, gets the destination views no old element covers: the rows past the checkpoint's of a
+    tensor megatron-core pads to the vocabulary (``allow_shape_mismatch``), listed in ``resized``
+    (``{parameter key: (sharded key, old rows, new rows)}``, for the caller to judge against both
+    runs' vocabularies); without ``zeros``, and anywhere else, an element no old block holds is
+    refused.  ``resize`` (another vocabulary, asked for): at a data-parallel change or in the same
+    layout, parameters of other shapes are mapped through the global coordinates too.  ``rekey``, when given, gets ``{parameter key: the old parameter key read for its scalar
+    state}`` (a TP, PP or EP change)."""
     old, new = dict(old or {}), dict(new or old or {})
     keys = parameter_keys(model)
     moved = [k for k in (*_MODEL_PARALLEL, "cp") if old.get(k) != new.get(k)]
     mapping = None
-    if moved and not set(moved) - set(_GLOBAL):
-        mapping = _global_mapping(model, keys, index, ckpt, old, new)
+    grown: dict = {}
+    by_global = bool(moved) and not set(moved) - set(_GLOBAL)
+    if not by_global:
+        by_global = _check_params(index, keys, ckpt, old, new, resize)
+        if moved:  # a model-parallel change not mapped here (the parameters matched, or only their shapes differ)
+            what = "parameters of other shapes" if by_global else "the parameters of this rank's slices match"
+            raise _refusal(ckpt, old, new, f"{what}, but the layout differs")
+    if by_global:
+        mapping = _global_mapping(model, keys, index, ckpt, old, new, grown)
+        if resized is not None:
+            resized.update(grown)
         if rekey is not None:
             rekey.update({key: pieces[0][1][0][0][0] for key, pieces in mapping.items()})
-    else:
-        _check_params(index, keys, ckpt, old, new)
-        if moved:  # the parameters matched, yet the model-parallel layout differs: no reshard of that here
-            raise _refusal(ckpt, old, new, "the parameters of this rank's slices match, but the layout differs")
     names = parameter_names(model)
     plan: list[tuple[ElementRange, torch.Tensor]] = []
     found = by_slice if by_slice is not None else {}
@@ -704,7 +657,7 @@ def plan_restore(
             for (okey, i), oa, ob, pos in segments:
                 at = index.blocks[okey][i].start
                 add_old((*okey, key[3]), at + oa, at + ob, dst[base + pos : base + pos + ob - oa])
-            if gaps and (zeros is None or not b.mismatch):
+            if gaps and (zeros is None or key[:3] not in grown or grown[key[:3]][1] >= grown[key[:3]][2]):
                 a, _ = gaps[0]
                 raise _refusal(
                     ckpt,
@@ -813,13 +766,26 @@ class ReshardPlanner(LoadPlanner):
     kind = "reshard"
     reads_all_ranks = True
 
-    def __init__(self, model, optimizer, layout: dict | None = None, optimizer_state: bool = True) -> None:
+    def __init__(
+        self,
+        model,
+        optimizer,
+        layout: dict | None = None,
+        optimizer_state: bool = True,
+        vocabulary: int | None = None,
+        vocabulary_change: bool = False,
+    ) -> None:
         """``optimizer_state=False``: the model only (its param buffers; main params and optimizer
-        state are left as they are, and the plan's ``training`` is the source rank's, not re-keyed)."""
+        state are left as they are, and the plan's ``training`` is the source rank's, not re-keyed).
+        ``vocabulary``: this run's vocabulary before padding (``None``: not declared); the rows of
+        another padding are zero-filled or dropped only when the checkpoint records the same one,
+        another vocabulary only with ``vocabulary_change`` (:func:`check_vocabulary`)."""
         self.model = model
         self.optimizer = optimizer
         self.layout = dict(layout) if layout is not None else None
         self.optimizer_state = optimizer_state
+        self.vocabulary = vocabulary
+        self.vocabulary_change = vocabulary_change
         self.zeros: tuple[torch.Tensor, ...] = ()  # views the last plan leaves to zero (vocabulary padding)
 
     def plan(self, reader: CheckpointReader) -> LoadPlan:
@@ -830,13 +796,26 @@ class ReshardPlanner(LoadPlanner):
         by_slice: dict[str, set[int]] = {}
         zeros: list[torch.Tensor] = []
         rekey: dict = {}
+        resized: dict = {}
 
         def plan_fn(index):
             by_slice.clear()
             zeros.clear()
             rekey.clear()
+            resized.clear()
             return plan_restore(
-                self.model, self.optimizer, index, reader.ckpt, old, new, by_slice, self.optimizer_state, zeros, rekey
+                self.model,
+                self.optimizer,
+                index,
+                reader.ckpt,
+                old,
+                new,
+                by_slice,
+                self.optimizer_state,
+                zeros,
+                rekey,
+                resized,
+                self.vocabulary_change,
             )
 
         planned = plan_by_global_index(reader, plan_fn, None)
@@ -846,6 +825,26 @@ class ReshardPlanner(LoadPlanner):
         pairs, index, ranks = planned
         source = source_rank(reader.rank, manifest.world_size, by_slice)
         objects = reader.objects(source)
+        if resized:
+            recorded = objects.get("vocabulary")
+            why = check_vocabulary(resized, recorded, self.vocabulary, self.vocabulary_change)
+            if why is not None:
+                raise _refusal(reader.ckpt, old, new, why)
+            if reader.rank == 0:
+                key, rows, now = next(iter(resized.values()))
+                level = logging.INFO if recorded == self.vocabulary else logging.WARNING  # padding only, or asked for
+                log.log(
+                    level,
+                    "iteration %d: %s has %d rows in the checkpoint (vocabulary %s), %d in this run (vocabulary %s): "
+                    "rows past the checkpoint's start at zero (parameter, main parameter and optimizer moments), rows "
+                    "past this run's are not read",
+                    manifest.iteration,
+                    key,
+                    rows,
+                    recorded,
+                    now,
+                    self.vocabulary,
+                )
         training = objects["training"]
         if self.optimizer_state:
             training = _remap_training(
@@ -902,6 +901,32 @@ class ReshardPlanner(LoadPlanner):
                 layout_text(new),
             )
         return {**training, "rng": training_state.capture_rng()}
+
+
+def _vocabulary(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v > 0
+
+
+def check_vocabulary(resized: dict, recorded, declared, change: bool) -> str | None:
+    """Why the rows of the tensors ``resized`` (``{parameter key: (sharded key, rows in the
+    checkpoint, rows now)}``, tensors megatron-core pads to the vocabulary) may not be zero-filled or
+    dropped, or ``None``: they may when both runs declare the same vocabulary (``recorded`` by the
+    checkpoint, ``declared`` by this run) and each run's rows hold its vocabulary -- only the padding
+    differs, as megatron-core pads to ``--make-vocab-size-divisible-by`` × TP -- or, for another
+    vocabulary, when the user asked for it (``change``: ``--lazy-ckpt-allow-vocab-change``)."""
+    key, (sharded, rows, now) = next(iter(resized.items()))
+    name = f"parameter {_named(key)} ({sharded}) has {rows} rows in the checkpoint, {now} in this run"
+    if change:
+        return None
+    if not _vocabulary(recorded):
+        return f"{name}, and the checkpoint records no vocabulary: the rows that differ cannot be told from padding; {_VOCABULARY_HINT}"
+    if not _vocabulary(declared):
+        return f"{name}, and this run declares no vocabulary: the rows that differ cannot be told from padding; {_VOCABULARY_HINT}"
+    if recorded != declared:
+        return f"{name}: another vocabulary ({recorded} in the checkpoint, {declared} in this run); {_VOCABULARY_HINT}"
+    if any(rows < recorded or now < declared for _, rows, now in resized.values()):
+        return f"{name}, fewer than the vocabulary of {recorded}: its rows are not the padded vocabulary"
+    return None
 
 
 def plan_by_global_index(reader: CheckpointReader, plan_fn, source: int | None):

@@ -286,6 +286,19 @@ def _retire(session: _Session) -> None:
     )
 
 
+def run_vocabulary(args: Any) -> int | None:
+    """The vocabulary megatron-core pads (to ``--make-vocab-size-divisible-by`` × TP): the
+    tokenizer's, from which Megatron-LM's ``build_tokenizer`` computes ``args.padded_vocab_size``;
+    ``--vocab-size`` when no tokenizer is built; ``None`` when neither is known."""
+    try:
+        from megatron.training.global_vars import get_tokenizer
+
+        size = get_tokenizer().vocab_size
+    except (ImportError, AssertionError, AttributeError):  # no tokenizer built (get_tokenizer asserts)
+        size = getattr(args, "vocab_size", None)
+    return size if isinstance(size, int) and not isinstance(size, bool) and size > 0 else None
+
+
 def _session_for(args: Any, model: Any, optimizer: Any, scheduler: Any) -> _Session:
     global _session, _atexit_registered
     with _lock:
@@ -306,7 +319,9 @@ def _session_for(args: Any, model: Any, optimizer: Any, scheduler: Any) -> _Sess
             check_host_cache_fits(config, largest_tensor_bytes(model), what="largest model tensor")
         from ..checkpointing.checkpointer import LazyCheckpointer
 
-        ckpt = LazyCheckpointer(model, optimizer, config, opt_param_scheduler=scheduler)
+        ckpt = LazyCheckpointer(
+            model, optimizer, config, opt_param_scheduler=scheduler, vocab_size=run_vocabulary(args)
+        )
         ckpt.on_commit.append(log_commit_to_writers)
         _session = _Session(ckpt, model, optimizer, scheduler)
         if not _atexit_registered:
