@@ -121,6 +121,10 @@ COVERED: dict[str, tuple[str, ...]] = {
         INTEGRATION
         + "test_torch_dist_bridge.py::test_tp2_pp2_lazy_checkpoint_loads_at_tp1_pp1_through_the_export_and_back",
     ),
+    "--lazy-ckpt-allow-vocab-change": (
+        UNIT + "test_lazy_ckpt_args.py::test_allow_vocab_change_is_off_unless_asked_for",
+        INTEGRATION + "test_reshard.py::test_another_vocabulary_loads_with_the_flag_and_its_new_rows_start_at_zero",
+    ),
     "--lazy-ckpt-direct-io": (EVERY_FLAG,),
     "--lazy-ckpt-flush-threads": (EVERY_FLAG,),
     "--lazy-ckpt-keep-every": (EVERY_FLAG,),
