@@ -90,6 +90,10 @@ REFUSED = {
     "moe probs on input": ({**MIXTRAL_ARGS, "moe_apply_probs_on_input": True}, "--moe-apply-probs-on-input=True"),
     "moe dense layers": ({**MIXTRAL_ARGS, "moe_layer_freq": [1, 0]}, "--moe-layer-freq=[1, 0]"),
     "moe top-k": ({**MIXTRAL_ARGS, "moe_router_topk": 5}, "--moe-router-topk=5"),
+    "moe sinkhorn": (
+        {**MIXTRAL_ARGS, "moe_router_load_balancing_type": "sinkhorn"},
+        "--moe-router-load-balancing-type",
+    ),
     "moe fp64 router": ({**MIXTRAL_ARGS, "moe_router_dtype": "fp64"}, "--moe-router-dtype='fp64'"),
     "moe with qk norm": ({**MIXTRAL_ARGS, "qk_layernorm": True}, "--qk-layernorm=True"),
     "qk norm": ({**LLAMA_ARGS, "qk_layernorm": True}, "--qk-layernorm=True"),

@@ -172,6 +172,8 @@ def _mixtral(args: dict, ckpt: str, dtype: torch.dtype, llama: list[str], common
     freq = args.get("moe_layer_freq", 1)
     if freq != 1 and not (isinstance(freq, list) and set(freq) == {1}):
         wrong.append(f"--moe-layer-freq={freq!r} (Mixtral has experts in every layer: needs 1)")
+    if args.get("moe_router_load_balancing_type") == "sinkhorn":  # its top-k softmax weights sum to less than 1
+        wrong.append("--moe-router-load-balancing-type='sinkhorn' (Mixtral renormalises the top-k weights)")
     router = args.get("moe_router_dtype")
     if router not in (None, "fp32") or (router == "fp32" and dtype != torch.float32):
         # Mixtral's router runs in the model's dtype: fp32 logits match it only in an fp32 export
