@@ -1,6 +1,6 @@
 """The one name table from megatron-core's global tensors to a Hugging Face model's tensors, with
-the cut each needs: the fused QKV split per query group, the GLU halves apart (of each expert too), GPT-2's ``Conv1D``
-weights transposed, the vocabulary padding dropped.
+the cut each needs: the fused QKV split per query group, the GLU halves apart (each expert's too),
+GPT-2's ``Conv1D`` weights transposed, the vocabulary padding dropped.
 
 A :class:`Rule` reads one layer of one or two global tensors (:class:`Source`) and yields one or
 more output tensors; the rules of a model cover every global key of the checkpoint and every layer
@@ -124,7 +124,8 @@ def _llama(m: HfModel) -> tuple[dict, dict]:
 
 def _mixtral(m: HfModel) -> tuple[dict, dict]:
     """Llama's attention and norms; the MoE block in the hub's Mixtral names (``block_sparse_moe``,
-    ``w1`` gate, ``w3`` up, ``w2`` down), which transformers 4 loads as they are and 5 converts."""
+    ``w1`` gate, ``w3`` up, ``w2`` down) of the published Mixtral checkpoints, which transformers 5
+    merges into its fused expert tensors on load."""
     per_layer, whole = _llama(m)
     for mlp in ("mlp.linear_fc1.weight", "mlp.linear_fc2.weight"):
         del per_layer[mlp]
