@@ -35,11 +35,17 @@ PP2 = ["--pipeline-model-parallel-size", "2"]
 LLAMA = ["--position-embedding-type", "rope", "--no-rope-fusion", "--normalization", "RMSNorm", "--swiglu"]
 LLAMA += ["--group-query-attention", "--num-query-groups", "2", "--disable-bias-linear"]
 UNTIED = ["--untie-embeddings-and-output-weights"]
+# 4 experts on EP2, megatron-core's default router (top-2 of the logits, softmax over the 2): Mixtral
+MOE_EP2 = ["--num-experts", "4", "--moe-router-topk", "2", "--expert-model-parallel-size", "2"]
 # setting: (training flags, Hugging Face class, default set or slow)
 SETTINGS = {
     "llama_tp2pp2_untied": ([*LLAMA, *UNTIED, *TP2, *PP2], "LlamaForCausalLM", False),
     "llama_pp2_tied": ([*LLAMA, *PP2], "LlamaForCausalLM", True),
     "gpt2_tp2": ([*TP2], "GPT2LMHeadModel", True),
+    "mixtral_ep2": ([*LLAMA, *UNTIED, *MOE_EP2], "MixtralForCausalLM", True),
+    # each expert's SwiGLU cut across 2 expert-TP ranks (TP1: megatron-core's MoE with TP needs sequence
+    # parallelism, which its local RMSNorm, the only one on CPU, refuses)
+    "mixtral_ep2_etp2": ([*LLAMA, *MOE_EP2, "--expert-tensor-parallel-size", "2"], "MixtralForCausalLM", True),
     # 4 layers, 2 model chunks per stage: global layer numbers from the chunks' recorded offsets
     "llama_pp2_vpp2": (
         [*LLAMA, *UNTIED, *PP2, "--num-layers", "4", "--num-layers-per-virtual-pipeline-stage", "1"],
@@ -76,7 +82,8 @@ def trained(tmp_path_factory):
                 "--save",
                 str(save),
             ]
-            nproc = 4 if ("--tensor-model-parallel-size" in flags and "--pipeline-model-parallel-size" in flags) else 2
+            tp_pp = "--tensor-model-parallel-size" in flags and "--pipeline-model-parallel-size" in flags
+            nproc = 4 if tp_pp or "--expert-tensor-parallel-size" in flags else 2  # EP2 x ETP2: 4 ranks
             run = launch(tmp, "train", [*args, *flags], nproc=nproc, timeout=TIMEOUT_S)
             assert run.returncode == 0 and latest(save) == 3, run.describe()
             ckpt = save / "iter_0000003"

@@ -13,7 +13,7 @@ from datastates_megatron.engine.manager import CheckpointManager
 from datastates_megatron.megatron.checkpointing.reshard import Block
 from datastates_megatron.megatron.export.global_tensors import GlobalBlock
 from datastates_megatron.megatron.export.hf_config import UnmappableModelError, hf_model
-from datastates_megatron.megatron.export.hf_tensors import hf_rules
+from datastates_megatron.megatron.export.hf_tensors import Source, hf_rules
 from tests.managers import one_checkpoint
 
 LLAMA_ARGS = {
@@ -47,6 +47,7 @@ GPT2_ARGS = {
     "add_bias_linear": True,
     "untie_embeddings_and_output_weights": False,
 }
+MIXTRAL_ARGS = {**LLAMA_ARGS, "num_experts": 4, "moe_router_topk": 2, "moe_ffn_hidden_size": 12}
 
 
 def test_the_llama_setting_is_a_llama_config_from_the_recorded_arguments():
@@ -66,8 +67,35 @@ def test_the_plain_gpt_setting_is_gpt2_and_its_gelu_is_the_one_megatron_ran():
     assert tanh.config["activation_function"] == "gelu_new"  # the fused bias-GeLU is the tanh form
 
 
+def test_a_moe_of_the_llama_setting_with_megatron_cores_default_router_is_mixtral():
+    m = hf_model(MIXTRAL_ARGS, "ckpt", torch.float32)
+    c = m.config
+    assert (m.arch, m.experts, c["architectures"], c["model_type"]) == ("mixtral", 4, ["MixtralForCausalLM"], "mixtral")
+    assert (c["num_local_experts"], c["num_experts_per_tok"], c["intermediate_size"]) == (4, 2, 12)
+    assert (c["num_key_value_heads"], c["head_dim"], c["router_jitter_noise"], c["sliding_window"]) == (2, 4, 0.0, None)
+    assert hf_model({**MIXTRAL_ARGS, "moe_layer_freq": [1, 1]}, "ckpt", torch.float32).experts == 4
+    assert hf_model({**MIXTRAL_ARGS, "moe_router_dtype": "fp32"}, "ckpt", torch.float32).experts == 4
+
+
 REFUSED = {
-    "moe": ({**LLAMA_ARGS, "num_experts": 8}, "--num-experts=8"),
+    "moe of gpt2": ({**GPT2_ARGS, "num_experts": 8}, "--position-embedding-type='learned_absolute'"),
+    "moe pre-softmax": ({**MIXTRAL_ARGS, "moe_router_pre_softmax": True}, "--moe-router-pre-softmax=True"),
+    "moe sigmoid": ({**MIXTRAL_ARGS, "moe_router_score_function": "sigmoid"}, "--moe-router-score-function"),
+    "moe scaled": ({**MIXTRAL_ARGS, "moe_router_topk_scaling_factor": 2.5}, "--moe-router-topk-scaling-factor"),
+    "moe shared expert": ({**MIXTRAL_ARGS, "moe_shared_expert_intermediate_size": 8}, "--moe-shared-expert"),
+    "moe grouped gemm": ({**MIXTRAL_ARGS, "moe_grouped_gemm": True}, "--moe-grouped-gemm=True"),
+    "moe capacity": ({**MIXTRAL_ARGS, "moe_expert_capacity_factor": 1.0}, "--moe-expert-capacity-factor=1.0"),
+    "moe expert bias": ({**MIXTRAL_ARGS, "moe_router_enable_expert_bias": True}, "--moe-router-enable-expert-bias"),
+    "moe group-limited": ({**MIXTRAL_ARGS, "moe_router_num_groups": 2}, "--moe-router-num-groups=2"),
+    "moe probs on input": ({**MIXTRAL_ARGS, "moe_apply_probs_on_input": True}, "--moe-apply-probs-on-input=True"),
+    "moe dense layers": ({**MIXTRAL_ARGS, "moe_layer_freq": [1, 0]}, "--moe-layer-freq=[1, 0]"),
+    "moe top-k": ({**MIXTRAL_ARGS, "moe_router_topk": 5}, "--moe-router-topk=5"),
+    "moe sinkhorn": (
+        {**MIXTRAL_ARGS, "moe_router_load_balancing_type": "sinkhorn"},
+        "--moe-router-load-balancing-type",
+    ),
+    "moe fp64 router": ({**MIXTRAL_ARGS, "moe_router_dtype": "fp64"}, "--moe-router-dtype='fp64'"),
+    "moe with qk norm": ({**MIXTRAL_ARGS, "qk_layernorm": True}, "--qk-layernorm=True"),
     "qk norm": ({**LLAMA_ARGS, "qk_layernorm": True}, "--qk-layernorm=True"),
     "interleaved rope": ({**LLAMA_ARGS, "rotary_interleaved": True}, "--rotary-interleaved=True"),
     "partial rope": ({**LLAMA_ARGS, "rotary_percent": 0.5}, "--rotary-percent=0.5"),
@@ -217,7 +245,58 @@ def _with_args(root, args: dict):
     return root
 
 
-@pytest.mark.parametrize("what", ["no arguments", "moe"])
+def test_an_fp32_router_of_a_bf16_export_is_refused():
+    """Mixtral routes in the model's dtype: fp32 router logits in a bf16 model could pick other experts."""
+    with pytest.raises(
+        UnmappableModelError, match="--moe-router-dtype='fp32' \\(a bfloat16 Mixtral routes in bfloat16\\)"
+    ):
+        hf_model({**MIXTRAL_ARGS, "moe_router_dtype": "fp32"}, "ckpt", torch.bfloat16)
+
+
+MIXTRAL_KEYS = {
+    **{k: v for k, v in LLAMA_KEYS.items() if not k.startswith("decoder.layers.mlp.linear_fc")},
+    "decoder.layers.mlp.linear_fc1.layer_norm_weight": (2, 16),
+    "decoder.layers.mlp.router.weight": (2, 4, 16),
+    "decoder.layers.mlp.experts.experts.linear_fc1.weight": (2, 4, 24, 16),  # layer, global expert, 2 x 12 rows
+    "decoder.layers.mlp.experts.experts.linear_fc2.weight": (2, 4, 16, 12),
+}
+
+
+def _blocks_of(shapes: dict) -> dict:
+    """``_blocks`` with the expert axis prepended too (megatron-core's global expert number)."""
+    out = _blocks(shapes)
+    for key, shape in shapes.items():
+        if ".experts." in key:
+            out[key] = [GlobalBlock(("", 0, key), Block(key, shape, (0,) * len(shape), shape, False), "float32", 2)]
+    return out
+
+
+def test_each_expert_of_each_layer_is_its_gate_up_and_down_in_the_hub_names():
+    m = hf_model(MIXTRAL_ARGS, "ckpt", torch.float32)
+    rules = hf_rules(m, _blocks_of(MIXTRAL_KEYS), "ckpt")
+    fc1 = _rule(rules, "model.layers.1.block_sparse_moe.experts.3.w3.weight")
+    assert fc1.names == ("model.layers.1.block_sparse_moe.experts.3.w1.weight", fc1.names[1])
+    assert fc1.sources[0].at == (1, 3) and fc1.shapes == ((12, 16), (12, 16))
+    gate, up = fc1.cut(torch.arange(24.0)[:, None].expand(24, 16))  # megatron-core's GLU: gate rows first
+    assert gate[:, 0].tolist() == list(range(12)) and up[:, 0].tolist() == list(range(12, 24))
+    assert _rule(rules, "model.layers.0.block_sparse_moe.experts.2.w2.weight").sources[0].at == (0, 2)
+    router = _rule(rules, "model.layers.1.block_sparse_moe.gate.weight")
+    assert router.shapes == ((4, 16),) and router.sources[0] == Source("decoder.layers.mlp.router.weight", (1,))
+    names = [n for r in rules for n in r.names]
+    assert len(names) == len(set(names)) == 3 + 2 * (7 + 4 * 3)
+    assert not any("mlp.gate_proj" in n or "mlp.down_proj" in n for n in names)
+
+
+def test_experts_recorded_for_another_expert_count_are_refused():
+    keys = {**MIXTRAL_KEYS, "decoder.layers.mlp.experts.experts.linear_fc2.weight": (2, 8, 16, 12)}
+    with pytest.raises(UnmappableModelError, match="does not hold the 4 experts of each layer \\(--num-experts=4\\)"):
+        hf_rules(hf_model(MIXTRAL_ARGS, "ckpt", torch.float32), _blocks_of(keys), "ckpt")
+    dense = {**LLAMA_KEYS, "decoder.layers.mlp.router.weight": (2, 4, 16)}  # a dense MLP: not this model's
+    with pytest.raises(UnmappableModelError, match="'decoder.layers.mlp.linear_fc1.weight' has no place"):
+        hf_rules(hf_model(MIXTRAL_ARGS, "ckpt", torch.float32), _blocks_of(dense), "ckpt")
+
+
+@pytest.mark.parametrize("what", ["no arguments", "moe grouped gemm"])
 def test_the_cli_refuses_in_one_line_and_writes_nothing(what, tmp_path, capsys):
     ckpt = (
         one_checkpoint(tmp_path / "ckpt") if what == "no arguments" else _with_args(tmp_path / "ckpt", REFUSED[what][0])
@@ -244,6 +323,15 @@ def test_hf_usage_errors_are_one_line(args, message, tmp_path, capsys):
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and message in err, err
     assert not (tmp_path / "out").exists()
+
+
+def test_transformers_reads_the_experts_of_the_mixtral_config_written():
+    transformers = pytest.importorskip("transformers")
+    config = dict(hf_model(MIXTRAL_ARGS, "ckpt", torch.float32).config)
+    config.pop("architectures"), config.pop("model_type")
+    got = transformers.MixtralConfig(**config)
+    assert (got.num_local_experts, got.num_experts_per_tok, got.intermediate_size) == (4, 2, 12)
+    assert got.rope_parameters["rope_theta"] == 500000.0 and got.head_dim == 4 and got.router_jitter_noise == 0.0
 
 
 def test_transformers_reads_the_rope_base_and_the_dtype_of_the_config_written():

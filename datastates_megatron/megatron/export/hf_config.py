@@ -1,8 +1,11 @@
 """Which Hugging Face architecture a Megatron GPT checkpoint is, and its ``config.json``, from the
 training arguments the checkpoint records (``extra_state["megatron_lm"]["args"]``).
 
-Two settings map exactly: the Llama setting (RoPE, RMSNorm, SwiGLU, grouped-query attention, no
-linear biases) is ``LlamaForCausalLM``; the plain GPT setting (learned positions, LayerNorm, GeLU,
+Three settings map exactly: the Llama setting (RoPE, RMSNorm, SwiGLU, grouped-query attention, no
+linear biases) is ``LlamaForCausalLM``; the same with every layer's MLP a mixture of experts routed
+by megatron-core's default router (top-k of the logits, then a softmax over those k: the same
+weights as Mixtral's softmax over all experts renormalised over the top k) is
+``MixtralForCausalLM``; the plain GPT setting (learned positions, LayerNorm, GeLU,
 biases, as many key/value heads as query heads) is ``GPT2LMHeadModel`` (GPT-NeoX has no learned
 positions).  Any argument that changes what the network computes and that the chosen architecture
 cannot express is refused with :class:`UnmappableModelError` naming it: a model that loads but
@@ -34,7 +37,7 @@ class HfModel:
     """The decision, taken once: the architecture, its ``config.json``, and the shape facts the
     tensor mapping needs."""
 
-    arch: str  # "llama" | "gpt2"
+    arch: str  # "llama" | "mixtral" | "gpt2"
     config: dict
     layers: int
     heads: int
@@ -42,12 +45,12 @@ class HfModel:
     head_dim: int
     vocab: int  # rows kept of the (padded) vocabulary
     tied: bool
+    experts: int = 0  # routed experts per layer (Mixtral); 0 for a dense model
 
 
 # arguments that change the computation, and the value each mapping needs (a tuple: the values it
 # takes; absent from the record: the default)
 _COMMON = {
-    "num_experts": None,
     "multi_latent_attention": False,
     "mtp_num_layers": None,
     "heterogeneous_layers_config_path": None,
@@ -87,6 +90,25 @@ _LLAMA = {
     "rotary_percent": 1.0,
     "rotary_interleaved": False,
 }
+# Mixtral's MoE block: a softmax router without bias or scaling whose top-k weights sum to 1, SwiGLU
+# experts as wide as --moe-ffn-hidden-size, no shared expert, no token dropped, in every layer
+_MIXTRAL = {
+    "moe_router_score_function": "softmax",
+    "moe_router_pre_softmax": False,  # softmax over all then top-k, not renormalised: not Mixtral's
+    "moe_router_topk_scaling_factor": None,
+    "moe_router_num_groups": None,
+    "moe_router_group_topk": None,
+    "moe_router_enable_expert_bias": False,
+    "moe_router_force_load_balancing": False,
+    "moe_enable_routing_replay": False,
+    "moe_expert_capacity_factor": None,
+    "moe_input_jitter_eps": None,
+    "moe_shared_expert_intermediate_size": None,
+    "moe_apply_probs_on_input": False,
+    "moe_latent_size": None,
+    "moe_grouped_gemm": False,  # grouped-GEMM experts are Transformer Engine's: their layout is untested here
+    "moe_use_legacy_grouped_gemm": False,
+}
 _GPT2 = {
     "position_embedding_type": "learned_absolute",
     "normalization": "LayerNorm",
@@ -119,6 +141,65 @@ def _head_facts(args: dict, ckpt: str) -> tuple[int, int, int, int]:
     return hidden, heads, groups, head_dim
 
 
+def _decoder_config(args: dict, ckpt: str, ffn: int) -> dict:
+    """The ``config.json`` entries Llama and Mixtral share (the attention, norms and RoPE)."""
+    hidden, heads, groups, head_dim = _head_facts(args, ckpt)
+    if hidden % heads:
+        raise UnmappableModelError(
+            f"{ckpt}: Llama and Mixtral need --hidden-size={hidden} to be a multiple of --num-attention-heads={heads}"
+        )
+    return {
+        "hidden_size": hidden,
+        "intermediate_size": ffn,
+        "num_hidden_layers": int(args["num_layers"]),
+        "num_attention_heads": heads,
+        "num_key_value_heads": groups,
+        "head_dim": head_dim,
+        "hidden_act": "silu",
+        "max_position_embeddings": int(args.get("max_position_embeddings") or args.get("seq_length")),
+        "rms_norm_eps": float(args.get("norm_epsilon", args.get("layernorm_epsilon", 1e-5))),
+        # transformers 5 reads rope_parameters, 4.x rope_theta: both, so that no version falls back
+        # to its default base and loads a model that computes something else
+        "rope_parameters": {"rope_type": "default", "rope_theta": float(args.get("rotary_base", 10000))},
+        "rope_theta": float(args.get("rotary_base", 10000)),
+    }
+
+
+def _mixtral(args: dict, ckpt: str, dtype: torch.dtype, llama: list[str], common_config: dict) -> HfModel:
+    """``MixtralForCausalLM``: the Llama setting with a mixture of experts in every layer."""
+    experts, topk = int(args["num_experts"]), int(args.get("moe_router_topk") or 2)
+    wrong = llama + _mismatches(args, _MIXTRAL)
+    freq = args.get("moe_layer_freq", 1)
+    if freq != 1 and not (isinstance(freq, list) and set(freq) == {1}):
+        wrong.append(f"--moe-layer-freq={freq!r} (Mixtral has experts in every layer: needs 1)")
+    if args.get("moe_router_load_balancing_type") == "sinkhorn":  # its top-k softmax weights sum to less than 1
+        wrong.append("--moe-router-load-balancing-type='sinkhorn' (Mixtral renormalises the top-k weights)")
+    router = args.get("moe_router_dtype")
+    if router not in (None, "fp32") or (router == "fp32" and dtype != torch.float32):
+        # Mixtral's router runs in the model's dtype: fp32 logits match it only in an fp32 export
+        wrong.append(f"--moe-router-dtype={router!r} (a {_HF_DTYPE[dtype]} Mixtral routes in {_HF_DTYPE[dtype]})")
+    if not 0 < topk <= experts:
+        wrong.append(f"--moe-router-topk={topk} (needs 1 to --num-experts={experts})")
+    if wrong:
+        raise UnmappableModelError(f"{ckpt}: no exact Hugging Face equivalent: {wrong[0]} for the Mixtral mapping")
+    hidden, heads, groups, head_dim = _head_facts(args, ckpt)
+    ffn = int(args.get("moe_ffn_hidden_size") or args.get("ffn_hidden_size") or 4 * hidden)
+    config = {
+        "architectures": ["MixtralForCausalLM"],
+        "model_type": "mixtral",
+        **_decoder_config(args, ckpt, ffn),
+        "num_local_experts": experts,
+        "num_experts_per_tok": topk,
+        "router_jitter_noise": 0.0,
+        "output_router_logits": False,
+        "sliding_window": None,
+        "attention_dropout": 0.0,
+        **common_config,
+    }
+    vocab, tied = common_config["vocab_size"], common_config["tie_word_embeddings"]
+    return HfModel("mixtral", config, int(args["num_layers"]), heads, groups, head_dim, vocab, tied, experts)
+
+
 def hf_model(args: dict, ckpt: str, dtype: torch.dtype) -> HfModel:
     """The Hugging Face model of the recorded training ``args`` (a dict), written in ``dtype``; raises
     :class:`UnmappableModelError` naming the first argument that prevents an exact mapping."""
@@ -149,27 +230,14 @@ def hf_model(args: dict, ckpt: str, dtype: torch.dtype) -> HfModel:
         "eos_token_id": None,
         "use_cache": True,
     }
+    experts = int(args.get("num_experts") or 0)
+    if experts:
+        return _mixtral(args, ckpt, dtype, llama, common_config)
     if not llama:
-        if hidden % heads:
-            raise UnmappableModelError(
-                f"{ckpt}: Llama needs --hidden-size={hidden} to be a multiple of --num-attention-heads={heads}"
-            )
         config = {
             "architectures": ["LlamaForCausalLM"],
             "model_type": "llama",
-            "hidden_size": hidden,
-            "intermediate_size": ffn,
-            "num_hidden_layers": layers,
-            "num_attention_heads": heads,
-            "num_key_value_heads": groups,
-            "head_dim": head_dim,
-            "hidden_act": "silu",
-            "max_position_embeddings": positions,
-            "rms_norm_eps": eps,
-            # transformers 5 reads rope_parameters, 4.x rope_theta: both, so that no version falls back
-            # to its default base and loads a model that computes something else
-            "rope_parameters": {"rope_type": "default", "rope_theta": float(args.get("rotary_base", 10000))},
-            "rope_theta": float(args.get("rotary_base", 10000)),
+            **_decoder_config(args, ckpt, ffn),
             "attention_bias": False,
             "mlp_bias": False,
             **common_config,

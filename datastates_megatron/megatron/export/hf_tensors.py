@@ -1,6 +1,6 @@
 """The one name table from megatron-core's global tensors to a Hugging Face model's tensors, with
-the cut each needs: the fused QKV split per query group, the GLU halves apart, GPT-2's ``Conv1D``
-weights transposed, the vocabulary padding dropped.
+the cut each needs: the fused QKV split per query group, the GLU halves apart (each expert's too),
+GPT-2's ``Conv1D`` weights transposed, the vocabulary padding dropped.
 
 A :class:`Rule` reads one layer of one or two global tensors (:class:`Source`) and yields one or
 more output tensors; the rules of a model cover every global key of the checkpoint and every layer
@@ -25,6 +25,8 @@ from .hf_config import HfModel, UnmappableModelError
 __all__ = ["Rule", "Source", "hf_rules"]
 
 LAYERS = "decoder.layers."
+EXPERTS = "mlp.experts.experts."  # megatron-core's sharded prefix of the routed experts (global expert axis)
+_GLU = ("mlp.linear_fc1.weight", EXPERTS + "linear_fc1.weight")  # fused SwiGLU weights, or their halves
 # megatron-core's two names of a layer's norms (Transformer Engine's fused ones and the local layers')
 _ALIASES = {
     "input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
@@ -120,6 +122,20 @@ def _llama(m: HfModel) -> tuple[dict, dict]:
     return per_layer, whole
 
 
+def _mixtral(m: HfModel) -> tuple[dict, dict]:
+    """Llama's attention and norms; the MoE block in the hub's Mixtral names (``block_sparse_moe``,
+    ``w1`` gate, ``w3`` up, ``w2`` down) of the published Mixtral checkpoints, which transformers 5
+    merges into its fused expert tensors on load."""
+    per_layer, whole = _llama(m)
+    for mlp in ("mlp.linear_fc1.weight", "mlp.linear_fc2.weight"):
+        del per_layer[mlp]
+    moe = "model.layers.{l}.block_sparse_moe."
+    per_layer["mlp.router.weight"] = ((moe + "gate.weight",), _same)
+    per_layer[EXPERTS + "linear_fc1.weight"] = ((moe + "experts.{e}.w1.weight", moe + "experts.{e}.w3.weight"), _glu)
+    per_layer[EXPERTS + "linear_fc2.weight"] = ((moe + "experts.{e}.w2.weight",), _same)
+    return per_layer, whole
+
+
 def _gpt2(m: HfModel) -> tuple[dict, dict]:
     layer = "transformer.h.{l}."
     qkv = functools.partial(_gpt2_qkv, m)
@@ -159,14 +175,14 @@ def hf_rules(m: HfModel, blocks: dict[str, list[GlobalBlock]], ckpt: str) -> lis
     order they are written (the embedding, each layer in order, the final norm, the output layer).
     Raises :class:`UnmappableModelError` naming a global key the table does not map, a tensor the
     model needs that the checkpoint lacks, or a shape that does not fit."""
-    per_layer, whole = _llama(m) if m.arch == "llama" else _gpt2(m)
+    per_layer, whole = {"llama": _llama, "mixtral": _mixtral, "gpt2": _gpt2}[m.arch](m)
     by_suffix: dict[str, list[str]] = {}  # canonical layer suffix -> the checkpoint's keys for it
     leftover = []
     for key in blocks:
         if key.startswith(LAYERS):
             suffix = _canonical(key[len(LAYERS) :])
             glu = suffix.removesuffix("_w").removesuffix("_v")
-            if suffix in per_layer or (glu != suffix and glu == "mlp.linear_fc1.weight"):
+            if suffix in per_layer or (glu != suffix and glu in _GLU and glu in per_layer):
                 by_suffix.setdefault(glu, []).append(key)
                 continue
         elif key in whole and not (key == "output_layer.weight" and m.tied):
@@ -187,9 +203,12 @@ def hf_rules(m: HfModel, blocks: dict[str, list[GlobalBlock]], ckpt: str) -> lis
     for layer in range(m.layers):
         for suffix, (names, cut) in per_layer.items():
             keys = sorted(by_suffix.get(suffix, ()))
-            if suffix == "mlp.linear_fc1.weight" and len(keys) == 2:  # the GLU halves as keys of their own
+            if suffix in _GLU and len(keys) == 2:  # the GLU halves as keys of their own
                 keys, cut = [k for k in keys if k.endswith("_w")] + [k for k in keys if k.endswith("_v")], _pair
-            layers.append(_rule(m, blocks, ckpt, tuple(keys), (layer,), tuple(n.format(l=layer) for n in names), cut))
+            for e in range(m.experts) if suffix.startswith(EXPERTS) else (None,):
+                at = (layer,) if e is None else (layer, e)
+                out = tuple(n.format(l=layer, e=e) for n in names)
+                layers.append(_rule(m, blocks, ckpt, tuple(keys), at, out, cut))
     rules = head + layers + tail
     return rules
 
@@ -209,6 +228,11 @@ def _rule(m: HfModel, blocks, ckpt: str, keys: tuple[str, ...], at: tuple[int, .
             raise UnmappableModelError(
                 f"{ckpt}: global tensor {key!r} of shape {list(gshape)} does not hold the layers of a "
                 f"{m.layers}-layer model (--num-layers={m.layers})"
+            )
+        if p > 1 and gshape[1] != m.experts:
+            raise UnmappableModelError(
+                f"{ckpt}: global tensor {key!r} of shape {list(gshape)} does not hold the {m.experts} experts "
+                f"of each layer (--num-experts={m.experts})"
             )
         metas.append(torch.empty(gshape[p:], device="meta"))
     try:
