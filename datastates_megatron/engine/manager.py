@@ -232,7 +232,8 @@ class CheckpointManager(ClosingContext):
         dist = _dist()
         self.rank = dist.get_rank() if dist else 0
         self.world_size = dist.get_world_size() if dist else 1
-        # s3:// or msc://: the persistent tier is an ObjectTier, written by the promotion only
+        # s3:// or msc://: the persistent tier is an ObjectTier, written by the promotion (or, without
+        # local_root, by the uploads of memory files: _uploads)
         self.objects = is_object_url(root)
         self.root = _location(root)
         self.load_root = _location(load_root or root)
