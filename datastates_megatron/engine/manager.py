@@ -533,12 +533,12 @@ class CheckpointManager(ClosingContext):
             if self._uploads is not None:  # no node-local directory: into a memory file, uploaded once written
                 memory = memory_file(name)
                 handle = self.engine.save(iteration, path, objects, tag=name, memory_fd=memory)
-            # no storage call here on the training thread (issue 41): the writer's one mkdir, the other
-            # ranks' check of it, and the move of a retired rank file into place (to be overwritten)
-            # run on a flush thread just before the file is opened; an error there fails this rank's
-            # file, every rank abandons the checkpoint at its commit, and the caller hears it at its
-            # next save/poll/wait/close.  An iter_* symlink is refused on every rank: never written through
             else:
+                # no storage call here on the training thread (issue 41): the writer's one mkdir, the other
+                # ranks' check of it, and the move of a retired rank file into place (to be overwritten)
+                # run on a flush thread just before the file is opened; an error there fails this rank's
+                # file, every rank abandons the checkpoint at its commit, and the caller hears it at its
+                # next save/poll/wait/close.  An iter_* symlink is refused on every rank: never written through
                 prepare = prepare_iteration_dir(d, tier.is_writer, tier.recycled(path), rank=self.rank)
                 handle = self.engine.save(iteration, path, objects, tag=name, before_open=prepare)
         except CheckpointError as e:

@@ -88,6 +88,7 @@ class RankFileWriter:
         memory_fd: int | None = None,
     ) -> None:
         self.path = path
+        self._keep_mapping = memory_fd is None  # a memory file is never written again
         if memory_fd is not None:  # a nameless memory file of the caller's (memfd): nothing to open or reuse
             self._fd, self.reused_bytes, direct = os.dup(memory_fd), 0, False
         else:
@@ -186,7 +187,7 @@ class RankFileWriter:
         self.mapping = None
         if self._pool is not None:
             pool, self._pool = self._pool, None
-            pool.release(self._fd)
+            pool.release(self._fd, keep=self._keep_mapping)
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
