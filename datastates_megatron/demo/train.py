@@ -63,9 +63,8 @@ def one_line(err: BaseException) -> str:
 
 
 def main(argv=None) -> int:
-    """Train; a refused flag or start-up (``--save`` on object storage without a local directory,
-    a save location another job holds) is one line on stderr and exit status 2, never a traceback
-    (``DSM_DEBUG=1`` shows it)."""
+    """Train; a refused flag or start-up (a save location another job holds) is one line on stderr
+    and exit status 2, never a traceback (``DSM_DEBUG=1`` shows it)."""
     args = parse_args(argv)
     from ..engine.errors import CheckpointError
 

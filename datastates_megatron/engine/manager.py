@@ -52,6 +52,7 @@ from .names import RUN_ID_NAME
 from .tiers.reclaim import mark_ended, reclaim_finished_runs, unmark_ended
 from .tiers.run_id import run_subdir
 from .fs.safe_io import check_path_fits, make_dir, make_root
+from .storage.stream import memory_file
 from .storage.url import is_object_url
 from .save.snapshot import SnapshotEngine
 from .save.stall_report import StallReport
@@ -231,7 +232,8 @@ class CheckpointManager(ClosingContext):
         dist = _dist()
         self.rank = dist.get_rank() if dist else 0
         self.world_size = dist.get_world_size() if dist else 1
-        # s3:// or msc://: the persistent tier is an ObjectTier, written by the promotion only
+        # s3:// or msc://: the persistent tier is an ObjectTier, written by the promotion (or, without
+        # local_root, by the uploads of memory files: _uploads)
         self.objects = is_object_url(root)
         self.root = _location(root)
         self.load_root = _location(load_root or root)
@@ -262,12 +264,8 @@ class CheckpointManager(ClosingContext):
         self.local_root: str | None = None  # set once the run id is agreed (_start_tiers)
         self.run_id = ""
         self._save_empty = False  # rank 0: --save held no checkpoint at start-up (:meth:`_warn_wiped_save`)
+        self._uploads = None  # on object storage without local_root: each rank file streamed from memory
         if self.objects:
-            if not self.local_base:
-                raise OptionsError(
-                    "CheckpointManager",
-                    [("local_root", f"is required with a save location on object storage ({self.root})")],
-                )
             from .storage import open_storage
             from .storage.object_tier import ObjectTier
 
@@ -301,6 +299,10 @@ class CheckpointManager(ClosingContext):
         self._stalls = StallReport(self.rank, self._first_tier.root)  # saves skipped: storage behind
         try:
             self.engine = SnapshotEngine(opts)
+            if self.objects and not self.local_base:
+                from .storage.stream import StreamUploads
+
+                self._uploads = StreamUploads(self.persistent.storage, self.rank)
             for tier in (self.persistent, self.local):
                 if tier:  # each tier's commits go through the c10d store on a connection of their own
                     channel = StoreChannel(
@@ -354,7 +356,7 @@ class CheckpointManager(ClosingContext):
         """A start-up that failed after threads were started: stop them (nothing was saved yet;
         a process must not hang on them at exit; each join bounded) and release the locks."""
         try:
-            for part in (self.replication, self.promotion):
+            for part in (self.replication, self.promotion, self._uploads):
                 if part is not None:
                     part.close(timeout_s)
             for tier in (self.local, self.persistent):
@@ -524,22 +526,29 @@ class CheckpointManager(ClosingContext):
         if behind and not final:
             return self._skip(ticket, behind)
         t_wait = time.perf_counter()
-        error = None
+        error = memory = handle = None
         try:
             name = ticket.file_name(self.rank)
             path = os.path.join(d, name)
-            # no storage call here on the training thread (issue 41): the writer's one mkdir, the other
-            # ranks' check of it, and the move of a retired rank file into place (to be overwritten)
-            # run on a flush thread just before the file is opened; an error there fails this rank's
-            # file, every rank abandons the checkpoint at its commit, and the caller hears it at its
-            # next save/poll/wait/close.  An iter_* symlink is refused on every rank: never written through
-            prepare = prepare_iteration_dir(d, tier.is_writer, tier.recycled(path), rank=self.rank)
-            handle = self.engine.save(iteration, path, objects, tag=name, before_open=prepare)
+            if self._uploads is not None:  # no node-local directory: into a memory file, uploaded once written
+                memory = memory_file(name)
+                handle = self.engine.save(iteration, path, objects, tag=name, memory_fd=memory)
+            else:
+                # no storage call here on the training thread (issue 41): the writer's one mkdir, the other
+                # ranks' check of it, and the move of a retired rank file into place (to be overwritten)
+                # run on a flush thread just before the file is opened; an error there fails this rank's
+                # file, every rank abandons the checkpoint at its commit, and the caller hears it at its
+                # next save/poll/wait/close.  An iter_* symlink is refused on every rank: never written through
+                prepare = prepare_iteration_dir(d, tier.is_writer, tier.recycled(path), rank=self.rank)
+                handle = self.engine.save(iteration, path, objects, tag=name, before_open=prepare)
         except CheckpointError as e:
             error, handle = e, None
         except OSError as e:  # the save path raises CheckpointError only: a raw one must not escape
             error, handle = FlushError(f"rank {self.rank}: iteration {iteration}: {d}: save failed: {e}"), None
             error.__cause__ = e
+        finally:
+            if memory is not None and handle is None:  # else the engine writes it and the upload closes it
+                os.close(memory)
         ticket.t_save = t_save = time.perf_counter()
         if behind:  # a final save: it waited (bounded by timeout_s) rather than be skipped
             log.warning(
@@ -560,6 +569,9 @@ class CheckpointManager(ClosingContext):
             return False
         self._stalls.staged(iteration)
         ticket.durable = handle.durable
+        if memory is not None:  # stored from memory once written (:mod:`.storage.stream`)
+            ticket.durable = self._uploads.upload(handle.durable, memory, iteration, name)
+            ticket.reported = False  # a failed upload is raised as a promotion's: by wait(persist=True)
         tier.submit(ticket)
         return True
 
@@ -999,6 +1011,8 @@ class CheckpointManager(ClosingContext):
         fails to open its manifest joins that agreement, whichever way the others read) -- but on
         object storage, where every rank fetches what it reads into the node-local tier first
         (agreed: every rank reads object storage alike, never a node's copy beside it)."""
+        if is_object_url(root) and self.local_root is None:  # no node-local directory: ranged GETs into memory
+            return self._load_ranges(iteration, verify, planner)
         if view is not None and is_object_url(root):  # this rank's object, its record from rank 0
             view = self._fetch_own(view)
         elif is_object_url(root) and planner is not None:  # the byte ranges the plan reads, of any rank
@@ -1034,9 +1048,12 @@ class CheckpointManager(ClosingContext):
         """Collective: restore ``iteration`` of the persistent tier on object storage as ``planner``
         plans it (a reshard: parts of other ranks' objects), fetching by ranged GETs only the rank
         objects' metadata and the chunks the plan reads (:mod:`.storage.ranges`), into
-        ``<local tier>/fetched/ranges-r<rank>/`` -- this rank's, emptied before and removed after."""
+        ``<local tier>/fetched/ranges-r<rank>/`` -- this rank's, emptied before and removed after --
+        or, without a local tier, into memory files (no global index then: the plan reads each rank
+        object's own metadata)."""
         from .storage.fetch import fetch_manifest
         from .storage.ranges import RangeFetcher
+        from .storage.survey import iter_prefix
         from .tiers.retention import remove_ours
 
         from .names import iteration_of
@@ -1044,20 +1061,24 @@ class CheckpointManager(ClosingContext):
         storage = self.persistent.storage
         err, manifest, work, d = None, None, "", ""
         try:
-            work = os.path.join(self._fetch_root(iteration), f"ranges-r{self.rank}")
-            d = iter_dir(work, iteration)
-            for name in os.listdir(work) if os.path.isdir(work) else ():  # a killed load's leftovers (ours)
-                if iteration_of(name) is not None:
-                    remove_ours(os.path.join(work, name), self.rank)
-            make_dir(d)
+            if self.local_root is None:
+                d = storage.url(iter_prefix(iteration)).rstrip("/")  # names the memory files in messages
+            else:
+                work = os.path.join(self._fetch_root(iteration), f"ranges-r{self.rank}")
+                d = iter_dir(work, iteration)
+                for name in os.listdir(work) if os.path.isdir(work) else ():  # a killed load's leftovers (ours)
+                    if iteration_of(name) is not None:
+                        remove_ours(os.path.join(work, name), self.rank)
+                make_dir(d)
             manifest = fetch_manifest(storage, iteration)
-            _fetch_global_index(storage, iteration, d)  # the plan then opens only the objects it reads
+            if work:
+                _fetch_global_index(storage, iteration, d)  # the plan then opens only the objects it reads
         except Exception as e:  # noqa: BLE001 - every rank must hear it
             err = e
         if err is not None:
             self._agree_error(err)  # the reader's agreement is then never reached on any rank
             raise err
-        fetcher = RangeFetcher(storage, manifest, d, threads=self.restore_threads)
+        fetcher = RangeFetcher(storage, manifest, d if work else None, threads=self.restore_threads)
         planner = planner or SameLayoutPlanner(self.engine.registered, self.world_size, self.layout)
         verify = self.verify_on_load if verify is None else verify
         try:
@@ -1066,11 +1087,13 @@ class CheckpointManager(ClosingContext):
             ) as reader:
                 plan, stats = reader.load(planner, agree=self._agree_error)
         finally:
-            remove_ours(d, self.rank)
-            try:
-                os.rmdir(work)
-            except OSError:
-                pass  # another entry there: not ours to remove
+            fetcher.close()
+            if work:
+                remove_ours(d, self.rank)
+                try:
+                    os.rmdir(work)
+                except OSError:
+                    pass  # another entry there: not ours to remove
         log.info(
             "rank %d: loaded iteration %d from %s (%s plan, %d bytes; %d fetched by %d ranged GETs)",
             self.rank,
@@ -1185,7 +1208,7 @@ class CheckpointManager(ClosingContext):
                 self.engine.close(timeout, keep_cache=keep_cache)
             finally:
                 try:
-                    for part in (self.replication, self.local, self.promotion, self.persistent):
+                    for part in (self.replication, self.local, self.promotion, self._uploads, self.persistent):
                         if part is not None:
                             part.close(bound)
                     if ended and self.local is not None and self.local.is_writer:

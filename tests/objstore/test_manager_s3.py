@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from datastates_megatron.engine import EngineOptions
-from datastates_megatron.engine.errors import CorruptCheckpointError, NoCheckpointError, OptionsError
+from datastates_megatron.engine.errors import CorruptCheckpointError, NoCheckpointError
 from datastates_megatron.engine.manager import CheckpointManager
 
 
@@ -72,11 +72,6 @@ def test_save_to_s3_then_restore_on_a_fresh_node(bucket, s3_env, tmp_path):
         with pytest.raises(CorruptCheckpointError, match=f"s3://{bucket}/{key}"):
             mgr.load()
     assert torch.equal(untouched, torch.full_like(w, 7.0))
-
-
-def test_an_object_storage_save_needs_a_local_tier(bucket, s3_env):
-    with pytest.raises(OptionsError, match="local_root is required"):
-        CheckpointManager(f"s3://{bucket}/x", EngineOptions(cache_bytes=1 << 20, timeout_s=30))
 
 
 def test_the_global_index_object_holds_the_manifests_records(bucket, s3_env, tmp_path):

@@ -22,8 +22,8 @@ def test_a_plan_over_every_file_holds_at_most_max_open(tmp_path, monkeypatch):
     open_at_once = []
     real_open = reader_mod.open_rank
 
-    def counting_open(ckpt, manifest, rank, record=None):
-        rf = real_open(ckpt, manifest, rank, record)
+    def counting_open(ckpt, manifest, rank, record=None, memory_fd=None):
+        rf = real_open(ckpt, manifest, rank, record, memory_fd)
         open_at_once.append(len(reader._files) + 1)  # the files open once this one is added
         return rf
 

@@ -36,8 +36,9 @@ def test_object_urls_are_told_from_paths():
     assert parse_url("s3://bucket").prefix == ""
 
 
-def test_a_save_dir_on_object_storage_needs_a_local_dir(tmp_path):
-    with pytest.raises(OptionsError, match="local_dir is required when save_dir is on object storage"):
-        LazyCkptConfig(save_dir="s3://bucket/run", host_cache_gb=1 / 1024)
+def test_a_save_dir_on_object_storage_takes_a_local_dir_or_none(tmp_path):
+    assert LazyCkptConfig(save_dir="s3://bucket/run", host_cache_gb=1 / 1024).local_dir is None  # from memory
+    with pytest.raises(OptionsError, match="promote_slots only applies to a local tier: it requires local_dir"):
+        LazyCkptConfig(save_dir="s3://bucket/run", host_cache_gb=1 / 1024, promote_slots=4)
     cfg = LazyCkptConfig(save_dir="s3://bucket/run", local_dir=str(tmp_path), host_cache_gb=1 / 1024)
     assert cfg.effective_load_dir == "s3://bucket/run"

@@ -322,10 +322,11 @@ class RankFile:
     """A rank file opened read-only via ``mmap``; tensors are zero-copy views.  Not thread-safe to close
     while views are used; reading entries from several threads is safe."""
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, memory_fd: int | None = None) -> None:
+        """``memory_fd``: read this open memory file (a memfd, duplicated) that ``path`` only names."""
         self.path = os.fspath(path)
         # never through a symlink, only a regular file (a FIFO does not block): CorruptCheckpointError
-        self._file = os.fdopen(open_regular(self.path), "rb")
+        self._file = os.fdopen(open_regular(self.path) if memory_fd is None else os.dup(memory_fd), "rb")
         self._mm = None
         size = os.fstat(self._file.fileno()).st_size
         if size < HEADER_BYTES:

@@ -80,9 +80,41 @@ class RankFileWriter:
     are taken from that pool as ``mapping`` (None otherwise, or when the pool cannot map it)."""
 
     def __init__(
-        self, path: str, direct: bool | str = "auto", mapped_files: MappedFiles | None = None, data_end: int = 0
+        self,
+        path: str,
+        direct: bool | str = "auto",
+        mapped_files: MappedFiles | None = None,
+        data_end: int = 0,
+        memory_fd: int | None = None,
     ) -> None:
         self.path = path
+        self._keep_mapping = memory_fd is None  # a memory file is never written again
+        if memory_fd is not None:  # a nameless memory file of the caller's (memfd): nothing to open or reuse
+            self._fd, self.reused_bytes, direct = os.dup(memory_fd), 0, False
+        else:
+            self._open_named(path, data_end)
+        self._direct_fd = None
+        if direct and hasattr(os, "O_DIRECT"):
+            try:
+                self._direct_fd = reopen_same(path, self._fd, os.O_WRONLY | os.O_DIRECT)
+            except OSError as e:
+                if direct is True:
+                    os.close(self._fd)
+                    raise FlushError(f"{path}: O_DIRECT is not supported here: {e}") from e
+        elif direct is True:
+            os.close(self._fd)
+            raise FlushError(f"{path}: O_DIRECT is not available on this platform")
+        self.memory_backed = memory_backed(self._fd)  # tmpfs/ramfs: see EngineOptions.source_writes
+        self.mapping: np.ndarray | None = None
+        self._pool = None
+        if mapped_files is not None and self.memory_backed and data_end > HEADER_BYTES:
+            try:
+                self.mapping = mapped_files.acquire(self._fd, data_end)
+                self._pool = mapped_files
+            except OSError as e:
+                log.warning("%s: not mapped (%s); writing it with pwrite", path, e)
+
+    def _open_named(self, path: str, data_end: int) -> None:
         # no O_TRUNC: ``path`` may be a recycled rank file, overwritten in place (its blocks/pages
         # reused); its old header is zeroed at once.  Read-write: a shared writable mapping needs it.
         # Never through a symlink, only a regular file (:mod:`.safe_io`): a link planted at this
@@ -106,26 +138,6 @@ class RankFileWriter:
             if self._fd is not None:
                 os.close(self._fd)
             raise
-        self._direct_fd = None
-        if direct and hasattr(os, "O_DIRECT"):
-            try:
-                self._direct_fd = reopen_same(path, self._fd, os.O_WRONLY | os.O_DIRECT)
-            except OSError as e:
-                if direct is True:
-                    os.close(self._fd)
-                    raise FlushError(f"{path}: O_DIRECT is not supported here: {e}") from e
-        elif direct is True:
-            os.close(self._fd)
-            raise FlushError(f"{path}: O_DIRECT is not available on this platform")
-        self.memory_backed = memory_backed(self._fd)  # tmpfs/ramfs: see EngineOptions.source_writes
-        self.mapping: np.ndarray | None = None
-        self._pool = None
-        if mapped_files is not None and self.memory_backed and data_end > HEADER_BYTES:
-            try:
-                self.mapping = mapped_files.acquire(self._fd, data_end)
-                self._pool = mapped_files
-            except OSError as e:
-                log.warning("%s: not mapped (%s); writing it with pwrite", path, e)
 
     def write(self, data: np.ndarray, offset: int) -> None:
         """Write ``data`` (uint8) at ``offset``; O_DIRECT when address, offset and length are 4 KiB-aligned."""
@@ -175,7 +187,7 @@ class RankFileWriter:
         self.mapping = None
         if self._pool is not None:
             pool, self._pool = self._pool, None
-            pool.release(self._fd)
+            pool.release(self._fd, keep=self._keep_mapping)
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None

@@ -118,13 +118,17 @@ class MappedFiles:
             self._files.pop(oldest).drop()
         return kept
 
-    def release(self, fd: int) -> None:
-        """The writer of the file open as ``fd`` is done with its view."""
+    def release(self, fd: int, keep: bool = True) -> None:
+        """The writer of the file open as ``fd`` is done with its view.  ``keep=False``: the file is
+        never written again (a memfd): its mapping is dropped now, not pinned until the next acquire."""
         st = os.fstat(fd)
         with self._lock:
-            kept = self._files.get((st.st_dev, st.st_ino))
+            key = (st.st_dev, st.st_ino)
+            kept = self._files.get(key)
             if kept is not None:
                 kept.in_use = False
+                if not keep:
+                    self._files.pop(key).drop()
 
     def _drop_unlinked(self) -> None:
         for key, kept in list(self._files.items()):

@@ -83,19 +83,22 @@ def open_checkpoint(root: str, iteration: int) -> tuple[str, Manifest]:
     return ckpt, read_manifest(ckpt)
 
 
-def open_rank(ckpt: str, manifest: Manifest, rank: int, record: RankRecord | None = None) -> RankFile:
+def open_rank(
+    ckpt: str, manifest: Manifest, rank: int, record: RankRecord | None = None, memory_fd: int | None = None
+) -> RankFile:
     """Open ``rank``'s file and check it is the one the manifest committed (a regular file of the
     committed size, whose header and index checksums, tag and iteration are the committed ones).
     The one check of a rank file against its manifest: a load and ``datastates-ckpt inspect``/``verify``
     use it.  A file that is not the committed one is a :class:`RankFileError` (its ``kind``: missing,
-    size or file); one the format refuses (damaged, newer) raises the format's own error."""
+    size or file); one the format refuses (damaged, newer) raises the format's own error.
+    ``memory_fd``: the file is this memfd (fetched into memory), which ``ckpt``/``rec.file`` only name."""
     rec = record or manifest.record(rank)  # ``record``: the manifest's, from the checkpoint's global index
     if rec is None:
         raise CorruptCheckpointError(f"{ckpt}: the {manifest.tier} manifest has no file for rank {rank}")
     path = os.path.join(ckpt, rec.file)
     missing = f"{ckpt}: rank {rank} file {rec.file} is missing"
     try:
-        st = os.lstat(path)
+        st = os.lstat(path) if memory_fd is None else os.fstat(memory_fd)
     except FileNotFoundError as e:
         raise RankFileError(missing, "missing", "file is missing") from e
     except OSError as e:
@@ -119,7 +122,7 @@ def open_rank(ckpt: str, manifest: Manifest, rank: int, record: RankRecord | Non
             f"file is {what}: {st.st_size} bytes, manifest says {rec.file_bytes}",
         )
     try:
-        rf = RankFile(path)  # O_NOFOLLOW + fstat again (:mod:`.safe_io`): a swap since lstat is refused too
+        rf = RankFile(path, memory_fd)  # O_NOFOLLOW + fstat again (:mod:`.safe_io`): a swap since lstat is refused too
     except FileNotFoundError as e:
         raise RankFileError(missing, "missing", "file is missing") from e
     except StorageReadError as e:
@@ -268,7 +271,8 @@ class CheckpointReader:
             self._reading = os.path.join(self.ckpt, rec.file) if rec is not None else self.ckpt
             if self.fetcher is not None:
                 self.fetcher.open(rank)
-            rf = self._files[rank] = open_rank(self.ckpt, self.manifest, rank, record)
+            memory = None if self.fetcher is None else self.fetcher.memory_fd(rank)
+            rf = self._files[rank] = open_rank(self.ckpt, self.manifest, rank, record, memory)
             self.opened.add(rank)
             self._tick()
             return rf

@@ -121,6 +121,7 @@ class _Job:
         self.version = version
         self.path = path
         self.before_open = before_open
+        self.memory_fd: int | None = None  # the file is written into this memfd (SnapshotEngine.save)
         self.layout = layout
         self.objects_json = objects_json
         self.ready = ready
@@ -227,7 +228,9 @@ class SnapshotEngine(ClosingContext):
         return self._layout
 
     # ------------------------------------------------------------------ training-thread API
-    def save(self, version: int, path: str, objects=None, tag: str = "", before_open=None) -> SaveHandle:
+    def save(
+        self, version: int, path: str, objects=None, tag: str = "", before_open=None, memory_fd: int | None = None
+    ) -> SaveHandle:
         """Snapshot every registered tensor (and ``objects``) into ``path`` as ``version``; returns at once.
 
         ``tag`` is stored with the file (the commit layer uses run token, rank and sequence) so a file
@@ -235,7 +238,9 @@ class SnapshotEngine(ClosingContext):
         just before ``path`` is opened (the manager moves a recycled rank file into place there, off the
         training thread and off the gate's path; files are opened one at a time, in save order); an
         ``OSError`` from it is logged and the file is written anew.  Blocks only while ``max_inflight``
-        versions are pending (bounded by ``timeout_s``); :meth:`behind` says beforehand whether it would."""
+        versions are pending (bounded by ``timeout_s``); :meth:`behind` says beforehand whether it would.
+        ``memory_fd``: write the file into this open memory file (a memfd; the caller keeps it) instead
+        of creating ``path``, which then only names it in messages."""
         t0 = time.perf_counter()
         self._check_open()
         self._raise_pending()
@@ -262,6 +267,7 @@ class SnapshotEngine(ClosingContext):
                     f"{self.options.max_inflight} in-flight slots"
                 )
         job = _Job(version, os.fspath(path), layout, objects_json, self._copier.mark_ready(), t0, before_open)
+        job.memory_fd = memory_fd
         with self._pending_lock:
             self._seq += 1
             self._pending[self._seq] = job
@@ -483,7 +489,7 @@ class SnapshotEngine(ClosingContext):
             job.opened.set_result(None)
             raise
         items = layout.items
-        from_source = self._from_source_hint = self._writes_from_source(job.path)
+        from_source = self._from_source_hint = self._writes_from_source(job.path, job.memory_fd is not None)
         for r, (_, padded, first, count) in enumerate(layout.regions):
             if job.error is not None:
                 return
@@ -520,7 +526,7 @@ class SnapshotEngine(ClosingContext):
                 ) from e
             self._issue(job, r, region, completion, None)
 
-    def _writes_from_source(self, path: str) -> bool:
+    def _writes_from_source(self, path: str, in_memory: bool = False) -> bool:
         """Whether CPU tensors skip the cache: see ``EngineOptions.source_writes``.  "auto" asks the
         file system of the directory above ``path``'s (the save root: the iteration directory may
         not exist yet, and is on the same file system), once per root: this runs on the copier
@@ -529,6 +535,8 @@ class SnapshotEngine(ClosingContext):
         mode = self.options.source_writes
         if mode != "auto":
             return bool(mode)
+        if in_memory:  # a memory file (``memory_fd``): memory-backed, and ``path`` is only its name
+            return True
         root = os.path.dirname(os.path.dirname(path)) or "."
         known = self._memory_backed_roots.get(root)
         if known is not None:
@@ -564,7 +572,11 @@ class SnapshotEngine(ClosingContext):
                         )
                 try:
                     job.writer = RankFileWriter(
-                        job.path, self.options.direct_io, self._mapped, HEADER_BYTES + job.layout.data_bytes
+                        job.path,
+                        self.options.direct_io,
+                        self._mapped,
+                        HEADER_BYTES + job.layout.data_bytes,
+                        memory_fd=job.memory_fd,
                     )
                 except OSError as e:
                     raise FlushError(
@@ -642,7 +654,7 @@ class SnapshotEngine(ClosingContext):
             job.writer.close()
         if receipt is None:
             try:
-                if job.writer is not None:
+                if job.writer is not None and job.memory_fd is None:  # a memory file has no name to remove
                     os.unlink(job.path)
             except OSError:
                 pass

@@ -4,8 +4,9 @@ is its storage steps, which this class overrides: the survey, the lock, start-up
 promotion's copy, the committer's writes, retention.  Its commit thread, subscribers and deleter
 are the base class's.
 
-Its checkpoints are written by the promotion only (the node-local tier absorbs the save; a rank
-object is :func:`.upload.upload_verified` from the local file).  The commit is the committer's
+Its checkpoints are written by the promotion (the node-local tier absorbs the save; a rank
+object is :func:`.upload.upload_verified` from the local file) or, without a node-local tier, by
+:mod:`.stream` (the same upload, from a memory file).  The commit is the committer's
 (:class:`..tiers.commit.Committer`: the same cross-rank agreement as on POSIX), which asks this
 tier for the writes (:class:`..tiers.commit.CommitCalls`): every rank object is stored before rank 0
 hears that rank's status, then the manifest is one PUT -- conditional: ``If-None-Match: *`` for a

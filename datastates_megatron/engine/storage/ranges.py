@@ -9,7 +9,9 @@ anything is copied into a live tensor; the fetched ranges land at their own offs
 verifies them as it verifies a file on disk, and a damaged range is refused naming the rank and
 tensor.  Bytes the plan does not read stay holes, never verified, never used.  The file lives in a
 directory the caller made for this load and removes after it: never under a name another load
-could mistake for a whole file.
+could mistake for a whole file -- or, without a directory (a save location on object storage and no
+node-local one), in a memfd (memory-backed and nameless: nothing is left behind by a ``kill -9``),
+closed by :meth:`RangeFetcher.close`.
 
 Memory: ``threads`` ranges of at most ``range_bytes`` in flight, each written at its offset.
 
@@ -49,8 +51,8 @@ def coalesce(spans, gap: int = 0) -> list[tuple[int, int]]:
 
 class RangeFetcher:
     """The rank objects of ``manifest``'s checkpoint on ``storage``, fetched piecewise into
-    ``dest_dir`` (a directory of the caller's, holding nothing else of that name).
-    ``fetched_bytes``: every byte moved so far."""
+    ``dest_dir`` (a directory of the caller's, holding nothing else of that name; ``None``: into
+    memory files, :meth:`memory_fd`, closed by :meth:`close`).  ``fetched_bytes``: every byte moved so far."""
 
     def __init__(
         self, storage: Storage, manifest: Manifest, dest_dir: str, *, threads: int = 4, range_bytes: int = _RANGE
@@ -58,6 +60,7 @@ class RangeFetcher:
         self.storage = storage
         self.manifest = manifest
         self.dest_dir = dest_dir
+        self._memory: dict[int, int] | None = None if dest_dir is not None else {}  # rank -> its memfd
         self.threads = max(1, int(threads))
         self.range_bytes = max(1, int(range_bytes))
         self._lock = threading.Lock()
@@ -79,7 +82,21 @@ class RangeFetcher:
         return iter_prefix(self.manifest.iteration) + rec.file
 
     def path(self, rank: int) -> str:
+        """Where ``rank``'s file is (without ``dest_dir``: its object's URL, for messages only)."""
+        if self._memory is not None:
+            return self.url(rank)
         return os.path.join(self.dest_dir, self.manifest.record(rank).file)
+
+    def memory_fd(self, rank: int) -> int | None:
+        """The memfd holding ``rank``'s file (after :meth:`open`), or ``None`` with a ``dest_dir``."""
+        return None if self._memory is None else self._memory.get(rank)
+
+    def close(self) -> None:
+        """Close the memory files (idempotent); the reader's views keep their own mappings."""
+        with self._lock:
+            fds, self._memory = list((self._memory or {}).values()), None if self._memory is None else {}
+        for fd in fds:
+            os.close(fd)
 
     # ------------------------------------------------------------------ opening a rank object
     def open(self, rank: int) -> str:
@@ -98,7 +115,11 @@ class RangeFetcher:
             return self.path(rank)
         try:
             key, rec = self._key(rank), self.manifest.record(rank)
-            fd = create_temp(self.path(rank))
+            fd = (
+                create_temp(self.path(rank))
+                if self._memory is None
+                else os.memfd_create(f"dsm-r{rank}", os.MFD_CLOEXEC)
+            )
             try:
                 os.ftruncate(fd, rec.file_bytes)
                 head = self._get(rank, key, 0, min(HEADER_BYTES, rec.file_bytes))
@@ -117,9 +138,14 @@ class RangeFetcher:
                     )
                     tail = [(max(lo, HEADER_BYTES), min(hi, rec.file_bytes)) for lo, hi in tail]
                 self._fetch_spans(rank, key, fd, tail)
-                os.fsync(fd)
+                if self._memory is None:
+                    os.fsync(fd)
             finally:
-                os.close(fd)
+                if self._memory is None:
+                    os.close(fd)
+                else:
+                    with self._lock:
+                        self._memory[rank] = fd
             with self._lock:
                 self._done[rank] = {(0, HEADER_BYTES), *tail}
         finally:
@@ -137,11 +163,14 @@ class RangeFetcher:
         if not todo:
             return 0
         key = self._key(rank)
-        fd = os.open(self.path(rank), os.O_WRONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0))
+        memory = self.memory_fd(rank)
+        flags = os.O_WRONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+        fd = os.open(self.path(rank), flags) if memory is None else memory
         try:
             moved = self._fetch_spans(rank, key, fd, todo)
         finally:
-            os.close(fd)
+            if memory is None:
+                os.close(fd)
         with self._lock:
             self._done[rank].update(todo)
         return moved

@@ -21,10 +21,13 @@ from .base import Storage
 __all__ = ["upload_verified"]
 
 
-def upload_verified(src: str, storage: Storage, key: str, version: int, pace=None) -> FileReceipt:
-    """Verify every checksum of the local rank file ``src``, then store it at ``key``."""
+def upload_verified(
+    src: str, storage: Storage, key: str, version: int, pace=None, memory_fd: int | None = None
+) -> FileReceipt:
+    """Verify every checksum of the local rank file ``src`` (or of the memory file ``memory_fd``,
+    which ``src`` then only names), then store it at ``key``."""
     t0 = time.perf_counter()
-    with RankFile(src) as rf:
+    with RankFile(src, memory_fd) as rf:
         data_bytes = rf.verify_all()
         header = rf.header
         storage.put_file(key, rf.span(0, header.file_bytes), pace=pace)

@@ -11,7 +11,6 @@ import dataclasses
 import os
 
 from ...engine.errors import OptionsError
-from ...engine.storage.url import is_object_url
 from .flag_spec import option, options_of
 from ...engine.options import (
     LOCAL_FALLBACK_CHOICES,
@@ -160,7 +159,8 @@ class LazyCkptConfig:
         "job left behind, is safe; another run's checkpoints are never loaded or promoted, and deleted only "
         "once that run ended cleanly with every one in its --save (logged). {node} "
         "in DIR is replaced by the node's index (rank // LOCAL_WORLD_SIZE): give each node its own "
-        "directory when several nodes run on one machine. Must differ from --save.",
+        "directory when several nodes run on one machine. Must differ from --save. Without it, a --save on "
+        "object storage is written from memory: each rank file is held in memory until its upload is done.",
     )
     persist_interval: int = option(
         1,
@@ -248,8 +248,6 @@ class LazyCkptConfig:
                 object.__setattr__(self, name, os.fspath(getattr(self, name)))
         if not isinstance(self.host_cache_gb, (int, float)) or not self.host_cache_gb > 0:
             problems.append(("host_cache_gb", f"must be > 0, got {self.host_cache_gb}"))
-        if self.save_dir and is_object_url(self.save_dir) and not self.local_dir:
-            problems.append(("local_dir", f"is required when save_dir is on object storage ({self.save_dir})"))
         if self.local_dir and self.save_dir and os.path.realpath(self.local_dir) == os.path.realpath(self.save_dir):
             problems.append(("local_dir", f"and save_dir must differ, both are {self.save_dir!r}"))
         if not self.local_dir:  # an option of the node-local tier without one would be silently ignored
