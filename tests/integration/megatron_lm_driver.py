@@ -283,13 +283,14 @@ def route_or_glue(mode, tmp, out):
         store = {}
 
         class Recording:
-            def __init__(self, model, optimizer, config, opt_param_scheduler=None):
+            def __init__(self, model, optimizer, config, opt_param_scheduler=None, vocab_size=None):
                 calls.append(
                     ["init", model is model_ref, optimizer is opt, opt_param_scheduler is sched, config.save_dir]
                 )
                 self.pending = []
                 self.on_commit = []  # the glue hangs Megatron's commit logging here
                 self.skipped = (0, 0)  # LazyCheckpointer.skipped: nothing is skipped here
+                self.cache_reused = False  # no earlier in-process attempt's arena
 
             def save(self, iteration, extra_state=None, *, final=False):
                 encode_objects({"extra_state": extra_state})
@@ -312,7 +313,7 @@ def route_or_glue(mode, tmp, out):
                 it = max(store)
                 return it, store[it]
 
-            def close(self):
+            def close(self, *, keep_cache=False):
                 calls.append(["close"])
 
         model_ref = model

@@ -54,8 +54,9 @@ class RecordingCheckpointer:
     instances: list["RecordingCheckpointer"] = []
     store: dict[int, object] = {}  # shared by instances: what a fresh process would find on disk
 
-    def __init__(self, model, optimizer, config, opt_param_scheduler=None):
+    def __init__(self, model, optimizer, config, opt_param_scheduler=None, vocab_size=None):
         self.model, self.optimizer, self.config, self.scheduler = model, optimizer, config, opt_param_scheduler
+        self.vocab_size = vocab_size
         self.calls: list[tuple] = []
         self.pending: list[int] = []
         self.closed = False
@@ -63,6 +64,7 @@ class RecordingCheckpointer:
         RecordingCheckpointer.instances.append(self)
 
     skipped = (0, 0)  # LazyCheckpointer.skipped: (saves skipped, checkpoints abandoned); nothing is skipped here
+    cache_reused = False  # LazyCheckpointer.cache_reused: no earlier attempt's arena here
 
     def save(self, iteration, extra_state=None, *, final=False):
         encode_objects({"extra_state": extra_state})  # what LazyCheckpointer.save stores: no pickle
@@ -86,7 +88,7 @@ class RecordingCheckpointer:
         it = max(RecordingCheckpointer.store) if iteration is None else iteration
         return it, RecordingCheckpointer.store[it]
 
-    def close(self):
+    def close(self, *, keep_cache=False):
         self.calls.append(("close",))
         self.closed = True
 
@@ -438,6 +440,7 @@ def test_parse_args_takes_the_lazy_ckpt_flags(driven):
         promote_slots=2,
         promote_mbps=0.0,
         when_behind="skip",
+        allow_vocab_change=False,
     )
     errors = out["errors"]
     assert "--lazy-ckpt requires --save" in errors["no_save"]

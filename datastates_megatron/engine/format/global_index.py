@@ -41,7 +41,6 @@ from .index_sections import VERSION, RangedIndex, check_bounds, pack_body, pack_
 from .manifest import Manifest
 from ..fs.durable import atomic_write
 from ..names import INDEX_NAME, iter_dir
-from ..storage.url import is_object_url
 from ..fs.safe_io import MANIFEST_MAX_BYTES, open_regular, read_capped
 
 __all__ = ["GlobalIndex", "RangedIndex", "Summaries", "encode_summary", "summary_sum", "read_index", "write_index"]
@@ -212,9 +211,8 @@ def read_index(ckpt: str, manifest: Manifest) -> "RangedIndex | GlobalIndex | No
     (written before the index, or by a rank whose summaries were missing) or the one there is of
     another commit; :class:`CorruptCheckpointError` naming the file when it is damaged.  Format 2
     comes back open for ranged reads (:class:`.index_sections.RangedIndex`: close it); format 1
-    is read whole (:class:`GlobalIndex`)."""
-    if is_object_url(ckpt):  # a checkpoint read from object storage into memory: no index file beside it
-        return None
+    is read whole (:class:`GlobalIndex`).  ``ckpt`` is a directory: a checkpoint read from object
+    storage into memory has no index file beside it (the callers ask for none)."""
     path = os.path.join(ckpt, INDEX_NAME)
     try:
         fd = open_regular(path)

@@ -60,6 +60,7 @@ import torch
 
 from ...engine.errors import CheckpointError, CorruptCheckpointError, LayoutMismatchError
 from ...engine.format.global_index import GlobalIndex, RangedIndex, read_index
+from ...engine.storage.url import is_object_url
 from ...engine.load.load_plan import ElementRange, LoadPlan, LoadPlanner, ReadItem
 from ...engine.format.manifest import Manifest
 from ...engine.load.reader import CheckpointReader
@@ -937,7 +938,7 @@ def plan_by_global_index(reader: CheckpointReader, plan_fn, source: int | None):
     (logged: the caller then reads every rank file's metadata, and raises what is really wrong)."""
     gi = None
     try:
-        gi = read_index(reader.ckpt, reader.manifest)
+        gi = None if is_object_url(reader.ckpt) else read_index(reader.ckpt, reader.manifest)
         if gi is None:
             return None
         reader.records_from(gi)  # the records of the files it opens, from the index (closed with the reader)

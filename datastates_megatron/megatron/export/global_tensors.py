@@ -31,6 +31,7 @@ import torch
 
 from ...engine.errors import LayoutMismatchError
 from ...engine.format.global_index import read_index
+from ...engine.storage.url import is_object_url
 from ...engine.load.load_plan import LoadPlan, ReadItem
 from ...engine.load.reader import CheckpointReader
 from ..checkpointing.reshard import Block, CheckpointIndex, GlobalIndexView, StaleIndexError
@@ -82,7 +83,7 @@ def open_index(reader: CheckpointReader, ranged: bool = True) -> CheckpointIndex
     if not ranged:
         return CheckpointIndex.from_reader(reader)
     try:
-        gi = read_index(reader.ckpt, reader.manifest)
+        gi = None if is_object_url(reader.ckpt) else read_index(reader.ckpt, reader.manifest)
         if gi is not None:
             view = GlobalIndexView(gi)
             view.all_params()
