@@ -115,6 +115,7 @@ def _index(params: dict):
     for name, (shape, blocks) in params.items():
         index.params[("pp1.tp0", 0, name)] = (tuple(shape), "float32")
         index.blocks[("pp1.tp0", 0, name)] = tuple(blocks)
+        index.origins[("pp1.tp0", 0, name)] = f"ckpt/rank_0.bin: rank 0 tensor {name}"
     return index
 
 
@@ -140,19 +141,20 @@ def test_global_blocks_takes_a_parameter_of_one_block_and_a_factorys_pieces():
 @pytest.mark.parametrize(
     "offset,shape,named",
     [
-        ((4, 0), (8, 4), "overlap"),  # overlaps the first block, with the right element count
-        ((20, 0), (8, 4), "outside"),  # past the end of the tensor
-        ((8, 0), (-8, 4), "do not tile"),  # a negative extent
+        ((4, 0), (8, 4), "over element .* which the block at offset"),  # overlaps the first, right count
+        ((20, 0), (8, 4), "outside its global shape"),  # past the end of the tensor
+        ((8, 0), (-8, 4), "a negative offset or size"),  # a negative extent
     ],
     ids=["overlap", "past_the_end", "negative_shape"],
 )
 def test_blocks_that_do_not_tile_the_tensor_exactly_are_refused_naming_it(offset, shape, named):
-    from datastates_megatron.engine.errors import LayoutMismatchError
+    from datastates_megatron.engine.errors import CheckpointError
     from datastates_megatron.megatron.export.global_tensors import global_blocks
 
     key = "embedding.word_embeddings.weight"
     first = Block(key, (16, 4), (0, 0), (8, 4), False)
     other = Block(key, (16, 4), offset, shape, False)
     index = _index({"a.weight": ((8, 4), [first]), "b.weight": ((8, 4), [other])})
-    with pytest.raises(LayoutMismatchError, match=named):
+    with pytest.raises(CheckpointError, match=named) as refused:
         global_blocks(index, "ckpt")
+    assert "\n" not in str(refused.value) and "b.weight" in str(refused.value)

@@ -34,13 +34,13 @@ from ...engine.format.global_index import read_index
 from ...engine.storage.url import is_object_url
 from ...engine.load.load_plan import LoadPlan, ReadItem
 from ...engine.load.reader import CheckpointReader
+from ..checkpointing.blocks import record_problem
 from ..checkpointing.reshard import Block, CheckpointIndex, GlobalIndexView, StaleIndexError
 
 __all__ = [
     "GlobalBlock",
     "assemble",
     "assemble_at",
-    "check_tiling",
     "close_index",
     "count_blocks",
     "exported_names",
@@ -124,6 +124,7 @@ def global_blocks(index: CheckpointIndex, ckpt: str) -> dict[str, list[GlobalBlo
             f"coordinates; if {IDENTITY_2_HINT.replace(': export it', ', export it', 1)}"
         )
     seen: dict[tuple[str, tuple[int, ...]], GlobalBlock] = {}
+    olds: dict[str, list] = {}  # megatron key -> [((param, i), Block)], for the tiling check
     for pkey in sorted(index.params):
         pieces = index.blocks.get(pkey)
         if not pieces:
@@ -133,68 +134,19 @@ def global_blocks(index: CheckpointIndex, ckpt: str) -> dict[str, list[GlobalBlo
                 "ShardedTensor or a factory of contiguous pieces, which only Megatron-LM's export rebuilds"
             )
         shape, dtype = index.params[pkey]
-        numel, at = math.prod(shape), 0
-        for block in sorted(pieces, key=lambda b: b.start):  # the pieces tile the parameter, in its order
-            if block.start != at or any(n <= 0 for n in block.shape):
-                raise LayoutMismatchError(
-                    f"{ckpt}: parameter {pkey[2]!r} (slice {pkey[0]}) has shape {list(shape)} but its global "
-                    f"blocks {[(b.key, list(b.shape), b.start) for b in pieces]} do not tile it"
-                )
-            at += block.size
+        bad = record_problem(tuple(pieces), math.prod(shape))  # the pieces tile the parameter, in its order
+        if bad is not None:
+            raise LayoutMismatchError(f"{ckpt}: parameter {pkey[2]!r} (slice {pkey[0]}) ({bad[0].key}) {bad[1]}")
+        for i, block in enumerate(pieces):
             gb = GlobalBlock(pkey, block, dtype, len(block.shape) - len(shape))
             seen.setdefault((megatron_key(block.key), block.offset), gb)  # one per block, however wrapped
-        if at != numel:
-            raise LayoutMismatchError(
-                f"{ckpt}: parameter {pkey[2]!r} (slice {pkey[0]}) has shape {list(shape)} but its global "
-                f"blocks {[(b.key, list(b.shape)) for b in pieces]} hold {at} elements"
-            )
+            olds.setdefault(megatron_key(block.key), []).append(((pkey, i), block))
+    for group in olds.values():
+        index.check_tiling(group)  # the reshard's check: in bounds, disjoint, covering, replicas once
     out: dict[str, list[GlobalBlock]] = {}
     for (key, _), gb in sorted(seen.items()):
         out.setdefault(key, []).append(gb)
-    for key, blocks in out.items():
-        check_tiling(ckpt, key, blocks)
     return out
-
-
-def check_tiling(ckpt: str, key: str, blocks: list[GlobalBlock]) -> None:
-    """Raise :class:`LayoutMismatchError` unless ``blocks`` (one key's) share one global shape, lie
-    inside it, and cover every element exactly once: in bounds and disjoint, with as many elements as
-    the tensor has.  A tensor is only ever assembled from such blocks, so no element of the output is
-    left as it was allocated."""
-    shapes = {b.block.global_shape for b in blocks}
-    if len(shapes) != 1:
-        raise LayoutMismatchError(f"{ckpt}: the blocks of {key!r} disagree on its global shape: {sorted(shapes)}")
-    (gshape,) = shapes
-    for b in blocks:
-        bl = b.block
-        if (
-            len(bl.offset) != len(gshape)
-            or len(bl.shape) != len(gshape)
-            or not all(0 <= o and 0 < n and o + n <= g for o, n, g in zip(bl.offset, bl.shape, gshape))
-        ):
-            raise LayoutMismatchError(
-                f"{ckpt}: parameter {b.param[2]!r} (slice {b.param[0]}): its block of {key!r} at offset "
-                f"{list(bl.offset)} of shape {list(bl.shape)} lies outside the global shape {list(gshape)}"
-            )
-    # a sweep along the axis with the most distinct offsets: only blocks that start before a ends can meet it
-    ax = max(range(len(gshape)), key=lambda d: len({b.block.offset[d] for b in blocks}), default=0)
-    ordered = sorted(blocks, key=lambda b: b.block.offset[ax:] + b.block.offset[:ax]) if gshape else []
-    for i, a in enumerate(ordered):
-        ab = a.block
-        for b in ordered[i + 1 :]:
-            bb = b.block
-            if bb.offset[ax] >= ab.offset[ax] + ab.shape[ax]:
-                break
-            if all(bo < ao + an and ao < bo + bn for ao, an, bo, bn in zip(ab.offset, ab.shape, bb.offset, bb.shape)):
-                raise LayoutMismatchError(
-                    f"{ckpt}: the blocks of {key!r} at offsets {list(ab.offset)} (parameter {a.param[2]!r}, slice "
-                    f"{a.param[0]}) and {list(bb.offset)} (parameter {b.param[2]!r}, slice {b.param[0]}) overlap"
-                )
-    if sum(b.numel for b in blocks) != math.prod(gshape):
-        raise LayoutMismatchError(
-            f"{ckpt}: the blocks of {key!r} do not tile its global shape {list(gshape)} "
-            f"({sum(b.numel for b in blocks)} elements recorded)"
-        )
 
 
 def count_blocks(path: str) -> int:
