@@ -55,7 +55,10 @@ pytestmark = [
 
 ITERS = 8
 FAULT_AT = 5  # the checkpoint of iteration 4 is the newest one scheduled before it
-BASE = ["--train-iters", str(ITERS), "--bf16"]
+# --num-workers 0: the aborted attempt's DataLoader workers are otherwise joined in NVRx's garbage
+# collection between attempts, up to 5 s each (torch's MP_STATUS_CHECK_INTERVAL) on a loaded machine:
+# rank 0 then reached the next attempt 30 s after rank 1, and was declared unresponsive
+BASE = ["--train-iters", str(ITERS), "--bf16", "--num-workers", "0"]
 # the wrapper's timeouts scaled to a tiny model on a shared 2-core machine; at most 3 attempts
 INPROCESS = [
     "--inprocess-restart",
@@ -66,7 +69,7 @@ INPROCESS = [
     "--inprocess-heartbeat-interval",
     "2",
     "--inprocess-heartbeat-timeout",
-    "30",
+    "60",  # Megatron-LM's default: a rank's monitor heartbeats while the rank restarts
 ]  # NVRx requires soft < hard < barrier timeout (Megatron-LM's defaults: 60, 90, 120 s)
 
 
