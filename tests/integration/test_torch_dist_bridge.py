@@ -190,6 +190,9 @@ SAME_PADDING = ["--vocab-size", "511"]
 
 
 @pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.device_count() < 4, reason="needs 4 GPUs under NCCL")
+# -m slow for CI time: test_layout_change.py's CI cases import --lazy-ckpt-convert-to's export at
+# another layout (PP2 -> TP2) with megatron-core as their reference
+@pytest.mark.slow
 def test_tp2_pp2_lazy_checkpoint_loads_at_tp1_pp1_through_the_export_and_back(tmp_path):
     lazy = tmp_path / "lazy"
     trained = launch(

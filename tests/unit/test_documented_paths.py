@@ -118,8 +118,7 @@ COVERED: dict[str, tuple[str, ...]] = {
     "--lazy-ckpt-host-cache-gb": (PRETRAIN_GPT, EVERY_FLAG),
     "--lazy-ckpt-convert-to": (
         UNIT + "test_lazy_ckpt_args.py::test_convert_to_needs_a_load_and_a_directory_of_its_own",
-        INTEGRATION
-        + "test_torch_dist_bridge.py::test_tp2_pp2_lazy_checkpoint_loads_at_tp1_pp1_through_the_export_and_back",
+        INTEGRATION + "test_layout_change.py::test_layout_change_on_a_plain_load_equals_the_torch_dist_conversion",
     ),
     "--lazy-ckpt-allow-vocab-change": (
         UNIT + "test_lazy_ckpt_args.py::test_allow_vocab_change_is_off_unless_asked_for",
