@@ -14,7 +14,7 @@
 #
 # Environment:
 #   DSM_SLURM_PARTITION      partition name            (default: debug)
-#   DSM_SLURM_READY_TIMEOUT  seconds to wait for idle  (default: 120)
+#   DSM_SLURM_READY_TIMEOUT  seconds to wait for idle  (default: 240)
 #   DSM_SLURM_NO_INSTALL=1   never call apt-get
 set -euo pipefail
 
@@ -27,7 +27,7 @@ readonly LOG_DIR=/var/log/slurm
 readonly RUN_DIR=/run/slurm
 readonly MUNGE_KEY=/etc/munge/munge.key
 readonly PARTITION="${DSM_SLURM_PARTITION:-debug}"
-readonly READY_TIMEOUT="${DSM_SLURM_READY_TIMEOUT:-120}"
+readonly READY_TIMEOUT="${DSM_SLURM_READY_TIMEOUT:-240}"
 
 log() { echo "slurm_setup: $*"; }
 cannot() { echo "slurm_setup: $*" >&2; exit 77; }
@@ -172,16 +172,17 @@ if pid_alive "$RUN_DIR/slurmctld.pid"; then
 else
     log "starting slurmctld"
     slurmctld || { show_log_tail "$LOG_DIR/slurmctld.log"; cannot "slurmctld failed to start"; }
-fi
-# slurmctld restores the jobs saved in $STATE_DIR: a test job of an earlier run that was cut off
-# (its machine stopped before slurm_teardown.sh ran) would hold the node. Cancel only those, and
-# before slurmd registers, which then reports them gone at once: the tests name theirs dsm-test-*
-# (tests/integration/slurm_jobs.py); any other job is waited for.
-leftover="$(squeue -h -o '%i %j' 2>/dev/null | awk '$2 ~ /^dsm-test-/ {print $1}' || true)"
-if [ -n "$leftover" ]; then
-    log "cancelling test jobs left over from an earlier run: $(tr '\n' ' ' <<<"$leftover")"
-    # shellcheck disable=SC2086
-    scancel $leftover 2>/dev/null || true
+    # A fresh slurmctld restores the jobs saved in $STATE_DIR: a test job of an earlier run that was
+    # cut off (its machine stopped before slurm_teardown.sh ran) would hold the node. Cancel only
+    # those, before slurmd registers (the node was then idle at once, or after about 120 s): the tests name
+    # theirs dsm-test-* (tests/integration/slurm_jobs.py); any other job is waited for. A running
+    # slurmctld's jobs are live ones, left alone.
+    leftover="$(squeue -h -o '%i %j' 2>/dev/null | awk '$2 ~ /^dsm-test-/ {print $1}' || true)"
+    if [ -n "$leftover" ]; then
+        log "cancelling test jobs left over from an earlier run: $(tr '\n' ' ' <<<"$leftover")"
+        # shellcheck disable=SC2086
+        scancel $leftover 2>/dev/null || true
+    fi
 fi
 if pid_alive "$RUN_DIR/slurmd.pid"; then
     log "slurmd already running"
