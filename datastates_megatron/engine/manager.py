@@ -48,6 +48,7 @@ from .load.reader import CheckpointReader, RestoreStats, open_checkpoint
 from .fs.iteration_dir import prepare_iteration_dir
 from .tiers.replica_strategy import clique_of, replication_plan
 from .tiers.replication import Replication
+from .tiers import host_copy
 from .names import RUN_ID_NAME
 from .tiers.reclaim import mark_ended, reclaim_finished_runs, unmark_ended
 from .tiers.run_id import run_subdir
@@ -100,6 +101,7 @@ def _no_check(manifest, ckpt) -> bool:
     return False
 
 
+HOST_MEMORY = "host memory"  # RestoreChoice.root and LoadResult.root of a restore from a host copy
 RESTORE_CANDIDATES = 3  # checkpoints a restore tries when the storage fails its reads (the chosen, then older)
 _SLOTS = 8  # restore candidates each rank sends (its newest local saves)
 _DECIDE_FIELDS = ("n", *(f"{k}{i}" for i in range(_SLOTS) for k in ("it", "tok", "seq", "ms")))
@@ -149,10 +151,11 @@ class RestoreChoice:
     :meth:`CheckpointManager.load` consumes.  Made on rank 0; ``tier``, ``iteration``, ``view``'s
     header and ``reshard`` are the same on every rank, ``source``/``root``/``save`` are this rank's.
 
-    ``tier``: where the job restores from, ``"local"`` (the node-local tier: each rank's node copy
-    or a replica) or ``"persistent"`` (``shared``).  ``source``: where this rank's state comes
-    from -- ``"local"`` (its node's copy), ``"replica"`` (fetched from the clique member holding it
-    at load) or ``"persistent"``.  ``root``: the tier directory this rank reads.  ``view``: the
+    ``tier``: where the job restores from, ``"local"`` (each rank's host copy, node copy or a
+    replica) or ``"persistent"`` (``shared``).  ``source``: where this rank's state comes
+    from -- ``"host"`` (its host copy, in memory: :mod:`.tiers.host_copy`), ``"local"`` (its node's
+    copy), ``"replica"`` (fetched from the clique member holding it at load) or ``"persistent"``.
+    ``root``: the tier directory this rank reads (:data:`HOST_MEMORY` for a host copy).  ``view``: the
     checkpoint ``iteration`` of the shared tier (``shared``: the load directory), its manifest's
     header and this rank's record, read by rank 0 alone; ``None`` when that tier does not hold it.
     ``reshard``: the caller's layout check of that manifest found another layout its planner
@@ -297,7 +300,10 @@ class CheckpointManager(ClosingContext):
         self._start_tiers()
         self._first_tier = self.local or self.persistent  # where a save is committed first
         self._stalls = StallReport(self.rank, self._first_tier.root)  # saves skipped: storage behind
+        self.host = None  # this rank's newest committed rank file in memory (policy.host_copy)
         try:
+            if policy.host_copy is True:  # "auto" is resolved by the caller that knows (Megatron-LM's args)
+                self._start_host_copies()
             self.engine = SnapshotEngine(opts)
             if self.objects and not self.local_base:
                 from .storage.stream import StreamUploads
@@ -352,9 +358,27 @@ class CheckpointManager(ClosingContext):
             self.local_root,
         )
 
+    def _start_host_copies(self) -> None:
+        """Keep each save's rank file in memory too (:mod:`.tiers.host_copy`); after an in-process
+        restart, take over the copies the aborted attempt left."""
+        kept = host_copy.take(self.rank, self.root)
+        self.host = kept or host_copy.HostCopies(self.rank, self.root)
+        held = self.host.newest()
+        if held is not None:
+            log.info(
+                "rank %d: host copy of iteration %d (%d bytes) kept from the aborted attempt",
+                self.rank,
+                held.iteration,
+                held.nbytes,
+            )
+        host = self.host
+        self._first_tier.on_commit(lambda ticket: host.committed(ticket.token, ticket.seq))
+
     def _abandon_start(self, timeout_s: float) -> None:
         """A start-up that failed after threads were started: stop them (nothing was saved yet;
         a process must not hang on them at exit; each join bounded) and release the locks."""
+        if self.host is not None:  # a later attempt may still restore from it
+            host_copy.keep(self.host)
         try:
             for part in (self.replication, self.promotion, self._uploads):
                 if part is not None:
@@ -526,13 +550,15 @@ class CheckpointManager(ClosingContext):
         if behind and not final:
             return self._skip(ticket, behind)
         t_wait = time.perf_counter()
-        error = memory = handle = None
+        error = memory = handle = mirror = None
         try:
             name = ticket.file_name(self.rank)
             path = os.path.join(d, name)
+            if self.host is not None:  # the same bytes into memory, restored by an in-process restart
+                mirror = self._start_host_copy(ticket, name)
             if self._uploads is not None:  # no node-local directory: into a memory file, uploaded once written
                 memory = memory_file(name)
-                handle = self.engine.save(iteration, path, objects, tag=name, memory_fd=memory)
+                handle = self.engine.save(iteration, path, objects, tag=name, memory_fd=memory, mirror_fd=mirror)
             else:
                 # no storage call here on the training thread (issue 41): the writer's one mkdir, the other
                 # ranks' check of it, and the move of a retired rank file into place (to be overwritten)
@@ -540,7 +566,7 @@ class CheckpointManager(ClosingContext):
                 # file, every rank abandons the checkpoint at its commit, and the caller hears it at its
                 # next save/poll/wait/close.  An iter_* symlink is refused on every rank: never written through
                 prepare = prepare_iteration_dir(d, tier.is_writer, tier.recycled(path), rank=self.rank)
-                handle = self.engine.save(iteration, path, objects, tag=name, before_open=prepare)
+                handle = self.engine.save(iteration, path, objects, tag=name, before_open=prepare, mirror_fd=mirror)
         except CheckpointError as e:
             error, handle = e, None
         except OSError as e:  # the save path raises CheckpointError only: a raw one must not escape
@@ -549,6 +575,11 @@ class CheckpointManager(ClosingContext):
         finally:
             if memory is not None and handle is None:  # else the engine writes it and the upload closes it
                 os.close(memory)
+            if mirror is not None:
+                if handle is None:
+                    self.host.drop(ticket.token, ticket.seq)
+                else:
+                    self.host.attach(ticket.token, ticket.seq, handle.durable)
         ticket.t_save = t_save = time.perf_counter()
         if behind:  # a final save: it waited (bounded by timeout_s) rather than be skipped
             log.warning(
@@ -574,6 +605,15 @@ class CheckpointManager(ClosingContext):
             ticket.reported = False  # a failed upload is raised as a promotion's: by wait(persist=True)
         tier.submit(ticket)
         return True
+
+    def _start_host_copy(self, ticket: Ticket, name: str) -> int | None:
+        """The memory file this save's rank file is mirrored into, or ``None`` (logged) when the
+        host cannot make one: the save goes on without it (a restart then reads a tier)."""
+        try:
+            return self.host.start(ticket.iteration, ticket.token, ticket.seq, name, ticket.metadata, self.layout)
+        except OSError as e:
+            log.warning("rank %d: iteration %d: no host copy of this save: %s", self.rank, ticket.iteration, e)
+            return None
 
     def _behind(self) -> str | None:
         """Why this rank cannot stage a checkpoint now without waiting for its storage, or
@@ -732,7 +772,7 @@ class CheckpointManager(ClosingContext):
         self._check_open()
         self._drain_deletions(None)  # the decision never races retention of what it names
         root = _location(root or self.load_root)
-        tiered = bool(self.local_root) and root == self.root
+        tiered = (bool(self.local_root) or self.host is not None) and root == self.root
         found = self._restorable() if tiered else None  # the clique's collective, with replication
         # one record to rank 0: which directory this rank asks for, and its local candidates
         offer = {"root": zlib.crc32(root.encode("utf-8")), **(_offer(found.saves) if tiered else {})}
@@ -756,13 +796,25 @@ class CheckpointManager(ClosingContext):
         common = dict(tier="persistent", iteration=it, shared=root, view=shared, reshard=reshard, asked=iteration)
         if tiered:
             common["replicas"] = found.table
-        if decision["tier"] == "local" and not reshard:  # every rank holds it: its node's copy or a replica
+        if decision["tier"] == "local" and not reshard:  # every rank holds it: in memory, its node's copy or a replica
             how = found.how[it]
-            what = "this node's copy" if how == "local" else "its node-local copy is missing"
+            what = {"host": "this rank's host copy", "local": "this node's copy"}.get(
+                how, "its node-local copy is missing"
+            )
             common.update(tier="local", save=found.saves[it][:2])
-            return RestoreChoice(source=how, root=self.local_root, why=f"{why}; {what}", **common)
+            where = HOST_MEMORY if how == "host" else self.local_root
+            return RestoreChoice(source=how, root=where, why=f"{why}; {what}", **common)
         if reshard:
             why = f"{why}; its layout is resharded, from every rank's file"
+        elif (
+            tiered
+            and self.host is not None
+            and not self.objects  # an object is fetched by every rank alike, never read beside a memory copy
+            and self.host.holds(it, view.file_of(self.rank))
+        ):
+            return RestoreChoice(
+                source="host", root=HOST_MEMORY, why="this rank's host copy of the persistent file", **common
+            )
         elif (
             tiered
             and self.local_fallback == "rank"
@@ -807,9 +859,12 @@ class CheckpointManager(ClosingContext):
             return read, {"tier": "local", "iteration": common[0], "why": "the newest checkpoint every rank has"}
         why = "the newest checkpoint"
         if tiered:
-            why = "no node-local checkpoint every rank has"
+            held = " or ".join(
+                w for w, on in (("node-local", self.local_root), ("host-memory", self.host is not None)) if on
+            )
+            why = f"no {held} checkpoint every rank has"
             if common is not None:
-                why = f"newer than the newest node-local checkpoint every rank has ({common[0]})"
+                why = f"newer than the newest {held} checkpoint every rank has ({common[0]})"
         return newest, {"tier": "persistent", "iteration": newest, "why": why}
 
     def _persistent_committed(self) -> list[int]:
@@ -920,6 +975,8 @@ class CheckpointManager(ClosingContext):
             # a rank reading the shared tier reads it through rank 0's view (local_fallback="rank":
             # some ranks may read their node's copy instead)
             view = choice.view if chosen_root == choice.shared else None
+            if choice.source == "host":
+                return self._load_host(choice, verify, planner)
             return self._load_from(chosen_root, choice.iteration, verify, planner, view)
         except CheckpointError as e:
             # every rank raised (the failure was agreed before any tensor was written): a bad local
@@ -1044,6 +1101,47 @@ class CheckpointManager(ClosingContext):
         )
         return LoadResult(iteration, plan.objects, manifest.metadata, stats, root, plan.kind)
 
+    def _load_host(self, choice: RestoreChoice, verify: bool | None, planner: LoadPlanner | None) -> LoadResult:
+        """Restore this rank's state from its host copy (:mod:`.tiers.host_copy`): its memory file,
+        checked against the checksums recorded at save -- 0 bytes read from storage.  Joins the
+        reader's one agreement like :meth:`_load_from`, whichever way it fails."""
+        copy = self.host.newest()
+        label = f"{HOST_MEMORY} of rank {self.rank}"
+        if copy is None or copy.iteration != choice.iteration:  # retired since choose(): never, on one thread
+            err = CheckpointError(f"rank {self.rank}: {label}: no copy of iteration {choice.iteration} any more")
+            self._agree_error(err)
+            raise err
+        shared = choice.view.manifest if choice.view is not None else None
+        manifest = Manifest(
+            iteration=copy.iteration,
+            world_size=self.world_size,
+            run_token=copy.token,
+            ranks=(copy.record(self.rank),),
+            layout=shared.layout if shared is not None else copy.layout,
+            metadata=shared.metadata if shared is not None else copy.metadata,
+            tier="host",
+        )
+        planner = planner or SameLayoutPlanner(self.engine.registered, self.world_size, self.layout)
+        verify = self.verify_on_load if verify is None else verify
+        with CheckpointReader(
+            label,
+            manifest,
+            rank=self.rank,
+            verify=verify,
+            threads=self.restore_threads,
+            partial=True,
+            fetcher=host_copy.MemoryFile(copy.fd, label),
+        ) as reader:
+            plan, stats = reader.load(planner, agree=self._agree_error, stall_s=self.engine.options.timeout_s)
+        log.info(
+            "rank %d: restored iteration %d from host memory: 0 bytes read from storage (%d bytes%s)",
+            self.rank,
+            copy.iteration,
+            stats.bytes,
+            ", checksums verified" if verify else "",
+        )
+        return LoadResult(copy.iteration, plan.objects, manifest.metadata, stats, HOST_MEMORY, plan.kind)
+
     def _load_ranges(self, iteration: int, verify: bool | None, planner: LoadPlanner) -> LoadResult:
         """Collective: restore ``iteration`` of the persistent tier on object storage as ``planner``
         plans it (a reshard: parts of other ranks' objects), fetching by ranged GETs only the rank
@@ -1145,9 +1243,10 @@ class CheckpointManager(ClosingContext):
 
     # ------------------------------------------------------------------ tiers
     def _restorable(self) -> _Restorable:
-        """This rank's local-tier checkpoints: its node's, else (with replication) a replica its
-        clique holds for it (a collective of the clique)."""
-        saves = committed_saves(self.local_root, self.run_id, self.rank)
+        """This rank's local-tier checkpoints: its host copy (:mod:`.tiers.host_copy`), else its
+        node's, else (with replication) a replica its clique holds for it (a collective of the
+        clique)."""
+        saves = committed_saves(self.local_root, self.run_id, self.rank) if self.local_root else {}
         how, table = dict.fromkeys(saves, "local"), {}
         if self.replication is not None:
             self.replication.drain()  # the clique group is the restore's from here (its thread is idle)
@@ -1155,6 +1254,8 @@ class CheckpointManager(ClosingContext):
             for it, save in replica.items():
                 if it not in saves:
                     saves[it], how[it] = (*save, replica_created[it]), "replica"
+        for it, save in (self.host.saves() if self.host is not None else {}).items():
+            saves[it], how[it] = save, "host"  # the same save as a node's copy, or a newer one
         return _Restorable(dict(sorted(saves.items())), how, table)
 
     def _newest_local(self) -> int | None:
@@ -1192,8 +1293,9 @@ class CheckpointManager(ClosingContext):
     # ------------------------------------------------------------------ lifecycle
     def close(self, timeout: float | None = None, *, keep_cache: bool = False) -> None:
         """Drain (commit what is pending and promote the newest local checkpoint), then stop every
-        thread; idempotent.  ``keep_cache``: the host cache's arena goes to the next manager of this
-        process (an in-process restart: :meth:`.SnapshotEngine.close`)."""
+        thread; idempotent.  ``keep_cache``: the host cache's arena and this rank's host copy go to
+        the next manager of this process (an in-process restart: :meth:`.SnapshotEngine.close`,
+        :func:`.tiers.host_copy.keep`)."""
         if self._closed:
             return
         forget(self)
@@ -1214,7 +1316,11 @@ class CheckpointManager(ClosingContext):
                     if ended and self.local is not None and self.local.is_writer:
                         self._mark_ended()
                 finally:
-                    self._release_lock(bound)
+                    try:
+                        self._release_lock(bound)
+                    finally:
+                        if self.host is not None:  # every thread that adds to it is joined
+                            host_copy.keep(self.host) if keep_cache else self.host.close()
 
     def _mark_ended(self) -> None:
         """The run ended cleanly on this node: the next run here may reclaim its directory once

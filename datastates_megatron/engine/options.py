@@ -155,6 +155,10 @@ class ManagerOptions:
     replicas / replication_jump: each rank's node-local file is also kept by ``replicas`` partner
                    ranks, ``replication_jump`` ranks apart (:mod:`.replication`; None: 1 partner when
                    the nodes pair up, ranks per node apart; 0 partners: off).
+    host_copy:     also keep each rank's newest committed file in host memory (a memfd: one more copy
+                   of the rank's state, plus one per save in flight), so that an in-process restart
+                   restores from it, reading nothing from storage (:mod:`.tiers.host_copy`).
+                   ``"auto"`` (the Megatron-LM default, on under ``--inprocess-restart``) is off here.
     """
 
     keep_last: int = 0
@@ -171,6 +175,7 @@ class ManagerOptions:
     replication_jump: int | None = None
     promote_slots: int = 2
     promote_mbps: float = 0.0
+    host_copy: bool | str = False
 
     def __post_init__(self) -> None:
         problems = _at_least(self, ("keep_last", "keep_every", "local_keep_last", "promote_slots", "promote_mbps"), 0)
@@ -185,5 +190,7 @@ class ManagerOptions:
         problems += _one_of(self, "when_behind", WHEN_BEHIND_CHOICES)
         problems += _one_of(self, "local_fallback", LOCAL_FALLBACK_CHOICES)
         problems += _one_of(self, "recycle_files", RECYCLE_CHOICES)
+        if self.host_copy not in (True, False, "auto"):
+            problems.append(("host_copy", f"must be True, False or 'auto', got {self.host_copy!r}"))
         if problems:
             raise OptionsError("ManagerOptions", problems)

@@ -358,6 +358,11 @@ def _run_function(func, args: list[str], env: dict, out_path: str, err_path: str
         sys.stdout, sys.stderr = (open(fd, "w", closefd=False) for fd in (1, 2))
         os.environ.clear()
         os.environ.update(env)
+        import torch
+
+        # the parent's intra-op thread pool (made by any parallel torch op before the fork) is
+        # not in this process: a parallel op here would wait for its threads forever
+        torch.set_num_threads(1)
         result = func(args)
         sys.stdout.write("RESULT " + json.dumps(result) + "\n")
         sys.stdout.flush()

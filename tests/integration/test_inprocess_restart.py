@@ -8,8 +8,11 @@ against a run that was never interrupted (:func:`.megatron_lm_runs.assert_same_t
 The faults come from ``DSM_FAULT_AT`` (:mod:`datastates_megatron.megatron.cpu.fault_injection`):
 on every rank; on rank 1 only (rank 0 is then blocked in the gradient all-reduce until the CPU
 launcher's abort shuts down its gloo connections); a hang on rank 1 (NVRx's soft timeout); a
-second fault right after the restart's restore (``DSM_FAULT_AT_LOAD``).  With a node-local tier the
-restart reads nothing from ``--save``.  The restarted checkpointer reuses the host cache's arena.
+failed write of checkpoint 4 on rank 1's flush thread; a second fault right after the restart's
+restore (``DSM_FAULT_AT_LOAD``).  Each rank restores from its
+host copy (``--lazy-ckpt-host-copy``, on under ``--inprocess-restart``): 0 bytes read from storage.
+Without host copies, a node-local tier is the restore source, and the restart reads nothing from
+``--save`` either.  The restarted checkpointer reuses the host cache's arena.
 """
 
 from __future__ import annotations
@@ -81,11 +84,13 @@ def reference(tmp_path_factory):
     return run
 
 
-def _faulted(tmp_path, monkeypatch, fault: str, rank: int | None, extra: list[str], load: int | None = None):
+def _faulted(
+    tmp_path, monkeypatch, fault: str, rank: int | None, extra: list[str], load: int | None = None, at: int = FAULT_AT
+):
     save = tmp_path / "ckpt"
     args = [*BASE, "--save", str(save), "--load", str(save), "--save-interval", "2", *LAZY, *INPROCESS, *extra]
     with monkeypatch.context() as m:
-        m.setenv("DSM_FAULT_AT", f"{fault}:{FAULT_AT}")
+        m.setenv("DSM_FAULT_AT", f"{fault}:{at}")
         m.setenv("TORCH_CPP_LOG_LEVEL", "error")  # the wrapper's store polls warn each second otherwise
         if importlib.util.find_spec("nvidia_resiliency_ext") is None:  # the ranks import it from APART
             m.setenv("PYTHONPATH", os.pathsep.join(p for p in (os.environ.get("PYTHONPATH"), str(APART)) if p))
@@ -98,9 +103,11 @@ def _faulted(tmp_path, monkeypatch, fault: str, rank: int | None, extra: list[st
     return run, save
 
 
-def _restarted_once_from_4(run) -> None:
+def _restarted_once_from_4(run, host: bool = True) -> None:
     for rank in (0, 1):
         assert f"rank {rank}: training attempt aborted" in run.log, run.describe()
+        from_memory = f"rank {rank}: restored iteration 4 from host memory: 0 bytes read from storage"
+        assert (from_memory in run.log) == host, run.describe()
         assert (
             f"rank {rank}: in-process restart: the aborted attempt's lazy checkpointer is closed "
             "(its newest commit: iteration 4)" in run.log
@@ -129,11 +136,13 @@ def test_hang_in_forward_restarts_on_the_soft_timeout_and_resumes_bit_exact(tmp_
 
 
 def test_with_a_node_local_tier_the_restart_reads_nothing_from_save(tmp_path, monkeypatch, reference):
-    """The node-local tier (``/dev/shm`` in production: host memory) holds iteration 4 on every
-    rank: each rank restores it from there, and reads no checkpoint data from ``--save``."""
+    """Without host copies, the node-local tier (``/dev/shm`` in production: host memory) holds
+    iteration 4 on every rank: each rank restores it from there, and reads no checkpoint data from
+    ``--save``."""
     local = tmp_path / "node-local"
-    run, save = _faulted(tmp_path, monkeypatch, "raise", None, ["--lazy-ckpt-local-dir", str(local)])
-    _restarted_once_from_4(run)
+    extra = ["--lazy-ckpt-local-dir", str(local), "--lazy-ckpt-host-copy", "off"]
+    run, save = _faulted(tmp_path, monkeypatch, "raise", None, extra)
+    _restarted_once_from_4(run, host=False)
     tier = local_tier_dir(str(local), str(save))
     for rank in (0, 1):
         assert f"rank {rank}: restoring iteration 4 from {tier}: " in run.log, run.describe()
@@ -149,6 +158,8 @@ def test_a_second_fault_in_the_restarts_restore_restarts_again_consistently(tmp_
     run, save = _faulted(tmp_path, monkeypatch, "raise", None, [], load=2)
     assert "rank 0: injected fault after load 2" in run.log, run.describe()
     assert run.log.count("loaded lazy checkpoint of iteration 4") == 2, run.describe()  # rank 0's, per attempt
+    for rank in (0, 1):  # the copy outlives the second attempt too
+        assert run.log.count(f"rank {rank}: restored iteration 4 from host memory: 0 bytes") == 2, run.describe()
     for rank in (0, 1):
         assert (
             f"rank {rank}: in-process restart: the aborted attempt's lazy checkpointer is closed (its newest "
@@ -158,5 +169,21 @@ def test_a_second_fault_in_the_restarts_restore_restarts_again_consistently(tmp_
             f"rank {rank}: in-process restart: the aborted attempt's lazy checkpointer is closed (its newest "
             "commit: none)" in run.log
         ), run.describe()
+    assert latest(save) == ITERS
+    assert_same_training(run, reference, range(1, ITERS + 1))
+
+
+def test_a_failed_write_on_a_flush_thread_restarts_from_the_last_commit_in_memory(tmp_path, monkeypatch, reference):
+    """Rank 1's write of checkpoint 4 fails (EIO on its flush thread): every rank abandons
+    checkpoint 4, and the error reaches the training loop at the next poll (``--lazy-ckpt-on-error
+    raise``, the default), where the wrapper restarts in-process. Every rank restores iteration 2,
+    the newest committed, from its host copy; still bit-exact."""
+    run, save = _faulted(tmp_path, monkeypatch, "flush", 1, [], at=4)
+    assert "rank 1: injected fault (flush) in the write of checkpoint 4" in run.log, run.describe()
+    for rank in (0, 1):
+        assert f"rank {rank}: training attempt aborted" in run.log, run.describe()
+        assert f"rank {rank}: restored iteration 2 from host memory: 0 bytes read from storage" in run.log, (
+            run.describe()
+        )
     assert latest(save) == ITERS
     assert_same_training(run, reference, range(1, ITERS + 1))

@@ -80,6 +80,9 @@ COVERED: dict[str, tuple[str, ...]] = {
         INTEGRATION + "test_megatron_lm_tree.py::test_a_fresh_tree_patched_or_not_and_never_over_an_existing_one",
     ),
     "scripts/bench_engine.py": (INTEGRATION + "test_bench_engine.py::test_bench_engine_prints_every_measure",),
+    "scripts/bench_host_copy.py": (
+        INTEGRATION + "test_bench_host_copy.py::test_bench_host_copy_prints_every_measure_and_restores_from_memory",
+    ),
     "scripts/bench_restore.py": (
         INTEGRATION + "test_bench_restore.py::test_bench_restore_prints_every_measure_and_checks_values",
     ),
@@ -123,6 +126,11 @@ COVERED: dict[str, tuple[str, ...]] = {
     "--lazy-ckpt-allow-vocab-change": (
         UNIT + "test_lazy_ckpt_args.py::test_allow_vocab_change_is_off_unless_asked_for",
         INTEGRATION + "test_reshard.py::test_another_vocabulary_loads_with_the_flag_and_its_new_rows_start_at_zero",
+    ),
+    "--lazy-ckpt-host-copy": (
+        EVERY_FLAG,
+        INTEGRATION + "test_inprocess_restart.py::test_exception_in_forward_restarts_in_process_and_resumes_bit_exact",
+        INTEGRATION + "test_inprocess_restart.py::test_with_a_node_local_tier_the_restart_reads_nothing_from_save",
     ),
     "--lazy-ckpt-direct-io": (EVERY_FLAG,),
     "--lazy-ckpt-flush-threads": (EVERY_FLAG,),

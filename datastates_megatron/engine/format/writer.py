@@ -86,8 +86,10 @@ class RankFileWriter:
         mapped_files: MappedFiles | None = None,
         data_end: int = 0,
         memory_fd: int | None = None,
+        mirror_fd: int | None = None,
     ) -> None:
         self.path = path
+        self._mirror = None
         self._keep_mapping = memory_fd is None  # a memory file is never written again
         if memory_fd is not None:  # a nameless memory file of the caller's (memfd): nothing to open or reuse
             self._fd, self.reused_bytes, direct = os.dup(memory_fd), 0, False
@@ -113,6 +115,10 @@ class RankFileWriter:
                 self._pool = mapped_files
             except OSError as e:
                 log.warning("%s: not mapped (%s); writing it with pwrite", path, e)
+        # ``mirror_fd``: a memory file (memfd) that receives every byte written here, at the same
+        # offsets: the rank's host copy (:mod:`..tiers.host_copy`)
+        if mirror_fd is not None:
+            self._mirror = os.dup(mirror_fd)
 
     def _open_named(self, path: str, data_end: int) -> None:
         # no O_TRUNC: ``path`` may be a recycled rank file, overwritten in place (its blocks/pages
@@ -144,11 +150,15 @@ class RankFileWriter:
         fd = self._direct_fd
         aligned = fd is not None and offset % ALIGN == 0 and data.nbytes % ALIGN == 0 and data.ctypes.data % ALIGN == 0
         done = pwrite_direct(fd, data, offset, self.path) if aligned else 0
-        if done == data.nbytes:
-            return
-        if aligned:  # refused: this file system takes buffered writes only
+        if aligned and done < data.nbytes:  # refused: this file system takes buffered writes only
             self._close_direct()
-        _pwrite_all(self._fd, data[done:], offset + done)
+        if done < data.nbytes:
+            _pwrite_all(self._fd, data[done:], offset + done)
+        self._mirror_write(data, offset)
+
+    def _mirror_write(self, data, offset: int) -> None:
+        if self._mirror is not None:
+            _pwrite_all(self._mirror, data, offset)
 
     def copy_hashed(self, data: np.ndarray, offset: int, padded: int, spans) -> list[int]:
         """Through ``mapping``: copy each ``(off, length)`` span of ``data`` (uint8) to ``offset + off``
@@ -162,6 +172,7 @@ class RankFileWriter:
             used = off + length
         if used < padded:
             out[used:padded] = 0
+        self._mirror_write(out, offset)
         return sums
 
     def finish(self, tail: bytes, tail_offset: int, header: Header) -> None:
@@ -175,6 +186,10 @@ class RankFileWriter:
         os.ftruncate(self._fd, header.file_bytes)
         _pwrite_all(self._fd, header.pack(), 0)
         os.fsync(self._fd)
+        if self._mirror is not None:  # the same bytes; a memory file needs no fsync
+            self._mirror_write(tail, tail_offset)
+            os.ftruncate(self._mirror, header.file_bytes)
+            self._mirror_write(header.pack(), 0)
 
     def _close_direct(self) -> None:
         if self._direct_fd is not None:
@@ -191,3 +206,6 @@ class RankFileWriter:
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
+        if self._mirror is not None:
+            os.close(self._mirror)
+            self._mirror = None

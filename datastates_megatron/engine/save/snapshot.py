@@ -122,6 +122,7 @@ class _Job:
         self.path = path
         self.before_open = before_open
         self.memory_fd: int | None = None  # the file is written into this memfd (SnapshotEngine.save)
+        self.mirror_fd: int | None = None  # and also, byte for byte, into this one (a host copy)
         self.layout = layout
         self.objects_json = objects_json
         self.ready = ready
@@ -229,7 +230,14 @@ class SnapshotEngine(ClosingContext):
 
     # ------------------------------------------------------------------ training-thread API
     def save(
-        self, version: int, path: str, objects=None, tag: str = "", before_open=None, memory_fd: int | None = None
+        self,
+        version: int,
+        path: str,
+        objects=None,
+        tag: str = "",
+        before_open=None,
+        memory_fd: int | None = None,
+        mirror_fd: int | None = None,
     ) -> SaveHandle:
         """Snapshot every registered tensor (and ``objects``) into ``path`` as ``version``; returns at once.
 
@@ -240,7 +248,8 @@ class SnapshotEngine(ClosingContext):
         ``OSError`` from it is logged and the file is written anew.  Blocks only while ``max_inflight``
         versions are pending (bounded by ``timeout_s``); :meth:`behind` says beforehand whether it would.
         ``memory_fd``: write the file into this open memory file (a memfd; the caller keeps it) instead
-        of creating ``path``, which then only names it in messages."""
+        of creating ``path``, which then only names it in messages.  ``mirror_fd``: a memory file (the
+        caller keeps it) that also receives every byte of the file, at the same offsets."""
         t0 = time.perf_counter()
         self._check_open()
         self._raise_pending()
@@ -267,7 +276,7 @@ class SnapshotEngine(ClosingContext):
                     f"{self.options.max_inflight} in-flight slots"
                 )
         job = _Job(version, os.fspath(path), layout, objects_json, self._copier.mark_ready(), t0, before_open)
-        job.memory_fd = memory_fd
+        job.memory_fd, job.mirror_fd = memory_fd, mirror_fd
         with self._pending_lock:
             self._seq += 1
             self._pending[self._seq] = job
@@ -577,6 +586,7 @@ class SnapshotEngine(ClosingContext):
                         self._mapped,
                         HEADER_BYTES + job.layout.data_bytes,
                         memory_fd=job.memory_fd,
+                        mirror_fd=job.mirror_fd,
                     )
                 except OSError as e:
                     raise FlushError(

@@ -141,6 +141,15 @@ class LazyCkptConfig:
         "mappings kept from one save to the next, hashing and copying in one pass instead of hashing, then "
         "pwrite (less background CPU: docs/BENCHMARKS.md); off: plain writes.",
     )
+    host_copy: bool | str = option(
+        "auto",
+        "--lazy-ckpt-host-copy",
+        kind="auto",
+        help="Also keep each rank's newest committed checkpoint file in host memory (a memfd: about one more "
+        "copy of the rank's checkpoint, plus one per save in flight), so that an in-process restart "
+        "(--inprocess-restart) restores from it and reads nothing from storage. auto: on under "
+        "--inprocess-restart, else off (a job restart starts new processes: the copy dies with them).",
+    )
     timeout_s: float = option(
         600.0,
         "--lazy-ckpt-timeout-s",
@@ -275,7 +284,10 @@ class LazyCkptConfig:
 
     def manager_options(self) -> ManagerOptions:
         """The :class:`ManagerOptions` of the checkpoint manager (retention, errors, tiers)."""
-        return ManagerOptions(**_fields_for(self, ManagerOptions))
+        fields = _fields_for(self, ManagerOptions)
+        if fields["host_copy"] == "auto":  # only Megatron-LM's args know: see megatron_lm.checkpointing
+            fields["host_copy"] = False
+        return ManagerOptions(**fields)
 
     @property
     def host_cache_bytes(self) -> int:

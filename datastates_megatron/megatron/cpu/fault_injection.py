@@ -10,7 +10,9 @@ restart's own restore, before training resumes), on that rank too.
 * ``raise``: a :class:`InjectedFault` (a ``RuntimeError``), as a bad batch or a kernel error would;
 * ``hang``: the training thread stops making progress until an exception is raised in it (NVRx's
   monitor raises one into the main thread on a restart): a loop of short waits, so that the
-  asynchronous exception is delivered, standing for a hang in Python code.
+  asynchronous exception is delivered, standing for a hang in Python code;
+* ``flush``: instead of the forward pass, the checkpoint of ``iteration``: the first write of its
+  rank file raises ``EIO`` on the flush thread, as a storage target failing a write would.
 
 Installed by :mod:`..megatron_lm.run` when ``DSM_FAULT_AT`` is set (only there: a test's hook for
 *where* a fault happens, not a feature); it wraps ``megatron.training.training.train_step``.
@@ -28,7 +30,7 @@ __all__ = ["ENV", "LOAD_ENV", "RANK_ENV", "InjectedFault", "install"]
 ENV = "DSM_FAULT_AT"
 RANK_ENV = "DSM_FAULT_RANK"
 LOAD_ENV = "DSM_FAULT_AT_LOAD"
-_KINDS = ("raise", "hang")
+_KINDS = ("raise", "hang", "flush")
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +54,11 @@ def install(spec: str) -> None:
 
     kind, iteration = parse(spec)
     only_rank = os.environ.get(RANK_ENV)
+    if kind == "flush":
+        _fail_a_write(iteration, only_rank)
+        if os.environ.get(LOAD_ENV):
+            _fail_a_load(int(os.environ[LOAD_ENV]), only_rank)
+        return
     fired = threading.Event()
     original = training.train_step
 
@@ -82,6 +89,31 @@ def install(spec: str) -> None:
     training.train_step = train_step
     if os.environ.get(LOAD_ENV):
         _fail_a_load(int(os.environ[LOAD_ENV]), only_rank)
+
+
+def _fail_a_write(iteration: int, only_rank: str | None) -> None:
+    """The first write of this process's rank file of checkpoint ``iteration`` raises ``EIO`` (on
+    the flush thread that makes it), once per process."""
+    import errno
+
+    from datastates_megatron.engine.format import writer
+    from datastates_megatron.engine.names import iteration_of
+
+    fired = threading.Lock()
+    original = writer.RankFileWriter.write
+
+    @functools.wraps(original)
+    def write(self, data, offset):
+        import torch.distributed as dist
+
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        mine = only_rank is None or int(only_rank) == rank
+        if mine and iteration_of(os.path.basename(os.path.dirname(self.path))) == iteration and fired.acquire(False):
+            log.warning("rank %d: injected fault (flush) in the write of checkpoint %d", rank, iteration)
+            raise OSError(errno.EIO, f"rank {rank}: injected write fault in checkpoint {iteration}")
+        return original(self, data, offset)
+
+    writer.RankFileWriter.write = write
 
 
 def _fail_a_load(nth: int, only_rank: str | None) -> None:
