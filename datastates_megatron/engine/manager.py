@@ -303,7 +303,7 @@ class CheckpointManager(ClosingContext):
         self.host = None  # this rank's newest committed rank file in memory (policy.host_copy)
         try:
             if policy.host_copy is True:  # "auto" is resolved by the caller that knows (Megatron-LM's args)
-                self._start_host_copies()
+                self._start_host_copies(opts.max_inflight)
             self.engine = SnapshotEngine(opts)
             if self.objects and not self.local_base:
                 from .storage.stream import StreamUploads
@@ -358,11 +358,12 @@ class CheckpointManager(ClosingContext):
             self.local_root,
         )
 
-    def _start_host_copies(self) -> None:
+    def _start_host_copies(self, limit: int) -> None:
         """Keep each save's rank file in memory too (:mod:`.tiers.host_copy`); after an in-process
         restart, take over the copies the aborted attempt left."""
         kept = host_copy.take(self.rank, self.root)
-        self.host = kept or host_copy.HostCopies(self.rank, self.root)
+        self.host = kept or host_copy.HostCopies(self.rank, self.root, limit)
+        self.host.limit = max(1, limit)  # a kept one: this manager's
         held = self.host.newest()
         if held is not None:
             log.info(
@@ -372,7 +373,7 @@ class CheckpointManager(ClosingContext):
                 held.nbytes,
             )
         host = self.host
-        self._first_tier.on_commit(lambda ticket: host.committed(ticket.token, ticket.seq))
+        self._first_tier.on_commit(lambda ticket: host.committed(ticket.token, ticket.seq, ticket.durable))
 
     def _abandon_start(self, timeout_s: float) -> None:
         """A start-up that failed after threads were started: stop them (nothing was saved yet;
@@ -1105,12 +1106,19 @@ class CheckpointManager(ClosingContext):
         """Restore this rank's state from its host copy (:mod:`.tiers.host_copy`): its memory file,
         checked against the checksums recorded at save -- 0 bytes read from storage.  Joins the
         reader's one agreement like :meth:`_load_from`, whichever way it fails."""
-        copy = self.host.newest()
+        borrowed = self.host.borrow(choice.iteration, choice.save)
         label = f"{HOST_MEMORY} of rank {self.rank}"
-        if copy is None or copy.iteration != choice.iteration:  # retired since choose(): never, on one thread
+        if borrowed is None:  # a save committed since choose() replaced it
             err = CheckpointError(f"rank {self.rank}: {label}: no copy of iteration {choice.iteration} any more")
             self._agree_error(err)
             raise err
+        copy, fd = borrowed
+        try:
+            return self._read_host_copy(choice, copy, fd, label, verify, planner)
+        finally:
+            os.close(fd)
+
+    def _read_host_copy(self, choice, copy, fd: int, label: str, verify, planner) -> LoadResult:
         shared = choice.view.manifest if choice.view is not None else None
         manifest = Manifest(
             iteration=copy.iteration,
@@ -1130,7 +1138,7 @@ class CheckpointManager(ClosingContext):
             verify=verify,
             threads=self.restore_threads,
             partial=True,
-            fetcher=host_copy.MemoryFile(copy.fd, label),
+            fetcher=host_copy.MemoryFile(fd, label),
         ) as reader:
             plan, stats = reader.load(planner, agree=self._agree_error, stall_s=self.engine.options.timeout_s)
         log.info(

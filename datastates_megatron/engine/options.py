@@ -190,7 +190,7 @@ class ManagerOptions:
         problems += _one_of(self, "when_behind", WHEN_BEHIND_CHOICES)
         problems += _one_of(self, "local_fallback", LOCAL_FALLBACK_CHOICES)
         problems += _one_of(self, "recycle_files", RECYCLE_CHOICES)
-        if self.host_copy not in (True, False, "auto"):
+        if not isinstance(self.host_copy, bool) and self.host_copy != "auto":
             problems.append(("host_copy", f"must be True, False or 'auto', got {self.host_copy!r}"))
         if problems:
             raise OptionsError("ManagerOptions", problems)

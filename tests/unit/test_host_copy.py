@@ -161,3 +161,56 @@ def test_with_a_node_local_tier_on_tmpfs_the_copy_is_the_local_file_and_wins_ove
         assert (choice.tier, choice.source) == ("local", "host")
         got = again.load(choice)
     assert got.root == HOST_MEMORY and torch.equal(w, torch.arange(5000, dtype=w.dtype) + 3)
+
+
+def test_copies_of_saves_that_never_commit_are_bounded_by_the_saves_in_flight():
+    """An abandoned save's commit names no copy: its copy is closed once ``limit`` newer saves started."""
+    copies = host_copy.HostCopies(0, "/nowhere", limit=2)
+    for seq in range(1, 6):  # durable, never committed (abandoned on every rank)
+        copies.start(seq, "00ab", seq, f"f{seq}", {}, {})
+        assert _memfds() == min(seq, 2)
+    copies.close()
+    assert _memfds() == 0
+
+
+def test_a_commit_seen_before_the_receipts_callback_still_keeps_the_copy(tmp_path):
+    """A future wakes its waiter (the commit thread) before it runs its callbacks: the commit takes
+    the receipt from the save's future itself."""
+    import concurrent.futures as cf
+
+    w = torch.zeros(3000)
+    mgr = _saved(tmp_path, w, iterations=(1,))
+    receipt = mgr.host.newest().receipt
+    copies = host_copy.HostCopies(0, "/nowhere")
+    fd = copies.start(7, "00ab", 1, "f", {}, {})
+    with open(os.path.join(iter_dir(mgr.root, 1), mgr.host.newest().name), "rb") as f:
+        os.pwrite(fd, f.read(), 0)
+    done = cf.Future()
+    done.set_result(receipt)
+    copies.committed("00ab", 1, done)  # attach's callback has not run
+    assert copies.newest() is not None and copies.newest().iteration == 7
+    copies.close()
+    mgr.close()
+
+
+def test_a_host_copy_that_cannot_be_written_never_fails_the_save(tmp_path, monkeypatch, caplog):
+    w = torch.zeros(3000)
+    real = host_copy.HostCopies.start
+
+    def read_only(self, *args):  # the mirror's writes fail (EBADF), as a full memory cgroup would fail them
+        fd = real(self, *args)
+        ro = os.open(f"/proc/self/fd/{fd}", os.O_RDONLY)
+        self._pending[next(reversed(self._pending))].fd = ro
+        os.close(fd)
+        return ro
+
+    monkeypatch.setattr(host_copy.HostCopies, "start", read_only)
+    with caplog.at_level(logging.WARNING):
+        mgr = _saved(tmp_path, w, iterations=(1,))
+    assert mgr.committed() == [1] and mgr.host.newest() is None and _memfds() == 0
+    assert "its host copy failed" in caplog.text
+    mgr.close(keep_cache=True)
+    w.zero_()
+    with _manager(tmp_path / "save", w) as again:
+        got = again.load()
+    assert got.root == again.root and torch.equal(w, torch.arange(3000, dtype=w.dtype) + 1)

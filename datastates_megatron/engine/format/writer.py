@@ -157,8 +157,21 @@ class RankFileWriter:
         self._mirror_write(data, offset)
 
     def _mirror_write(self, data, offset: int) -> None:
-        if self._mirror is not None:
+        if self._mirror is None:
+            return
+        try:
             _pwrite_all(self._mirror, data, offset)
+        except OSError as e:  # the copy is dropped (emptied: its size is then not the file's), never the file
+            self._drop_mirror(e)
+
+    def _drop_mirror(self, e: OSError) -> None:
+        log.warning("%s: its host copy failed (%s); the file is written without it", self.path, e)
+        mirror, self._mirror = self._mirror, None
+        try:
+            os.ftruncate(mirror, 0)
+        except OSError:
+            pass
+        os.close(mirror)
 
     def copy_hashed(self, data: np.ndarray, offset: int, padded: int, spans) -> list[int]:
         """Through ``mapping``: copy each ``(off, length)`` span of ``data`` (uint8) to ``offset + off``
@@ -186,10 +199,13 @@ class RankFileWriter:
         os.ftruncate(self._fd, header.file_bytes)
         _pwrite_all(self._fd, header.pack(), 0)
         os.fsync(self._fd)
-        if self._mirror is not None:  # the same bytes; a memory file needs no fsync
-            self._mirror_write(tail, tail_offset)
-            os.ftruncate(self._mirror, header.file_bytes)
-            self._mirror_write(header.pack(), 0)
+        self._mirror_write(tail, tail_offset)  # the same bytes; a memory file needs no fsync
+        if self._mirror is not None:
+            try:
+                os.ftruncate(self._mirror, header.file_bytes)
+            except OSError as e:
+                self._drop_mirror(e)
+        self._mirror_write(header.pack(), 0)
 
     def _close_direct(self) -> None:
         if self._direct_fd is not None:

@@ -276,7 +276,9 @@ class SnapshotEngine(ClosingContext):
                     f"{self.options.max_inflight} in-flight slots"
                 )
         job = _Job(version, os.fspath(path), layout, objects_json, self._copier.mark_ready(), t0, before_open)
-        job.memory_fd, job.mirror_fd = memory_fd, mirror_fd
+        # the job's own descriptor of the mirror (the caller may close its own at any time), closed
+        # once the file's writer has duplicated it
+        job.memory_fd, job.mirror_fd = memory_fd, os.dup(mirror_fd) if mirror_fd is not None else None
         with self._pending_lock:
             self._seq += 1
             self._pending[self._seq] = job
@@ -595,6 +597,9 @@ class SnapshotEngine(ClosingContext):
         except BaseException as e:  # noqa: BLE001 - stored and re-raised on the caller's thread
             self._fail(job, e, "open")
         finally:
+            if job.mirror_fd is not None:
+                os.close(job.mirror_fd)
+                job.mirror_fd = None
             job.opened.set_result(None)
         self._maybe_finish(job)
 

@@ -3,8 +3,9 @@
 With ``host_copy`` on, each save writes its rank file twice, byte for byte: to its tier and into a
 memfd (the writer's mirror, :class:`..format.writer.RankFileWriter`).  When the save commits, that
 memory file becomes the rank's host copy and the one before it is closed; a save that fails or is
-abandoned is closed once a newer one commits.  At most one committed copy is held, plus one per
-save in flight (``max_inflight``).
+abandoned is closed once a newer one commits, or once ``limit`` newer saves started (a save's
+commit is abandoned on every rank: no commit names it).  At most one committed copy is held, plus
+``limit`` of saves not committed (the manager passes ``max_inflight``: no more are in flight).
 
 Megatron-LM's ``--inprocess-restart`` keeps the processes alive through a fault: the aborted
 attempt's manager hands its copies to the next one (:func:`keep` / :func:`take`), whose restore
@@ -58,9 +59,10 @@ class HostCopies:
     """The memory copies of one rank's saves to ``root``.  Thread-safe: :meth:`start` runs on the
     training thread, :meth:`committed` on the commit thread, the receipts on a flush thread."""
 
-    def __init__(self, rank: int, root: str) -> None:
+    def __init__(self, rank: int, root: str, limit: int = 2) -> None:
         self.rank = rank
         self.root = root
+        self.limit = max(1, limit)
         self._lock = threading.Lock()
         self._pending: dict[tuple[str, int], HostCopy] = {}  # saves not committed yet
         self._newest: HostCopy | None = None  # the newest committed save's copy
@@ -73,6 +75,11 @@ class HostCopies:
         copy = HostCopy(iteration, token, seq, name, fd, dict(metadata), dict(layout))
         with self._lock:
             self._pending[(token, seq)] = copy
+            stale = []
+            while len(self._pending) > self.limit:  # the oldest: abandoned, never to commit
+                stale.append(self._pending.pop(next(iter(self._pending))))
+        for c in stale:
+            os.close(c.fd)
         return fd
 
     def attach(self, token: str, seq: int, durable) -> None:
@@ -99,12 +106,23 @@ class HostCopies:
         if copy is not None:
             os.close(copy.fd)
 
-    def committed(self, token: str, seq: int) -> None:
+    def committed(self, token: str, seq: int, durable=None) -> None:
         """Save ``(token, seq)`` committed (its tier's commit thread): its copy becomes the newest; the
-        one before it, and every earlier save of this run still pending (abandoned), are closed."""
+        one before it, and every earlier save of this run still pending (abandoned), are closed.
+        ``durable``: the save's future, whose receipt is taken here when :meth:`attach`'s callback
+        has not run yet (a future wakes its waiters, the commit thread, before its callbacks).  A
+        copy whose size is not the file's (its mirror failed: :class:`.RankFileWriter`) is closed."""
+        receipt = None
+        if durable is not None and durable.done() and not durable.cancelled() and durable.exception() is None:
+            receipt = durable.result()
         closing = []
         with self._lock:
             copy = self._pending.pop((token, seq), None)
+            if copy is not None and copy.receipt is None:
+                copy.receipt = receipt
+            if copy is not None and copy.receipt is not None and _size(copy.fd) != copy.receipt.file_bytes:
+                log.warning("rank %d: the host copy of iteration %d is incomplete; not kept", self.rank, copy.iteration)
+                copy.receipt = None
             if copy is None or copy.receipt is None or self._closed:
                 if copy is not None:
                     closing.append(copy)
@@ -128,6 +146,16 @@ class HostCopies:
         c = self.newest()
         return {} if c is None else {c.iteration: (int(c.token, 16), c.seq, c.committed_ms)}
 
+    def borrow(self, iteration: int, save: tuple[int, int] | None = None) -> tuple[HostCopy, int] | None:
+        """The committed copy of ``iteration`` (and of save ``(token as an int, seq)`` when given)
+        with a duplicate of its descriptor, the caller's to close, or ``None``: a commit that
+        closes the copy meanwhile leaves the caller's descriptor open."""
+        with self._lock:
+            c = self._newest
+            if c is None or c.iteration != iteration or (save is not None and (int(c.token, 16), c.seq) != tuple(save)):
+                return None
+            return c, os.dup(c.fd)
+
     def holds(self, iteration: int, record: RankRecord | None) -> bool:
         """Whether the copy held is ``iteration``'s very file the manifest lists as ``record``."""
         c = self.newest()
@@ -148,6 +176,13 @@ class HostCopies:
             copies, self._pending = list(self._pending.values()), {}
         for c in copies:
             os.close(c.fd)
+
+
+def _size(fd: int) -> int:
+    try:
+        return os.fstat(fd).st_size
+    except OSError:
+        return -1
 
 
 class MemoryFile:
