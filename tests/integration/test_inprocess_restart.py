@@ -121,6 +121,12 @@ def _restarted_once_from_4(run, host: bool = True) -> None:
 def test_exception_in_forward_restarts_in_process_and_resumes_bit_exact(tmp_path, monkeypatch, reference, rank):
     run, save = _faulted(tmp_path, monkeypatch, "raise", rank, [])
     _restarted_once_from_4(run)
+    # what scripts/bench_recovery.py measures of this recovery, from the training record
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[2] / "scripts"))
+    import bench_recovery
+
+    phases = bench_recovery.phases(run.record, FAULT_AT)
+    assert all(phases[k] > 0 for k in ("until_restore", "restore", "first_iteration")), phases
     assert latest(save) == ITERS
     assert_same_training(run, reference, range(1, ITERS + 1))
 

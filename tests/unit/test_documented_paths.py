@@ -80,6 +80,10 @@ COVERED: dict[str, tuple[str, ...]] = {
         INTEGRATION + "test_megatron_lm_tree.py::test_a_fresh_tree_patched_or_not_and_never_over_an_existing_one",
     ),
     "scripts/bench_engine.py": (INTEGRATION + "test_bench_engine.py::test_bench_engine_prints_every_measure",),
+    "scripts/bench_recovery.py": (
+        UNIT + "test_bench_recovery_phases.py::test_phases_run_from_the_last_iteration_before_the_fault_to_the_first_after",
+        INTEGRATION + "test_inprocess_restart.py::test_exception_in_forward_restarts_in_process_and_resumes_bit_exact",
+    ),
     "scripts/bench_host_copy.py": (
         INTEGRATION + "test_bench_host_copy.py::test_bench_host_copy_prints_every_measure_and_restores_from_memory",
     ),

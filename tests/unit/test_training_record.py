@@ -28,3 +28,14 @@ def test_runs_are_split_and_a_cut_last_line_is_ignored(tmp_path):
     assert sorted(iterations) == [1, 2, 3] and iterations[2]["grad_norm"] == 0.75  # the later run's
     assert final["final_iteration"] == 3
     assert training_record.read_runs(str(tmp_path / "none"), 0) == []
+
+
+def test_load_entries_are_events_not_iterations_and_a_cut_line_is_ignored(tmp_path):
+    prefix = str(tmp_path / "rec")
+    lines = [{"start": 11}, {"load": [1.0, 1.5]}, {"iteration": 1, "t": 2.0}, {"load": [3.0, 3.25]}]
+    with open(f"{prefix}.rank0.jsonl", "w") as f:
+        f.writelines(json.dumps(x) + "\n" for x in lines)
+        f.write('{"load": [4.0')  # cut
+    assert training_record.read_events(prefix, 0) == lines
+    assert sorted(training_record.read(prefix, 0)[0]) == [1]  # a load is not an iteration
+    assert training_record.read_events(str(tmp_path / "none"), 0) == []

@@ -12,7 +12,8 @@ restart's own restore, before training resumes), on that rank too.
   monitor raises one into the main thread on a restart): a loop of short waits, so that the
   asynchronous exception is delivered, standing for a hang in Python code;
 * ``flush``: instead of the forward pass, the checkpoint of ``iteration``: the first write of its
-  rank file raises ``EIO`` on the flush thread, as a storage target failing a write would.
+  rank file raises ``EIO`` on the flush thread, as a storage target failing a write would (a
+  ``pwrite``: not a file on tmpfs, which is written through a mapping).
 
 Installed by :mod:`..megatron_lm.run` when ``DSM_FAULT_AT`` is set (only there: a test's hook for
 *where* a fault happens, not a feature); it wraps ``megatron.training.training.train_step``.

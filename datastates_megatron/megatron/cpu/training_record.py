@@ -2,7 +2,8 @@
 
 Megatron's log prints the grad norm and params norm with three decimals; this records them (and
 the lm loss) as Python floats, one JSON line per iteration per rank, plus, when ``train`` returns,
-a digest of every tensor a resume needs (:func:`state_digest`).
+a digest of every tensor a resume needs (:func:`state_digest`), and when each ``load_checkpoint``
+began and ended.
 Lines are flushed one by one, so a run killed with ``kill -9`` keeps every iteration it logged.
 
 :func:`install` wraps ``megatron.training.training.training_log`` (called once per iteration, on
@@ -22,7 +23,7 @@ import time
 from typing import Any
 from collections.abc import Callable
 
-__all__ = ["ENV", "install", "read", "read_runs"]
+__all__ = ["ENV", "install", "read", "read_events", "read_runs"]
 
 ENV = "DSM_TRAINING_RECORD"
 
@@ -89,8 +90,18 @@ def install(prefix: str) -> None:
         iteration = result[0] if isinstance(result, tuple) else None
         record.write({"final_iteration": iteration, "digest": state_digest(a["model"], a["optimizer"])})
 
+    original_load = training.load_checkpoint
+
+    @functools.wraps(original_load)
+    def load_checkpoint(*args, **kwargs):  # when each restore began and ended (scripts/bench_recovery.py)
+        t0 = time.time()
+        result = original_load(*args, **kwargs)
+        record.write({"load": [t0, time.time()]})
+        return result
+
     training.training_log = _wrap(training.training_log, iteration_logged)
     training.train = _wrap(training.train, trained)
+    training.load_checkpoint = load_checkpoint
 
 
 def read_runs(prefix: str, rank: int) -> list[tuple[dict[int, dict], dict | None]]:
@@ -112,6 +123,15 @@ def read_runs(prefix: str, rank: int) -> list[tuple[dict[int, dict], dict | None
             elif "iteration" in entry:
                 runs[-1][0][entry["iteration"]] = entry
     return runs
+
+
+def read_events(prefix: str, rank: int) -> list[dict]:
+    """Every entry of one rank's record, in order (iterations, loads, starts, the final digest)."""
+    path = f"{prefix}.rank{rank}.jsonl"
+    if not os.path.exists(path):
+        return []
+    with open(path, encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.endswith("\n")]
 
 
 def read(prefix: str, rank: int) -> tuple[dict[int, dict], dict | None]:

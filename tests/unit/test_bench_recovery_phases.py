@@ -1,0 +1,56 @@
+"""``scripts/bench_recovery.py``'s arithmetic: the recovery phases read from a training record, and
+the goodput formula.  The script's own runs are ``tests/integration/test_bench_recovery.py`` (slow);
+its measurement of a real in-process restart runs in ``test_inprocess_restart.py``."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.unit.test_bench_restart_slices import SCRIPTS
+
+
+@pytest.fixture
+def bench(monkeypatch):
+    monkeypatch.syspath_prepend(str(SCRIPTS))
+    import bench_recovery
+
+    return bench_recovery
+
+
+def _record(tmp_path, entries) -> str:
+    prefix = str(tmp_path / "run-record")
+    with open(f"{prefix}.rank0.jsonl", "w") as f:
+        for e in entries:
+            f.write(json.dumps(e) + "\n")
+    return prefix
+
+
+def test_phases_run_from_the_last_iteration_before_the_fault_to_the_first_after(bench, tmp_path):
+    record = _record(
+        tmp_path,
+        [
+            {"start": 1},
+            {"load": [0.0, 0.5]},  # the first attempt's load: nothing to restore
+            *({"iteration": i, "t": 10.0 + i} for i in range(1, 5)),  # one iteration a second
+            {"load": [20.0, 20.25]},  # the restart's restore
+            {"iteration": 5, "t": 21.25},
+        ],
+    )
+    got = bench.phases(record, 5)
+    assert got == pytest.approx(
+        {"until_restore": 6.0, "restore": 0.25, "first_iteration": 1.0, "total": 7.25, "iteration": 1.0}
+    )
+
+
+def test_a_record_without_a_recovery_is_refused(bench, tmp_path):
+    record = _record(tmp_path, [{"start": 1}, {"load": [0.0, 0.1]}, {"iteration": 4, "t": 1.0}])
+    with pytest.raises(RuntimeError, match="no fault-and-recovery"):
+        bench.phases(record, 5)
+
+
+def test_goodput_loses_half_an_interval_and_the_recovery_per_failure(bench):
+    # 1 failure per hour: MTBF 3600 s; each costs 300 s of lost work and 60 s of recovery
+    assert bench.goodput(60.0, 1, 1.0, 600.0) == pytest.approx(1 - 360 / 3600)
+    assert bench.goodput(60.0, 1000, 1.0, 600.0) == 0.0  # never below zero
