@@ -81,7 +81,8 @@ COVERED: dict[str, tuple[str, ...]] = {
     ),
     "scripts/bench_engine.py": (INTEGRATION + "test_bench_engine.py::test_bench_engine_prints_every_measure",),
     "scripts/bench_recovery.py": (
-        UNIT + "test_bench_recovery_phases.py::test_phases_run_from_the_last_iteration_before_the_fault_to_the_first_after",
+        UNIT
+        + "test_bench_recovery_phases.py::test_phases_run_from_the_last_iteration_before_the_fault_to_the_first_after",
         INTEGRATION + "test_inprocess_restart.py::test_exception_in_forward_restarts_in_process_and_resumes_bit_exact",
     ),
     "scripts/bench_host_copy.py": (
