@@ -55,7 +55,7 @@ sys.path.insert(0, str(REPO))
 from datastates_megatron.megatron.cpu import training_record  # noqa: E402
 from tests.integration.megatron_lm_runs import LAZY, launch  # noqa: E402
 
-ATTEMPTS = 3  # restarts a failing path is given before it is reported as failed
+ATTEMPTS = 3  # attempts (the faulting one included) a failing path is given before it is reported
 MODES = ("inprocess_host", "inprocess_file", "megatron_inprocess", "job_local", "job_persistent")
 APART = REPO / ".venv-resiliency"  # scripts/setup.sh installs nvidia-resiliency-ext 0.4.1 here
 INPROCESS = [
@@ -122,17 +122,19 @@ def _evict(path: Path) -> None:
 def phases(record: str, fault_at: int) -> dict:
     """Rank 0's recovery phases (seconds) from its training record."""
     events = training_record.read_events(record, 0)
-    before = [e["t"] for e in events if e.get("iteration") == fault_at - 1]
-    loads = [e["load"] for e in events if "load" in e]
-    after = [e["t"] for e in events if e.get("iteration") == fault_at]
+    before = [i for i, e in enumerate(events) if e.get("iteration") == fault_at - 1]
+    loads = [i for i, e in enumerate(events) if "load" in e and before and i > before[0]]
+    if not before or len(loads) != 1:  # one recovery: one restore after the last iteration before the fault
+        raise RuntimeError(f"{record}: no fault-and-recovery in the record ({len(loads)} restores after the fault)")
+    first = next((e for e in events[loads[0] :] if "iteration" in e), None)
+    if first is None or first["iteration"] != fault_at:  # an older checkpoint restored: iterations replayed
+        raise RuntimeError(f"{record}: the first iteration after the restore is {first and first['iteration']}")
     steps = sorted(
         b["t"] - a["t"]
         for a, b in zip(events, events[1:])
         if "iteration" in a and "iteration" in b and b["iteration"] == a["iteration"] + 1
     )
-    if not before or len(loads) < 2 or not after:
-        raise RuntimeError(f"{record}: no fault-and-recovery in the record ({len(loads)} loads)")
-    t_last, (t0, t1), t_first = before[0], loads[-1], after[-1]
+    t_last, (t0, t1), t_first = events[before[0]]["t"], events[loads[0]]["load"], first["t"]
     out = {"until_restore": t0 - t_last, "restore": t1 - t0, "first_iteration": t_first - t1}
     out["total"] = sum(out.values())
     out["iteration"] = statistics.median(steps) if steps else 0.0
@@ -156,7 +158,7 @@ def run_mode(mode: str, a: argparse.Namespace, tmp: Path, size: list[str]) -> di
         if failing():
             causes = sorted(set(re.findall(r"fn_ex: (\w+\([^)]*\))", run.log)))
             return {
-                "error": f"every attempt after the fault failed ({ATTEMPTS} tried, then stopped): {', '.join(causes)}"
+                "error": f"{ATTEMPTS} attempts, the faulting one included, failed; then stopped: {', '.join(causes)}"
             }
     else:
         local = []

@@ -303,7 +303,9 @@ class CheckpointManager(ClosingContext):
         self.host = None  # this rank's newest committed rank file in memory (policy.host_copy)
         try:
             if policy.host_copy is True:  # "auto" is resolved by the caller that knows (Megatron-LM's args)
-                self._start_host_copies(opts.max_inflight)
+                # saves not committed yet: up to max_inflight being written, max_inflight - 1 durable
+                # and waiting for their commit (_behind), and this one
+                self._start_host_copies(2 * opts.max_inflight)
             self.engine = SnapshotEngine(opts)
             if self.objects and not self.local_base:
                 from .storage.stream import StreamUploads

@@ -50,6 +50,18 @@ def test_a_record_without_a_recovery_is_refused(bench, tmp_path):
         bench.phases(record, 5)
 
 
+def test_two_restores_after_the_fault_are_not_one_recovery(bench, tmp_path):
+    entries = [{"iteration": 4, "t": 1.0}, {"load": [2.0, 2.1]}, {"load": [5.0, 5.1]}, {"iteration": 5, "t": 6.0}]
+    with pytest.raises(RuntimeError, match="2 restores"):
+        bench.phases(_record(tmp_path, entries), 5)
+
+
+def test_a_restore_of_an_older_checkpoint_is_refused(bench, tmp_path):
+    entries = [{"iteration": 4, "t": 1.0}, {"load": [2.0, 2.1]}, {"iteration": 3, "t": 3.0}, {"iteration": 5, "t": 5.0}]
+    with pytest.raises(RuntimeError, match="first iteration after the restore is 3"):
+        bench.phases(_record(tmp_path, entries), 5)
+
+
 def test_goodput_loses_half_an_interval_and_the_recovery_per_failure(bench):
     # 1 failure per hour: MTBF 3600 s; each costs 300 s of lost work and 60 s of recovery
     assert bench.goodput(60.0, 1, 1.0, 600.0) == pytest.approx(1 - 360 / 3600)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import threading
 
 import numpy as np
 
@@ -90,6 +91,8 @@ class RankFileWriter:
     ) -> None:
         self.path = path
         self._mirror = None
+        self._mirror_failed = False
+        self._mirror_lock = threading.Lock()
         self._keep_mapping = memory_fd is None  # a memory file is never written again
         if memory_fd is not None:  # a nameless memory file of the caller's (memfd): nothing to open or reuse
             self._fd, self.reused_bytes, direct = os.dup(memory_fd), 0, False
@@ -118,7 +121,10 @@ class RankFileWriter:
         # ``mirror_fd``: a memory file (memfd) that receives every byte written here, at the same
         # offsets: the rank's host copy (:mod:`..tiers.host_copy`)
         if mirror_fd is not None:
-            self._mirror = os.dup(mirror_fd)
+            try:
+                self._mirror = os.dup(mirror_fd)
+            except OSError as e:  # the file is written without its copy (an empty copy is never kept)
+                log.warning("%s: no host copy (%s)", path, e)
 
     def _open_named(self, path: str, data_end: int) -> None:
         # no O_TRUNC: ``path`` may be a recycled rank file, overwritten in place (its blocks/pages
@@ -157,21 +163,24 @@ class RankFileWriter:
         self._mirror_write(data, offset)
 
     def _mirror_write(self, data, offset: int) -> None:
-        if self._mirror is None:
+        mirror = self._mirror  # closed only by close(), after every flush thread's write returned
+        if mirror is None or self._mirror_failed:
             return
         try:
-            _pwrite_all(self._mirror, data, offset)
+            _pwrite_all(mirror, data, offset)
         except OSError as e:  # the copy is dropped (emptied: its size is then not the file's), never the file
             self._drop_mirror(e)
 
     def _drop_mirror(self, e: OSError) -> None:
+        with self._mirror_lock:  # several flush threads write one file's regions at once
+            if self._mirror_failed:
+                return
+            self._mirror_failed = True
         log.warning("%s: its host copy failed (%s); the file is written without it", self.path, e)
-        mirror, self._mirror = self._mirror, None
         try:
-            os.ftruncate(mirror, 0)
+            os.ftruncate(self._mirror, 0)
         except OSError:
             pass
-        os.close(mirror)
 
     def copy_hashed(self, data: np.ndarray, offset: int, padded: int, spans) -> list[int]:
         """Through ``mapping``: copy each ``(off, length)`` span of ``data`` (uint8) to ``offset + off``
@@ -199,13 +208,15 @@ class RankFileWriter:
         os.ftruncate(self._fd, header.file_bytes)
         _pwrite_all(self._fd, header.pack(), 0)
         os.fsync(self._fd)
-        self._mirror_write(tail, tail_offset)  # the same bytes; a memory file needs no fsync
-        if self._mirror is not None:
+        # the same bytes (a memory file needs no fsync): the header first, so that a copy whose
+        # tail write failed is never one of the file's size with the file's header
+        self._mirror_write(header.pack(), 0)
+        self._mirror_write(tail, tail_offset)
+        if self._mirror is not None and not self._mirror_failed:
             try:
                 os.ftruncate(self._mirror, header.file_bytes)
             except OSError as e:
                 self._drop_mirror(e)
-        self._mirror_write(header.pack(), 0)
 
     def _close_direct(self) -> None:
         if self._direct_fd is not None:

@@ -266,19 +266,22 @@ class SnapshotEngine(ClosingContext):
             + encode_objects(str(tag))
             + b"}"
         )
+        # the job's own descriptor of the mirror (the caller may close its own at any time), closed
+        # once the file's writer has duplicated it
+        mirror = os.dup(mirror_fd) if mirror_fd is not None else None
         if not self._slots.acquire(timeout=0):
             t_wait = time.perf_counter()
             ok = self._slots.acquire(timeout=self.options.timeout_s)
             self.slot_wait_s += time.perf_counter() - t_wait
             if not ok:
+                if mirror is not None:
+                    os.close(mirror)
                 raise CacheTimeoutError(
                     f"rank {self.options.rank}: version {version}: waited {self.options.timeout_s:.0f}s for one of "
                     f"{self.options.max_inflight} in-flight slots"
                 )
         job = _Job(version, os.fspath(path), layout, objects_json, self._copier.mark_ready(), t0, before_open)
-        # the job's own descriptor of the mirror (the caller may close its own at any time), closed
-        # once the file's writer has duplicated it
-        job.memory_fd, job.mirror_fd = memory_fd, os.dup(mirror_fd) if mirror_fd is not None else None
+        job.memory_fd, job.mirror_fd = memory_fd, mirror
         with self._pending_lock:
             self._seq += 1
             self._pending[self._seq] = job
@@ -497,6 +500,9 @@ class SnapshotEngine(ClosingContext):
         try:
             self._flush_pool.submit(self._open_file, job, previous)
         except BaseException:
+            if job.mirror_fd is not None:
+                os.close(job.mirror_fd)
+                job.mirror_fd = None
             job.opened.set_result(None)
             raise
         items = layout.items

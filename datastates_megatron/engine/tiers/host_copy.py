@@ -5,7 +5,8 @@ memfd (the writer's mirror, :class:`..format.writer.RankFileWriter`).  When the 
 memory file becomes the rank's host copy and the one before it is closed; a save that fails or is
 abandoned is closed once a newer one commits, or once ``limit`` newer saves started (a save's
 commit is abandoned on every rank: no commit names it).  At most one committed copy is held, plus
-``limit`` of saves not committed (the manager passes ``max_inflight``: no more are in flight).
+``limit`` of saves not committed (the manager passes ``2 * max_inflight``: no more can still commit;
+a copy closed early is only a copy lost: that restore reads a tier).
 
 Megatron-LM's ``--inprocess-restart`` keeps the processes alive through a fault: the aborted
 attempt's manager hands its copies to the next one (:func:`keep` / :func:`take`), whose restore
