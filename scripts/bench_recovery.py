@@ -53,22 +53,12 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from datastates_megatron.megatron.cpu import training_record  # noqa: E402
-from tests.integration.megatron_lm_runs import LAZY, launch  # noqa: E402
+from _bench_engines import evict_page_cache  # noqa: E402
+from tests.integration.megatron_lm_runs import INPROCESS, LAZY, launch  # noqa: E402
 
 ATTEMPTS = 3  # attempts (the faulting one included) a failing path is given before it is reported
 MODES = ("inprocess_host", "inprocess_file", "megatron_inprocess", "job_local", "job_persistent")
 APART = REPO / ".venv-resiliency"  # scripts/setup.sh installs nvidia-resiliency-ext 0.4.1 here
-INPROCESS = [
-    "--inprocess-restart",
-    "--inprocess-granularity",
-    "rank",
-    "--inprocess-max-iterations",
-    "3",
-    "--inprocess-heartbeat-interval",
-    "2",
-    "--inprocess-heartbeat-timeout",
-    "60",
-]
 
 
 def _size_args(a: argparse.Namespace) -> list[str]:
@@ -104,19 +94,6 @@ def _launch(tmp: Path, name: str, args: list[str], env: dict[str, str] | None = 
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
-
-
-def _evict(path: Path) -> None:
-    for dirpath, _dirs, files in os.walk(path):
-        for f in files:
-            try:
-                fd = os.open(os.path.join(dirpath, f), os.O_RDONLY)
-            except OSError:
-                continue
-            try:
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
 
 
 def phases(record: str, fault_at: int) -> dict:
@@ -171,7 +148,7 @@ def run_mode(mode: str, a: argparse.Namespace, tmp: Path, size: list[str]) -> di
             if first.returncode == 0:
                 return {"error": "the fault did not end the job"}
             if mode == "job_persistent":
-                _evict(save)
+                evict_page_cache(save)
             run = _launch(tmp, mode, args)  # the same record, appended to: both jobs' iterations and loads
             run = type(run)(run.returncode, first.log + run.log, run.record)
         finally:

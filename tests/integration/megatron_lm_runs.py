@@ -76,6 +76,18 @@ TINY = [
     "1234",
 ]
 LAZY = ["--lazy-ckpt", "--lazy-ckpt-host-cache-gb", "0.05"]
+# --inprocess-restart: the wrapper's timeouts scaled to a tiny model on a shared 2-core machine; at most 3 attempts
+INPROCESS = [
+    "--inprocess-restart",
+    "--inprocess-granularity",
+    "rank",
+    "--inprocess-max-iterations",
+    "3",
+    "--inprocess-heartbeat-interval",
+    "2",
+    "--inprocess-heartbeat-timeout",
+    "60",  # Megatron-LM's default: a rank's monitor heartbeats while the rank restarts
+]  # NVRx requires soft < hard < barrier timeout (Megatron-LM's defaults: 60, 90, 120 s)
 # a GPU without Transformer Engine (the device image): megatron-core's own layers, as on CPU
 NO_TE = [] if importlib.util.find_spec("transformer_engine") else ["--transformer-impl", "local"]
 

@@ -5,16 +5,11 @@ and its measurement of an in-process restart runs in ``test_inprocess_restart.py
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
+from tests.integration.bench_scripts import run_json
 from tests.integration.megatron_lm_runs import MEGATRON_LM_DIR
 
-REPO = Path(__file__).resolve().parents[2]
 pytestmark = [
     pytest.mark.slow,
     pytest.mark.skipif(not MEGATRON_LM_DIR, reason="MEGATRON_LM_DIR is not set"),
@@ -23,14 +18,7 @@ pytestmark = [
 
 def test_every_path_recovers_bit_exact_or_says_why_not(tmp_path):
     args = ["--layers", "2", "--hidden", "64", "--vocab", "512", "--dir", str(tmp_path), "--json"]
-    done = subprocess.run(
-        [sys.executable, str(REPO / "scripts" / "bench_recovery.py"), *args],
-        capture_output=True,
-        text=True,
-        timeout=1500,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    doc = json.loads(done.stdout)
+    doc = run_json("bench_recovery.py", args, tmp_path, timeout=1500)
     modes = doc["modes"]
     assert set(modes) == {"inprocess_host", "inprocess_file", "megatron_inprocess", "job_local", "job_persistent"}
     for name, m in modes.items():

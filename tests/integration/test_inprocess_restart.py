@@ -25,7 +25,14 @@ from pathlib import Path
 import pytest
 
 from datastates_megatron.engine.tiers.run_id import local_tier_dir
-from tests.integration.megatron_lm_runs import LAZY, MEGATRON_LM_DIR, assert_same_training, latest, launch
+from tests.integration.megatron_lm_runs import (
+    INPROCESS,
+    LAZY,
+    MEGATRON_LM_DIR,
+    assert_same_training,
+    latest,
+    launch,
+)
 
 # scripts/setup.sh installs NVRx 0.4.1 here, apart from .venv (core_v0.19 and main refuse it on import)
 APART = Path(__file__).resolve().parents[2] / ".venv-resiliency"
@@ -62,18 +69,6 @@ FAULT_AT = 5  # the checkpoint of iteration 4 is the newest one scheduled before
 # collection between attempts, up to 5 s each (torch's MP_STATUS_CHECK_INTERVAL) on a loaded machine:
 # rank 0 then reached the next attempt 30 s after rank 1, and was declared unresponsive
 BASE = ["--train-iters", str(ITERS), "--bf16", "--num-workers", "0"]
-# the wrapper's timeouts scaled to a tiny model on a shared 2-core machine; at most 3 attempts
-INPROCESS = [
-    "--inprocess-restart",
-    "--inprocess-granularity",
-    "rank",
-    "--inprocess-max-iterations",
-    "3",
-    "--inprocess-heartbeat-interval",
-    "2",
-    "--inprocess-heartbeat-timeout",
-    "60",  # Megatron-LM's default: a rank's monitor heartbeats while the rank restarts
-]  # NVRx requires soft < hard < barrier timeout (Megatron-LM's defaults: 60, 90, 120 s)
 
 
 @pytest.fixture(scope="module")
