@@ -6,7 +6,9 @@ through the c10d store, on a connection of its own, never a process group, so it
 with training collectives).  Rank 0 decides; if every rank succeeded, the tier's writer (rank 0; on
 the local tier each node's first rank, sent its node's rows by rank 0) writes ``manifest.json`` (the
 commit point), and rank 0 broadcasts the outcome; the tracker follows.  Otherwise nothing is
-written and every rank learns which ranks failed.  Rank 0 does O(N) work; every other rank sends
+written and every rank learns which ranks failed.  A rank whose commit thread fails before it has
+its record (an unexpected error, not a failed file) still sends one, as failed: no rank waits for it,
+and its error reaches its training thread as a commit's.  Rank 0 does O(N) work; every other rank sends
 and receives O(1) bytes (a node leader: O(its node's ranks)).
 A run of saves that every rank skipped (a stall: one per iteration) is abandoned in one round: each
 rank sends how far its own run of queued skipped tickets goes, and every rank drops the tickets up
@@ -328,7 +330,15 @@ class Committer(QueueThread):
         outcome (one small document)."""
         chan = self._chan
         self.rounds += 1
-        mine = self._status(ticket)
+        fault = None
+        try:
+            mine = self._status(ticket)
+        except Exception as e:  # noqa: BLE001 - this rank still joins the round, as a failed one:
+            fault = e  # no rank waits for its record, and the checkpoint is abandoned on every rank
+            mine = dict.fromkeys(_STATUS, 0)
+            mine.update(iteration=ticket.iteration, seq=ticket.seq)
+            if self._writes:
+                mine.update(writes_lo=self._writes[0], writes_n=len(self._writes))
         cols = chan.gather(mine, _STATUS)  # rank 0: every rank's status, a column per field
         verdict = self._verdict(ticket, cols) if chan.is_root else None
         if self._two_phase:
@@ -346,6 +356,10 @@ class Committer(QueueThread):
         outcome = chan.broadcast(verdict)
         if not outcome["go"]:
             self._refuse(ticket, outcome, own_failed=mine["ok"] != 1)
+            if fault is not None:
+                raise CommitError(
+                    f"rank {self.rank}: iteration {ticket.iteration}: commit failed: {fault!r}; nothing committed"
+                ) from fault
             return False
         self._commit_seq += 1
         self.latest = ticket.iteration
