@@ -214,3 +214,21 @@ def test_a_host_copy_that_cannot_be_written_never_fails_the_save(tmp_path, monke
     with _manager(tmp_path / "save", w) as again:
         got = again.load()
     assert got.root == again.root and torch.equal(w, torch.arange(3000, dtype=w.dtype) + 1)
+
+
+def test_a_forked_child_holds_no_copy(tmp_path):
+    """A DataLoader worker forked after a save must not keep the copies alive once the parent closes them."""
+    w = torch.zeros(300)
+    mgr = _saved(tmp_path, w, iterations=(1,))
+    assert _memfds() == 1
+    r, wr = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: report how many copies it holds
+        os.write(wr, bytes([_memfds()]))
+        os._exit(0)
+    os.close(wr)
+    held = os.read(r, 1)
+    os.close(r)
+    os.waitpid(pid, 0)
+    assert held == bytes([0]) and _memfds() == 1  # the parent keeps its own
+    mgr.close()

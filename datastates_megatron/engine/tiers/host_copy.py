@@ -13,7 +13,8 @@ attempt's manager hands its copies to the next one (:func:`keep` / :func:`take`)
 reads this rank's state from memory -- 0 bytes from storage -- when every rank holds the same
 save (:meth:`CheckpointManager.choose`), each file checked against the checksums recorded at save.
 A memfd has no name: nothing is left behind when the process dies, and a job restart reads its
-tiers as before.
+tiers as before.  A forked child (a DataLoader worker) closes its inherited descriptors of the copies
+at once (``os.register_at_fork``): a copy the parent closes is freed, not kept alive by a worker.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import logging
 import os
 import threading
 import time
+import weakref
 
 from ..format.file_format import FileReceipt
 from ..format.rank_table import RankRecord
@@ -68,6 +70,7 @@ class HostCopies:
         self._pending: dict[tuple[str, int], HostCopy] = {}  # saves not committed yet
         self._newest: HostCopy | None = None  # the newest committed save's copy
         self._closed = False
+        _live.add(self)
 
     def start(self, iteration: int, token: str, seq: int, name: str, metadata: dict, layout: dict) -> int:
         """A new memory file for save ``(token, seq)`` of ``iteration``; the caller's engine mirrors
@@ -208,6 +211,25 @@ class MemoryFile:
     def close(self) -> None:
         """The copy stays open: it is :class:`HostCopies`'."""
 
+
+_live: weakref.WeakSet = weakref.WeakSet()  # every HostCopies of this process
+
+
+def _forget_in_child() -> None:
+    """In a forked child: close the inherited descriptors of every copy, without a lock (another
+    thread of the parent may have held one at the fork) and without touching the memory."""
+    for copies in list(_live):
+        held = list(copies._pending.values()) + ([copies._newest] if copies._newest is not None else [])
+        copies._pending, copies._newest, copies._closed = {}, None, True
+        copies._lock = threading.Lock()
+        for c in held:
+            try:
+                os.close(c.fd)
+            except OSError:
+                pass
+
+
+os.register_at_fork(after_in_child=_forget_in_child)
 
 _kept: dict[tuple[int, str], HostCopies] = {}
 _kept_lock = threading.Lock()

@@ -146,7 +146,7 @@ class LazyCkptConfig:
         "--lazy-ckpt-host-copy",
         kind="auto",
         help="Also keep each rank's newest committed checkpoint file in host memory (a memfd: about one more "
-        "copy of the rank's checkpoint, plus one per save in flight), so that an in-process restart "
+        "copy of the rank's checkpoint, plus one per save not committed yet), so that an in-process restart "
         "(--inprocess-restart) restores from it and reads nothing from storage. auto: on under "
         "--inprocess-restart, else off (a job restart starts new processes: the copy dies with them).",
     )
