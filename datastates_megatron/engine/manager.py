@@ -49,6 +49,7 @@ from .fs.iteration_dir import prepare_iteration_dir
 from .tiers.replica_strategy import clique_of, replication_plan
 from .tiers.replication import Replication
 from .tiers import host_copy
+from .fs import fork_close
 from .names import RUN_ID_NAME
 from .tiers.reclaim import mark_ended, reclaim_finished_runs, unmark_ended
 from .tiers.run_id import run_subdir
@@ -1118,7 +1119,7 @@ class CheckpointManager(ClosingContext):
         try:
             return self._read_host_copy(choice, copy, fd, label, verify, planner)
         finally:
-            os.close(fd)
+            fork_close.close(fd)
 
     def _read_host_copy(self, choice, copy, fd: int, label: str, verify, planner) -> LoadResult:
         shared = choice.view.manifest if choice.view is not None else None

@@ -232,3 +232,25 @@ def test_a_forked_child_holds_no_copy(tmp_path):
     os.waitpid(pid, 0)
     assert held == bytes([0]) and _memfds() == 1  # the parent keeps its own
     mgr.close()
+
+
+def test_a_forked_child_holds_no_descriptor_a_restore_borrowed(tmp_path):
+    w = torch.zeros(300)
+    mgr = _saved(tmp_path, w, iterations=(1,))
+    copy, fd = mgr.host.borrow(1)
+    assert _memfds() == 2
+    r, wr = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.write(wr, bytes([_memfds()]))
+        os._exit(0)
+    os.close(wr)
+    held = os.read(r, 1)
+    os.close(r)
+    os.waitpid(pid, 0)
+    assert held == bytes([0])
+    from datastates_megatron.engine.fs import fork_close
+
+    fork_close.close(fd)
+    mgr.close()
+    assert _memfds() == 0

@@ -19,6 +19,7 @@ import numpy as np
 from . import hashing
 from ..errors import FlushError
 from .file_format import HEADER_BYTES, Header
+from ..fs import fork_close
 from ..fs.mapped_files import MappedFiles
 from ..fs.page_cache import memory_backed
 from ..fs.safe_io import open_for_write, reopen_same
@@ -122,7 +123,7 @@ class RankFileWriter:
         # offsets: the rank's host copy (:mod:`..tiers.host_copy`)
         if mirror_fd is not None:
             try:
-                self._mirror = os.dup(mirror_fd)
+                self._mirror = fork_close.opened(os.dup(mirror_fd))
             except OSError as e:  # the file is written without its copy (an empty copy is never kept)
                 log.warning("%s: no host copy (%s)", path, e)
 
@@ -234,5 +235,5 @@ class RankFileWriter:
             os.close(self._fd)
             self._fd = None
         if self._mirror is not None:
-            os.close(self._mirror)
+            fork_close.close(self._mirror)
             self._mirror = None

@@ -44,6 +44,7 @@ from ..runtime.faults import crash_point, stall_point
 from ..errors import CacheTimeoutError, CheckpointError, CopyError, EngineClosedError, FlushError
 from ..format.file_format import FORMAT_VERSION, HEADER_BYTES, FileReceipt, Header, build_index
 from .host_cache import HostCache
+from ..fs import fork_close
 from ..fs.mapped_files import MappedFiles
 from ..format.tagged_json import encode_objects
 from ..options import EngineOptions
@@ -268,14 +269,14 @@ class SnapshotEngine(ClosingContext):
         )
         # the job's own descriptor of the mirror (the caller may close its own at any time), closed
         # once the file's writer has duplicated it
-        mirror = os.dup(mirror_fd) if mirror_fd is not None else None
+        mirror = fork_close.opened(os.dup(mirror_fd)) if mirror_fd is not None else None
         if not self._slots.acquire(timeout=0):
             t_wait = time.perf_counter()
             ok = self._slots.acquire(timeout=self.options.timeout_s)
             self.slot_wait_s += time.perf_counter() - t_wait
             if not ok:
                 if mirror is not None:
-                    os.close(mirror)
+                    fork_close.close(mirror)
                 raise CacheTimeoutError(
                     f"rank {self.options.rank}: version {version}: waited {self.options.timeout_s:.0f}s for one of "
                     f"{self.options.max_inflight} in-flight slots"
@@ -501,7 +502,7 @@ class SnapshotEngine(ClosingContext):
             self._flush_pool.submit(self._open_file, job, previous)
         except BaseException:
             if job.mirror_fd is not None:
-                os.close(job.mirror_fd)
+                fork_close.close(job.mirror_fd)
                 job.mirror_fd = None
             job.opened.set_result(None)
             raise
@@ -604,7 +605,7 @@ class SnapshotEngine(ClosingContext):
             self._fail(job, e, "open")
         finally:
             if job.mirror_fd is not None:
-                os.close(job.mirror_fd)
+                fork_close.close(job.mirror_fd)
                 job.mirror_fd = None
             job.opened.set_result(None)
         self._maybe_finish(job)

@@ -355,12 +355,16 @@ class Committer(QueueThread):
             verdict.update(go=ok, unwritten=[] if ok else [0], n_unwritten=int(not ok))
         outcome = chan.broadcast(verdict)
         if not outcome["go"]:
-            self._refuse(ticket, outcome, own_failed=mine["ok"] != 1)
-            if fault is not None:
-                raise CommitError(
-                    f"rank {self.rank}: iteration {ticket.iteration}: commit failed: {fault!r}; nothing committed"
-                ) from fault
-            return False
+            if fault is None:
+                self._refuse(ticket, outcome, own_failed=mine["ok"] != 1)
+                return False
+            try:  # the writers' clean-up; its own error (out of step, a promotion's) gives way to the fault
+                self._refuse(ticket, outcome, own_failed=True)
+            except Exception as e:  # noqa: BLE001 - the fault is this rank's error
+                log.info("rank %d: iteration %d: %s", self.rank, ticket.iteration, e)
+            raise CommitError(
+                f"rank {self.rank}: iteration {ticket.iteration}: commit failed: {fault!r}; nothing committed"
+            ) from fault
         self._commit_seq += 1
         self.latest = ticket.iteration
         if self._writes:

@@ -14,7 +14,8 @@ reads this rank's state from memory -- 0 bytes from storage -- when every rank h
 save (:meth:`CheckpointManager.choose`), each file checked against the checksums recorded at save.
 A memfd has no name: nothing is left behind when the process dies, and a job restart reads its
 tiers as before.  A forked child (a DataLoader worker) closes its inherited descriptors of the copies
-at once (``os.register_at_fork``): a copy the parent closes is freed, not kept alive by a worker.
+at once (:mod:`..fs.fork_close`), and the descriptors a save or a restore holds of them too: a copy
+the parent closes is freed, not kept alive by a worker.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import time
 import weakref
 
 from ..format.file_format import FileReceipt
+from ..fs import fork_close
 from ..format.rank_table import RankRecord
 
 __all__ = ["HostCopies", "HostCopy", "MemoryFile", "keep", "take"]
@@ -75,7 +77,7 @@ class HostCopies:
     def start(self, iteration: int, token: str, seq: int, name: str, metadata: dict, layout: dict) -> int:
         """A new memory file for save ``(token, seq)`` of ``iteration``; the caller's engine mirrors
         the rank file into it (and dups it)."""
-        fd = os.memfd_create(f"dsm-host-{name}", os.MFD_CLOEXEC)
+        fd = fork_close.opened(os.memfd_create(f"dsm-host-{name}", os.MFD_CLOEXEC))
         copy = HostCopy(iteration, token, seq, name, fd, dict(metadata), dict(layout))
         with self._lock:
             self._pending[(token, seq)] = copy
@@ -83,7 +85,7 @@ class HostCopies:
             while len(self._pending) > self.limit:  # the oldest: abandoned, never to commit
                 stale.append(self._pending.pop(next(iter(self._pending))))
         for c in stale:
-            os.close(c.fd)
+            fork_close.close(c.fd)
         return fd
 
     def attach(self, token: str, seq: int, durable) -> None:
@@ -99,7 +101,7 @@ class HostCopies:
                 else:
                     copy.receipt = f.result()
                     return
-            os.close(copy.fd)
+            fork_close.close(copy.fd)
 
         durable.add_done_callback(done)
 
@@ -108,7 +110,7 @@ class HostCopies:
         with self._lock:
             copy = self._pending.pop((token, seq), None)
         if copy is not None:
-            os.close(copy.fd)
+            fork_close.close(copy.fd)
 
     def committed(self, token: str, seq: int, durable=None) -> None:
         """Save ``(token, seq)`` committed (its tier's commit thread): its copy becomes the newest; the
@@ -138,7 +140,7 @@ class HostCopies:
                 for key in [k for k in self._pending if k[0] == token and k[1] < seq]:
                     closing.append(self._pending.pop(key))
         for c in closing:
-            os.close(c.fd)
+            fork_close.close(c.fd)
 
     def newest(self) -> HostCopy | None:
         """The newest committed save's copy, or ``None``."""
@@ -152,13 +154,13 @@ class HostCopies:
 
     def borrow(self, iteration: int, save: tuple[int, int] | None = None) -> tuple[HostCopy, int] | None:
         """The committed copy of ``iteration`` (and of save ``(token as an int, seq)`` when given)
-        with a duplicate of its descriptor, the caller's to close, or ``None``: a commit that
+        with a duplicate of its descriptor, the caller's to close (:func:`.fork_close.close`), or ``None``: a commit that
         closes the copy meanwhile leaves the caller's descriptor open."""
         with self._lock:
             c = self._newest
             if c is None or c.iteration != iteration or (save is not None and (int(c.token, 16), c.seq) != tuple(save)):
                 return None
-            return c, os.dup(c.fd)
+            return c, fork_close.opened(os.dup(c.fd))
 
     def holds(self, iteration: int, record: RankRecord | None) -> bool:
         """Whether the copy held is ``iteration``'s very file the manifest lists as ``record``."""
@@ -172,14 +174,14 @@ class HostCopies:
             copies = list(self._pending.values()) + ([self._newest] if self._newest is not None else [])
             self._pending, self._newest = {}, None
         for c in copies:
-            os.close(c.fd)
+            fork_close.close(c.fd)
 
     def retire_pending(self) -> None:
         """Close the copies of saves that did not commit (a manager closing): only the committed one is kept."""
         with self._lock:
             copies, self._pending = list(self._pending.values()), {}
         for c in copies:
-            os.close(c.fd)
+            fork_close.close(c.fd)
 
 
 def _size(fd: int) -> int:
@@ -224,7 +226,7 @@ def _forget_in_child() -> None:
         copies._lock = threading.Lock()
         for c in held:
             try:
-                os.close(c.fd)
+                fork_close.close(c.fd)
             except OSError:
                 pass
 
