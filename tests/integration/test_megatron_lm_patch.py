@@ -441,6 +441,7 @@ def test_parse_args_takes_the_lazy_ckpt_flags(driven):
         promote_mbps=0.0,
         when_behind="skip",
         allow_vocab_change=False,
+        host_copy=False,  # auto, without --inprocess-restart
     )
     errors = out["errors"]
     assert "--lazy-ckpt requires --save" in errors["no_save"]

@@ -220,6 +220,8 @@ def config_from_args(args: argparse.Namespace) -> LazyCkptConfig:
         fields.update(megatron_flags.mapped_fields(args, _DEFAULTS))
     except megatron_flags.MappingError as e:
         raise OptionsError("LazyCkptConfig", [("megatron", p) for p in e.problems]) from None
+    if fields.get("host_copy") == "auto" and hasattr(args, "inprocess_restart"):  # Megatron-LM's own flag:
+        fields["host_copy"] = bool(args.inprocess_restart)  # a host copy is what its restart restores from
     return LazyCkptConfig(save_dir=getattr(args, "save", None), load_dir=getattr(args, "load", None), **fields)
 
 

@@ -36,7 +36,6 @@ the ``atexit`` hook and the training thread never finalize it twice.
 from __future__ import annotations
 
 import atexit
-import dataclasses
 import enum
 import itertools
 import logging
@@ -316,8 +315,6 @@ def _session_for(args: Any, model: Any, optimizer: Any, scheduler: Any) -> _Sess
             return _session
         # the patch's parse-time check, again (problems named by flag), and the config it builds
         config = validate_lazy_ckpt_args(args)
-        if config.host_copy == "auto":  # the host copy is what an in-process restart restores from
-            config = dataclasses.replace(config, host_copy=bool(getattr(args, "inprocess_restart", False)))
         if not config.streaming:
             check_host_cache_fits(config, largest_tensor_bytes(model), what="largest model tensor")
         from ..checkpointing.checkpointer import LazyCheckpointer
