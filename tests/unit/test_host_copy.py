@@ -36,6 +36,20 @@ def _memfds() -> int:
     return n
 
 
+def _memfds_in_a_forked_child() -> int:
+    """How many host-copy memory files a child forked now holds."""
+    r, wr = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.write(wr, bytes([_memfds()]))
+        os._exit(0)
+    os.close(wr)
+    held = os.read(r, 1)
+    os.close(r)
+    os.waitpid(pid, 0)
+    return held[0]
+
+
 @pytest.fixture(autouse=True)
 def _nothing_kept():
     yield
@@ -221,16 +235,7 @@ def test_a_forked_child_holds_no_copy(tmp_path):
     w = torch.zeros(300)
     mgr = _saved(tmp_path, w, iterations=(1,))
     assert _memfds() == 1
-    r, wr = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # the child: report how many copies it holds
-        os.write(wr, bytes([_memfds()]))
-        os._exit(0)
-    os.close(wr)
-    held = os.read(r, 1)
-    os.close(r)
-    os.waitpid(pid, 0)
-    assert held == bytes([0]) and _memfds() == 1  # the parent keeps its own
+    assert _memfds_in_a_forked_child() == 0 and _memfds() == 1  # the parent keeps its own
     mgr.close()
 
 
@@ -239,16 +244,7 @@ def test_a_forked_child_holds_no_descriptor_a_restore_borrowed(tmp_path):
     mgr = _saved(tmp_path, w, iterations=(1,))
     copy, fd = mgr.host.borrow(1)
     assert _memfds() == 2
-    r, wr = os.pipe()
-    pid = os.fork()
-    if pid == 0:
-        os.write(wr, bytes([_memfds()]))
-        os._exit(0)
-    os.close(wr)
-    held = os.read(r, 1)
-    os.close(r)
-    os.waitpid(pid, 0)
-    assert held == bytes([0])
+    assert _memfds_in_a_forked_child() == 0
     from datastates_megatron.engine.fs import fork_close
 
     fork_close.close(fd)
