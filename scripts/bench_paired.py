@@ -161,7 +161,7 @@ def main() -> int:
             ca = statistics.mean(c for kind, c in cpu[4 * q : 4 * q + 4] if kind == "A")
             cb = statistics.mean(c for kind, c in cpu[4 * q : 4 * q + 4] if kind == "B")
             print(
-                f"{q:>4}  {statistics.mean(a):>7.3f}  {statistics.mean(b):>7.3f}  "
+                f"{q:>4}  {statistics.mean(a):>7.5f}  {statistics.mean(b):>7.5f}  "
                 f"{statistics.mean(b) / statistics.mean(a):>5.3f}  {waits:>18.3f}  {ca:>16.3f}  {cb:>16.3f}"
             )
         a_all = [t for kind, ts, _ in merged if kind == "A" for t in ts]
@@ -170,7 +170,7 @@ def main() -> int:
         med = statistics.median(b_all) / statistics.median(a_all)
         e2e = (sum(b_all) + b_waits + final) / sum(a_all)
         print(
-            f"median iteration: A {statistics.median(a_all):.3f} s, B {statistics.median(b_all):.3f} s, ratio {med:.3f}"
+            f"median iteration: A {statistics.median(a_all):.5f} s, B {statistics.median(b_all):.5f} s, ratio {med:.3f}"
         )
         print(
             f"end to end: A {sum(a_all):.2f} s; B {sum(b_all):.2f} s + block-end waits {b_waits:.2f} s "
