@@ -264,7 +264,10 @@ class CheckpointManager(ClosingContext):
         self.node = self.rank // per_node
         self.node_ranks = range(self.node * per_node, min(self.world_size, (self.node + 1) * per_node))
         # the node-local root several runs may share; this run's tier is its run-<id> subdirectory
-        self.local_base = os.path.abspath(local_root.format(node=self.node)) if local_root else None
+        # "{node}": the machine's own index, which an in-process restart does not change (torchrun's
+        # GROUP_RANK; it may give a spare on another machine a failed rank's RANK)
+        machine = int(os.environ.get("GROUP_RANK", self.node))
+        self.local_base = os.path.abspath(local_root.format(node=machine)) if local_root else None
         self.local_root: str | None = None  # set once the run id is agreed (_start_tiers)
         self.run_id = ""
         self._save_empty = False  # rank 0: --save held no checkpoint at start-up (:meth:`_warn_wiped_save`)
@@ -298,6 +301,7 @@ class CheckpointManager(ClosingContext):
         self._resolve_chan = StoreChannel(
             default_store(), self.rank, self.world_size, f"dsm/{token}/resolve", opts.timeout_s
         )
+        self._commit_chans: list[StoreChannel] = []  # each tier's (forget_ranks)
         self._start_tiers()
         self._first_tier = self.local or self.persistent  # where a save is committed first
         self._stalls = StallReport(self.rank, self._first_tier.root)  # saves skipped: storage behind
@@ -317,6 +321,7 @@ class CheckpointManager(ClosingContext):
                     channel = StoreChannel(
                         default_store(), self.rank, self.world_size, f"dsm/{token}/{tier.name}", opts.timeout_s
                     )
+                    self._commit_chans.append(channel)
                     tier.open(channel, self.world_size, self.layout, opts.timeout_s)
             if self.local:
                 from .tiers.promotion import Promotion
@@ -1302,6 +1307,13 @@ class CheckpointManager(ClosingContext):
         return local is not None and local == persistent
 
     # ------------------------------------------------------------------ lifecycle
+    def forget_ranks(self, ranks) -> None:
+        """``ranks`` of this manager's world are gone for good (an in-process restart went on
+        without them): the commits still pending stop waiting for them, and are abandoned on every
+        rank (:meth:`.StoreChannel.forget`).  Call before :meth:`close`."""
+        for channel in self._commit_chans:
+            channel.forget(ranks)
+
     def close(self, timeout: float | None = None, *, keep_cache: bool = False) -> None:
         """Drain (commit what is pending and promote the newest local checkpoint), then stop every
         thread; idempotent.  ``keep_cache``: the host cache's arena and this rank's host copy go to

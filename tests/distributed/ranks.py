@@ -142,6 +142,7 @@ class Finished:
     stdout: str
     stderr: str
     timed_out: bool
+    codes: tuple = ()  # each command's exit status, in order
 
 
 def run_command(
@@ -166,7 +167,11 @@ def run_command(
     texts = [p.communicate(timeout=30) for p in procs]
     codes = [p.returncode for p in procs]
     return Finished(
-        next((c for c in codes if c), codes[0]), "".join(t[0] for t in texts), "".join(t[1] for t in texts), timed_out
+        next((c for c in codes if c), codes[0]),
+        "".join(t[0] for t in texts),
+        "".join(t[1] for t in texts),
+        timed_out,
+        tuple(codes),
     )
 
 

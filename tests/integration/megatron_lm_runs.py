@@ -97,6 +97,7 @@ class Run:
     returncode: int | None
     log: str
     record: str  # training_record prefix
+    codes: tuple = ()  # each launcher's exit status
 
     def iterations(self, rank: int = 0) -> dict[int, dict]:
         return training_record.read(self.record, rank)[0]
@@ -113,24 +114,23 @@ def command(
 ) -> list[str]:
     """``node``: (this node's index, number of nodes) -- one torchrun per "node" on localhost, each
     with its own ``LOCAL_WORLD_SIZE``, as a multi-node job runs."""
-    script = os.path.join(megatron_lm_dir or MEGATRON_LM_DIR, "pretrain_gpt.py")
     nodes = ["--nnodes", str(node[1]), "--node-rank", str(node[0]), "--master-addr", "127.0.0.1"] if node else []
-    return [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        *nodes,
-        "--nproc-per-node",
-        str(nproc),
-        "--master-port",
-        str(port),
-        "-m",
-        "datastates_megatron.megatron.cpu.launch",
-        script,
-        *(NO_TE if CUDA else CPU_ONLY),
-        *TINY,
-        *args,
-    ]
+    launcher = [sys.executable, "-m", "torch.distributed.run", *nodes, "--nproc-per-node", str(nproc)]
+    return [*launcher, "--master-port", str(port), *_pretrain_gpt(args, megatron_lm_dir)]
+
+
+def _pretrain_gpt(args: list[str], megatron_lm_dir: str | None) -> list[str]:
+    script = os.path.join(megatron_lm_dir or MEGATRON_LM_DIR, "pretrain_gpt.py")
+    return ["-m", "datastates_megatron.megatron.cpu.launch", script, *(NO_TE if CUDA else CPU_ONLY), *TINY, *args]
+
+
+def rank_command(rank: int, world: int, args: list[str], port: int) -> list[str]:
+    """One rank as its own "node", started directly with the variables torchrun gives a worker (as
+    ``srun`` starts one task per node): a rank that dies then takes no launcher down with it, and
+    leaves no other launcher waiting for it at the end (torchrun's exit barrier, 300 s)."""
+    where = {"RANK": rank, "LOCAL_RANK": 0, "WORLD_SIZE": world, "LOCAL_WORLD_SIZE": 1, "GROUP_RANK": rank}
+    where |= {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
+    return ["env", *(f"{k}={v}" for k, v in where.items()), sys.executable, *_pretrain_gpt(args, None)]
 
 
 def run_env(args: list[str], record: str) -> dict[str, str]:
@@ -162,14 +162,24 @@ def launch(
     torchrun get SIGKILL) or ``term_when()`` (then every rank gets SIGTERM, as ``srun`` delivers a
     pre-emption, and the run is left to finish). Both are polled every 50 ms. ``nodes`` > 1: that
     many torchruns of ``nproc`` ranks each, one per "node" (the return code is the first non-zero one)."""
-    record = str(tmp / f"{name}-record")  # see logged()
-    log_path = tmp / f"{name}.log"
-    env = run_env(args, record)
     port = free_port()
     cmds = [command(nproc, args, port, megatron_lm_dir, (k, nodes) if nodes > 1 else None) for k in range(nodes)]
+    return _run(tmp, name, args, cmds, timeout=timeout, kill_when=kill_when, term_when=term_when)
+
+
+def launch_ranks(tmp: Path, name: str, args: list[str], *, world: int, timeout: float = 300.0) -> Run:
+    """``pretrain_gpt.py`` on ``world`` ranks, each its own node (:func:`rank_command`); the Run's
+    ``codes`` are the ranks' exit statuses."""
+    port = free_port()
+    return _run(tmp, name, args, [rank_command(r, world, args, port) for r in range(world)], timeout=timeout)
+
+
+def _run(tmp: Path, name: str, args: list[str], cmds, **how) -> Run:
+    record = str(tmp / f"{name}-record")  # see logged()
+    log_path = tmp / f"{name}.log"
     with open(log_path, "w") as log:
-        done = run_command(cmds, env=env, timeout=timeout, log=log, kill_when=kill_when, term_when=term_when)
-    return Run(done.returncode, log_path.read_text(errors="replace"), record)
+        done = run_command(cmds, env=run_env(args, record), log=log, **how)
+    return Run(done.returncode, log_path.read_text(errors="replace"), record, done.codes)
 
 
 def committed_at_least(save: Path, iteration: int):

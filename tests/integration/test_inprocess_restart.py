@@ -20,6 +20,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import re
+import signal
 from pathlib import Path
 
 import pytest
@@ -32,6 +33,7 @@ from tests.integration.megatron_lm_runs import (
     assert_same_training,
     latest,
     launch,
+    launch_ranks,
 )
 
 # scripts/setup.sh installs NVRx 0.4.1 here, apart from .venv (core_v0.19 and main refuse it on import)
@@ -85,17 +87,22 @@ def _faulted(
     save = tmp_path / "ckpt"
     args = [*BASE, "--save", str(save), "--load", str(save), "--save-interval", "2", *LAZY, *INPROCESS, *extra]
     with monkeypatch.context() as m:
-        m.setenv("DSM_FAULT_AT", f"{fault}:{at}")
-        m.setenv("TORCH_CPP_LOG_LEVEL", "error")  # the wrapper's store polls warn each second otherwise
-        if importlib.util.find_spec("nvidia_resiliency_ext") is None:  # the ranks import it from APART
-            m.setenv("PYTHONPATH", os.pathsep.join(p for p in (os.environ.get("PYTHONPATH"), str(APART)) if p))
-        if rank is not None:
-            m.setenv("DSM_FAULT_RANK", str(rank))
+        _nvrx_env(m, f"{fault}:{at}", rank)
         if load is not None:
             m.setenv("DSM_FAULT_AT_LOAD", str(load))
         run = launch(tmp_path, "faulted", args)
     assert run.returncode == 0, run.describe()
     return run, save
+
+
+def _nvrx_env(m: pytest.MonkeyPatch, fault: str, rank: int | None) -> None:
+    """The environment of a faulted run: ``fault`` (``DSM_FAULT_AT``) on ``rank`` (all: None), NVRx importable."""
+    m.setenv("DSM_FAULT_AT", fault)
+    m.setenv("TORCH_CPP_LOG_LEVEL", "error")  # the wrapper's store polls warn each second otherwise
+    if importlib.util.find_spec("nvidia_resiliency_ext") is None:  # the ranks import it from APART
+        m.setenv("PYTHONPATH", os.pathsep.join(p for p in (os.environ.get("PYTHONPATH"), str(APART)) if p))
+    if rank is not None:
+        m.setenv("DSM_FAULT_RANK", str(rank))
 
 
 def _restarted_once_from_4(run, host: bool = True) -> None:
@@ -186,5 +193,31 @@ def test_a_failed_write_on_a_flush_thread_restarts_from_the_last_commit_in_memor
         assert f"rank {rank}: restored iteration 2 from host memory: 0 bytes read from storage" in run.log, (
             run.describe()
         )
+    assert latest(save) == ITERS
+    assert_same_training(run, reference, range(1, ITERS + 1))
+
+
+def test_a_spare_takes_a_killed_ranks_place_with_its_shard_from_the_partner_replica(tmp_path, monkeypatch, reference):
+    """``--inprocess-active-world-size 2`` on 3 ranks, each its own "node" (its own node-local
+    directory, ``{node}``): ranks 0 and 1 train, rank 2 waits as a spare.  Rank 1's process is
+    killed (``SIGKILL``: a crash, a lost node) in iteration 5; NVRx's monitor reports it terminated,
+    and the wrapper restarts rank 0 in-process and makes the spare rank 1.  Rank 0 restores
+    iteration 4 from its host copy; the spare holds nothing, and fetches rank 1's shard from the
+    partner replica that rank 0's node keeps (``--lazy-ckpt-replicas 1``): a mixed restore, with
+    nothing read from ``--save``, bit-exact against the 2-rank run."""
+    save, local = tmp_path / "ckpt", tmp_path / "node{node}"
+    args = [*BASE, "--save", str(save), "--load", str(save), "--save-interval", "2", *LAZY, *INPROCESS]
+    args += ["--inprocess-active-world-size", "2", "--lazy-ckpt-local-dir", str(local), "--lazy-ckpt-replicas", "1"]
+    with monkeypatch.context() as m:
+        _nvrx_env(m, f"kill:{FAULT_AT}", 1)
+        run = launch_ranks(tmp_path, "spare", args, world=3)
+    assert run.codes == (0, -signal.SIGKILL, 0), run.describe()
+    assert "rank 1: injected fault (kill) in the forward pass of iteration 5" in run.log, run.describe()
+    assert "rank 0: in-process restart: rank(s) [1] of the aborted attempt are gone" in run.log, run.describe()
+    assert "rank 0: restored iteration 4 from host memory: 0 bytes read from storage" in run.log, run.describe()
+    spare = f"rank 1: restoring iteration 4 from {tmp_path}/node2/run-"  # its own node's directory
+    assert spare in run.log and "/replicas/r00001: the replica held by rank 0" in run.log, run.describe()
+    assert "rank 0: sent rank 1 its file of iteration 4 from the replica held here" in run.log, run.describe()
+    assert f"restoring iteration 4 from {save}" not in run.log, run.describe()
     assert latest(save) == ITERS
     assert_same_training(run, reference, range(1, ITERS + 1))

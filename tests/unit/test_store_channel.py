@@ -98,3 +98,38 @@ def test_world_of_one_needs_no_store():
     assert c.scatter({0: {"x": 1}}, expect=True) == {"x": 1}
     with pytest.raises(ValueError):
         StoreChannel(None, 0, 2, "t", 1)
+
+
+def test_a_gather_waiting_for_a_dead_rank_ends_once_rank0_is_told_it_is_gone():
+    """An in-process restart went on without rank 2 (killed): rank 0's commit thread, blocked in a
+    gather on a TCPStore connection, is woken by ``forget`` from another thread (on a connection of
+    its own: a client's calls queue behind its blocked wait), and counts rank 2 as a row of zeros (a
+    failed status); later rounds do not wait for it either."""
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    chans = [StoreChannel(dist.TCPStore("127.0.0.1", server.port), r, 3, "t", 60.0) for r in range(3)]
+    chans[1].gather({"a": 1, "b": 1}, FIELDS)  # rank 2 never sends
+    with cf.ThreadPoolExecutor(1) as pool:
+        blocked = pool.submit(chans[0].gather, {"a": 5, "b": 5}, FIELDS)
+        with pytest.raises(cf.TimeoutError):
+            blocked.result(timeout=0.5)
+        chans[0].forget([2])
+        cols = blocked.result(timeout=10)
+    assert {f: v.tolist() for f, v in cols.items()} == {"a": [5, 1, 0], "b": [5, 1, 0]}
+    assert chans[0].gone == {2}
+    chans[1].gather({"a": 2, "b": 2}, FIELDS)
+    assert chans[0].gather({"a": 6, "b": 6}, FIELDS)["a"].tolist() == [6, 2, 0]
+
+
+def test_a_gone_rank_whose_row_arrived_keeps_it_and_a_live_rank_is_still_awaited():
+    store = dist.HashStore()
+    chans = [StoreChannel(store, r, 3, "t", 0.5) for r in range(3)]
+    chans[2].gather({"a": 2, "b": 2}, FIELDS)  # rank 2 sent, then died
+    chans[0].forget([2])
+    with pytest.raises(CommitError, match=r"no answer from rank\(s\) \[1\]"):
+        chans[0].gather({"a": 0, "b": 0}, FIELDS)  # rank 1 is alive: not counted as gone
+    store = dist.HashStore()
+    chans = [StoreChannel(store, r, 3, "t", 5.0) for r in range(3)]
+    chans[2].gather({"a": 2, "b": 2}, FIELDS)
+    chans[1].gather({"a": 1, "b": 1}, FIELDS)
+    chans[0].forget([2])
+    assert chans[0].gather({"a": 0, "b": 0}, FIELDS)["a"].tolist() == [0, 1, 2]

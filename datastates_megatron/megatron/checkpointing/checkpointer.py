@@ -450,6 +450,15 @@ class LazyCheckpointer:
             self._closed = True
             self._mgr.close(keep_cache=keep_cache)
 
+    def forget_ranks(self, ranks) -> None:
+        """Ranks of this checkpointer's world that died (an in-process restart went on without
+        them): its pending checkpoints are abandoned instead of waiting for them.  Before :meth:`close`."""
+        self._mgr.forget_ranks(ranks)
+
+    @property
+    def world_size(self) -> int:
+        return self._mgr.world_size
+
     @property
     def cache_reused(self) -> bool:
         """Whether this checkpointer's host cache is the arena an earlier one of this process kept."""

@@ -1,9 +1,11 @@
 """A fault in the forward pass of one training iteration, for the in-process restart tests.
 
-``DSM_FAULT_AT=<kind>:<iteration>`` (``raise`` or ``hang``) makes this process's forward pass of
+``DSM_FAULT_AT=<kind>:<iteration>`` (a kind below) makes this process's forward pass of
 ``iteration`` (the step that makes it, as ``args.curr_iteration`` numbers it: the step after
 ``iteration - 1``) fail, once per process: a restarted attempt that reaches ``iteration`` again
-trains on.  ``DSM_FAULT_RANK=<rank>`` limits it to one rank.  ``DSM_FAULT_AT_LOAD=<n>`` also makes
+trains on.  ``DSM_FAULT_RANK=<rank>`` limits it to the process launched as that rank (its ``RANK``
+when this is installed: an in-process restart may give a spare that rank later, and the spare must
+not fail too).  ``DSM_FAULT_AT_LOAD=<n>`` also makes
 the ``n``-th ``load_checkpoint`` of this process raise once it has restored (a second fault, in the
 restart's own restore, before training resumes), on that rank too.
 
@@ -11,6 +13,10 @@ restart's own restore, before training resumes), on that rank too.
 * ``hang``: the training thread stops making progress until an exception is raised in it (NVRx's
   monitor raises one into the main thread on a restart): a loop of short waits, so that the
   asynchronous exception is delivered, standing for a hang in Python code;
+* ``kill``: once its checkpoints are committed and replicated (so that the restart's outcome does
+  not depend on timing), the process kills itself (``SIGKILL``), as a crash or a lost node would:
+  no exception, no clean-up; NVRx's monitor process reports the rank terminated, and a spare takes
+  its place;
 * ``flush``: instead of the forward pass, the checkpoint of ``iteration``: the first write of its
   rank file raises ``EIO`` on the flush thread, as a storage target failing a write would (a
   ``pwrite``: not a file on tmpfs, which is written through a mapping).
@@ -24,6 +30,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import signal
 import threading
 
 __all__ = ["ENV", "LOAD_ENV", "RANK_ENV", "InjectedFault", "install"]
@@ -31,7 +38,7 @@ __all__ = ["ENV", "LOAD_ENV", "RANK_ENV", "InjectedFault", "install"]
 ENV = "DSM_FAULT_AT"
 RANK_ENV = "DSM_FAULT_RANK"
 LOAD_ENV = "DSM_FAULT_AT_LOAD"
-_KINDS = ("raise", "hang", "flush")
+_KINDS = ("raise", "hang", "kill", "flush")
 
 log = logging.getLogger(__name__)
 
@@ -54,11 +61,12 @@ def install(spec: str) -> None:
     from megatron.training.global_vars import get_args
 
     kind, iteration = parse(spec)
-    only_rank = os.environ.get(RANK_ENV)
+    only = os.environ.get(RANK_ENV)
+    mine = only is None or only == os.environ.get("RANK", "0")  # the launch rank, decided once
     if kind == "flush":
-        _fail_a_write(iteration, only_rank)
+        _fail_a_write(iteration, mine)
         if os.environ.get(LOAD_ENV):
-            _fail_a_load(int(os.environ[LOAD_ENV]), only_rank)
+            _fail_a_load(int(os.environ[LOAD_ENV]), mine)
         return
     fired = threading.Event()
     original = training.train_step
@@ -66,6 +74,15 @@ def install(spec: str) -> None:
     def fault(rank: int) -> None:
         fired.set()
         log.warning("rank %d: injected fault (%s) in the forward pass of iteration %d", rank, kind, iteration)
+        if kind == "kill":
+            from ..megatron_lm.checkpointing import get_checkpointer
+
+            ckpt = get_checkpointer()
+            if ckpt is not None:  # its checkpoints committed and replicated first: a fixed outcome
+                ckpt.wait()
+            for handler in logging.getLogger().handlers:
+                handler.flush()
+            os.kill(os.getpid(), signal.SIGKILL)
         if kind == "raise":
             raise InjectedFault(f"rank {rank}: injected fault in the forward pass of iteration {iteration}")
         stop = threading.Event()  # never set: only an asynchronous exception ends the wait
@@ -78,7 +95,7 @@ def install(spec: str) -> None:
 
         rank = dist.get_rank() if dist.is_initialized() else 0
         step = getattr(get_args(), "curr_iteration", -1) + 1  # the iteration this step makes
-        if fired.is_set() or step != iteration or (only_rank is not None and int(only_rank) != rank):
+        if fired.is_set() or step != iteration or not mine:
             return original(forward_step_func, *args, **kwargs)
 
         def forward_step(*f_args, **f_kwargs):
@@ -89,10 +106,10 @@ def install(spec: str) -> None:
 
     training.train_step = train_step
     if os.environ.get(LOAD_ENV):
-        _fail_a_load(int(os.environ[LOAD_ENV]), only_rank)
+        _fail_a_load(int(os.environ[LOAD_ENV]), mine)
 
 
-def _fail_a_write(iteration: int, only_rank: str | None) -> None:
+def _fail_a_write(iteration: int, mine: bool) -> None:
     """The first write of this process's rank file of checkpoint ``iteration`` raises ``EIO`` (on
     the flush thread that makes it), once per process."""
     import errno
@@ -108,7 +125,6 @@ def _fail_a_write(iteration: int, only_rank: str | None) -> None:
         import torch.distributed as dist
 
         rank = dist.get_rank() if dist.is_initialized() else 0
-        mine = only_rank is None or int(only_rank) == rank
         if mine and iteration_of(os.path.basename(os.path.dirname(self.path))) == iteration and fired.acquire(False):
             log.warning("rank %d: injected fault (flush) in the write of checkpoint %d", rank, iteration)
             raise OSError(errno.EIO, f"rank {rank}: injected write fault in checkpoint {iteration}")
@@ -117,7 +133,7 @@ def _fail_a_write(iteration: int, only_rank: str | None) -> None:
     writer.RankFileWriter.write = write
 
 
-def _fail_a_load(nth: int, only_rank: str | None) -> None:
+def _fail_a_load(nth: int, mine: bool) -> None:
     """The ``nth`` ``load_checkpoint`` that ``setup_model_and_optimizer`` calls raises after it returns."""
     from megatron.training import training
 
@@ -131,7 +147,7 @@ def _fail_a_load(nth: int, only_rank: str | None) -> None:
         result = original(*args, **kwargs)
         calls[0] += 1
         rank = dist.get_rank() if dist.is_initialized() else 0
-        if calls[0] == nth and (only_rank is None or int(only_rank) == rank):
+        if calls[0] == nth and mine:
             log.warning("rank %d: injected fault after load %d", rank, nth)
             raise InjectedFault(f"rank {rank}: injected fault after load {nth}")
         return result

@@ -20,7 +20,9 @@ aborted attempt is retired by the first save or load of the next one (:func:`_se
 training thread: its pending checkpoints end as they would have (their commit goes through the
 job's store, which outlives the attempt: committed on every rank, or abandoned on every rank), its
 threads stop, its save-directory lock is released, its host cache's arena is kept for the next
-checkpointer (never allocated twice), and only then is the new attempt's checkpointer built.  An
+checkpointer (never allocated twice), and only then is the new attempt's checkpointer built.  Ranks of
+the aborted attempt that are not in the new one (a killed process, a lost node, whose place a spare
+may take) are first found (:func:`_ranks_gone`), and its pending commits stop waiting for them.  An
 attempt is known to be over by :func:`abort` (the runtime hook calls it where Megatron's
 ``AbortCheckpoint`` resets its own async worker) or, without the hook, by the default process group
 having been rebuilt since the checkpointer was made.
@@ -268,6 +270,27 @@ def abort() -> None:
         logger.warning("rank %d: training attempt aborted; the lazy checkpointer is retired at the next start", _rank())
 
 
+def _ranks_gone(ended: _Session | None) -> list[int]:
+    """At the first save or load of an attempt under ``--inprocess-restart`` (every rank of it, a
+    spare included): the ranks of the aborted attempt whose processes are not in this one (killed,
+    or a lost node): its pending commits must not wait for them.  Each rank tells rank 0 the rank
+    it had (one gather), and rank 0 tells every rank who is missing (one broadcast)."""
+    import torch.distributed as dist
+
+    mine = (ended.ckpt.rank, ended.ckpt.world_size) if ended is not None else (-1, 0)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    had = [None] * world if rank == 0 else None
+    dist.gather_object(mine, had, dst=0)
+    gone = [None]
+    if rank == 0:
+        before = max(w for _, w in had)
+        gone[0] = sorted(set(range(before)) - {r for r, _ in had})
+        if gone[0]:
+            logger.warning("rank 0: in-process restart: rank(s) %s of the aborted attempt are gone", gone[0])
+    dist.broadcast_object_list(gone, src=0)
+    return gone[0]
+
+
 def _retire(session: _Session) -> None:
     """Close the checkpointer of an ended attempt (caller holds ``_lock``): its pending checkpoints
     end as they would have, committed or abandoned alike on every rank; an error is logged (it was
@@ -302,8 +325,14 @@ def run_vocabulary(args: Any) -> int | None:
 def _session_for(args: Any, model: Any, optimizer: Any, scheduler: Any) -> _Session:
     global _session, _atexit_registered
     with _lock:
+        ended = None
         if _session is not None and _session.ended():
             _session, ended = None, _session
+        if _session is None and getattr(args, "inprocess_restart", False):
+            gone = _ranks_gone(ended)  # every rank of the attempt: a spare too
+            if ended is not None and gone:
+                ended.ckpt.forget_ranks(gone)
+        if ended is not None:
             _retire(ended)
         if _session is not None:
             if not _session.matches(model, optimizer, scheduler):
