@@ -85,3 +85,35 @@ def test_a_manifest_that_cannot_be_written_is_every_rank_error(tmp_path, metadat
     assert isinstance(out[0], CommitError) and "writing the persistent manifest" in str(out[0])
     for rank in range(1, WORLD):
         assert isinstance(out[rank], CommitError) and "could not be written (by rank(s) [0])" in str(out[rank])
+
+
+def test_a_rank_that_died_before_its_status_fails_the_commit_on_every_live_rank_once_forgotten(tmp_path):
+    """Rank 3 died before it sent its status (an in-process restart went on without it): once the
+    live ranks' channels are told (``forget``), the pending commit ends at once as failed -- rank 3
+    named as a failed rank, not as one out of step -- with no manifest, on every live rank."""
+    root = str(tmp_path / "root")
+    os.makedirs(iter_dir(root, 3))
+    store = dist.HashStore()
+    tiers, chans = [], []
+    for rank in range(WORLD - 1):  # rank 3 never runs
+        chan = StoreChannel(store, rank, WORLD, "t", 60.0)
+        tier = Tier("persistent", root, rank=rank, token=TOKEN, writes=list(range(WORLD)) if rank == 0 else [])
+        tier.open(chan, WORLD, {"dp": WORLD}, 60.0)
+        tiers.append(tier)
+        chans.append(chan)
+    for rank, tier in enumerate(tiers):
+        done: cf.Future = cf.Future()
+        done.set_result(FileReceipt(3, "f", 4096 + rank, 64, 1, 7 + rank, 9 + rank))
+        tier.submit(Ticket(3, 1, done, {}, time.perf_counter(), token=TOKEN))
+    time.sleep(0.3)  # rank 0 is waiting for rank 3's status
+    t0 = time.monotonic()
+    for chan in chans:
+        chan.forget([3])
+    for tier in tiers:
+        tier.drain(10)
+        with pytest.raises(CommitError, match=r"rank\(s\) \[3\] failed") as e:
+            tier.poll()
+        assert "out of step" not in str(e.value)
+        tier.close()
+    assert time.monotonic() - t0 < 10
+    assert not os.path.exists(os.path.join(iter_dir(root, 3), "manifest.json"))
