@@ -1094,12 +1094,7 @@ class CheckpointManager(ClosingContext):
             except Exception as e:  # noqa: BLE001 - every rank must hear it
                 self._agree_error(e)
                 raise
-        planner = planner or SameLayoutPlanner(self.engine.registered, self.world_size, self.layout)
-        verify = self.verify_on_load if verify is None else verify
-        with CheckpointReader(
-            ckpt, manifest, rank=self.rank, verify=verify, threads=self.restore_threads, partial=partial
-        ) as reader:
-            plan, stats = reader.load(planner, agree=self._agree_error, stall_s=self.engine.options.timeout_s)
+        plan, stats, _ = self._read(ckpt, manifest, verify, planner, partial=partial)
         log.info(
             "rank %d: loaded iteration %d from %s (%s plan, %d bytes)",
             self.rank,
@@ -1109,6 +1104,26 @@ class CheckpointManager(ClosingContext):
             stats.bytes,
         )
         return LoadResult(iteration, plan.objects, manifest.metadata, stats, root, plan.kind)
+
+    def _read(self, ckpt: str, manifest: Manifest, verify, planner, *, partial=False, fetcher=None, stall=True):
+        """The one verifying reader over ``ckpt`` (a directory, or a label where ``fetcher`` serves
+        the rank files: ranged GETs, a memory file), planned by ``planner`` (default: this rank's
+        same-layout state) and joined to the one agreement: ``(plan, stats, whether it verified)``.
+        ``stall``: give up on a read that stalls for the engine's timeout (ranged GETs have theirs)."""
+        planner = planner or SameLayoutPlanner(self.engine.registered, self.world_size, self.layout)
+        verify = self.verify_on_load if verify is None else verify
+        stall_s = self.engine.options.timeout_s if stall else None
+        with CheckpointReader(
+            ckpt,
+            manifest,
+            rank=self.rank,
+            verify=verify,
+            threads=self.restore_threads,
+            partial=partial,
+            fetcher=fetcher,
+        ) as reader:
+            plan, stats = reader.load(planner, agree=self._agree_error, stall_s=stall_s)
+        return plan, stats, verify
 
     def _load_host(self, choice: RestoreChoice, verify: bool | None, planner: LoadPlanner | None) -> LoadResult:
         """Restore this rank's state from its host copy (:mod:`.tiers.host_copy`): its memory file,
@@ -1137,18 +1152,9 @@ class CheckpointManager(ClosingContext):
             metadata=shared.metadata if shared is not None else copy.metadata,
             tier="host",
         )
-        planner = planner or SameLayoutPlanner(self.engine.registered, self.world_size, self.layout)
-        verify = self.verify_on_load if verify is None else verify
-        with CheckpointReader(
-            label,
-            manifest,
-            rank=self.rank,
-            verify=verify,
-            threads=self.restore_threads,
-            partial=True,
-            fetcher=host_copy.MemoryFile(fd, label),
-        ) as reader:
-            plan, stats = reader.load(planner, agree=self._agree_error, stall_s=self.engine.options.timeout_s)
+        plan, stats, verify = self._read(
+            label, manifest, verify, planner, partial=True, fetcher=host_copy.MemoryFile(fd, label)
+        )
         log.info(
             "rank %d: restored iteration %d from host memory: 0 bytes read from storage (%d bytes%s)",
             self.rank,
@@ -1193,13 +1199,8 @@ class CheckpointManager(ClosingContext):
             self._agree_error(err)  # the reader's agreement is then never reached on any rank
             raise err
         fetcher = RangeFetcher(storage, manifest, d if work else None, threads=self.restore_threads)
-        planner = planner or SameLayoutPlanner(self.engine.registered, self.world_size, self.layout)
-        verify = self.verify_on_load if verify is None else verify
         try:
-            with CheckpointReader(
-                d, manifest, rank=self.rank, verify=verify, threads=self.restore_threads, fetcher=fetcher
-            ) as reader:
-                plan, stats = reader.load(planner, agree=self._agree_error)
+            plan, stats, _ = self._read(d, manifest, verify, planner, fetcher=fetcher, stall=False)
         finally:
             fetcher.close()
             if work:
