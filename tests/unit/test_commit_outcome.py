@@ -87,10 +87,12 @@ def test_a_manifest_that_cannot_be_written_is_every_rank_error(tmp_path, metadat
         assert isinstance(out[rank], CommitError) and "could not be written (by rank(s) [0])" in str(out[rank])
 
 
-def test_a_rank_that_died_before_its_status_fails_the_commit_on_every_live_rank_once_forgotten(tmp_path):
-    """Rank 3 died before it sent its status (an in-process restart went on without it): once the
-    live ranks' channels are told (``forget``), the pending commit ends at once as failed -- rank 3
-    named as a failed rank, not as one out of step -- with no manifest, on every live rank."""
+@pytest.mark.parametrize("sent", [None, 2], ids=["died-before-its-status", "sent-another-save-then-died"])
+def test_a_rank_gone_fails_the_pending_commit_on_every_live_rank_once_forgotten(tmp_path, sent):
+    """Rank 3 died (an in-process restart went on without it): once the live ranks' channels are
+    told (``forget``), the pending commit ends at once, with no manifest, on every live rank: as
+    failed when rank 3 never sent its status (rank 3 named as failed, not as out of step); as out of
+    step when it had sent one of another save (a real row is never taken for a filled one)."""
     root = str(tmp_path / "root")
     os.makedirs(iter_dir(root, 3))
     store = dist.HashStore()
@@ -101,6 +103,16 @@ def test_a_rank_that_died_before_its_status_fails_the_commit_on_every_live_rank_
         tier.open(chan, WORLD, {"dp": WORLD}, 60.0)
         tiers.append(tier)
         chans.append(chan)
+    if sent is not None:  # rank 3's status of another save (sequence 2), then it died
+        dead = Tier("persistent", root, rank=3, token=TOKEN, writes=[])
+        dead.open(StoreChannel(store, 3, WORLD, "t", 60.0), WORLD, {"dp": WORLD}, 60.0)
+        done: cf.Future = cf.Future()
+        done.set_result(FileReceipt(3, "f", 4099, 64, 1, 10, 12))
+        dead.submit(Ticket(3, sent, done, {}, time.perf_counter(), token=TOKEN))
+        while store.add("t/0/count", 0) < 1:  # its row is in
+            time.sleep(0.01)
+        for chan in chans:  # told before rank 0 gathers: its real row must still count as sent
+            chan.forget([3])
     for rank, tier in enumerate(tiers):
         done: cf.Future = cf.Future()
         done.set_result(FileReceipt(3, "f", 4096 + rank, 64, 1, 7 + rank, 9 + rank))
@@ -111,9 +123,12 @@ def test_a_rank_that_died_before_its_status_fails_the_commit_on_every_live_rank_
         chan.forget([3])
     for tier in tiers:
         tier.drain(10)
-        with pytest.raises(CommitError, match=r"rank\(s\) \[3\] failed") as e:
+        with pytest.raises(CommitError, match=r"rank\(s\) \[3\] failed" if sent is None else "out of step") as e:
             tier.poll()
-        assert "out of step" not in str(e.value)
+        assert ("out of step" in str(e.value)) == (sent is not None)
         tier.close()
     assert time.monotonic() - t0 < 10
     assert not os.path.exists(os.path.join(iter_dir(root, 3), "manifest.json"))
+    if sent is not None:  # its commit thread heard the outcome too
+        dead.drain(10)
+        dead.close()

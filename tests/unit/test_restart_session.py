@@ -58,3 +58,42 @@ def test_fault_spec(spec, want):
 def test_a_bad_fault_spec_is_named(spec):
     with pytest.raises(ValueError, match="DSM_FAULT_AT"):
         fault_injection.parse(spec)
+
+
+class _Ckpt:
+    rank, world_size = 0, 2
+
+    def __init__(self):
+        self.forgotten = []
+
+    def forget_ranks(self, ranks):
+        self.forgotten.append(list(ranks))
+
+
+def test_an_attempts_first_load_tells_the_ended_checkpointer_who_is_gone_then_retires_it(one_rank, monkeypatch):
+    """In a world of one after a restart of a world of two: rank 1 is gone, and the aborted
+    attempt's checkpointer hears it before it is retired."""
+    ckpt = _Ckpt()
+    session = glue._Session(ckpt, [object()], object(), object())
+    monkeypatch.setattr(glue, "_session", session)
+    glue.abort()
+    retired = []
+    monkeypatch.setattr(glue, "_retire", retired.append)
+    monkeypatch.setattr(glue, "validate_lazy_ckpt_args", lambda args: (_ for _ in ()).throw(RuntimeError("built")))
+    args = type("Args", (), {"inprocess_restart": True})()
+    with pytest.raises(RuntimeError, match="built"):  # the new checkpointer is built after the retirement
+        glue._session_for(args, [object()], object(), object())
+    assert ckpt.forgotten == [[1]] and retired == [session]
+
+
+def test_a_fault_while_finding_who_is_gone_leaves_the_ended_checkpointer_to_the_next_attempt(one_rank, monkeypatch):
+    """A second fault in the gather that finds the ranks gone: the aborted attempt's checkpointer
+    is not dropped (its threads, lock and arena would leak): the next attempt retires it."""
+    session = glue._Session(_Ckpt(), [object()], object(), object())
+    monkeypatch.setattr(glue, "_session", session)
+    glue.abort()
+    monkeypatch.setattr(glue, "_ranks_gone", lambda ended: (_ for _ in ()).throw(RuntimeError("second fault")))
+    args = type("Args", (), {"inprocess_restart": True})()
+    with pytest.raises(RuntimeError, match="second fault"):
+        glue._session_for(args, [object()], object(), object())
+    assert glue._session is session and session.ended()

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import concurrent.futures as cf
+import time
 
 import pytest
 import torch.distributed as dist
@@ -110,6 +111,8 @@ def test_a_gather_waiting_for_a_dead_rank_ends_once_rank0_is_told_it_is_gone():
     chans[1].gather({"a": 1, "b": 1}, FIELDS)  # rank 2 never sends
     with cf.ThreadPoolExecutor(1) as pool:
         blocked = pool.submit(chans[0].gather, {"a": 5, "b": 5}, FIELDS)
+        while server.add("t/0/count", 0) < 2:  # rank 0's row is in: it waits, or is about to
+            time.sleep(0.01)
         with pytest.raises(cf.TimeoutError):
             blocked.result(timeout=0.5)
         chans[0].forget([2])
@@ -133,3 +136,16 @@ def test_a_gone_rank_whose_row_arrived_keeps_it_and_a_live_rank_is_still_awaited
     chans[1].gather({"a": 1, "b": 1}, FIELDS)
     chans[0].forget([2])
     assert chans[0].gather({"a": 0, "b": 0}, FIELDS)["a"].tolist() == [0, 1, 2]
+
+
+def test_forget_adds_to_the_ranks_gone_and_a_real_row_of_a_gone_rank_is_not_filled():
+    store = dist.HashStore()
+    chans = [StoreChannel(store, r, 4, "t", 5.0) for r in range(4)]
+    chans[0].forget([2])
+    chans[0].forget([3])
+    chans[0].forget([])
+    assert chans[0].gone == {2, 3}
+    chans[1].gather({"a": 1, "b": 1}, FIELDS)
+    chans[3].gather({"a": 3, "b": 3}, FIELDS)  # sent before it died
+    assert chans[0].gather({"a": 0, "b": 0}, FIELDS)["a"].tolist() == [0, 1, 0, 3]
+    assert chans[0].filled == {2}

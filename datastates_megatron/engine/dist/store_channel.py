@@ -67,10 +67,11 @@ class StoreChannel:
         self._stale: list[str] = []  # documents rank 0 removes at its next gather
         self._own: dict[str, bytes] = {}  # standing values in a world of one (no store)
         self._gone: frozenset[int] = frozenset()  # ranks that will never send again (:meth:`forget`)
+        self.filled: frozenset[int] = frozenset()  # rank 0: the gone ranks its last gather filled in
 
     @property
     def gone(self) -> frozenset[int]:
-        """The ranks :meth:`forget` was told of."""
+        """The ranks :meth:`forget` was told of (each call adds to them)."""
         return self._gone
 
     def forget(self, ranks) -> None:
@@ -79,8 +80,11 @@ class StoreChannel:
         record of zeros (a failed status: the round's checkpoint is abandoned on every rank), and a
         gather rank 0 is blocked in is woken.  Safe from another thread than the one gathering.
         Not handled: rank 0 itself gone (the others' waits for its outcome run to the timeout)."""
-        self._gone = frozenset(r for r in ranks if r != self.rank and 0 <= r < self.world_size)
-        if self.active and self.is_root and self._gone:
+        new = frozenset(r for r in ranks if r != self.rank and 0 <= r < self.world_size) - self._gone
+        if not new:
+            return
+        self._gone |= new
+        if self.active and self.is_root:
             # the round it may be blocked in re-checks; on a connection of its own (a client's
             # calls queue behind the wait blocked on it)
             waker = self.store.clone() if hasattr(self.store, "clone") else self.store
@@ -133,12 +137,12 @@ class StoreChannel:
         if not self.is_root:
             self._round += 1
             return None
-        if self._gone:
-            raw = self._without_the_gone(rows_key, fields, schema)
-        else:
+        self.filled = frozenset()
+        deadline = time.monotonic() + self.timeout.total_seconds()
+        if not self._gone:
             self._wait(ready_key, f"gathering round {self._round} of {self.prefix}")
-            gone = self._gone  # woken by forget(): the rows still need checking
-            raw = self._without_the_gone(rows_key, fields, schema) if gone else self.store.get(rows_key)
+        # woken by forget(), or ranks gone before: which rows came is checked
+        raw = self._without_the_gone(rows_key, fields, schema, deadline) if self._gone else self.store.get(rows_key)
         self.sent += len(ready_key) + len(rows_key)
         self.received += len(raw)
         for key in (rows_key, count_key, ready_key, *self._stale):
@@ -147,17 +151,18 @@ class StoreChannel:
         self._round += 1
         return _unpack(raw, fields, schema, self.world_size, self.prefix)
 
-    def _without_the_gone(self, rows_key: str, fields: tuple, schema: int) -> bytes:
+    def _without_the_gone(self, rows_key: str, fields: tuple, schema: int, deadline: float) -> bytes:
         """Rank 0, once ranks are gone: the round's rows when every other rank has sent its own,
-        with a row of zeros for each gone rank that did not (polled: a wait would need every key)."""
+        with a row of zeros for each gone rank that did not (:attr:`filled`; polled: a wait would
+        need every key)."""
         width = 8 * (2 + len(fields))
-        deadline = time.monotonic() + self.timeout.total_seconds()
         while True:
             raw = self.store.get(rows_key)
             sent = {int.from_bytes(raw[i : i + 8], "little", signed=True) for i in range(0, len(raw), width)}
             missing = set(range(self.world_size)) - sent
             if missing <= self._gone:
                 zeros = b"".join(struct.pack(f"<2q{len(fields)}q", r, schema, *[0] * len(fields)) for r in missing)
+                self.filled = frozenset(missing)
                 return raw + zeros
             if time.monotonic() > deadline:
                 raise CommitError(

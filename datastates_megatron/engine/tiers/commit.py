@@ -408,9 +408,9 @@ class Committer(QueueThread):
         """Rank 0: whether every rank saved ``ticket`` (the same iteration and sequence) and
         succeeded; with the figures every rank's commit record reports.  O(N) in numpy, small to send."""
         it, sq = cols["iteration"], cols["seq"]
-        gone = np.zeros(sq.size, dtype=bool)  # ranks whose rows of zeros the channel made: failed
-        gone[sorted(self._chan.gone)] = True
-        stray = np.flatnonzero(((it != ticket.iteration) | (sq != ticket.seq)) & ~gone)
+        filled = np.zeros(sq.size, dtype=bool)  # gone ranks whose rows of zeros the channel made: failed
+        filled[sorted(self._chan.filled)] = True
+        stray = np.flatnonzero(((it != ticket.iteration) | (sq != ticket.seq)) & ~filled)
         failed = np.flatnonzero(cols["ok"] != 1)
         skipped = np.flatnonzero(cols["skipped"] != 0)
         everyone = not stray.size and skipped.size == sq.size  # every rank skipped it: a run may go at once

@@ -62,7 +62,7 @@ def install(spec: str) -> None:
 
     kind, iteration = parse(spec)
     only = os.environ.get(RANK_ENV)
-    mine = only is None or only == os.environ.get("RANK", "0")  # the launch rank, decided once
+    mine = only is None or int(only) == int(os.environ.get("RANK", "0"))  # the launch rank, decided once
     if kind == "flush":
         _fail_a_write(iteration, mine)
         if os.environ.get(LOAD_ENV):

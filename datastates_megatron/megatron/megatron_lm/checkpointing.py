@@ -329,9 +329,13 @@ def _session_for(args: Any, model: Any, optimizer: Any, scheduler: Any) -> _Sess
         if _session is not None and _session.ended():
             _session, ended = None, _session
         if _session is None and getattr(args, "inprocess_restart", False):
-            gone = _ranks_gone(ended)  # every rank of the attempt: a spare too
-            if ended is not None and gone:
-                ended.ckpt.forget_ranks(gone)
+            try:
+                gone = _ranks_gone(ended)  # every rank of the attempt: a spare too
+                if ended is not None and gone:
+                    ended.ckpt.forget_ranks(gone)
+            except BaseException:  # another fault: the next attempt retires it (still ended), never leaked
+                _session = ended
+                raise
         if ended is not None:
             _retire(ended)
         if _session is not None:
