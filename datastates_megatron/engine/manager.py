@@ -264,20 +264,7 @@ class CheckpointManager(ClosingContext):
         self.node = self.rank // per_node
         self.node_ranks = range(self.node * per_node, min(self.world_size, (self.node + 1) * per_node))
         # the node-local root several runs may share; this run's tier is its run-<id> subdirectory
-        # "{node}": the machine's own index, which an in-process restart does not change (torchrun's
-        # GROUP_RANK; it may give a spare on another machine a failed rank's RANK)
-        machine = int(os.environ.get("GROUP_RANK") or self.node)
-        if local_root and per_node > 1 and machine != self.node:
-            log.warning(
-                "rank %d: this machine's node index (GROUP_RANK %d) is not rank // LOCAL_WORLD_SIZE (%d): a spare "
-                "took the rank of another node's process, and that node's local checkpoints will lack this "
-                "rank's file (its restores then read a replica or --save); give spares whole nodes "
-                "(--inprocess-granularity node)",
-                self.rank,
-                machine,
-                self.node,
-            )
-        self.local_base = os.path.abspath(local_root.format(node=machine)) if local_root else None
+        self.local_base = os.path.abspath(local_root.format(node=self.node)) if local_root else None
         self.local_root: str | None = None  # set once the run id is agreed (_start_tiers)
         self.run_id = ""
         self._save_empty = False  # rank 0: --save held no checkpoint at start-up (:meth:`_warn_wiped_save`)

@@ -197,27 +197,37 @@ def test_a_failed_write_on_a_flush_thread_restarts_from_the_last_commit_in_memor
     assert_same_training(run, reference, range(1, ITERS + 1))
 
 
-def test_a_spare_takes_a_killed_ranks_place_with_its_shard_from_the_partner_replica(tmp_path, monkeypatch, reference):
+@pytest.mark.parametrize(
+    "fault,restored", [("kill", 4), ("kill-pending", 2)], ids=["after-its-commits", "with-a-commit-pending"]
+)
+def test_a_spare_takes_a_killed_ranks_place_with_its_shard_from_the_partner_replica(
+    tmp_path, monkeypatch, reference, fault, restored
+):
     """``--inprocess-active-world-size 2`` on 3 ranks, each its own "node" (its own node-local
     directory, ``{node}``): ranks 0 and 1 train, rank 2 waits as a spare.  Rank 1's process is
     killed (``SIGKILL``: a crash, a lost node) in iteration 5; NVRx's monitor reports it terminated,
-    and the wrapper restarts rank 0 in-process and makes the spare rank 1.  Rank 0 restores
-    iteration 4 from its host copy; the spare holds nothing, and fetches rank 1's shard from the
-    partner replica that rank 0's node keeps (``--lazy-ckpt-replicas 1``): a mixed restore, with
-    nothing read from ``--save``, bit-exact against the 2-rank run."""
+    and the wrapper restarts rank 0 in-process and makes the spare rank 1.  Rank 0 restores from its
+    host copy; the spare holds nothing, and fetches rank 1's shard from the partner replica that
+    rank 0's node keeps (``--lazy-ckpt-replicas 1``): a mixed restore, with nothing read from
+    ``--save``, bit-exact against the 2-rank run.  Killed once its checkpoints are committed, it is
+    iteration 4; killed while its write of checkpoint 4 never returned, rank 0's commit of 4 is
+    pending: it stops waiting for the rank that is gone, abandons 4, and iteration 2 is restored."""
     save, local = tmp_path / "ckpt", tmp_path / "node{node}"
     args = [*BASE, "--save", str(save), "--load", str(save), "--save-interval", "2", *LAZY, *INPROCESS]
     args += ["--inprocess-active-world-size", "2", "--lazy-ckpt-local-dir", str(local), "--lazy-ckpt-replicas", "1"]
     with monkeypatch.context() as m:
-        _nvrx_env(m, f"kill:{FAULT_AT}", 1)
+        _nvrx_env(m, f"{fault}:{FAULT_AT - (fault == 'kill-pending')}", 1)
         run = launch_ranks(tmp_path, "spare", args, world=3)
     assert run.codes == (0, -signal.SIGKILL, 0), run.describe()
-    assert "rank 1: injected fault (kill) in the forward pass of iteration 5" in run.log, run.describe()
+    assert f"rank 1: injected fault ({fault}) in the forward pass of iteration 5" in run.log, run.describe()
     assert "rank 0: in-process restart: rank(s) [1] of the aborted attempt are gone" in run.log, run.describe()
-    assert "rank 0: restored iteration 4 from host memory: 0 bytes read from storage" in run.log, run.describe()
-    spare = f"rank 1: restoring iteration 4 from {tmp_path}/node2/run-"  # its own node's directory
+    closed = f"rank 0: in-process restart: the aborted attempt's lazy checkpointer is closed (its newest commit: iteration {restored})"
+    assert closed in run.log, run.describe()
+    it = restored
+    assert f"rank 0: restored iteration {it} from host memory: 0 bytes read from storage" in run.log, run.describe()
+    spare = f"rank 1: restoring iteration {it} from {tmp_path}/node2/run-"  # its own node's directory
     assert spare in run.log and "/replicas/r00001: the replica held by rank 0" in run.log, run.describe()
-    assert "rank 0: sent rank 1 its file of iteration 4 from the replica held here" in run.log, run.describe()
-    assert f"restoring iteration 4 from {save}" not in run.log, run.describe()
+    assert f"rank 0: sent rank 1 its file of iteration {it} from the replica held here" in run.log, run.describe()
+    assert f"restoring iteration {it} from {save}" not in run.log, run.describe()
     assert latest(save) == ITERS
     assert_same_training(run, reference, range(1, ITERS + 1))

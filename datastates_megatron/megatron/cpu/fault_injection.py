@@ -17,6 +17,10 @@ restart's own restore, before training resumes), on that rank too.
   not depend on timing), the process kills itself (``SIGKILL``), as a crash or a lost node would:
   no exception, no clean-up; NVRx's monitor process reports the rank terminated, and a spare takes
   its place;
+* ``kill-pending``: the commit of checkpoint ``iteration`` is left pending on every other rank, and
+  this process is killed (``SIGKILL``) in the next iteration's forward pass: its first write of that
+  checkpoint never returns (so it never reports it durable), and it dies once the checkpoint before
+  it is committed and replicated (a fixed outcome);
 * ``flush``: instead of the forward pass, the checkpoint of ``iteration``: the first write of its
   rank file raises ``EIO`` on the flush thread, as a storage target failing a write would (a
   ``pwrite``: not a file on tmpfs, which is written through a mapping).
@@ -38,7 +42,7 @@ __all__ = ["ENV", "LOAD_ENV", "RANK_ENV", "InjectedFault", "install"]
 ENV = "DSM_FAULT_AT"
 RANK_ENV = "DSM_FAULT_RANK"
 LOAD_ENV = "DSM_FAULT_AT_LOAD"
-_KINDS = ("raise", "hang", "kill", "flush")
+_KINDS = ("raise", "hang", "kill", "kill-pending", "flush")
 
 log = logging.getLogger(__name__)
 
@@ -68,18 +72,23 @@ def install(spec: str) -> None:
         if os.environ.get(LOAD_ENV):
             _fail_a_load(int(os.environ[LOAD_ENV]), mine)
         return
+    if kind == "kill-pending":
+        _block_a_write(iteration, mine)
+        iteration += 1  # killed in the next forward pass
     fired = threading.Event()
     original = training.train_step
 
     def fault(rank: int) -> None:
         fired.set()
         log.warning("rank %d: injected fault (%s) in the forward pass of iteration %d", rank, kind, iteration)
-        if kind == "kill":
+        if kind in ("kill", "kill-pending"):
             from ..megatron_lm.checkpointing import get_checkpointer
 
             ckpt = get_checkpointer()
-            if ckpt is not None:  # its checkpoints committed and replicated first: a fixed outcome
+            if ckpt is not None and kind == "kill":  # its checkpoints committed and replicated first
                 ckpt.wait()
+            elif ckpt is not None:  # the one before the pending one, committed and replicated
+                _committed_and_replicated(ckpt, iteration - 1 - get_args().save_interval)
             for handler in logging.getLogger().handlers:
                 handler.flush()
             os.kill(os.getpid(), signal.SIGKILL)
@@ -131,6 +140,35 @@ def _fail_a_write(iteration: int, mine: bool) -> None:
         return original(self, data, offset)
 
     writer.RankFileWriter.write = write
+
+
+def _block_a_write(iteration: int, mine: bool) -> None:
+    """The first write of this process's rank file of checkpoint ``iteration`` never returns."""
+    from datastates_megatron.engine.format import writer
+    from datastates_megatron.engine.names import iteration_of
+
+    original = writer.RankFileWriter.write
+
+    @functools.wraps(original)
+    def write(self, data, offset):
+        if mine and iteration_of(os.path.basename(os.path.dirname(self.path))) == iteration:
+            threading.Event().wait()  # until the process is killed
+        return original(self, data, offset)
+
+    writer.RankFileWriter.write = write
+
+
+def _committed_and_replicated(ckpt, iteration: int, timeout_s: float = 120.0) -> None:
+    """Wait (training thread) until ``iteration`` is this rank's newest commit and its replication
+    is done: ``ckpt.wait()`` would wait for the blocked write too."""
+    import time
+
+    mgr = ckpt._mgr  # a test hook: the commit and replication state, without a wait on every save
+    deadline = time.monotonic() + timeout_s
+    while (mgr.latest_committed or 0) < iteration and time.monotonic() < deadline:
+        time.sleep(0.01)
+    if mgr.replication is not None:
+        mgr.replication.drain(timeout_s)
 
 
 def _fail_a_load(nth: int, mine: bool) -> None:

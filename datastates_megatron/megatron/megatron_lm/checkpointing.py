@@ -38,10 +38,12 @@ the ``atexit`` hook and the training thread never finalize it twice.
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import enum
 import itertools
 import logging
 import math
+import os
 import sys
 import threading
 import time
@@ -114,6 +116,9 @@ class _Session:
 
 _lock = threading.Lock()
 _session: _Session | None = None
+# the rank this process was launched as, before an in-process restart may give it another (NVRx sets
+# RANK): imported at start-up through the runtime hook; a patched tree imports this at its first save
+_LAUNCH_RANK = os.environ.get("RANK")
 _atexit_registered = False
 
 
@@ -270,6 +275,30 @@ def abort() -> None:
         logger.warning("rank %d: training attempt aborted; the lazy checkpointer is retired at the next start", _rank())
 
 
+def _on_this_machine(config: Any) -> Any:
+    """``{node}`` of ``--lazy-ckpt-local-dir`` resolved from the rank this process was launched as
+    (``rank // LOCAL_WORLD_SIZE`` of it): an in-process restart that makes a spare take a rank of
+    another node leaves it on its own machine's directory (the engine resolves ``{node}`` from the
+    current rank)."""
+    import torch.distributed as dist
+
+    if not config.local_dir or "{node}" not in config.local_dir or not _LAUNCH_RANK or not dist.is_initialized():
+        return config
+    world = dist.get_world_size()
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE") or world) or world
+    machine, node = int(_LAUNCH_RANK) // per_node, dist.get_rank() // per_node
+    if machine != node and per_node > 1:
+        logger.warning(
+            "rank %d: this process was launched on node %d, and its rank now belongs to node %d: a spare took "
+            "the rank of another node's process, and that node's local checkpoints will lack this rank's file "
+            "(its restores then read a replica or --save); give spares whole nodes (--inprocess-granularity node)",
+            dist.get_rank(),
+            machine,
+            node,
+        )
+    return dataclasses.replace(config, local_dir=config.local_dir.format(node=machine))
+
+
 def _ranks_gone(ended: _Session | None) -> list[int]:
     """At the first save or load of an attempt under ``--inprocess-restart`` (every rank of it, a
     spare included): the ranks of the aborted attempt whose processes are not in this one (killed,
@@ -347,7 +376,7 @@ def _session_for(args: Any, model: Any, optimizer: Any, scheduler: Any) -> _Sess
                 )
             return _session
         # the patch's parse-time check, again (problems named by flag), and the config it builds
-        config = validate_lazy_ckpt_args(args)
+        config = _on_this_machine(validate_lazy_ckpt_args(args))
         if not config.streaming:
             check_host_cache_fits(config, largest_tensor_bytes(model), what="largest model tensor")
         from ..checkpointing.checkpointer import LazyCheckpointer
