@@ -97,3 +97,20 @@ def test_a_fault_while_finding_who_is_gone_leaves_the_ended_checkpointer_to_the_
     with pytest.raises(RuntimeError, match="second fault"):
         glue._session_for(args, [object()], object(), object())
     assert glue._session is session and session.ended()
+
+
+def test_node_in_the_local_dir_is_the_launch_ranks_node(one_rank, monkeypatch):
+    """A spare launched as rank 2 (one rank per node) that an in-process restart made rank 0 keeps
+    its own machine's directory; without a restart the launch rank is the rank, as before."""
+    import dataclasses
+
+    @dataclasses.dataclass(frozen=True)
+    class Config:
+        local_dir: str | None
+
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    monkeypatch.setattr(glue, "_LAUNCH_RANK", "2")
+    assert glue._on_this_machine(Config("/shm/node{node}")).local_dir == "/shm/node2"
+    monkeypatch.setattr(glue, "_LAUNCH_RANK", "0")
+    assert glue._on_this_machine(Config("/shm/node{node}")).local_dir == "/shm/node0"
+    assert glue._on_this_machine(Config(None)).local_dir is None
