@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from datastates_megatron.engine import LayoutMismatchError, NoCheckpointError
-from datastates_megatron.engine import manager as manager_module
+from datastates_megatron.engine.load import restorer as restorer_module
+from datastates_megatron.engine.load.restorer import Restorer
 from datastates_megatron.engine.manager import CheckpointManager, RestoreChoice
 from datastates_megatron.engine.names import iter_dir
 from datastates_megatron.engine.tiers.tier import committed_iterations, committed_saves
@@ -32,10 +33,11 @@ def saved(tmp_path):
 
 
 def _count(monkeypatch, *names) -> dict:
-    """Calls from now on into the manager module's resolve step and the manager's decision helpers."""
+    """Calls from now on into the restorer module's resolve step, the manager's ``choose`` and the
+    restorer's decision helpers."""
     calls = dict.fromkeys(names, 0)
     for name in names:
-        owner = manager_module if name == "resolve" else CheckpointManager
+        owner = {"resolve": restorer_module, "choose": CheckpointManager}.get(name, Restorer)
         original = getattr(owner, name)
 
         def call(*args, _name=name, _original=original, **kwargs):

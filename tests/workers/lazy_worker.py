@@ -33,6 +33,7 @@ def _count_restore_decisions() -> dict:
     round it runs (one per decision), rank 0's ``_decide`` and the local survey ``_restorable``;
     and the process-group collectives ``choose`` makes."""
     from datastates_megatron.engine import manager
+    from datastates_megatron.engine.load import restorer
 
     calls = dict.fromkeys(("choose", "resolve", "_decide", "_restorable", "load"), 0)
 
@@ -43,9 +44,11 @@ def _count_restore_decisions() -> dict:
 
         return call
 
-    for name in ("choose", "_decide", "_restorable", "load"):
+    for name in ("choose", "load"):
         setattr(manager.CheckpointManager, name, counted(name, getattr(manager.CheckpointManager, name)))
-    manager.resolve = counted("resolve", manager.resolve)
+    for name in ("_decide", "_restorable"):
+        setattr(restorer.Restorer, name, counted(name, getattr(restorer.Restorer, name)))
+    restorer.resolve = counted("resolve", restorer.resolve)
     # process-group collectives while deciding (the decision's round goes through the store)
     calls["choose_collectives"] = 0
     inside = [False]

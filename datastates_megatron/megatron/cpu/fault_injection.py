@@ -118,11 +118,9 @@ def install(spec: str) -> None:
         _fail_a_load(int(os.environ[LOAD_ENV]), mine)
 
 
-def _fail_a_write(iteration: int, mine: bool) -> None:
-    """The first write of this process's rank file of checkpoint ``iteration`` raises ``EIO`` (on
-    the flush thread that makes it), once per process."""
-    import errno
-
+def _on_first_write(iteration: int, mine: bool, fault) -> None:
+    """The first write of this process's rank file of checkpoint ``iteration`` (on the flush thread
+    that makes it) calls ``fault(rank)`` first, once per process: it raises, or never returns."""
     from datastates_megatron.engine.format import writer
     from datastates_megatron.engine.names import iteration_of
 
@@ -133,29 +131,32 @@ def _fail_a_write(iteration: int, mine: bool) -> None:
     def write(self, data, offset):
         import torch.distributed as dist
 
-        rank = dist.get_rank() if dist.is_initialized() else 0
         if mine and iteration_of(os.path.basename(os.path.dirname(self.path))) == iteration and fired.acquire(False):
-            log.warning("rank %d: injected fault (flush) in the write of checkpoint %d", rank, iteration)
-            raise OSError(errno.EIO, f"rank {rank}: injected write fault in checkpoint {iteration}")
+            fault(dist.get_rank() if dist.is_initialized() else 0)
         return original(self, data, offset)
 
     writer.RankFileWriter.write = write
+
+
+def _fail_a_write(iteration: int, mine: bool) -> None:
+    """The first write of this process's rank file of checkpoint ``iteration`` raises ``EIO``."""
+    import errno
+
+    def fail(rank: int) -> None:
+        log.warning("rank %d: injected fault (flush) in the write of checkpoint %d", rank, iteration)
+        raise OSError(errno.EIO, f"rank {rank}: injected write fault in checkpoint {iteration}")
+
+    _on_first_write(iteration, mine, fail)
 
 
 def _block_a_write(iteration: int, mine: bool) -> None:
     """The first write of this process's rank file of checkpoint ``iteration`` never returns."""
-    from datastates_megatron.engine.format import writer
-    from datastates_megatron.engine.names import iteration_of
 
-    original = writer.RankFileWriter.write
+    def block(rank: int) -> None:
+        log.warning("rank %d: injected fault (a write that never returns) in checkpoint %d", rank, iteration)
+        threading.Event().wait()  # until the process is killed
 
-    @functools.wraps(original)
-    def write(self, data, offset):
-        if mine and iteration_of(os.path.basename(os.path.dirname(self.path))) == iteration:
-            threading.Event().wait()  # until the process is killed
-        return original(self, data, offset)
-
-    writer.RankFileWriter.write = write
+    _on_first_write(iteration, mine, block)
 
 
 def _committed_and_replicated(ckpt, iteration: int, timeout_s: float = 120.0) -> None:
