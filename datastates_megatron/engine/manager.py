@@ -28,19 +28,16 @@ from .dist.store_channel import StoreChannel, default_store
 from .errors import (
     CheckpointError,
     FlushError,
-    OptionsError,
     PromotionError,
-    SaveDirBusyError,
     error_class_named,
     make_error,
 )
 from .format.global_index import encode_summary
 from .fs.iteration_dir import prepare_iteration_dir
-from .fs.safe_io import check_path_fits, make_dir, make_root
 from .load.choice import DECIDE_FIELDS, HOST_MEMORY, RestoreChoice, newest_common, offer
 from .load.load_plan import LoadPlanner, SameLayoutPlanner
 from .load.restorer import LoadResult, Restorer, location
-from .names import LONGEST_RANK_FILE_NAME, REPLICAS_DIR, RUN_ID_NAME, RUN_SUBDIR_PREFIX, iter_dir
+from .names import RUN_ID_NAME, iter_dir
 from .options import EngineOptions, ManagerOptions
 from .runtime.faults import hold_point
 from .runtime.threads import ClosingContext, close_at_exit, forget
@@ -50,19 +47,14 @@ from .storage.stream import memory_file
 from .storage.url import is_object_url
 from .tiers import host_copy
 from .tiers.commit import CommitRecord, Ticket
-from .tiers.reclaim import mark_ended, reclaim_finished_runs, unmark_ended
-from .tiers.replica_strategy import clique_of, replication_plan
-from .tiers.replication import Replication
-from .tiers.run_id import run_subdir
-from .tiers.tier import Tier, committed_iterations, committed_saves, report_other_runs
+from .tiers.reclaim import mark_ended
+from .tiers.replica_strategy import replication_plan
+from .tiers.startup import release, start_replication, start_tiers
+from .tiers.tier import Tier, committed_iterations, committed_saves
 
 __all__ = ["HOST_MEMORY", "CheckpointManager", "LoadResult", "RestoreChoice"]
 
 log = logging.getLogger(__name__)
-# the longest path we create under a tier's root: a temp name beside a rank file in an iter_* directory
-_LONGEST_NAME = os.path.join("iter_0000000000", LONGEST_RANK_FILE_NAME + ".tmp-4194304")
-# ... and under a node-local root: in this run's directory, a replica held for another rank
-_LONGEST_LOCAL = os.path.join(RUN_SUBDIR_PREFIX + "f" * 16, REPLICAS_DIR, "r99999", _LONGEST_NAME)
 
 
 def _dist():
@@ -102,7 +94,6 @@ class CheckpointManager(ClosingContext):
         if policy is not None and policy_fields:
             raise TypeError(f"CheckpointManager: give policy= or {sorted(policy_fields)}, not both")
         self.policy = policy = policy or ManagerOptions(**policy_fields)
-        self.local_fallback = policy.local_fallback
         dist = _dist()
         self.rank = dist.get_rank() if dist else 0
         self.world_size = dist.get_world_size() if dist else 1
@@ -113,8 +104,6 @@ class CheckpointManager(ClosingContext):
         self.load_root = location(load_root or root)
         self.layout = dict(layout or {})
         self.on_error = policy.on_error
-        self.verify_on_load = policy.verify_on_load
-        self.restore_threads = policy.restore_threads
         opts = dataclasses.replace(options or EngineOptions(), rank=self.rank)
         self._seq = 0
         self._closed = False
@@ -135,9 +124,6 @@ class CheckpointManager(ClosingContext):
         self.node_ranks = range(self.node * per_node, min(self.world_size, (self.node + 1) * per_node))
         # the node-local root several runs may share; this run's tier is its run-<id> subdirectory
         self.local_base = os.path.abspath(local_root.format(node=self.node)) if local_root else None
-        self.local_root: str | None = None  # set once the run id is agreed (_start_tiers)
-        self.run_id = ""
-        self._save_empty = False  # rank 0: --save held no checkpoint at start-up (:meth:`_warn_wiped_save`)
         self._uploads = None  # on object storage without local_root: each rank file streamed from memory
         if self.objects:
             from .storage import open_storage
@@ -169,7 +155,18 @@ class CheckpointManager(ClosingContext):
             default_store(), self.rank, self.world_size, f"dsm/{token}/resolve", opts.timeout_s
         )
         self._commit_chans: list[StoreChannel] = []  # each tier's (forget_ranks)
-        self._start_tiers()
+        started = start_tiers(
+            self.persistent,
+            self._world,
+            rank=self.rank,
+            token=token,
+            objects=self.objects,
+            local_base=self.local_base,
+            node_ranks=self.node_ranks,
+            policy=policy,
+        )
+        self.run_id, self.local, self.local_root = started.run_id, started.local, started.local_root
+        self._save_empty = started.save_empty  # rank 0: --save held no checkpoint (:meth:`_warn_wiped_save`)
         self._first_tier = self.local or self.persistent  # where a save is committed first
         self._stalls = StallReport(self.rank, self._first_tier.root)  # saves skipped: storage behind
         self.host = None  # this rank's newest committed rank file in memory (policy.host_copy)
@@ -209,7 +206,18 @@ class CheckpointManager(ClosingContext):
                 self.promotion.resume(newest)
                 jump, factor = replication_plan(self.world_size, per_node, policy.replicas, policy.replication_jump)
                 if factor > 1:
-                    self._start_replication(jump, factor, opts.timeout_s)
+                    self.replication = start_replication(
+                        self.local,
+                        self._world,
+                        rank=self.rank,
+                        per_node=per_node,
+                        node_ranks=self.node_ranks,
+                        jump=jump,
+                        factor=factor,
+                        keep_last=policy.local_keep_last,
+                        timeout_s=opts.timeout_s,
+                        tiers=(self.local, self.persistent),
+                    )
         except BaseException:
             self._abandon_start(opts.timeout_s)
             raise
@@ -286,115 +294,9 @@ class CheckpointManager(ClosingContext):
         finally:
             self._release_lock()
 
-    def _start_replication(self, jump: int, factor: int, timeout_s: float) -> None:
-        """The clique's group, then this rank's replica directories (agreed: a failure on any rank
-        raises on every rank)."""
-        clique = clique_of(self.rank, jump, factor)
-        replication = Replication(self.local, clique, keep_last=self.policy.local_keep_last, timeout_s=timeout_s)
-        try:
-            nodes = {m // self.per_node for m in clique}
-            if len(nodes) < len(clique):  # a node lost would lose every copy of its ranks' files
-                raise OptionsError(
-                    "replication",
-                    [
-                        (
-                            "replication_jump",
-                            f"{jump} puts rank {self.rank}'s partners {clique} on the same node "
-                            f"({self.per_node} ranks per node): use a multiple of the ranks per node",
-                        )
-                    ],
-                )
-            writer = self.local.is_writer  # the node's replica directories: the union of its ranks' cliques
-            replication.open_stores(
-                {m for r in self.node_ranks for m in clique_of(r, jump, factor)} if writer else None
-            )
-        except Exception as e:  # noqa: BLE001 - every rank must hear it, not only this one
-            self._agree_start(e)
-            raise
-        self._agree_start(None)
-        replication.follow()
-        self.replication = replication
-
-    def _start_tiers(self) -> None:
-        """Start-up of the tiers' writers (agreed: a failure on any rank raises on every rank).  The
-        save directory's writer first refuses a checkpoint we did not write that a resume would skip,
-        then takes the directory's one-writer lock, cleans our own leftovers and reads (or, at the
-        run's first start, creates) the run id.  With it every rank knows its node-local tier:
-        ``<local root>/run-<id>``, whose writer takes that directory's lock before cleaning it."""
-        run_id = 0
-        try:
-            for root, longest in ((self.root, _LONGEST_NAME), (self.local_base, _LONGEST_LOCAL)):
-                if root and not is_object_url(root):  # ENAMETOOLONG now, not mid-save
-                    check_path_fits(root, longest)
-            if self.persistent.is_writer:
-                if not self.objects:
-                    make_root(self.root)
-                found = self.persistent.survey()
-                self._save_empty = not found.committed and not found.damaged
-                self.persistent.refuse_foreign(found)  # read-only: before the lock
-                self.persistent.acquire()
-                self.persistent.clean(found)
-                run_id = int(self.persistent.ensure_run_id(), 16)
-        except Exception as e:  # noqa: BLE001 - every rank must hear it, not only this one
-            self._agree_start(e)
-            raise
-        self._agree_start(None)
-        self.run_id = self.persistent.run_id = f"{self._world.broadcast(run_id, src=0):016x}"
-        if not self.local_base:
-            return
-        self.local_root = run_subdir(self.local_base, self.run_id)
-        self.local = Tier(
-            "local",
-            self.local_root,
-            rank=self.rank,
-            token=self.token,
-            writes=list(self.node_ranks) if self.rank == self.node_ranks[0] else [],
-            keep_last=self.policy.local_keep_last,
-            recycle_files=self.policy.recycle_files,
-            run_id=self.run_id,
-            node_local=True,
-        )
-        try:
-            if self.local.is_writer:
-                make_root(self.local_base)  # the root given (a link there is the user's choice)
-                make_dir(self.local_root)  # ours: never a link
-                try:
-                    self.local.acquire()
-                except SaveDirBusyError as e:
-                    raise SaveDirBusyError(
-                        f"{self.local_root}: this run's node-local directory is in use by another writer ({e}). "
-                        "On one machine running several nodes, give each its own directory with {node} in "
-                        "--lazy-ckpt-local-dir"
-                    ) from None
-                unmark_ended(self.local_root)  # this run is live here again
-                reclaim_finished_runs(self.local_base, self.run_id)
-                report_other_runs(self.local_base, self.run_id)
-                self.local.clean()
-        except Exception as e:  # noqa: BLE001 - every rank must hear it, not only this one
-            self._agree_start(e)
-            raise
-        self._agree_start(None)
-
-    def _agree_start(self, err: BaseException | None) -> None:
-        """Make one rank's start-up error every rank's (a rank failing alone would leave the others
-        waiting in the next collective); the save directory's lock is released before raising."""
-        try:
-            self._world.raise_agreed(err, f"rank {self.rank}: start-up")
-        except BaseException:
-            self._release_lock()
-            raise
-
-    def _agree_error(self, err: BaseException | None) -> None:
-        """The load's one agreement (a collective on every path): when any rank failed, every rank
-        raises the same error -- the failed ranks' messages (the first four), each naming its file,
-        rank and tensor, under their common error class.  One process: ``err`` itself."""
-        self._world.raise_agreed(err, "load", report=4, own=False)
-
     def _release_lock(self, timeout: float | None = None) -> None:
         """``timeout``: at most this long on each tier (a bucket that does not answer)."""
-        for tier in (self.local, self.persistent):
-            if tier is not None:
-                tier.release(timeout)
+        release((self.local, self.persistent), timeout)
 
     def _agree_token(self) -> str:
         """The run token: rank 0's random 62-bit number, on every rank."""
@@ -696,7 +598,8 @@ class CheckpointManager(ClosingContext):
                 error_class_named(answer["error"]),
                 f"rank {self.rank}: finding the newest node-local checkpoint failed on rank 0: {answer['message']}",
             )
-            self._agree_error(err)  # every rank raises; rank 0, the store's host, only once all have heard
+            # every rank raises; rank 0, the store's host, only once all have heard
+            self._world.raise_agreed(err, "load", report=4, own=False)
             raise err
         return answer["local"][0] if answer["local"] else None
 
