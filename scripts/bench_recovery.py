@@ -17,12 +17,15 @@ pass of iteration ``--fault-at`` on every rank (``DSM_FAULT_AT``), then recovere
 * ``job_persistent``: the same without a node-local tier: the new job reads ``--save``, its page
   cache evicted first (``posix_fadvise``, best effort).
 
-From the training record (rank 0; ``DSM_TRAINING_RECORD``: each logged iteration's time and each
-``load_checkpoint``'s start and end): ``until_restore`` -- from the last iteration completed before
-the fault to the start of the restore (the faulting iteration's partial work, detection, abort, and
-the re-initialisation: in process, or a new job's start); ``restore``; ``first_iteration`` -- from
-the restore's end to the first iteration completed after it; their sum, and each path's total as a
-ratio to ``inprocess_host``'s.  A job restart's figure leaves out what a scheduler adds (the requeue,
+From the training record (rank 0; ``DSM_TRAINING_RECORD``: each logged iteration's time, the
+fault's, the abort's, each ``initialize_megatron``'s and ``load_checkpoint``'s start and end, each
+process's start), from the last iteration completed before the fault (:func:`phases`): ``partial``
+(the faulting iteration's work until the fault), ``detect`` (until the in-process wrapper's abort
+reached the checkpointer; a job restart: until the new job's process started), ``abort`` (the rest
+of the abort and the wrapper's restart barrier), ``reinit`` (Megatron-LM's initialisation and the
+model's build; a new process's imports too), ``restore``, ``first_iteration`` (from the restore's
+end to the first iteration completed after it); their sum, and each path's total as a ratio to
+``inprocess_host``'s.  A job restart's figure leaves out what a scheduler adds (the requeue,
 the allocation).  Each run's final state is checked bit-exact against an uninterrupted run.
 
 Then a goodput table (:func:`goodput`): for ``--gpus`` GPUs failing at ``--failures-per-gpu-hour``
@@ -97,7 +100,13 @@ def _launch(tmp: Path, name: str, args: list[str], env: dict[str, str] | None = 
 
 
 def phases(record: str, fault_at: int) -> dict:
-    """Rank 0's recovery phases (seconds) from its training record."""
+    """Rank 0's recovery phases (seconds) from its training record: ``partial`` (the faulting
+    iteration's work until the fault), ``detect`` (until the wrapper's abort reached the
+    checkpointer; a job restart: until the new job's process started, the old one's exit
+    included), ``abort`` (the rest of the abort, the wrapper's restart barrier; a job restart: 0),
+    ``reinit`` (Megatron-LM's initialisation and the model's build, a new process's imports
+    included), ``restore`` and ``first_iteration``.  A record without the fault's or the
+    initialisation's times (an older one) gives their sum as ``partial``."""
     events = training_record.read_events(record, 0)
     before = [i for i, e in enumerate(events) if e.get("iteration") == fault_at - 1]
     loads = [i for i, e in enumerate(events) if "load" in e and before and i > before[0]]
@@ -112,8 +121,23 @@ def phases(record: str, fault_at: int) -> dict:
         if "iteration" in a and "iteration" in b and b["iteration"] == a["iteration"] + 1
     )
     t_last, (t0, t1), t_first = events[before[0]]["t"], events[loads[0]]["load"], first["t"]
-    out = {"until_restore": t0 - t_last, "restore": t1 - t0, "first_iteration": t_first - t1}
-    out["total"] = sum(out.values())
+    between = events[before[0] + 1 : loads[0]]
+
+    t_fault = next((e["fault"] for e in between if "fault" in e), None)
+    t_abort = next((e["abort"] for e in between if "abort" in e), None)
+    t_start = next((e["t"] for e in between if "start" in e and "t" in e), None)  # a new process: a job restart
+    t_init = next((e["init"][0] for e in between if "init" in e), None)
+    out = {"partial": t0 - t_last, "detect": 0.0, "abort": 0.0, "reinit": 0.0}
+    if t_fault is not None and t_init is not None:
+        t_detected = t_start if t_start is not None else t_abort
+        if t_detected is not None:
+            out["partial"] = t_fault - t_last
+            out["detect"] = t_detected - t_fault
+            out["abort"] = t_init - t_abort if t_start is None else 0.0
+            out["reinit"] = t0 - (t_init if t_start is None else t_start)
+    out.update(restore=t1 - t0, first_iteration=t_first - t1)
+    out["until_restore"] = t0 - t_last
+    out["total"] = out["until_restore"] + out["restore"] + out["first_iteration"]
     out["iteration"] = statistics.median(steps) if steps else 0.0
     return out
 
@@ -226,7 +250,8 @@ def render(doc: dict) -> str:
     base = modes.get("inprocess_host", {}).get("total")
     lines = [
         f"recovery from a fault in iteration {doc['fault_at']} (rank 0; seconds)",
-        f"{'path':<20} {'until_restore':>13} {'restore':>8} {'first_iter':>10} {'total':>7} {'ratio':>6}  notes",
+        f"{'path':<20} {'partial':>7} {'detect':>6} {'abort':>6} {'reinit':>6} {'restore':>8} {'first_iter':>10} "
+        f"{'total':>7} {'ratio':>6}  notes",
     ]
     for mode, m in modes.items():
         if "error" in m:
@@ -237,8 +262,8 @@ def render(doc: dict) -> str:
         if m.get("from_host_memory"):
             notes.append("0 bytes from storage")
         lines.append(
-            f"{mode:<20} {m['until_restore']:>13.2f} {m['restore']:>8.3f} {m['first_iteration']:>10.2f} "
-            f"{m['total']:>7.2f} {ratio:>6}  {', '.join(notes)}"
+            f"{mode:<20} {m['partial']:>7.2f} {m['detect']:>6.2f} {m['abort']:>6.2f} {m['reinit']:>6.2f} "
+            f"{m['restore']:>8.3f} {m['first_iteration']:>10.2f} {m['total']:>7.2f} {ratio:>6}  {', '.join(notes)}"
         )
     g = doc["goodput_inputs"]
     lines += [

@@ -53,3 +53,24 @@ def fault_fs(tmp_path):
         yield fs
     finally:
         fs.close()
+
+
+@pytest.fixture(scope="session")
+def uninterrupted(tmp_path_factory):
+    """``get(args, tree=None)``: ``pretrain_gpt.py`` of ``tree`` (default MEGATRON_LM_DIR) run to the
+    end with ``args`` and no checkpointing, once per session for the same arguments: the reference
+    that several modules compare a killed and resumed run against (each launch costs the imports of
+    torch and Megatron-LM, about half of it on CPU)."""
+    from tests.integration.megatron_lm_runs import launch
+
+    runs = {}
+
+    def get(args: list[str], tree: str | None = None):
+        key = (tuple(args), tree)
+        if key not in runs:
+            run = launch(tmp_path_factory.mktemp("uninterrupted"), "reference", list(args), megatron_lm_dir=tree)
+            assert run.returncode == 0, run.describe()
+            runs[key] = run
+        return runs[key]
+
+    return get

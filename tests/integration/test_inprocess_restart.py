@@ -128,7 +128,9 @@ def test_exception_in_forward_restarts_in_process_and_resumes_bit_exact(tmp_path
     import bench_recovery
 
     phases = bench_recovery.phases(run.record, FAULT_AT)
-    assert all(phases[k] > 0 for k in ("until_restore", "restore", "first_iteration")), phases
+    # split where the fault hit rank 0 too (its record holds the fault's, the abort's and the init's times)
+    split = ("partial", "detect", "abort", "reinit") if rank is None else ("until_restore",)
+    assert all(phases[k] > 0 for k in (*split, "restore", "first_iteration")), phases
     assert latest(save) == ITERS
     assert_same_training(run, reference, range(1, ITERS + 1))
 

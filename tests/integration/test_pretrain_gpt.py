@@ -47,19 +47,12 @@ END_TO_END = [
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    """Uninterrupted runs without checkpointing, per precision and tree (built on first use)."""
-    tmp = tmp_path_factory.mktemp("reference")
-    runs = {}
+def reference(uninterrupted):
+    """Uninterrupted runs without checkpointing, per precision and tree (built on first use, shared
+    with the session: test_pretrain_gpt_s3.py compares against the same bf16 runs)."""
 
     def get(precision: str, tree: str | None = None):
-        key = (precision, tree)
-        if key not in runs:
-            name = precision if tree is None else f"{precision}-{Path(tree).name}"
-            run = launch(tmp, name, ["--train-iters", str(ITERS), *PRECISIONS[precision]], megatron_lm_dir=tree)
-            assert run.returncode == 0, run.describe()
-            runs[key] = run
-        return runs[key]
+        return uninterrupted(["--train-iters", str(ITERS), *PRECISIONS[precision]], tree)
 
     return get
 

@@ -79,7 +79,10 @@ def install(spec: str) -> None:
     original = training.train_step
 
     def fault(rank: int) -> None:
+        from . import training_record
+
         fired.set()
+        training_record.event("fault")  # when it hit (scripts/bench_recovery.py's phases)
         log.warning("rank %d: injected fault (%s) in the forward pass of iteration %d", rank, kind, iteration)
         if kind in ("kill", "kill-pending"):
             from ..megatron_lm.checkpointing import get_checkpointer

@@ -2,8 +2,9 @@
 
 Megatron's log prints the grad norm and params norm with three decimals; this records them (and
 the lm loss) as Python floats, one JSON line per iteration per rank, plus, when ``train`` returns,
-a digest of every tensor a resume needs (:func:`state_digest`), and when each ``load_checkpoint``
-began and ended.
+a digest of every tensor a resume needs (:func:`state_digest`), when each ``initialize_megatron``
+and ``load_checkpoint`` began and ended, when an in-process restart's abort reached the checkpointer,
+when a fault was injected (:func:`event`) and when the process started.
 Lines are flushed one by one, so a run killed with ``kill -9`` keeps every iteration it logged.
 
 :func:`install` wraps ``megatron.training.training.training_log`` (called once per iteration, on
@@ -18,6 +19,7 @@ from __future__ import annotations
 import functools
 import inspect
 import json
+import threading
 import os
 import time
 from typing import Any
@@ -36,21 +38,37 @@ def _float(x: Any) -> float | None:
 
 class _Record:
     """Appends JSON lines to ``PREFIX.rank<R>.jsonl`` (opened on first use: the rank is known only
-    after Megatron has initialised torch.distributed)."""
+    after Megatron has initialised torch.distributed).  Thread-safe: an in-process restart's abort
+    runs on another thread than training."""
 
     def __init__(self, prefix: str) -> None:
         self.prefix = prefix
         self._file = None
+        self._lock = threading.Lock()
 
     def write(self, entry: dict) -> None:
-        if self._file is None:
-            import torch.distributed as dist
+        with self._lock:
+            if self._file is None:
+                import psutil
+                import torch.distributed as dist
 
-            rank = dist.get_rank() if dist.is_initialized() else 0
-            self._file = open(f"{self.prefix}.rank{rank}.jsonl", "a", encoding="utf-8")
-            self._file.write(json.dumps({"start": os.getpid()}) + "\n")  # where a resumed run begins
-        self._file.write(json.dumps(entry) + "\n")
-        self._file.flush()
+                rank = dist.get_rank() if dist.is_initialized() else 0
+                self._file = open(f"{self.prefix}.rank{rank}.jsonl", "a", encoding="utf-8")
+                # where a resumed run begins, and when its process started (a job restart's relaunch)
+                start = {"start": os.getpid(), "t": psutil.Process().create_time()}
+                self._file.write(json.dumps(start) + "\n")
+            self._file.write(json.dumps(entry) + "\n")
+            self._file.flush()
+
+
+_active: _Record | None = None  # this process's record, once installed
+
+
+def event(name: str) -> None:
+    """A ``{name: time}`` line in this process's record, if one is installed: a fault injected, an
+    attempt aborted (``scripts/bench_recovery.py`` splits a recovery into phases by them)."""
+    if _active is not None:
+        _active.write({name: time.time()})
 
 
 def _wrap(fn: Callable, after: Callable[[inspect.BoundArguments, Any], None]) -> Callable:
@@ -67,9 +85,12 @@ def _wrap(fn: Callable, after: Callable[[inspect.BoundArguments, Any], None]) ->
 
 def install(prefix: str) -> None:
     """Record this process's training to ``PREFIX.rank<R>.jsonl`` (see the module docstring)."""
+    global _active
     from megatron.training import training
 
-    record = _Record(prefix)
+    from ..megatron_lm import checkpointing as glue
+
+    record = _active = _Record(prefix)
 
     def iteration_logged(bound: inspect.BoundArguments, _result: Any) -> None:
         a = bound.arguments
@@ -99,9 +120,27 @@ def install(prefix: str) -> None:
         record.write({"load": [t0, time.time()]})
         return result
 
+    original_init = training.initialize_megatron
+
+    @functools.wraps(original_init)
+    def initialize_megatron(*args, **kwargs):  # each attempt's re-initialisation begins here
+        t0 = time.time()
+        result = original_init(*args, **kwargs)
+        record.write({"init": [t0, time.time()]})
+        return result
+
+    original_abort = glue.abort
+
+    @functools.wraps(original_abort)
+    def abort():  # an in-process restart's abort reached the checkpointer (Megatron's AbortCheckpoint)
+        record.write({"abort": time.time()})
+        return original_abort()
+
     training.training_log = _wrap(training.training_log, iteration_logged)
     training.train = _wrap(training.train, trained)
     training.load_checkpoint = load_checkpoint
+    training.initialize_megatron = initialize_megatron
+    glue.abort = abort
 
 
 def read_runs(prefix: str, rank: int) -> list[tuple[dict[int, dict], dict | None]]:
