@@ -71,6 +71,19 @@ def event(name: str) -> None:
         _active.write({name: time.time()})
 
 
+def _timed(fn: Callable, key: str, record: _Record) -> Callable:
+    """``fn``, writing ``{key: [start, end]}`` to ``record`` after each call."""
+
+    @functools.wraps(fn)
+    def timed(*args, **kwargs):
+        t0 = time.time()
+        result = fn(*args, **kwargs)
+        record.write({key: [t0, time.time()]})
+        return result
+
+    return timed
+
+
 def _wrap(fn: Callable, after: Callable[[inspect.BoundArguments, Any], None]) -> Callable:
     sig = inspect.signature(fn)
 
@@ -111,24 +124,6 @@ def install(prefix: str) -> None:
         iteration = result[0] if isinstance(result, tuple) else None
         record.write({"final_iteration": iteration, "digest": state_digest(a["model"], a["optimizer"])})
 
-    original_load = training.load_checkpoint
-
-    @functools.wraps(original_load)
-    def load_checkpoint(*args, **kwargs):  # when each restore began and ended (scripts/bench_recovery.py)
-        t0 = time.time()
-        result = original_load(*args, **kwargs)
-        record.write({"load": [t0, time.time()]})
-        return result
-
-    original_init = training.initialize_megatron
-
-    @functools.wraps(original_init)
-    def initialize_megatron(*args, **kwargs):  # each attempt's re-initialisation begins here
-        t0 = time.time()
-        result = original_init(*args, **kwargs)
-        record.write({"init": [t0, time.time()]})
-        return result
-
     original_abort = glue.abort
 
     @functools.wraps(original_abort)
@@ -138,8 +133,10 @@ def install(prefix: str) -> None:
 
     training.training_log = _wrap(training.training_log, iteration_logged)
     training.train = _wrap(training.train, trained)
-    training.load_checkpoint = load_checkpoint
-    training.initialize_megatron = initialize_megatron
+    # when each restore, and each attempt's re-initialisation, began and ended (scripts/bench_recovery.py)
+    training.load_checkpoint = _timed(training.load_checkpoint, "load", record)
+    if hasattr(training, "initialize_megatron"):  # pretrain's, in every tested Megatron-LM
+        training.initialize_megatron = _timed(training.initialize_megatron, "init", record)
     glue.abort = abort
 
 
