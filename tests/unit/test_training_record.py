@@ -39,3 +39,21 @@ def test_load_entries_are_events_not_iterations_and_a_cut_line_is_ignored(tmp_pa
     assert training_record.read_events(prefix, 0) == lines
     assert sorted(training_record.read(prefix, 0)[0]) == [1]  # a load is not an iteration
     assert training_record.read_events(str(tmp_path / "none"), 0) == []
+
+
+def test_an_entry_before_torch_distributed_waits_for_the_ranks_file(tmp_path):
+    """A spare rank's abort is written before it has a rank: it must not open rank 0's file (the
+    spare's later iterations would land there), but the file of the rank it is given."""
+    import torch.distributed as dist
+
+    prefix = str(tmp_path / "rec")
+    record = training_record._Record(prefix)
+    record.write({"abort": 1.0})
+    assert list(tmp_path.iterdir()) == []
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        record.write({"iteration": 1, "t": 2.0})
+    finally:
+        dist.destroy_process_group()
+    start, *rest = training_record.read_events(prefix, 0)
+    assert start["t"] > 0 and rest == [{"abort": 1.0}, {"iteration": 1, "t": 2.0}]

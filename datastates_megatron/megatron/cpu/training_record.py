@@ -45,6 +45,7 @@ class _Record:
         self.prefix = prefix
         self._file = None
         self._lock = threading.Lock()
+        self._early: list[dict] = []  # entries from before torch.distributed (a spare rank's abort)
 
     def write(self, entry: dict) -> None:
         with self._lock:
@@ -52,11 +53,14 @@ class _Record:
                 import psutil
                 import torch.distributed as dist
 
-                rank = dist.get_rank() if dist.is_initialized() else 0
-                self._file = open(f"{self.prefix}.rank{rank}.jsonl", "a", encoding="utf-8")
+                if not dist.is_initialized():  # the rank, and so the file, is not known yet
+                    self._early.append(entry)
+                    return
+                self._file = open(f"{self.prefix}.rank{dist.get_rank()}.jsonl", "a", encoding="utf-8")
                 # where a resumed run begins, and when its process started (a job restart's relaunch)
                 start = {"start": os.getpid(), "t": psutil.Process().create_time()}
-                self._file.write(json.dumps(start) + "\n")
+                self._file.write("".join(json.dumps(e) + "\n" for e in (start, *self._early)))
+                self._early.clear()
             self._file.write(json.dumps(entry) + "\n")
             self._file.flush()
 
