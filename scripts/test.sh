@@ -25,4 +25,4 @@ if [ -z "${MEGATRON_LM_PRISTINE_DIRS:-}" ] && [ -d ../shared/megatron-lm ]; then
     bash scripts/megatron_lm_tree.sh --no-patch main-2026-08-22 "$trees/pristine")"
   export MEGATRON_LM_PRISTINE_DIRS
 fi
-python -m pytest -m "not slow" --durations=15 "$@"
+python -m pytest -m "not slow" --durations=40 "$@"
