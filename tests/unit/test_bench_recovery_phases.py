@@ -47,39 +47,36 @@ def test_phases_run_from_the_last_iteration_before_the_fault_to_the_first_after(
     )
 
 
+def _phases_after_a_fault(bench, tmp_path, *recovery) -> dict:
+    """``phases`` of a record: iterations 1..4 one a second, a fault half-way through iteration 5
+    (t = 14.5), then the ``recovery`` entries (the last one iteration 5's)."""
+    entries = [{"start": 1, "t": 0.0}, *({"iteration": i, "t": 10.0 + i} for i in range(1, 5)), {"fault": 14.5}]
+    return bench.phases(_record(tmp_path, [*entries, *recovery]), 5)
+
+
 def test_an_in_process_restart_splits_into_detection_abort_and_reinitialisation(bench, tmp_path):
-    record = _record(
+    got = _phases_after_a_fault(
+        bench,
         tmp_path,
-        [
-            {"start": 1, "t": 0.0},
-            *({"iteration": i, "t": 10.0 + i} for i in range(1, 5)),
-            {"fault": 14.5},  # half-way through iteration 5
-            {"abort": 15.0},
-            {"init": [16.0, 17.0]},
-            {"load": [18.0, 18.25]},
-            {"iteration": 5, "t": 19.25},
-        ],
+        {"abort": 15.0},
+        {"init": [16.0, 17.0]},
+        {"load": [18.0, 18.25]},
+        {"iteration": 5, "t": 19.25},
     )
-    got = bench.phases(record, 5)
     want = {"partial": 0.5, "detect": 0.5, "abort": 1.0, "reinit": 2.0, "restore": 0.25, "first_iteration": 1.0}
     assert {k: got[k] for k in want} == pytest.approx(want)
     assert got["until_restore"] == pytest.approx(4.0) and got["total"] == pytest.approx(5.25)
 
 
 def test_a_job_restart_detects_until_the_new_process_starts(bench, tmp_path):
-    record = _record(
+    got = _phases_after_a_fault(
+        bench,
         tmp_path,
-        [
-            {"start": 1, "t": 0.0},
-            *({"iteration": i, "t": 10.0 + i} for i in range(1, 5)),
-            {"fault": 14.5},
-            {"start": 2, "t": 20.0},  # the new job's process
-            {"init": [30.0, 31.0]},
-            {"load": [32.0, 32.5]},
-            {"iteration": 5, "t": 33.0},
-        ],
+        {"start": 2, "t": 20.0},  # the new job's process
+        {"init": [30.0, 31.0]},
+        {"load": [32.0, 32.5]},
+        {"iteration": 5, "t": 33.0},
     )
-    got = bench.phases(record, 5)
     want = {"partial": 0.5, "detect": 5.5, "abort": 0.0, "reinit": 12.0, "restore": 0.5, "first_iteration": 0.5}
     assert {k: got[k] for k in want} == pytest.approx(want)
 
